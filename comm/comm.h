@@ -1,0 +1,63 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Bootstrap and CPU transport over MPI: communicators and collectives bounded by a timeout. */
+#ifndef MOE_COMM_H
+#define MOE_COMM_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "moe/moe.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct moe_comm moe_comm_t;
+
+typedef enum { MOE_REDUCE_SUM = 0, MOE_REDUCE_MIN = 1, MOE_REDUCE_MAX = 2 } moe_reduce_op_t;
+
+/* Collective. Duplicates *(MPI_Comm *)mpi_comm (NULL: MPI_COMM_WORLD); initialises MPI if no
+ * one has (then *owns_mpi = 1). Every wait is bounded by timeout_ms. */
+moe_status_t moe_comm_create(const void *mpi_comm, int timeout_ms, moe_comm_t **comm,
+                             int *owns_mpi);
+/* Collective. Ranks with the same color form one communicator, ordered by key. */
+moe_status_t moe_comm_split(moe_comm_t *parent, int color, int key, moe_comm_t **comm);
+/* Ranks on the same host (MPI_COMM_TYPE_SHARED). */
+moe_status_t moe_comm_split_node(moe_comm_t *parent, moe_comm_t **comm);
+void moe_comm_destroy(moe_comm_t *comm);
+/* Finalises MPI if libmoe initialised it. */
+void moe_comm_finalize_mpi(int owns_mpi);
+
+int moe_comm_rank(const moe_comm_t *comm);
+int moe_comm_size(const moe_comm_t *comm);
+/* The MPI_Comm, as a pointer to it (for the NCCL bootstrap). */
+const void *moe_comm_mpi_handle(const moe_comm_t *comm);
+
+/* Bounded collectives: a peer that does not join within the timeout gives
+ * MOE_STATUS_TIMEOUT (the communicator is then unusable: later calls fail fast). */
+moe_status_t moe_comm_barrier(moe_comm_t *comm);
+moe_status_t moe_comm_bcast(moe_comm_t *comm, void *buf, size_t bytes, int root);
+moe_status_t moe_comm_allreduce_i64(moe_comm_t *comm, int64_t *vals, int n, moe_reduce_op_t op);
+moe_status_t moe_comm_allreduce_f64(moe_comm_t *comm, double *vals, int n, moe_reduce_op_t op);
+/* send[i] to rank i, recv[i] from rank i (one int64 each). */
+moe_status_t moe_comm_alltoall_i64(moe_comm_t *comm, const int64_t *send, int64_t *recv);
+/* Element counts and displacements (in elements of elem_bytes each) per rank. */
+moe_status_t moe_comm_alltoallv(moe_comm_t *comm, const void *send, const int64_t *send_counts,
+                                const int64_t *send_displs, void *recv,
+                                const int64_t *recv_counts, const int64_t *recv_displs,
+                                size_t elem_bytes);
+moe_status_t moe_comm_allgatherv(moe_comm_t *comm, const void *send, int64_t send_count,
+                                 void *recv, const int64_t *recv_counts,
+                                 const int64_t *recv_displs, size_t elem_bytes);
+/* Sum over ranks of send[total], rank i keeps recv_counts[i] floats (MPI's order of summing). */
+moe_status_t moe_comm_reduce_scatter_f32(moe_comm_t *comm, const float *send, float *recv,
+                                         const int64_t *recv_counts);
+/* All ranks agree that every rank's `status` is SUCCESS; else each returns the first failing
+ * rank's status as MOE_STATUS_PEER_FAILURE (or its own). Used to end collective calls
+ * with one verdict on all ranks. */
+moe_status_t moe_comm_agree(moe_comm_t *comm, moe_status_t status);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOE_COMM_H */

@@ -1,0 +1,268 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* libmoe public API: runtime and MoE layer objects, status codes. Plain C11, no CUDA/MPI types. */
+#ifndef MOE_MOE_H
+#define MOE_MOE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MOE_VERSION_MAJOR 0
+#define MOE_VERSION_MINOR 1
+#define MOE_VERSION_PATCH 0
+
+/* Value for integer and enum config fields that lets libmoe choose. */
+#define MOE_AUTO 0
+
+/* ------------------------------------------------------------------------------------------ */
+/* Status                                                                                      */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef enum moe_status {
+    MOE_STATUS_SUCCESS = 0,
+    MOE_STATUS_INVALID_ARGUMENT = 1, /* a bad value; moe_last_error() names it */
+    MOE_STATUS_NOT_SUPPORTED = 2,    /* valid, but not built or not available here */
+    MOE_STATUS_OUT_OF_MEMORY = 3,
+    MOE_STATUS_INVALID_STATE = 4, /* call out of order (weights missing) or object broken */
+    MOE_STATUS_IO_ERROR = 5,      /* open/read/write failed */
+    MOE_STATUS_FORMAT_ERROR = 6,  /* malformed file (safetensors, JSON, config) */
+    MOE_STATUS_MISMATCH = 7,      /* ranks passed different arguments to a collective */
+    MOE_STATUS_TIMEOUT = 8,       /* a peer did not answer within the runtime's timeout */
+    MOE_STATUS_PEER_FAILURE = 9,  /* another rank reported an error in a collective */
+    MOE_STATUS_CUDA_ERROR = 10,
+    MOE_STATUS_NCCL_ERROR = 11,
+    MOE_STATUS_MPI_ERROR = 12,
+    MOE_STATUS_NUMERIC_ERROR = 13, /* NaN/Inf found in an input while checking is on */
+    MOE_STATUS_INTERNAL_ERROR = 14
+} moe_status_t;
+
+#define MOE_STATUS_COUNT 15
+
+/* Name of a status ("MOE_STATUS_TIMEOUT"); never NULL. */
+const char *moe_status_string(moe_status_t status);
+
+/* Message of the last failed call on this thread (names the bad value); "" if none.
+ * The pointer stays valid until the next libmoe call on this thread. */
+const char *moe_last_error(void);
+
+/* Version of the library that is linked (may differ from the header's MOE_VERSION_*). */
+void moe_version(int *major, int *minor, int *patch);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Enums                                                                                       */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef enum moe_dtype {
+    MOE_DTYPE_INVALID = 0,
+    MOE_DTYPE_F32 = 1,
+    MOE_DTYPE_BF16 = 2,
+    MOE_DTYPE_F16 = 3,
+    MOE_DTYPE_FP8_E4M3 = 4 /* OCP E4M3FN: no Inf, NaN = 0x7f/0xff, max 448 */
+} moe_dtype_t;
+
+/* How FP8 weights are scaled: real = fp8 * scale. */
+typedef enum moe_scale_kind {
+    MOE_SCALE_NONE = 0,       /* unquantised dtypes */
+    MOE_SCALE_PER_TENSOR = 1, /* one float per weight matrix */
+    MOE_SCALE_BLOCK_128 = 2   /* one float per 128x128 block: [ceil(rows/128), ceil(cols/128)] */
+} moe_scale_kind_t;
+
+typedef enum moe_backend {
+    MOE_BACKEND_AUTO = 0, /* CUDA where a GPU is visible and built, else CPU */
+    MOE_BACKEND_CPU = 1,  /* MPI transport, C reference kernels (float accumulation) */
+    MOE_BACKEND_CUDA = 2  /* NCCL transport, fused CUDA kernels */
+} moe_backend_t;
+
+typedef enum moe_activation {
+    MOE_ACTIVATION_SILU = 0, /* silu(gate) * up   (Mixtral, Qwen, DeepSeek) */
+    MOE_ACTIVATION_GELU = 1  /* gelu_tanh(gate) * up */
+} moe_activation_t;
+
+typedef enum moe_scoring {
+    MOE_SCORING_SOFTMAX = 0, /* softmax over all experts, then top-k */
+    MOE_SCORING_SIGMOID = 1  /* sigmoid scores; optional bias and grouped top-k (DeepSeek-V3) */
+} moe_scoring_t;
+
+typedef enum moe_dispatch {
+    MOE_DISPATCH_AUTO = 0,      /* chosen by tokens per rank */
+    MOE_DISPATCH_ALL_TO_ALL = 1, /* rows sent only to the ranks owning their experts */
+    MOE_DISPATCH_ALL_GATHER = 2  /* every rank sees every token; partial sums reduced back */
+} moe_dispatch_t;
+
+typedef enum moe_weight_kind {
+    MOE_WEIGHT_ROUTER = 0,             /* [num_experts, hidden] */
+    MOE_WEIGHT_ROUTER_BIAS = 1,        /* [1, num_experts] e_score_correction_bias (choice only) */
+    MOE_WEIGHT_GATE_PROJ = 2,          /* per expert: W1 [intermediate, hidden] */
+    MOE_WEIGHT_UP_PROJ = 3,            /* per expert: W3 [intermediate, hidden] */
+    MOE_WEIGHT_DOWN_PROJ = 4,          /* per expert: W2 [hidden, intermediate] */
+    MOE_WEIGHT_SHARED_GATE_PROJ = 5,   /* [shared_intermediate, hidden] */
+    MOE_WEIGHT_SHARED_UP_PROJ = 6,     /* [shared_intermediate, hidden] */
+    MOE_WEIGHT_SHARED_DOWN_PROJ = 7,   /* [hidden, shared_intermediate] */
+    MOE_WEIGHT_SHARED_EXPERT_GATE = 8  /* [1, hidden]: y += sigmoid(g . x) * shared(x) */
+} moe_weight_kind_t;
+
+#define MOE_WEIGHT_KIND_COUNT 9
+
+/* ------------------------------------------------------------------------------------------ */
+/* Runtime: one per process, created collectively over an MPI communicator                    */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef struct moe_runtime moe_runtime_t;
+
+typedef struct moe_runtime_config {
+    moe_backend_t backend;
+    int device;     /* CUDA device ordinal; -1: node-local rank modulo visible devices */
+    int timeout_ms; /* bound on every wait for a peer; 0: MOE_TIMEOUT_MS or 300000 */
+    int bind;       /* 1: bind threads and memory to the GPU's NUMA node with hwloc */
+} moe_runtime_config_t;
+
+#define MOE_RUNTIME_CONFIG_INIT {MOE_BACKEND_AUTO, -1, 0, 0}
+
+typedef struct moe_runtime_info {
+    int rank, world_size;
+    int local_rank, local_size; /* within this host */
+    moe_backend_t backend;      /* resolved */
+    int device;                 /* CUDA device, -1 for the CPU backend */
+    int numa_node;              /* -1 if unknown or not bound */
+    char hostname[64];
+    char cpuset[64]; /* cores bound to, "" if not bound */
+} moe_runtime_info_t;
+
+/* Collective over `mpi_comm`, which points to an MPI_Comm (NULL: MPI_COMM_WORLD). If MPI is not
+ * initialised, libmoe initialises it (and finalises it in moe_runtime_destroy). The runtime
+ * duplicates the communicator. All ranks must call it; an error on one rank is returned on
+ * all ranks. See moe_mpi.h for a typed wrapper. */
+moe_status_t moe_runtime_create(const moe_runtime_config_t *config, const void *mpi_comm,
+                                moe_runtime_t **runtime);
+
+/* Not collective. Destroy layers first. NULL is fine. */
+moe_status_t moe_runtime_destroy(moe_runtime_t *runtime);
+
+moe_status_t moe_runtime_get_info(const moe_runtime_t *runtime, moe_runtime_info_t *info);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Layer                                                                                       */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef struct moe_layer moe_layer_t;
+
+typedef struct moe_layer_config {
+    int num_experts;  /* routed experts E */
+    int top_k;        /* experts per token k <= E */
+    int hidden;       /* H */
+    int intermediate; /* I of each routed expert */
+
+    int num_shared_experts;  /* always-on experts, fused into one MLP; 0 = none */
+    int shared_intermediate; /* that MLP's I; MOE_AUTO: num_shared_experts * intermediate */
+    int shared_expert_gate;  /* 1: y += sigmoid(Wsg . x) * shared(x) (Qwen2-MoE) */
+
+    moe_activation_t activation;
+    moe_scoring_t scoring;
+    int use_score_bias;          /* sigmoid: add ROUTER_BIAS to scores for choosing only */
+    int n_group;                 /* grouped top-k: groups of E/n_group experts; 0/1: off */
+    int topk_group;              /* groups kept */
+    int renormalize;             /* divide the k weights by their sum */
+    float routed_scaling_factor; /* multiplies the k weights; 0 means 1 */
+
+    moe_dtype_t weight_dtype; /* F32, BF16 or FP8_E4M3 */
+    moe_scale_kind_t scale_kind;
+
+    int64_t max_tokens_per_rank; /* sizes every buffer; forward rejects more */
+
+    int ep_size; /* expert parallel; MOE_AUTO: world / tp_size */
+    int tp_size; /* tensor parallel over intermediate; MOE_AUTO: 1 */
+    moe_dispatch_t dispatch;
+    int deterministic;  /* 1: fixed reduction order, bitwise equal across batch/layout/mode;
+                           MOE_AUTO: MOE_DETERMINISTIC env */
+    int check_inputs;   /* 1: reject NaN/Inf in x and logits (MOE_STATUS_NUMERIC_ERROR) */
+} moe_layer_config_t;
+
+#define MOE_LAYER_CONFIG_INIT                                                                  \
+    {0, 0, 0, 0, 0, MOE_AUTO, 0, MOE_ACTIVATION_SILU, MOE_SCORING_SOFTMAX, 0, 0, 0, 1, 1.0f,   \
+     MOE_DTYPE_BF16, MOE_SCALE_NONE, 0, MOE_AUTO, MOE_AUTO, MOE_DISPATCH_AUTO, MOE_AUTO, 0}
+
+/* What the layer resolved on this rank. */
+typedef struct moe_layer_info {
+    int ep_size, tp_size, ep_rank, tp_rank;
+    int num_local_experts, first_local_expert; /* contiguous block by default */
+    int intermediate_begin, intermediate_end;  /* this rank's slice of each expert's I */
+    int shared_begin, shared_end;              /* this rank's slice of the shared MLP's I */
+    moe_dispatch_t dispatch;                   /* as configured (AUTO resolves per step) */
+    int deterministic;
+    size_t weight_bytes;    /* expert + shared + router weights held by this rank */
+    size_t workspace_bytes; /* buffers planned at create */
+} moe_layer_info_t;
+
+/* Collective over the runtime's communicator: every rank must call it with the same config.
+ * Validates the config (error names the field), checks that all ranks agree (else
+ * MOE_STATUS_MISMATCH on every rank) and plans all buffers. */
+moe_status_t moe_layer_create(moe_runtime_t *runtime, const moe_layer_config_t *config,
+                              moe_layer_t **layer);
+
+/* Not collective. NULL is fine. */
+moe_status_t moe_layer_destroy(moe_layer_t *layer);
+
+moe_status_t moe_layer_get_info(const moe_layer_t *layer, moe_layer_info_t *info);
+
+/* A host tensor, row-major and contiguous. FP8 tensors carry their scales: one float for
+ * MOE_SCALE_PER_TENSOR, [ceil(rows/128), ceil(cols/128)] for MOE_SCALE_BLOCK_128. */
+typedef struct moe_tensor {
+    moe_dtype_t dtype;
+    int64_t rows, cols;
+    const void *data;
+    const float *scale;
+    int64_t scale_rows, scale_cols;
+} moe_tensor_t;
+
+/* Not collective; host memory, copied before return. `expert` is the global expert id for the
+ * per-expert kinds and ignored (-1) otherwise. A rank that does not own the expert returns
+ * success and keeps nothing. The tensor may be the full matrix (each rank keeps its TP slice)
+ * or this rank's slice only (shape of the slice). Data in F32/BF16/F16 is converted to the
+ * layer's weight dtype; FP8 layers quantise it with scales of the layer's scale kind. */
+moe_status_t moe_layer_set_weight(moe_layer_t *layer, moe_weight_kind_t kind, int expert,
+                                  const moe_tensor_t *tensor);
+
+typedef struct moe_forward_args {
+    int64_t num_tokens;         /* this rank's tokens, 0..max_tokens_per_rank */
+    moe_dtype_t dtype;          /* of x and y: F32 or BF16 */
+    const void *x;              /* [num_tokens, hidden] */
+    void *y;                    /* [num_tokens, hidden], may not alias x */
+    const float *router_logits; /* optional [num_tokens, num_experts]; NULL: x . ROUTER^T */
+    int32_t *topk_ids;          /* optional out [num_tokens, top_k] */
+    float *topk_weights;        /* optional out [num_tokens, top_k] */
+    void *stream;               /* CUDA backend: cudaStream_t (NULL: legacy default stream) */
+} moe_forward_args_t;
+
+#define MOE_FORWARD_ARGS_INIT {0, MOE_DTYPE_F32, NULL, NULL, NULL, NULL, NULL, NULL}
+
+/* Collective: every rank calls it once per step (num_tokens may be 0 on any rank). Pointers
+ * are host memory for the CPU backend, device memory for the CUDA backend (stream-ordered on
+ * `stream`; the call returns without waiting for the GPU in the steady state). */
+moe_status_t moe_layer_forward(moe_layer_t *layer, const moe_forward_args_t *args);
+
+/* Wall-clock time of the last forward's phases on this rank (CPU backend; CUDA backend when
+ * MOE_PROFILE=1, synchronising), in microseconds. */
+typedef struct moe_layer_stats {
+    double route_us, dispatch_us, expert_us, combine_us, shared_us, total_us;
+    int64_t rows_received; /* token-expert rows this rank computed in the last forward */
+} moe_layer_stats_t;
+
+moe_status_t moe_layer_get_stats(const moe_layer_t *layer, moe_layer_stats_t *stats);
+
+/* Rows each global expert received in the last forward (summed over the tokens this rank
+ * brought): counts[num_experts]. Not collective. */
+moe_status_t moe_layer_get_expert_load(const moe_layer_t *layer, int64_t *counts, int n);
+
+/* Names for printing. */
+const char *moe_dtype_name(moe_dtype_t dtype);
+size_t moe_dtype_size(moe_dtype_t dtype);
+const char *moe_backend_name(moe_backend_t backend);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOE_MOE_H */

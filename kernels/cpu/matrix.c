@@ -1,0 +1,65 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* CPU reference: weight matrix rows in f32 and x . W^T with f32 accumulation. */
+#include "kernels/cpu/moe_cpu.h"
+
+#include <stdlib.h>
+#include "kernels/numeric.h"
+#include "runtime/diag.h"
+
+#define MOE_BLOCK 128
+
+void moe_cpu_matrix_row(const moe_cpu_matrix_t *m, int64_t r, float *out)
+{
+    const int64_t cols = m->cols;
+    int64_t c;
+
+    switch (m->dtype) {
+    case MOE_DTYPE_FP8_E4M3: {
+        const uint8_t *row = (const uint8_t *)m->data + r * cols;
+        const int64_t scale_cols = (cols + MOE_BLOCK - 1) / MOE_BLOCK;
+        for (c = 0; c < cols; c++) {
+            float s = 1.0f;
+            if (m->scale_kind == MOE_SCALE_PER_TENSOR)
+                s = m->scale[0];
+            else if (m->scale_kind == MOE_SCALE_BLOCK_128)
+                s = m->scale[(r / MOE_BLOCK) * scale_cols + c / MOE_BLOCK];
+            out[c] = moe_fp8e4m3_to_f32(row[c]) * s;
+        }
+        break;
+    }
+    default:
+        moe_convert_to_f32(m->dtype, (const char *)m->data + (size_t)(r * cols) * moe_dtype_size(m->dtype),
+                           out, (size_t)cols);
+        break;
+    }
+}
+
+static float dot_f32(const float *a, const float *b, int64_t n)
+{
+    float acc = 0.0f;
+    int64_t i;
+    for (i = 0; i < n; i++)
+        acc += a[i] * b[i];
+    return acc;
+}
+
+moe_status_t moe_cpu_matmul_nt(const float *x, int64_t n, const moe_cpu_matrix_t *m, float *y)
+{
+    float *row;
+    int64_t r, i;
+
+    if (n == 0 || m->rows == 0)
+        return MOE_STATUS_SUCCESS;
+    row = malloc(sizeof(float) * (size_t)(m->cols > 0 ? m->cols : 1));
+    if (!row)
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "cpu matmul: %lld floats",
+                         (long long)m->cols);
+    /* Weight rows outer: each row is converted once and used for every token. */
+    for (r = 0; r < m->rows; r++) {
+        moe_cpu_matrix_row(m, r, row);
+        for (i = 0; i < n; i++)
+            y[i * m->rows + r] = dot_f32(x + i * m->cols, row, m->cols);
+    }
+    free(row);
+    return MOE_STATUS_SUCCESS;
+}

@@ -1,0 +1,78 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* CPU reference kernels for every stage of a MoE layer: the oracle for the CUDA kernels. */
+#ifndef MOE_CPU_H
+#define MOE_CPU_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "moe/moe.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Leaves of the fixed reduction tree over an expert's intermediate dimension. A down
+ * projection over a slice that is an aligned subtree (TP size a power of two dividing this)
+ * gives bitwise the same node value as the full reduction computes for that subtree. */
+#define MOE_CPU_TREE_LEAVES 64
+
+/* A weight matrix [rows, cols] in its storage dtype (F32, BF16, FP8_E4M3 with scales). */
+typedef struct moe_cpu_matrix {
+    moe_dtype_t dtype;
+    moe_scale_kind_t scale_kind;
+    int64_t rows, cols;
+    const void *data;
+    const float *scale; /* FP8: 1 float, or [ceil(rows/128), ceil(cols/128)] */
+} moe_cpu_matrix_t;
+
+/* Row r of m as f32 (FP8 dequantised with its scale). */
+void moe_cpu_matrix_row(const moe_cpu_matrix_t *m, int64_t r, float *out);
+
+/* y[n, m.rows] = x[n, m.cols] . m^T, f32, each dot summed sequentially over columns. */
+moe_status_t moe_cpu_matmul_nt(const float *x, int64_t n, const moe_cpu_matrix_t *m, float *y);
+
+typedef struct moe_route_params {
+    int num_experts, top_k;
+    moe_scoring_t scoring;
+    int use_bias;       /* sigmoid: bias added for choosing only */
+    int n_group;        /* <= 1: no grouping */
+    int topk_group;
+    int renormalize;
+    float scaling;      /* routed_scaling_factor (applied after renormalising) */
+} moe_route_params_t;
+
+/* Top-k per token from logits [T, E]. Ties: lower expert id first. ids[T, k] in order of
+ * falling choice score; weights[T, k] as MOE-SEMANTICS.md says for each scoring. */
+moe_status_t moe_cpu_route(const moe_route_params_t *p, const float *logits, const float *bias,
+                           int64_t num_tokens, int32_t *topk_ids, float *topk_weights);
+
+/* h[i] = act(gate[i]) * up[i]. */
+void moe_cpu_act_mul(moe_activation_t act, const float *gate, const float *up, float *h,
+                     int64_t n);
+
+/* One expert's (or the shared MLP's) slice of weights: gate/up [Is, H], down [H, Is]. */
+typedef struct moe_cpu_mlp {
+    moe_cpu_matrix_t gate, up, down;
+    int64_t slice_begin;       /* first intermediate index of the slice */
+    int64_t full_intermediate; /* I of the whole matrix (all slices) */
+} moe_cpu_mlp_t;
+
+/* out[n, H] = down . (act(gate . x) * (up . x)) over the slice: unweighted partial sums.
+ * The down projection reduces over the MOE_CPU_TREE_LEAVES tree when the slice is aligned to
+ * it, else sequentially. */
+moe_status_t moe_cpu_mlp(const moe_cpu_mlp_t *w, moe_activation_t act, const float *x,
+                         int64_t n, float *out);
+
+/* out[n] = parts[0] + ... + parts[count-1]: a pairwise tree when count is a power of two
+ * (matching the down projection's tree), else left to right. */
+void moe_cpu_tree_sum(const float *const *parts, int count, int64_t n, float *out);
+
+/* Stable counting sort of rows by group: offsets[num_groups + 1], order[n] = row ids. */
+moe_status_t moe_cpu_group_rows(const int32_t *group_of_row, int64_t n, int num_groups,
+                                int64_t *offsets, int64_t *order);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOE_CPU_H */

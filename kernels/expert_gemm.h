@@ -1,0 +1,67 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Grouped expert GEMM for the expert MLP: C-callable, CUDA-free. Every variant is compiled
+ * ahead of time; the variant table is keyed by (arch, dtype, scale kind, rows-per-expert
+ * bucket). Token counts are run-time values read on the device: no variant is specialised on
+ * them. */
+#ifndef MOE_EXPERT_GEMM_H
+#define MOE_EXPERT_GEMM_H
+
+#include <stdint.h>
+#include "moe/moe.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum moe_gemm_epilogue {
+    MOE_GEMM_EPI_STORE = 0,    /* c = a . b_e^T                                   (n_out = n) */
+    MOE_GEMM_EPI_SILU_MUL = 1, /* c = silu(a . gate_e^T) * (a . up_e^T)            (n_out = n/2) */
+    MOE_GEMM_EPI_GELU_MUL = 2  /* c = gelu_tanh(a . gate_e^T) * (a . up_e^T)       (n_out = n/2) */
+} moe_gemm_epilogue_t;
+
+/* A holds rows grouped by expert; each expert's group is padded to a multiple of the
+ * variant's block_rows, so every block of block_rows rows belongs to one expert
+ * (block_expert[b]; < 0: padding block, skipped). Pad rows are computed but never read. */
+typedef struct moe_gemm_args {
+    const void *a;               /* [max_blocks * block_rows, k], ab_dtype */
+    const void *b;               /* num_experts x [n, k] row-major (k contiguous), ab_dtype;
+                                    *_MUL epilogues: rows [0, n/2) gate, [n/2, n) up */
+    void *c;                     /* [max_blocks * block_rows, n_out], bf16 (or f32: c_f32) */
+    const float *row_scale;      /* optional [max_blocks * block_rows]: row r of c *= row_scale[r] */
+    const int32_t *block_expert; /* device [max_blocks] */
+    const int32_t *num_blocks;   /* device scalar: blocks used this step (<= max_blocks) */
+    int max_blocks;              /* grid is sized from this; blocks past *num_blocks exit */
+    int num_experts, n, k;
+    moe_gemm_epilogue_t epilogue;
+    int c_f32;
+    moe_dtype_t ab_dtype;         /* MOE_DTYPE_BF16 now; FP8_E4M3 later */
+    moe_scale_kind_t scale_kind;  /* MOE_SCALE_NONE now */
+    const float *a_scale, *b_scale;
+} moe_gemm_args_t;
+
+typedef struct moe_gemm_variant {
+    const char *name;    /* "sm90_wgmma_tma_m128n128", "sm90_swapab_n16", "sm80_mma_m64n128" */
+    int min_arch;        /* 80 or 90 (sm_90a) */
+    int block_rows;      /* padding of each expert's rows this variant needs */
+    int swap_ab;         /* computes C^T = B . A^T: weight rows fill wgmma M, tokens sit in N */
+    moe_dtype_t ab_dtype;
+    moe_scale_kind_t scale_kind;
+    /* Checks args (returns MOE_STATUS_INVALID_ARGUMENT / NOT_SUPPORTED with a message) and
+     * launches on `stream` (cudaStream_t); checks the launch. Never synchronises. */
+    moe_status_t (*launch)(const moe_gemm_args_t *args, void *stream);
+} moe_gemm_variant_t;
+
+/* All compiled variants (static table). */
+const moe_gemm_variant_t *moe_gemm_variants(int *count);
+const moe_gemm_variant_t *moe_gemm_variant_by_name(const char *name);
+
+/* The default choice for a device arch (e.g. 90), dtype, scale kind and the expected rows per
+ * expert (host-known: num_tokens * top_k / num_experts). Never NULL for bf16 on sm_80+. */
+const moe_gemm_variant_t *moe_gemm_select(int arch, moe_dtype_t dtype, moe_scale_kind_t scale,
+                                          double rows_per_expert);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOE_EXPERT_GEMM_H */

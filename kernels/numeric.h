@@ -1,0 +1,36 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Scalar conversions between f32 and bf16, f16, fp8 e4m3 (OCP E4M3FN), host and reference. */
+#ifndef MOE_NUMERIC_H
+#define MOE_NUMERIC_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "moe/moe.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Largest finite e4m3 value. */
+#define MOE_FP8_E4M3_MAX 448.0f
+
+float moe_bf16_to_f32(uint16_t v);
+/* Round to nearest even; NaN stays NaN (quiet), Inf stays Inf. */
+uint16_t moe_f32_to_bf16(float f);
+float moe_f16_to_f32(uint16_t v);
+uint16_t moe_f32_to_f16(float f);
+float moe_fp8e4m3_to_f32(uint8_t v);
+/* Round to nearest even with saturation (satfinite): |x| > 448 and +-Inf -> +-448;
+ * NaN -> 0x7f (sign kept: 0xff). Matches CUDA's __nv_cvt_float_to_fp8(x, __NV_SATFINITE,
+ * __NV_E4M3). */
+uint8_t moe_f32_to_fp8e4m3(float f);
+
+/* Bulk conversions; MOE_DTYPE_F32 is a copy. */
+void moe_convert_to_f32(moe_dtype_t dtype, const void *src, float *dst, size_t n);
+void moe_convert_from_f32(moe_dtype_t dtype, const float *src, void *dst, size_t n);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOE_NUMERIC_H */

@@ -1,0 +1,166 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Presets and counter-based random weights and tokens (public API only). */
+#include "layer_gen.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+static uint64_t mix64(uint64_t z)
+{
+    z += 0x9e3779b97f4a7c15ULL;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+/* Uniform in [-1, 1) from a 64-bit hash (24 bits: exact in float). */
+static float unit(uint64_t h)
+{
+    return (float)((int64_t)(h >> 40) - (1 << 23)) / (float)(1 << 23);
+}
+
+static uint64_t key(uint64_t seed, int kind, int expert, int64_t r, int64_t c)
+{
+    uint64_t h = mix64(seed ^ 0x6d6f65ULL);
+    h = mix64(h ^ ((uint64_t)(kind + 1) << 48) ^ (uint64_t)(uint32_t)(expert + 1));
+    h = mix64(h ^ (uint64_t)r);
+    return mix64(h ^ ((uint64_t)c << 1));
+}
+
+float moe_gen_weight(uint64_t seed, moe_weight_kind_t kind, int expert, int64_t r, int64_t c,
+                     int64_t full_cols)
+{
+    float a = 3.0f / sqrtf((float)full_cols);
+    if (kind == MOE_WEIGHT_ROUTER_BIAS)
+        a = 0.05f; /* a correction bias: small next to sigmoid scores */
+    return a * unit(key(seed, (int)kind, expert, r, c));
+}
+
+void moe_gen_matrix(uint64_t seed, moe_weight_kind_t kind, int expert, int64_t r0, int64_t rows,
+                    int64_t c0, int64_t cols, int64_t full_cols, float *out)
+{
+    int64_t r, c;
+    for (r = 0; r < rows; r++)
+        for (c = 0; c < cols; c++)
+            out[r * cols + c] = moe_gen_weight(seed, kind, expert, r0 + r, c0 + c, full_cols);
+}
+
+void moe_gen_tokens(uint64_t seed, int64_t t0, int64_t n, int hidden, float *x)
+{
+    int64_t t, h;
+    for (t = 0; t < n; t++)
+        for (h = 0; h < hidden; h++)
+            x[t * hidden + h] = unit(key(seed, 99, 0, t0 + t, h));
+}
+
+static moe_status_t set_one(moe_layer_t *layer, uint64_t seed, moe_weight_kind_t kind,
+                            int expert, int64_t r0, int64_t rows, int64_t c0, int64_t cols,
+                            int64_t full_cols, float *buf)
+{
+    moe_tensor_t t = {MOE_DTYPE_F32, rows, cols, buf, NULL, 0, 0};
+    if (rows <= 0 || cols <= 0)
+        return MOE_STATUS_SUCCESS; /* an empty slice (more ranks than columns) */
+    moe_gen_matrix(seed, kind, expert, r0, rows, c0, cols, full_cols, buf);
+    return moe_layer_set_weight(layer, kind, expert, &t);
+}
+
+moe_status_t moe_gen_set_weights(moe_layer_t *layer, const moe_layer_config_t *cfg,
+                                 uint64_t seed)
+{
+    const int64_t H = cfg->hidden, E = cfg->num_experts, I = cfg->intermediate;
+    moe_layer_info_t info;
+    moe_status_t st;
+    int64_t is, S, ss, big;
+    float *buf;
+    int e;
+
+    if ((st = moe_layer_get_info(layer, &info)) != MOE_STATUS_SUCCESS)
+        return st;
+    is = info.intermediate_end - info.intermediate_begin;
+    ss = info.shared_end - info.shared_begin;
+    S = cfg->num_shared_experts > 0
+            ? (cfg->shared_intermediate ? cfg->shared_intermediate
+                                        : (int64_t)cfg->num_shared_experts * I)
+            : 0;
+    big = E * H;
+    if (is * H > big)
+        big = is * H;
+    if (ss * H > big)
+        big = ss * H;
+    buf = malloc(sizeof(float) * (size_t)(big + 1));
+    if (!buf)
+        return MOE_STATUS_OUT_OF_MEMORY;
+#define SET(...)                                                                               \
+    do {                                                                                       \
+        if ((st = set_one(layer, seed, __VA_ARGS__, buf)) != MOE_STATUS_SUCCESS)               \
+            goto out;                                                                          \
+    } while (0)
+    SET(MOE_WEIGHT_ROUTER, -1, 0, E, 0, H, H);
+    if (cfg->use_score_bias)
+        SET(MOE_WEIGHT_ROUTER_BIAS, -1, 0, 1, 0, E, E);
+    for (e = info.first_local_expert; e < info.first_local_expert + info.num_local_experts;
+         e++) {
+        SET(MOE_WEIGHT_GATE_PROJ, e, info.intermediate_begin, is, 0, H, H);
+        SET(MOE_WEIGHT_UP_PROJ, e, info.intermediate_begin, is, 0, H, H);
+        SET(MOE_WEIGHT_DOWN_PROJ, e, 0, H, info.intermediate_begin, is, I);
+    }
+    if (S > 0) {
+        SET(MOE_WEIGHT_SHARED_GATE_PROJ, -1, info.shared_begin, ss, 0, H, H);
+        SET(MOE_WEIGHT_SHARED_UP_PROJ, -1, info.shared_begin, ss, 0, H, H);
+        SET(MOE_WEIGHT_SHARED_DOWN_PROJ, -1, 0, H, info.shared_begin, ss, S);
+    }
+    if (cfg->shared_expert_gate)
+        SET(MOE_WEIGHT_SHARED_EXPERT_GATE, -1, 0, 1, 0, H, H);
+#undef SET
+out:
+    free(buf);
+    return st;
+}
+
+typedef struct preset {
+    const char *name;
+    int E, k, H, I, shared, shared_I, sgate;
+    moe_scoring_t scoring;
+    int bias, n_group, topk_group, renorm;
+    float scaling;
+} preset_t;
+
+static const preset_t presets[] = {
+    {"tiny", 8, 2, 256, 512, 1, 256, 0, MOE_SCORING_SOFTMAX, 0, 0, 0, 1, 1.0f},
+    {"mixtral-8x7b", 8, 2, 4096, 14336, 0, 0, 0, MOE_SCORING_SOFTMAX, 0, 0, 0, 1, 1.0f},
+    {"qwen3-30b-a3b", 128, 8, 2048, 768, 0, 0, 0, MOE_SCORING_SOFTMAX, 0, 0, 0, 1, 1.0f},
+    {"qwen2-moe-a2.7b", 60, 4, 2048, 1408, 1, 5632, 1, MOE_SCORING_SOFTMAX, 0, 0, 0, 0, 1.0f},
+    {"deepseek-v3", 256, 8, 7168, 2048, 1, 2048, 0, MOE_SCORING_SIGMOID, 1, 8, 4, 1, 2.5f},
+    {"deepseek-v3-ep8", 32, 8, 7168, 2048, 0, 0, 0, MOE_SCORING_SIGMOID, 1, 4, 2, 1, 2.5f},
+};
+
+const char *moe_gen_preset_names(void)
+{
+    return "tiny, mixtral-8x7b, qwen3-30b-a3b, qwen2-moe-a2.7b, deepseek-v3, deepseek-v3-ep8";
+}
+
+int moe_gen_preset(const char *name, moe_layer_config_t *cfg)
+{
+    size_t i;
+    for (i = 0; i < sizeof(presets) / sizeof(presets[0]); i++) {
+        const preset_t *p = &presets[i];
+        if (strcmp(name, p->name))
+            continue;
+        cfg->num_experts = p->E;
+        cfg->top_k = p->k;
+        cfg->hidden = p->H;
+        cfg->intermediate = p->I;
+        cfg->num_shared_experts = p->shared;
+        cfg->shared_intermediate = p->shared_I;
+        cfg->shared_expert_gate = p->sgate;
+        cfg->scoring = p->scoring;
+        cfg->use_score_bias = p->bias;
+        cfg->n_group = p->n_group;
+        cfg->topk_group = p->topk_group;
+        cfg->renormalize = p->renorm;
+        cfg->routed_scaling_factor = p->scaling;
+        return 1;
+    }
+    return 0;
+}

@@ -1,0 +1,38 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Presets and reproducible random layers/tokens for moe-run, moe-bench and the tests. Every
+ * element is a hash of (seed, kind, expert, row, col), so any rank can make any slice alone. */
+#ifndef MOE_LAYER_GEN_H
+#define MOE_LAYER_GEN_H
+
+#include <stdint.h>
+#include "moe/moe.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Fills cfg for "tiny", "mixtral-8x7b", "qwen3-30b-a3b", "qwen2-moe-a2.7b", "deepseek-v3",
+ * "deepseek-v3-ep8" (32 of its 256 experts: one EP8 shard). Returns 0 if unknown. */
+int moe_gen_preset(const char *name, moe_layer_config_t *cfg);
+/* Comma-separated preset names, for help texts. */
+const char *moe_gen_preset_names(void);
+
+/* Element (r, c) of matrix `kind` (of `expert`, -1 for others) in [-a, a), a = 3/sqrt(cols
+ * of the full matrix) (so products keep unit scale); bias and gate vectors are smaller. */
+float moe_gen_weight(uint64_t seed, moe_weight_kind_t kind, int expert, int64_t r, int64_t c,
+                     int64_t full_cols);
+/* Rows [r0, r0 + rows) x cols [c0, c0 + cols) of that matrix into out (row-major). */
+void moe_gen_matrix(uint64_t seed, moe_weight_kind_t kind, int expert, int64_t r0, int64_t rows,
+                    int64_t c0, int64_t cols, int64_t full_cols, float *out);
+/* Tokens [t0, t0 + n) of the global batch, uniform in [-1, 1). */
+void moe_gen_tokens(uint64_t seed, int64_t t0, int64_t n, int hidden, float *x);
+
+/* Sets this rank's slice of every weight of `layer` (config `cfg`) from `seed`. */
+moe_status_t moe_gen_set_weights(moe_layer_t *layer, const moe_layer_config_t *cfg,
+                                 uint64_t seed);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOE_LAYER_GEN_H */

@@ -1,0 +1,394 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Layer objects: config validation, the sharding plan, cross-rank agreement, weight setting
+ * (slice + convert + quantise), and the collective forward entry. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/numeric.h"
+#include "runtime/diag.h"
+#include "runtime/layer.h"
+
+#define MOE_MAX_EXPERTS 65536
+#define MOE_MAX_TOP_K 64
+#define MOE_FP8_BLOCK 128
+
+/* ------------------------------------------------------------------------------------------ */
+/* Validation                                                                                  */
+/* ------------------------------------------------------------------------------------------ */
+
+static int is_pow2(int x)
+{
+    return x > 0 && (x & (x - 1)) == 0;
+}
+
+static moe_status_t validate_sizes(const moe_layer_config_t *c)
+{
+    MOE_ARG_CHECK(c->num_experts > 0 && c->num_experts <= MOE_MAX_EXPERTS,
+                  "num_experts = %d: must be in 1..%d", c->num_experts, MOE_MAX_EXPERTS);
+    MOE_ARG_CHECK(c->top_k > 0 && c->top_k <= c->num_experts,
+                  "top_k = %d: must be in 1..num_experts (%d)", c->top_k, c->num_experts);
+    MOE_ARG_CHECK(c->top_k <= MOE_MAX_TOP_K, "top_k = %d: at most %d", c->top_k, MOE_MAX_TOP_K);
+    MOE_ARG_CHECK(c->hidden > 0, "hidden = %d: must be > 0", c->hidden);
+    MOE_ARG_CHECK(c->intermediate > 0, "intermediate = %d: must be > 0", c->intermediate);
+    MOE_ARG_CHECK(c->num_shared_experts >= 0, "num_shared_experts = %d: must be >= 0",
+                  c->num_shared_experts);
+    MOE_ARG_CHECK(c->shared_intermediate >= 0, "shared_intermediate = %d: must be >= 0",
+                  c->shared_intermediate);
+    MOE_ARG_CHECK(c->shared_expert_gate == 0 || c->shared_expert_gate == 1,
+                  "shared_expert_gate = %d: must be 0 or 1", c->shared_expert_gate);
+    MOE_ARG_CHECK(!c->shared_expert_gate || c->num_shared_experts > 0,
+                  "shared_expert_gate = 1 needs num_shared_experts > 0");
+    MOE_ARG_CHECK(c->max_tokens_per_rank > 0 && c->max_tokens_per_rank <= (INT64_C(1) << 30),
+                  "max_tokens_per_rank = %lld: must be in 1..2^30",
+                  (long long)c->max_tokens_per_rank);
+    return MOE_STATUS_SUCCESS;
+}
+
+static moe_status_t validate_routing(const moe_layer_config_t *c)
+{
+    MOE_ARG_CHECK(c->activation == MOE_ACTIVATION_SILU || c->activation == MOE_ACTIVATION_GELU,
+                  "activation = %d: not a moe_activation_t", (int)c->activation);
+    MOE_ARG_CHECK(c->scoring == MOE_SCORING_SOFTMAX || c->scoring == MOE_SCORING_SIGMOID,
+                  "scoring = %d: not a moe_scoring_t", (int)c->scoring);
+    MOE_ARG_CHECK(!c->use_score_bias || c->scoring == MOE_SCORING_SIGMOID,
+                  "use_score_bias = 1 needs scoring = MOE_SCORING_SIGMOID");
+    MOE_ARG_CHECK(c->n_group >= 0, "n_group = %d: must be >= 0", c->n_group);
+    if (c->n_group > 1) {
+        MOE_ARG_CHECK(c->num_experts % c->n_group == 0,
+                      "n_group = %d does not divide num_experts = %d", c->n_group,
+                      c->num_experts);
+        MOE_ARG_CHECK(c->topk_group >= 1 && c->topk_group <= c->n_group,
+                      "topk_group = %d: must be in 1..n_group (%d)", c->topk_group, c->n_group);
+        MOE_ARG_CHECK(c->top_k <= c->topk_group * (c->num_experts / c->n_group),
+                      "top_k = %d exceeds the %d experts of topk_group = %d groups", c->top_k,
+                      c->topk_group * (c->num_experts / c->n_group), c->topk_group);
+    }
+    MOE_ARG_CHECK(c->renormalize == 0 || c->renormalize == 1, "renormalize = %d: must be 0 or 1",
+                  c->renormalize);
+    MOE_ARG_CHECK(isfinite(c->routed_scaling_factor) && c->routed_scaling_factor >= 0.0f,
+                  "routed_scaling_factor = %g: must be finite and >= 0",
+                  (double)c->routed_scaling_factor);
+    return MOE_STATUS_SUCCESS;
+}
+
+static moe_status_t validate_dtype(const moe_layer_config_t *c)
+{
+    const int align = c->weight_dtype == MOE_DTYPE_FP8_E4M3 ? 16 : 8;
+    MOE_ARG_CHECK(c->weight_dtype == MOE_DTYPE_F32 || c->weight_dtype == MOE_DTYPE_BF16 ||
+                      c->weight_dtype == MOE_DTYPE_FP8_E4M3,
+                  "weight_dtype = %d (%s): must be F32, BF16 or FP8_E4M3", (int)c->weight_dtype,
+                  moe_dtype_name(c->weight_dtype));
+    if (c->weight_dtype == MOE_DTYPE_FP8_E4M3)
+        MOE_ARG_CHECK(c->scale_kind == MOE_SCALE_PER_TENSOR ||
+                          c->scale_kind == MOE_SCALE_BLOCK_128,
+                      "scale_kind = %d: FP8_E4M3 weights need MOE_SCALE_PER_TENSOR or "
+                      "MOE_SCALE_BLOCK_128",
+                      (int)c->scale_kind);
+    else
+        MOE_ARG_CHECK(c->scale_kind == MOE_SCALE_NONE,
+                      "scale_kind = %d: only FP8_E4M3 weights take scales", (int)c->scale_kind);
+    if (c->weight_dtype != MOE_DTYPE_F32) {
+        /* 16-byte rows for vector loads and TMA on the GPU; the CPU checks the same so that
+         * a config valid here is valid on every backend. */
+        MOE_ARG_CHECK(c->hidden % align == 0, "hidden = %d: %s weights need a multiple of %d",
+                      c->hidden, moe_dtype_name(c->weight_dtype), align);
+        MOE_ARG_CHECK(c->intermediate % align == 0,
+                      "intermediate = %d: %s weights need a multiple of %d", c->intermediate,
+                      moe_dtype_name(c->weight_dtype), align);
+    }
+    return MOE_STATUS_SUCCESS;
+}
+
+static moe_status_t validate_layout(moe_layer_config_t *c, int world)
+{
+    int64_t si;
+    MOE_ARG_CHECK(c->ep_size >= 0, "ep_size = %d: must be >= 0 (0 = auto)", c->ep_size);
+    MOE_ARG_CHECK(c->tp_size >= 0, "tp_size = %d: must be >= 0 (0 = auto)", c->tp_size);
+    if (c->tp_size == MOE_AUTO)
+        c->tp_size = c->ep_size ? world / c->ep_size : 1;
+    if (c->ep_size == MOE_AUTO)
+        c->ep_size = c->tp_size ? world / c->tp_size : world;
+    MOE_ARG_CHECK((int64_t)c->ep_size * c->tp_size == world,
+                  "ep_size (%d) x tp_size (%d) = %lld must equal the world size %d", c->ep_size,
+                  c->tp_size, (long long)c->ep_size * c->tp_size, world);
+    MOE_ARG_CHECK(c->ep_size <= c->num_experts,
+                  "ep_size = %d: more EP ranks than num_experts = %d", c->ep_size,
+                  c->num_experts);
+    MOE_ARG_CHECK(c->intermediate % c->tp_size == 0,
+                  "intermediate = %d is not divisible by tp_size = %d", c->intermediate,
+                  c->tp_size);
+    MOE_ARG_CHECK(c->dispatch >= MOE_DISPATCH_AUTO && c->dispatch <= MOE_DISPATCH_ALL_GATHER,
+                  "dispatch = %d: not a moe_dispatch_t", (int)c->dispatch);
+    if (c->num_shared_experts > 0 && c->shared_intermediate == MOE_AUTO)
+        c->shared_intermediate = c->num_shared_experts * c->intermediate;
+    si = c->num_shared_experts > 0 ? c->shared_intermediate : 0;
+    if (c->scale_kind == MOE_SCALE_BLOCK_128) {
+        MOE_ARG_CHECK(c->tp_size == 1 || (c->intermediate / c->tp_size) % MOE_FP8_BLOCK == 0,
+                      "intermediate / tp_size = %d: 128x128 block scales need TP slices that "
+                      "are multiples of 128",
+                      c->intermediate / c->tp_size);
+        MOE_ARG_CHECK(world == 1 || si % ((int64_t)world * MOE_FP8_BLOCK) == 0,
+                      "shared_intermediate = %lld: with block scales it must be a multiple of "
+                      "128 x world size (%d)",
+                      (long long)si, world);
+    }
+    if (c->deterministic == MOE_AUTO)
+        c->deterministic = moe_env_int("MOE_DETERMINISTIC", 0) ? 1 : 0;
+    MOE_ARG_CHECK(c->deterministic == 0 || c->deterministic == 1,
+                  "deterministic = %d: must be 0, 1 or MOE_AUTO", c->deterministic);
+    if (c->deterministic) {
+        if (!is_pow2(c->tp_size) || c->tp_size > 64)
+            return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                             "deterministic mode needs tp_size a power of two <= 64 (got %d)",
+                             c->tp_size);
+        if (si > 0 && (!is_pow2(world) || world > 64))
+            return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                             "deterministic mode with shared experts needs a world size that is "
+                             "a power of two <= 64 (got %d)",
+                             world);
+    }
+    MOE_ARG_CHECK(c->check_inputs == 0 || c->check_inputs == 1,
+                  "check_inputs = %d: must be 0 or 1", c->check_inputs);
+    return MOE_STATUS_SUCCESS;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Plan and agreement                                                                          */
+/* ------------------------------------------------------------------------------------------ */
+
+static moe_status_t make_plan(moe_layer_t *l, int world, int rank)
+{
+    moe_plan_t *p = &l->plan;
+    const moe_layer_config_t *c = &l->cfg;
+    int e, g;
+
+    p->world = world;
+    p->rank = rank;
+    p->ep_size = c->ep_size;
+    p->tp_size = c->tp_size;
+    p->ep_rank = rank / c->tp_size;
+    p->tp_rank = rank % c->tp_size;
+    p->expert_owner = malloc(sizeof(int) * (size_t)c->num_experts);
+    p->expert_local_index = malloc(sizeof(int) * (size_t)c->num_experts);
+    if (!p->expert_owner || !p->expert_local_index)
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "plan for %d experts", c->num_experts);
+    /* Contiguous blocks (floor split); the table stays general for later load balancing. */
+    for (g = 0; g < c->ep_size; g++) {
+        int b = (int)moe_split_begin(c->num_experts, c->ep_size, g);
+        int end = (int)moe_split_begin(c->num_experts, c->ep_size, g + 1);
+        for (e = b; e < end; e++) {
+            p->expert_owner[e] = g;
+            p->expert_local_index[e] = e - b;
+        }
+        if (g == p->ep_rank) {
+            p->first_local_expert = b;
+            p->num_local_experts = end - b;
+        }
+    }
+    p->i_begin = moe_split_begin(c->intermediate, c->tp_size, p->tp_rank);
+    p->i_end = moe_split_begin(c->intermediate, c->tp_size, p->tp_rank + 1);
+    p->shared_intermediate = c->num_shared_experts > 0 ? c->shared_intermediate : 0;
+    p->s_begin = moe_split_begin(p->shared_intermediate, world, rank);
+    p->s_end = moe_split_begin(p->shared_intermediate, world, rank + 1);
+    return MOE_STATUS_SUCCESS;
+}
+
+/* FNV-1a over the resolved config, field by field (no padding bytes). */
+static uint64_t config_hash(const moe_layer_config_t *c)
+{
+    int64_t f[] = {c->num_experts, c->top_k, c->hidden, c->intermediate, c->num_shared_experts,
+                   c->shared_intermediate, c->shared_expert_gate, c->activation, c->scoring,
+                   c->use_score_bias, c->n_group, c->topk_group, c->renormalize,
+                   (int64_t)(c->routed_scaling_factor * 1e6), c->weight_dtype, c->scale_kind,
+                   c->max_tokens_per_rank, c->ep_size, c->tp_size, c->dispatch,
+                   c->deterministic, c->check_inputs};
+    uint64_t h = 1469598103934665603ULL;
+    size_t i, b;
+    for (i = 0; i < sizeof(f) / sizeof(f[0]); i++)
+        for (b = 0; b < 8; b++) {
+            h ^= (uint64_t)((f[i] >> (8 * b)) & 0xff);
+            h *= 1099511628211ULL;
+        }
+    return h;
+}
+
+/* Every rank learns whether all validated and all hold the same config: MAX over
+ * {hash, -hash} gives max and -min. */
+static moe_status_t agree_config(moe_layer_t *l, moe_status_t local)
+{
+    moe_comm_t *comm = l->rt->comm;
+    int64_t h[2];
+    moe_status_t st = moe_comm_agree(comm, local);
+    if (st != MOE_STATUS_SUCCESS)
+        return st;
+    h[0] = (int64_t)(config_hash(&l->cfg) >> 1);
+    h[1] = -h[0];
+    MOE_CHECK(moe_comm_allreduce_i64(comm, h, 2, MOE_REDUCE_MAX));
+    if (h[0] != -h[1])
+        return moe_error(MOE_STATUS_MISMATCH,
+                         "ranks passed different layer configs (or layouts) to moe_layer_create");
+    return MOE_STATUS_SUCCESS;
+}
+
+static const moe_backend_ops_t *backend_ops(const moe_runtime_t *rt)
+{
+#ifdef MOE_HAVE_CUDA
+    if (rt->info.backend == MOE_BACKEND_CUDA)
+        return &moe_backend_cuda;
+#endif
+    return &moe_backend_cpu;
+}
+
+static moe_status_t layer_setup(moe_layer_t *l, const moe_layer_config_t *config)
+{
+    const int world = l->rt->info.world_size;
+    l->cfg = *config;
+    MOE_CHECK(validate_sizes(&l->cfg));
+    MOE_CHECK(validate_routing(&l->cfg));
+    MOE_CHECK(validate_dtype(&l->cfg));
+    MOE_CHECK(validate_layout(&l->cfg, world));
+    if (l->cfg.routed_scaling_factor == 0.0f)
+        l->cfg.routed_scaling_factor = 1.0f;
+    if (l->cfg.n_group <= 1)
+        l->cfg.n_group = 0, l->cfg.topk_group = 0;
+    MOE_CHECK(make_plan(l, world, l->rt->info.rank));
+    l->weight_set = calloc((size_t)MOE_WEIGHT_KIND_COUNT * (size_t)(l->plan.num_local_experts + 1),
+                           1);
+    l->expert_load = calloc((size_t)l->cfg.num_experts, sizeof(int64_t));
+    if (!l->weight_set || !l->expert_load)
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "layer bookkeeping");
+    l->ops = backend_ops(l->rt);
+    return MOE_STATUS_SUCCESS;
+}
+
+moe_status_t moe_layer_create(moe_runtime_t *rt, const moe_layer_config_t *config,
+                              moe_layer_t **layer)
+{
+    moe_layer_t *l;
+    moe_status_t st, local;
+
+    moe_error_clear();
+    MOE_ARG_CHECK(rt != NULL, "runtime = NULL");
+    MOE_ARG_CHECK(layer != NULL, "layer = NULL: need a place for the handle");
+    *layer = NULL;
+    l = calloc(1, sizeof(*l));
+    if (!l)
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "layer");
+    l->rt = rt;
+    /* Validation errors stay local until the agreement, so every rank answers. */
+    local = config ? layer_setup(l, config)
+                   : moe_error(MOE_STATUS_INVALID_ARGUMENT, "config = NULL");
+    st = agree_config(l, local);
+    if (st == MOE_STATUS_SUCCESS) {
+        local = l->ops->init(l);
+        st = moe_comm_agree(rt->comm, local);
+    }
+    if (st != MOE_STATUS_SUCCESS) {
+        moe_layer_destroy(l);
+        return st;
+    }
+    MOE_LOG_INFO("LAYER", "layer E%d k%d H%d I%d: ep %d/%d tp %d/%d, %d local experts, "
+                 "%zu weight bytes",
+                 l->cfg.num_experts, l->cfg.top_k, l->cfg.hidden, l->cfg.intermediate,
+                 l->plan.ep_rank, l->plan.ep_size, l->plan.tp_rank, l->plan.tp_size,
+                 l->plan.num_local_experts, l->weight_bytes);
+    *layer = l;
+    return MOE_STATUS_SUCCESS;
+}
+
+moe_status_t moe_layer_destroy(moe_layer_t *l)
+{
+    moe_error_clear();
+    if (!l)
+        return MOE_STATUS_SUCCESS;
+    if (l->ops && l->state)
+        l->ops->fini(l);
+    free(l->plan.expert_owner);
+    free(l->plan.expert_local_index);
+    free(l->weight_set);
+    free(l->expert_load);
+    free(l);
+    return MOE_STATUS_SUCCESS;
+}
+
+moe_status_t moe_layer_get_info(const moe_layer_t *l, moe_layer_info_t *info)
+{
+    moe_error_clear();
+    MOE_ARG_CHECK(l != NULL, "layer = NULL");
+    MOE_ARG_CHECK(info != NULL, "info = NULL");
+    memset(info, 0, sizeof(*info));
+    info->ep_size = l->plan.ep_size;
+    info->tp_size = l->plan.tp_size;
+    info->ep_rank = l->plan.ep_rank;
+    info->tp_rank = l->plan.tp_rank;
+    info->num_local_experts = l->plan.num_local_experts;
+    info->first_local_expert = l->plan.first_local_expert;
+    info->intermediate_begin = (int)l->plan.i_begin;
+    info->intermediate_end = (int)l->plan.i_end;
+    info->shared_begin = (int)l->plan.s_begin;
+    info->shared_end = (int)l->plan.s_end;
+    info->dispatch = l->cfg.dispatch;
+    info->deterministic = l->cfg.deterministic;
+    info->weight_bytes = l->weight_bytes;
+    info->workspace_bytes = l->workspace_bytes;
+    return MOE_STATUS_SUCCESS;
+}
+
+moe_status_t moe_layer_get_stats(const moe_layer_t *l, moe_layer_stats_t *stats)
+{
+    moe_error_clear();
+    MOE_ARG_CHECK(l != NULL, "layer = NULL");
+    MOE_ARG_CHECK(stats != NULL, "stats = NULL");
+    *stats = l->stats;
+    return MOE_STATUS_SUCCESS;
+}
+
+moe_status_t moe_layer_get_expert_load(const moe_layer_t *l, int64_t *counts, int n)
+{
+    moe_error_clear();
+    MOE_ARG_CHECK(l != NULL, "layer = NULL");
+    MOE_ARG_CHECK(counts != NULL, "counts = NULL");
+    MOE_ARG_CHECK(n == l->cfg.num_experts, "n = %d: must equal num_experts = %d", n,
+                  l->cfg.num_experts);
+    memcpy(counts, l->expert_load, sizeof(int64_t) * (size_t)n);
+    return MOE_STATUS_SUCCESS;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Forward                                                                                     */
+/* ------------------------------------------------------------------------------------------ */
+
+static moe_status_t check_forward_args(const moe_layer_t *l, const moe_forward_args_t *a)
+{
+    MOE_ARG_CHECK(a != NULL, "args = NULL");
+    MOE_ARG_CHECK(a->num_tokens >= 0 && a->num_tokens <= l->cfg.max_tokens_per_rank,
+                  "num_tokens = %lld: must be in 0..max_tokens_per_rank (%lld)",
+                  (long long)a->num_tokens, (long long)l->cfg.max_tokens_per_rank);
+    MOE_ARG_CHECK(a->dtype == MOE_DTYPE_F32 || a->dtype == MOE_DTYPE_BF16,
+                  "dtype = %d (%s): x and y must be F32 or BF16", (int)a->dtype,
+                  moe_dtype_name(a->dtype));
+    if (a->num_tokens > 0) {
+        MOE_ARG_CHECK(a->x != NULL, "x = NULL with num_tokens = %lld", (long long)a->num_tokens);
+        MOE_ARG_CHECK(a->y != NULL, "y = NULL with num_tokens = %lld", (long long)a->num_tokens);
+        MOE_ARG_CHECK(a->x != (const void *)a->y, "y aliases x: the output needs its own buffer");
+    }
+    return moe_layer_check_weights(l, a->router_logits == NULL);
+}
+
+moe_status_t moe_layer_forward(moe_layer_t *l, const moe_forward_args_t *args)
+{
+    moe_status_t st;
+    moe_error_clear();
+    MOE_ARG_CHECK(l != NULL, "layer = NULL");
+    if (l->broken)
+        return moe_error(MOE_STATUS_INVALID_STATE,
+                         "the layer is unusable after an earlier communication failure");
+    l->input_status = check_forward_args(l, args);
+    if (l->input_status != MOE_STATUS_SUCCESS && !args)
+        return l->input_status;
+    st = l->ops->forward(l, args);
+    if (st == MOE_STATUS_TIMEOUT || st == MOE_STATUS_MPI_ERROR || st == MOE_STATUS_NCCL_ERROR)
+        l->broken = 1;
+    return st;
+}

@@ -1,0 +1,107 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Internal runtime and layer objects, the sharding plan and the backend interface. */
+#ifndef MOE_LAYER_H
+#define MOE_LAYER_H
+
+#include <stdint.h>
+#include "moe/moe.h"
+#include "comm/comm.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct moe_runtime {
+    moe_runtime_config_t config;
+    moe_comm_t *comm; /* world, node-local; MPI */
+    moe_runtime_info_t info;
+    int owns_mpi;        /* libmoe called MPI_Init */
+    int timeout_ms;      /* resolved */
+    int num_gpus;        /* visible CUDA devices (0 without the CUDA backend) */
+    void *gpu_ctx;       /* CUDA backend: stream, NCCL communicators (opaque here) */
+};
+
+/* Where each expert lives and which slice of its intermediate dimension this rank keeps.
+ * Rank r = ep_rank * tp_size + tp_rank; the ranks of one EP group hold the same experts and
+ * split their intermediate dimension (TP); the shared MLP is split over all world ranks. */
+typedef struct moe_plan {
+    int world, rank;
+    int ep_size, tp_size, ep_rank, tp_rank;
+    int num_local_experts, first_local_expert;
+    int *expert_owner;       /* [num_experts] -> EP rank (general table, contiguous by default) */
+    int *expert_local_index; /* [num_experts] -> index on its owner */
+    int64_t i_begin, i_end;  /* this rank's slice of each routed expert's intermediate */
+    int64_t s_begin, s_end;  /* this rank's slice of the shared MLP's intermediate */
+    int64_t shared_intermediate;
+} moe_plan_t;
+
+/* The slice [begin, end) of `n` held by part `i` of `parts` (equal, floor-split). */
+static inline int64_t moe_split_begin(int64_t n, int parts, int i)
+{
+    return (n * i) / parts;
+}
+
+/* Weight matrix on a rank, in the layer's storage dtype (host or device memory). */
+typedef struct moe_matrix {
+    moe_dtype_t dtype;
+    moe_scale_kind_t scale_kind;
+    int64_t rows, cols;
+    void *data;
+    float *scale; /* NULL, 1 float, or [ceil(rows/128), ceil(cols/128)] */
+} moe_matrix_t;
+
+struct moe_layer;
+
+/* A backend owns where weights live and how forward runs. Weights reach it already sliced to
+ * the rank's shard and converted to the storage dtype. */
+typedef struct moe_backend_ops {
+    const char *name;
+    moe_status_t (*init)(struct moe_layer *layer);
+    void (*fini)(struct moe_layer *layer);
+    /* `local` is the local expert index for per-expert kinds, else -1. */
+    moe_status_t (*store_weight)(struct moe_layer *layer, moe_weight_kind_t kind, int local,
+                                 const moe_matrix_t *m);
+    moe_status_t (*forward)(struct moe_layer *layer, const moe_forward_args_t *args);
+} moe_backend_ops_t;
+
+extern const moe_backend_ops_t moe_backend_cpu;
+#ifdef MOE_HAVE_CUDA
+extern const moe_backend_ops_t moe_backend_cuda;
+#endif
+
+struct moe_layer {
+    moe_runtime_t *rt;
+    moe_layer_config_t cfg; /* validated, AUTO resolved */
+    moe_plan_t plan;
+    const moe_backend_ops_t *ops;
+    void *state;               /* backend's */
+    unsigned char *weight_set; /* [MOE_WEIGHT_KIND_COUNT * (num_local_experts + 1)] */
+    moe_layer_stats_t stats;
+    int64_t *expert_load; /* [num_experts] */
+    size_t weight_bytes, workspace_bytes;
+    int broken; /* a collective failed: every later call returns MOE_STATUS_INVALID_STATE */
+    /* Result of forward's local argument checks: a backend whose forward starts with a
+     * collective carries it there so that every rank fails together instead of waiting. */
+    moe_status_t input_status;
+};
+
+/* Shape of one matrix of `kind` on this rank (the slice) and in full. */
+void moe_layer_weight_shape(const struct moe_layer *layer, moe_weight_kind_t kind,
+                            int64_t *rows, int64_t *cols, int64_t *full_rows, int64_t *full_cols,
+                            int64_t *row_begin, int64_t *col_begin);
+
+/* Bytes of a matrix's data and scales in a storage dtype. */
+size_t moe_matrix_data_bytes(moe_dtype_t dtype, int64_t rows, int64_t cols);
+size_t moe_matrix_scale_count(moe_scale_kind_t kind, int64_t rows, int64_t cols);
+
+/* Whether every weight this rank needs has been set; else an INVALID_STATE naming one. */
+moe_status_t moe_layer_check_weights(const struct moe_layer *layer, int need_router);
+
+/* Microseconds from a monotonic clock. */
+double moe_now_us(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOE_LAYER_H */

@@ -1,0 +1,163 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The runtime object: MPI communicator, node-local rank, backend and device choice. */
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "runtime/diag.h"
+#include "runtime/layer.h"
+#include "runtime/topology.h"
+#ifdef MOE_HAVE_CUDA
+#include "kernels/gpu.h"
+#endif
+
+double moe_now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
+}
+
+/* MOE_BACKEND=cpu|cuda overrides AUTO; CUDA where built and a device is visible. */
+static moe_status_t resolve_backend(moe_runtime_t *rt)
+{
+    moe_backend_t b = rt->config.backend;
+    const char *env = moe_env_str("MOE_BACKEND", "auto");
+
+    if (b == MOE_BACKEND_AUTO) {
+        if (!strcmp(env, "cpu"))
+            b = MOE_BACKEND_CPU;
+        else if (!strcmp(env, "cuda"))
+            b = MOE_BACKEND_CUDA;
+        else if (strcmp(env, "auto"))
+            return moe_error(MOE_STATUS_INVALID_ARGUMENT,
+                             "MOE_BACKEND=%s: expected cpu, cuda or auto", env);
+    }
+#ifdef MOE_HAVE_CUDA
+    rt->num_gpus = moe_gpu_device_count();
+#endif
+    if (b == MOE_BACKEND_AUTO)
+        b = rt->num_gpus > 0 ? MOE_BACKEND_CUDA : MOE_BACKEND_CPU;
+    if (b == MOE_BACKEND_CUDA && rt->num_gpus == 0) {
+#ifdef MOE_HAVE_CUDA
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "backend cuda: no CUDA device is visible");
+#else
+        return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                         "backend cuda: libmoe was built without CUDA (MOE_CUDA=OFF or no nvcc)");
+#endif
+    }
+    rt->info.backend = b;
+    return MOE_STATUS_SUCCESS;
+}
+
+static moe_status_t pick_device(moe_runtime_t *rt)
+{
+    int dev = rt->config.device;
+    rt->info.device = -1;
+    if (rt->info.backend != MOE_BACKEND_CUDA)
+        return MOE_STATUS_SUCCESS;
+    if (dev < 0)
+        dev = (int)moe_env_int("MOE_DEVICE", -1);
+    if (dev < 0)
+        dev = rt->info.local_rank % rt->num_gpus;
+    if (dev >= rt->num_gpus)
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT, "device = %d: only %d CUDA device(s) visible",
+                         dev, rt->num_gpus);
+#ifdef MOE_HAVE_CUDA
+    MOE_CHECK(moe_gpu_set_device(dev));
+#endif
+    rt->info.device = dev;
+    return MOE_STATUS_SUCCESS;
+}
+
+static moe_status_t runtime_setup(moe_runtime_t *rt)
+{
+    moe_comm_t *node = NULL;
+    int64_t b[2];
+
+    MOE_CHECK(moe_comm_split_node(rt->comm, &node));
+    rt->info.local_rank = moe_comm_rank(node);
+    rt->info.local_size = moe_comm_size(node);
+    moe_comm_destroy(node);
+    MOE_CHECK(resolve_backend(rt));
+    MOE_CHECK(pick_device(rt));
+    moe_log_set_identity(rt->info.rank, rt->info.device);
+    if (rt->config.bind || moe_env_int("MOE_BIND", 0))
+        MOE_CHECK(moe_topology_bind(rt));
+    /* All ranks must run the same backend: compare min and max. */
+    b[0] = rt->info.backend;
+    b[1] = -(int64_t)rt->info.backend;
+    MOE_CHECK(moe_comm_allreduce_i64(rt->comm, b, 2, MOE_REDUCE_MAX));
+    if (b[0] != -b[1])
+        return moe_error(MOE_STATUS_MISMATCH, "ranks chose different backends (cpu and cuda)");
+    return MOE_STATUS_SUCCESS;
+}
+
+moe_status_t moe_runtime_create(const moe_runtime_config_t *config, const void *mpi_comm,
+                                moe_runtime_t **runtime)
+{
+    moe_runtime_config_t dflt = MOE_RUNTIME_CONFIG_INIT;
+    moe_runtime_t *rt;
+    moe_status_t st, local;
+
+    moe_error_clear();
+    MOE_ARG_CHECK(runtime != NULL, "runtime = NULL: need a place for the handle");
+    *runtime = NULL;
+    if (!config)
+        config = &dflt;
+    MOE_ARG_CHECK(config->backend >= MOE_BACKEND_AUTO && config->backend <= MOE_BACKEND_CUDA,
+                  "backend = %d: not a moe_backend_t", (int)config->backend);
+    MOE_ARG_CHECK(config->timeout_ms >= 0, "timeout_ms = %d: must be >= 0", config->timeout_ms);
+    MOE_ARG_CHECK(config->device >= -1, "device = %d: must be >= -1", config->device);
+    rt = calloc(1, sizeof(*rt));
+    if (!rt)
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "runtime");
+    rt->config = *config;
+    /* MOE_TIMEOUT_MS: bound on every wait for a peer (default 5 minutes). */
+    rt->timeout_ms = config->timeout_ms ? config->timeout_ms
+                                        : (int)moe_env_int("MOE_TIMEOUT_MS", 300000);
+    st = moe_comm_create(mpi_comm, rt->timeout_ms, &rt->comm, &rt->owns_mpi);
+    if (st != MOE_STATUS_SUCCESS) {
+        moe_comm_finalize_mpi(rt->owns_mpi);
+        free(rt);
+        return st;
+    }
+    rt->info.rank = moe_comm_rank(rt->comm);
+    rt->info.world_size = moe_comm_size(rt->comm);
+    rt->info.numa_node = -1;
+    gethostname(rt->info.hostname, sizeof(rt->info.hostname) - 1);
+    local = runtime_setup(rt);
+    st = moe_comm_agree(rt->comm, local);
+    if (st != MOE_STATUS_SUCCESS) {
+        moe_runtime_destroy(rt);
+        return st;
+    }
+    MOE_LOG_INFO("INIT", "runtime: rank %d/%d local %d/%d backend %s device %d",
+                 rt->info.rank, rt->info.world_size, rt->info.local_rank, rt->info.local_size,
+                 moe_backend_name(rt->info.backend), rt->info.device);
+    *runtime = rt;
+    return MOE_STATUS_SUCCESS;
+}
+
+moe_status_t moe_runtime_destroy(moe_runtime_t *rt)
+{
+    int owns;
+    moe_error_clear();
+    if (!rt)
+        return MOE_STATUS_SUCCESS;
+    owns = rt->owns_mpi;
+    moe_comm_destroy(rt->comm);
+    free(rt);
+    moe_comm_finalize_mpi(owns);
+    return MOE_STATUS_SUCCESS;
+}
+
+moe_status_t moe_runtime_get_info(const moe_runtime_t *rt, moe_runtime_info_t *info)
+{
+    moe_error_clear();
+    MOE_ARG_CHECK(rt != NULL, "runtime = NULL");
+    MOE_ARG_CHECK(info != NULL, "info = NULL");
+    *info = rt->info;
+    return MOE_STATUS_SUCCESS;
+}

@@ -1,0 +1,298 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Weight setting: shapes per kind, this rank's slice, dtype conversion and FP8 quantisation,
+ * and the check that every needed weight was set. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/numeric.h"
+#include "runtime/diag.h"
+#include "runtime/layer.h"
+
+#define BLK 128
+
+static const char *const kind_names[MOE_WEIGHT_KIND_COUNT] = {
+    "ROUTER",           "ROUTER_BIAS",           "GATE_PROJ",
+    "UP_PROJ",          "DOWN_PROJ",             "SHARED_GATE_PROJ",
+    "SHARED_UP_PROJ",   "SHARED_DOWN_PROJ",      "SHARED_EXPERT_GATE"};
+
+static int per_expert(moe_weight_kind_t k)
+{
+    return k == MOE_WEIGHT_GATE_PROJ || k == MOE_WEIGHT_UP_PROJ || k == MOE_WEIGHT_DOWN_PROJ;
+}
+
+/* Router, bias and the shared-expert gate are kept in f32; experts in the layer's dtype. */
+static int stored_f32(moe_weight_kind_t k)
+{
+    return k == MOE_WEIGHT_ROUTER || k == MOE_WEIGHT_ROUTER_BIAS ||
+           k == MOE_WEIGHT_SHARED_EXPERT_GATE;
+}
+
+void moe_layer_weight_shape(const moe_layer_t *l, moe_weight_kind_t kind, int64_t *rows,
+                            int64_t *cols, int64_t *full_rows, int64_t *full_cols,
+                            int64_t *row_begin, int64_t *col_begin)
+{
+    const int64_t E = l->cfg.num_experts, H = l->cfg.hidden, I = l->cfg.intermediate;
+    const int64_t S = l->plan.shared_intermediate;
+    const int64_t is = l->plan.i_end - l->plan.i_begin, ss = l->plan.s_end - l->plan.s_begin;
+    *row_begin = *col_begin = 0;
+    switch (kind) {
+    case MOE_WEIGHT_ROUTER:
+        *full_rows = *rows = E, *full_cols = *cols = H;
+        break;
+    case MOE_WEIGHT_ROUTER_BIAS:
+        *full_rows = *rows = 1, *full_cols = *cols = E;
+        break;
+    case MOE_WEIGHT_GATE_PROJ:
+    case MOE_WEIGHT_UP_PROJ:
+        *full_rows = I, *full_cols = *cols = H, *rows = is, *row_begin = l->plan.i_begin;
+        break;
+    case MOE_WEIGHT_DOWN_PROJ:
+        *full_rows = *rows = H, *full_cols = I, *cols = is, *col_begin = l->plan.i_begin;
+        break;
+    case MOE_WEIGHT_SHARED_GATE_PROJ:
+    case MOE_WEIGHT_SHARED_UP_PROJ:
+        *full_rows = S, *full_cols = *cols = H, *rows = ss, *row_begin = l->plan.s_begin;
+        break;
+    case MOE_WEIGHT_SHARED_DOWN_PROJ:
+        *full_rows = *rows = H, *full_cols = S, *cols = ss, *col_begin = l->plan.s_begin;
+        break;
+    default: /* SHARED_EXPERT_GATE */
+        *full_rows = *rows = 1, *full_cols = *cols = H;
+        break;
+    }
+}
+
+size_t moe_matrix_data_bytes(moe_dtype_t dtype, int64_t rows, int64_t cols)
+{
+    return (size_t)rows * (size_t)cols * moe_dtype_size(dtype);
+}
+
+size_t moe_matrix_scale_count(moe_scale_kind_t kind, int64_t rows, int64_t cols)
+{
+    if (kind == MOE_SCALE_PER_TENSOR)
+        return 1;
+    if (kind == MOE_SCALE_BLOCK_128)
+        return (size_t)((rows + BLK - 1) / BLK) * (size_t)((cols + BLK - 1) / BLK);
+    return 0;
+}
+
+static int64_t ceil_blk(int64_t x)
+{
+    return (x + BLK - 1) / BLK;
+}
+
+/* The scale kind an FP8 tensor's scale shape says. */
+static moe_status_t fp8_scale_kind(const moe_tensor_t *t, const char *what, moe_scale_kind_t *k)
+{
+    if (!t->scale)
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT, "%s: FP8_E4M3 tensor without scale", what);
+    if (t->scale_rows == ceil_blk(t->rows) && t->scale_cols == ceil_blk(t->cols))
+        *k = MOE_SCALE_BLOCK_128; /* also right for one block: both readings agree */
+    else if (t->scale_rows * t->scale_cols == 1)
+        *k = MOE_SCALE_PER_TENSOR;
+    else
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT,
+                         "%s: scale shape [%lld, %lld] fits neither per-tensor [1, 1] nor "
+                         "128x128 blocks [%lld, %lld] of a [%lld, %lld] weight",
+                         what, (long long)t->scale_rows, (long long)t->scale_cols,
+                         (long long)ceil_blk(t->rows), (long long)ceil_blk(t->cols),
+                         (long long)t->rows, (long long)t->cols);
+    return MOE_STATUS_SUCCESS;
+}
+
+static float scale_at(const moe_tensor_t *t, moe_scale_kind_t k, int64_t r, int64_t c)
+{
+    if (k == MOE_SCALE_BLOCK_128)
+        return t->scale[(r / BLK) * t->scale_cols + c / BLK];
+    return t->scale[0];
+}
+
+/* out[rows, cols] = t[r0.., c0..] as f32 (FP8 dequantised). */
+static void extract_f32(const moe_tensor_t *t, moe_scale_kind_t sk, int64_t r0, int64_t c0,
+                        int64_t rows, int64_t cols, float *out)
+{
+    const size_t es = moe_dtype_size(t->dtype);
+    int64_t r, c;
+    for (r = 0; r < rows; r++) {
+        const char *src = (const char *)t->data + ((size_t)(r0 + r) * (size_t)t->cols + c0) * es;
+        moe_convert_to_f32(t->dtype, src, out + r * cols, (size_t)cols);
+        if (t->dtype == MOE_DTYPE_FP8_E4M3)
+            for (c = 0; c < cols; c++)
+                out[r * cols + c] *= scale_at(t, sk, r0 + r, c0 + c);
+    }
+}
+
+/* Quantises f32 [rows, cols] to FP8 with per-tensor or 128x128 block scales (amax / 448). */
+static void quantize_fp8(const float *in, int64_t rows, int64_t cols, moe_scale_kind_t k,
+                         uint8_t *out, float *scale)
+{
+    const int64_t sc = ceil_blk(cols);
+    int64_t r, c, n = (int64_t)moe_matrix_scale_count(k, rows, cols), i;
+    float *amax = scale;
+    for (i = 0; i < n; i++)
+        amax[i] = 0.0f;
+    for (r = 0; r < rows; r++)
+        for (c = 0; c < cols; c++) {
+            float *a = k == MOE_SCALE_BLOCK_128 ? &amax[(r / BLK) * sc + c / BLK] : &amax[0];
+            float v = fabsf(in[r * cols + c]);
+            *a = v > *a ? v : *a;
+        }
+    for (i = 0; i < n; i++)
+        scale[i] = amax[i] > 0.0f ? amax[i] / MOE_FP8_E4M3_MAX : 1.0f;
+    for (r = 0; r < rows; r++)
+        for (c = 0; c < cols; c++) {
+            float s = k == MOE_SCALE_BLOCK_128 ? scale[(r / BLK) * sc + c / BLK] : scale[0];
+            out[r * cols + c] = moe_f32_to_fp8e4m3(in[r * cols + c] / s);
+        }
+}
+
+/* FP8 in, same scale kind stored: copy the bytes and the scales of the slice. */
+static void copy_fp8(const moe_tensor_t *t, moe_scale_kind_t sk, int64_t r0, int64_t c0,
+                     moe_matrix_t *m)
+{
+    int64_t r, c;
+    for (r = 0; r < m->rows; r++)
+        memcpy((uint8_t *)m->data + r * m->cols,
+               (const uint8_t *)t->data + (r0 + r) * t->cols + c0, (size_t)m->cols);
+    if (sk == MOE_SCALE_PER_TENSOR) {
+        m->scale[0] = t->scale[0];
+        return;
+    }
+    for (r = 0; r < ceil_blk(m->rows); r++)
+        for (c = 0; c < ceil_blk(m->cols); c++)
+            m->scale[r * ceil_blk(m->cols) + c] =
+                t->scale[(r0 / BLK + r) * t->scale_cols + c0 / BLK + c];
+}
+
+static moe_status_t check_tensor(const moe_layer_t *l, moe_weight_kind_t kind, int expert,
+                                 const moe_tensor_t *t)
+{
+    MOE_ARG_CHECK((int)kind >= 0 && (int)kind < MOE_WEIGHT_KIND_COUNT,
+                  "kind = %d: not a moe_weight_kind_t", (int)kind);
+    MOE_ARG_CHECK(t != NULL, "tensor = NULL for %s", kind_names[kind]);
+    MOE_ARG_CHECK(t->dtype == MOE_DTYPE_F32 || t->dtype == MOE_DTYPE_BF16 ||
+                      t->dtype == MOE_DTYPE_F16 || t->dtype == MOE_DTYPE_FP8_E4M3,
+                  "%s: tensor dtype = %d is not F32, BF16, F16 or FP8_E4M3", kind_names[kind],
+                  (int)t->dtype);
+    MOE_ARG_CHECK(t->data != NULL, "%s: tensor data = NULL", kind_names[kind]);
+    MOE_ARG_CHECK(t->rows > 0 && t->cols > 0, "%s: shape [%lld, %lld] must be positive",
+                  kind_names[kind], (long long)t->rows, (long long)t->cols);
+    if (per_expert(kind))
+        MOE_ARG_CHECK(expert >= 0 && expert < l->cfg.num_experts,
+                      "%s: expert = %d not in 0..%d", kind_names[kind], expert,
+                      l->cfg.num_experts - 1);
+    MOE_ARG_CHECK(kind != MOE_WEIGHT_ROUTER_BIAS || l->cfg.use_score_bias,
+                  "ROUTER_BIAS: the layer has use_score_bias = 0");
+    MOE_ARG_CHECK(kind < MOE_WEIGHT_SHARED_GATE_PROJ || l->plan.shared_intermediate > 0,
+                  "%s: the layer has no shared experts", kind_names[kind]);
+    MOE_ARG_CHECK(kind != MOE_WEIGHT_SHARED_EXPERT_GATE || l->cfg.shared_expert_gate,
+                  "SHARED_EXPERT_GATE: the layer has shared_expert_gate = 0");
+    return MOE_STATUS_SUCCESS;
+}
+
+static unsigned char *set_mark(moe_layer_t *l, moe_weight_kind_t kind, int local)
+{
+    return &l->weight_set[(size_t)(local + 1) * MOE_WEIGHT_KIND_COUNT + kind];
+}
+
+/* Converts this rank's slice of `t` into `m` (storage dtype, already allocated). */
+static moe_status_t convert_slice(const moe_tensor_t *t, int64_t r0, int64_t c0, moe_matrix_t *m,
+                                  const char *what)
+{
+    moe_scale_kind_t sk = MOE_SCALE_NONE;
+    float *tmp;
+
+    if (t->dtype == MOE_DTYPE_FP8_E4M3)
+        MOE_CHECK(fp8_scale_kind(t, what, &sk));
+    if (t->dtype == MOE_DTYPE_FP8_E4M3 && m->dtype == MOE_DTYPE_FP8_E4M3 &&
+        sk == m->scale_kind) {
+        copy_fp8(t, sk, r0, c0, m);
+        return MOE_STATUS_SUCCESS;
+    }
+    tmp = malloc(sizeof(float) * (size_t)m->rows * (size_t)m->cols);
+    if (!tmp)
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "%s: staging [%lld, %lld]", what,
+                         (long long)m->rows, (long long)m->cols);
+    extract_f32(t, sk, r0, c0, m->rows, m->cols, tmp);
+    if (m->dtype == MOE_DTYPE_FP8_E4M3)
+        quantize_fp8(tmp, m->rows, m->cols, m->scale_kind, m->data, m->scale);
+    else
+        moe_convert_from_f32(m->dtype, tmp, m->data, (size_t)m->rows * (size_t)m->cols);
+    free(tmp);
+    return MOE_STATUS_SUCCESS;
+}
+
+moe_status_t moe_layer_set_weight(moe_layer_t *l, moe_weight_kind_t kind, int expert,
+                                  const moe_tensor_t *t)
+{
+    int64_t rows, cols, frows, fcols, r0, c0;
+    moe_matrix_t m = {0};
+    moe_status_t st;
+    char what[64];
+    int local = -1;
+
+    moe_error_clear();
+    MOE_ARG_CHECK(l != NULL, "layer = NULL");
+    MOE_CHECK(check_tensor(l, kind, expert, t));
+    moe_layer_weight_shape(l, kind, &rows, &cols, &frows, &fcols, &r0, &c0);
+    snprintf(what, sizeof(what), per_expert(kind) ? "%s of expert %d" : "%s", kind_names[kind],
+             expert);
+    if (t->rows == frows && t->cols == fcols) {
+        /* full tensor: keep the slice at (r0, c0) */
+    } else if (t->rows == rows && t->cols == cols) {
+        r0 = c0 = 0; /* this rank's slice */
+    } else {
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT,
+                         "%s: shape [%lld, %lld] is neither the full [%lld, %lld] nor this "
+                         "rank's slice [%lld, %lld]",
+                         what, (long long)t->rows, (long long)t->cols, (long long)frows,
+                         (long long)fcols, (long long)rows, (long long)cols);
+    }
+    if (per_expert(kind)) {
+        if (l->plan.expert_owner[expert] != l->plan.ep_rank)
+            return MOE_STATUS_SUCCESS; /* another rank's expert */
+        local = l->plan.expert_local_index[expert];
+    }
+    m.dtype = stored_f32(kind) ? MOE_DTYPE_F32 : l->cfg.weight_dtype;
+    m.scale_kind = stored_f32(kind) ? MOE_SCALE_NONE : l->cfg.scale_kind;
+    m.rows = rows;
+    m.cols = cols;
+    m.data = malloc(moe_matrix_data_bytes(m.dtype, rows, cols) + 1);
+    m.scale = calloc(moe_matrix_scale_count(m.scale_kind, rows, cols) + 1, sizeof(float));
+    if (!m.data || !m.scale) {
+        st = moe_error(MOE_STATUS_OUT_OF_MEMORY, "%s: %zu bytes", what,
+                       moe_matrix_data_bytes(m.dtype, rows, cols));
+        goto out;
+    }
+    MOE_CHECK_GOTO(convert_slice(t, r0, c0, &m, what), st, out);
+    MOE_CHECK_GOTO(l->ops->store_weight(l, kind, local, &m), st, out);
+    *set_mark(l, kind, local) = 1;
+out:
+    free(m.data);
+    free(m.scale);
+    return st;
+}
+
+moe_status_t moe_layer_check_weights(const moe_layer_t *l, int need_router)
+{
+    int e, k;
+    if (need_router && !*set_mark((moe_layer_t *)l, MOE_WEIGHT_ROUTER, -1))
+        return moe_error(MOE_STATUS_INVALID_STATE,
+                         "ROUTER weight not set (or pass router_logits to forward)");
+    if (l->cfg.use_score_bias && !*set_mark((moe_layer_t *)l, MOE_WEIGHT_ROUTER_BIAS, -1))
+        return moe_error(MOE_STATUS_INVALID_STATE, "ROUTER_BIAS not set (use_score_bias = 1)");
+    for (e = 0; e < l->plan.num_local_experts; e++)
+        for (k = MOE_WEIGHT_GATE_PROJ; k <= MOE_WEIGHT_DOWN_PROJ; k++)
+            if (!*set_mark((moe_layer_t *)l, (moe_weight_kind_t)k, e))
+                return moe_error(MOE_STATUS_INVALID_STATE, "%s of expert %d not set",
+                                 kind_names[k], l->plan.first_local_expert + e);
+    if (l->plan.shared_intermediate > 0)
+        for (k = MOE_WEIGHT_SHARED_GATE_PROJ; k <= MOE_WEIGHT_SHARED_DOWN_PROJ; k++)
+            if (!*set_mark((moe_layer_t *)l, (moe_weight_kind_t)k, -1))
+                return moe_error(MOE_STATUS_INVALID_STATE, "%s not set", kind_names[k]);
+    if (l->cfg.shared_expert_gate && !*set_mark((moe_layer_t *)l, MOE_WEIGHT_SHARED_EXPERT_GATE, -1))
+        return moe_error(MOE_STATUS_INVALID_STATE, "SHARED_EXPERT_GATE not set");
+    return MOE_STATUS_SUCCESS;
+}
