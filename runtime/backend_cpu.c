@@ -727,13 +727,16 @@ static moe_status_t cpu_forward(moe_layer_t *l, const moe_forward_args_t *a)
     double t0 = moe_now_us(), t1;
 
     memset(&l->stats, 0, sizeof(l->stats));
+    /* A rank whose arguments failed still takes part (with no tokens) in the first
+     * collective, which carries its status to every rank. */
     s.T = local == MOE_STATUS_SUCCESS ? a->num_tokens : 0;
+    st = step_alloc(l, &s);
     if (local == MOE_STATUS_SUCCESS)
-        local = step_alloc(l, &s);
+        local = st;
     if (local == MOE_STATUS_SUCCESS)
         local = route(l, a, &s);
     l->stats.route_us = moe_now_us() - t0;
-    if (!s.tokens) { /* cannot even take part: the peers time out (bounded) */
+    if (!s.tokens) { /* out of memory: cannot take part; the peers time out (bounded) */
         step_free(&s);
         return local;
     }

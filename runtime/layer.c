@@ -105,6 +105,10 @@ static moe_status_t validate_layout(moe_layer_config_t *c, int world)
     int64_t si;
     MOE_ARG_CHECK(c->ep_size >= 0, "ep_size = %d: must be >= 0 (0 = auto)", c->ep_size);
     MOE_ARG_CHECK(c->tp_size >= 0, "tp_size = %d: must be >= 0 (0 = auto)", c->tp_size);
+    MOE_ARG_CHECK(c->tp_size <= world && world % (c->tp_size ? c->tp_size : 1) == 0,
+                  "tp_size = %d: must divide the world size %d", c->tp_size, world);
+    MOE_ARG_CHECK(c->ep_size <= world && world % (c->ep_size ? c->ep_size : 1) == 0,
+                  "ep_size = %d: must divide the world size %d", c->ep_size, world);
     if (c->tp_size == MOE_AUTO)
         c->tp_size = c->ep_size ? world / c->ep_size : 1;
     if (c->ep_size == MOE_AUTO)
@@ -240,6 +244,8 @@ static const moe_backend_ops_t *backend_ops(const moe_runtime_t *rt)
     return &moe_backend_cpu;
 }
 
+static void layer_free(moe_layer_t *l);
+
 static moe_status_t layer_setup(moe_layer_t *l, const moe_layer_config_t *config)
 {
     const int world = l->rt->info.world_size;
@@ -285,7 +291,7 @@ moe_status_t moe_layer_create(moe_runtime_t *rt, const moe_layer_config_t *confi
         st = moe_comm_agree(rt->comm, local);
     }
     if (st != MOE_STATUS_SUCCESS) {
-        moe_layer_destroy(l);
+        layer_free(l);
         return st;
     }
     MOE_LOG_INFO("LAYER", "layer E%d k%d H%d I%d: ep %d/%d tp %d/%d, %d local experts, "
@@ -297,11 +303,9 @@ moe_status_t moe_layer_create(moe_runtime_t *rt, const moe_layer_config_t *confi
     return MOE_STATUS_SUCCESS;
 }
 
-moe_status_t moe_layer_destroy(moe_layer_t *l)
+/* Frees without touching the thread's error message (used on create's failure path). */
+static void layer_free(moe_layer_t *l)
 {
-    moe_error_clear();
-    if (!l)
-        return MOE_STATUS_SUCCESS;
     if (l->ops && l->state)
         l->ops->fini(l);
     free(l->plan.expert_owner);
@@ -309,6 +313,13 @@ moe_status_t moe_layer_destroy(moe_layer_t *l)
     free(l->weight_set);
     free(l->expert_load);
     free(l);
+}
+
+moe_status_t moe_layer_destroy(moe_layer_t *l)
+{
+    moe_error_clear();
+    if (l)
+        layer_free(l);
     return MOE_STATUS_SUCCESS;
 }
 

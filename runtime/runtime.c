@@ -71,6 +71,8 @@ static moe_status_t pick_device(moe_runtime_t *rt)
     return MOE_STATUS_SUCCESS;
 }
 
+static void runtime_free(moe_runtime_t *rt);
+
 static moe_status_t runtime_setup(moe_runtime_t *rt)
 {
     moe_comm_t *node = NULL;
@@ -130,7 +132,7 @@ moe_status_t moe_runtime_create(const moe_runtime_config_t *config, const void *
     local = runtime_setup(rt);
     st = moe_comm_agree(rt->comm, local);
     if (st != MOE_STATUS_SUCCESS) {
-        moe_runtime_destroy(rt);
+        runtime_free(rt);
         return st;
     }
     MOE_LOG_INFO("INIT", "runtime: rank %d/%d local %d/%d backend %s device %d",
@@ -140,16 +142,20 @@ moe_status_t moe_runtime_create(const moe_runtime_config_t *config, const void *
     return MOE_STATUS_SUCCESS;
 }
 
-moe_status_t moe_runtime_destroy(moe_runtime_t *rt)
+/* Frees without touching the thread's error message (used on create's failure path). */
+static void runtime_free(moe_runtime_t *rt)
 {
-    int owns;
-    moe_error_clear();
-    if (!rt)
-        return MOE_STATUS_SUCCESS;
-    owns = rt->owns_mpi;
+    int owns = rt->owns_mpi;
     moe_comm_destroy(rt->comm);
     free(rt);
     moe_comm_finalize_mpi(owns);
+}
+
+moe_status_t moe_runtime_destroy(moe_runtime_t *rt)
+{
+    moe_error_clear();
+    if (rt)
+        runtime_free(rt);
     return MOE_STATUS_SUCCESS;
 }
 

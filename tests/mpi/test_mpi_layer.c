@@ -1,0 +1,267 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Multi-rank CPU backend (run under mpirun -np 1, 2, 4): every EP x TP layout, both
+ * dispatch modes and deterministic on/off, for three routing families, against a one-rank
+ * reference on the same global tokens; uneven tokens (a rank with none), a hot expert, and
+ * collective error agreement (mismatched config, one rank's bad arguments). */
+#include "testutil.h"
+
+#include <math.h>
+#include <mpi.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "launch/layer_gen.h"
+
+static moe_runtime_t *rt_world, *rt_self;
+static int rank, world;
+
+static int setup(void **state)
+{
+    moe_runtime_config_t rc = MOE_RUNTIME_CONFIG_INIT;
+    MPI_Comm self = MPI_COMM_SELF;
+    (void)state;
+    rc.backend = MOE_BACKEND_CPU;
+    rc.timeout_ms = 60000;
+    if (moe_runtime_create(&rc, NULL, &rt_world) || moe_runtime_create(&rc, &self, &rt_self))
+        return -1;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &world);
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    (void)state;
+    moe_runtime_destroy(rt_self);
+    moe_runtime_destroy(rt_world);
+    return 0;
+}
+
+enum { FAM_MIXTRAL, FAM_DEEPSEEK, FAM_QWEN2, FAM_N };
+
+static moe_layer_config_t family(int f)
+{
+    moe_layer_config_t c = MOE_LAYER_CONFIG_INIT;
+    c.num_experts = 8;
+    c.top_k = 2;
+    c.hidden = 64;
+    c.intermediate = 128;
+    c.max_tokens_per_rank = 64;
+    if (f == FAM_DEEPSEEK) {
+        c.num_experts = 16;
+        c.top_k = 4;
+        c.scoring = MOE_SCORING_SIGMOID;
+        c.use_score_bias = 1;
+        c.n_group = 4;
+        c.topk_group = 2;
+        c.routed_scaling_factor = 2.5f;
+        c.num_shared_experts = 1;
+    } else if (f == FAM_QWEN2) {
+        c.num_experts = 12;
+        c.top_k = 4;
+        c.renormalize = 0;
+        c.num_shared_experts = 1;
+        c.shared_intermediate = 256;
+        c.shared_expert_gate = 1;
+    }
+    return c;
+}
+
+/* Uneven split of Tg global tokens; rank 1 gets none when there are several ranks. */
+static void my_share(int64_t Tg, int64_t *t0, int64_t *n)
+{
+    int64_t w[8], tot = 0, acc = 0;
+    int r;
+    for (r = 0; r < world; r++) {
+        w[r] = (world > 1 && r == 1) ? 0 : r + 1;
+        tot += w[r];
+    }
+    for (r = 0; r < rank; r++)
+        acc += w[r];
+    *t0 = Tg * acc / tot;
+    *n = Tg * (acc + w[rank]) / tot - *t0;
+}
+
+/* y = layer(x) for n tokens on runtime rt with config c (weights from seed). */
+static void run(moe_runtime_t *rt, moe_layer_config_t c, uint64_t seed, const float *x,
+                int64_t n, const float *logits, float *y)
+{
+    moe_layer_t *l = NULL;
+    moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
+    int64_t i;
+    TU_OK(moe_layer_create(rt, &c, &l));
+    TU_OK(moe_gen_set_weights(l, &c, seed));
+    for (i = 0; i < n * c.hidden; i++)
+        y[i] = NAN;
+    a.num_tokens = n;
+    a.x = x;
+    a.y = y;
+    a.router_logits = logits;
+    TU_OK(moe_layer_forward(l, &a));
+    TU_OK(moe_layer_destroy(l));
+}
+
+static int all_ok(int ok)
+{
+    MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    return ok;
+}
+
+static void test_layouts_modes_families(void **state)
+{
+    const uint64_t seed = tu_seed("layouts");
+    const int64_t Tg = 45;
+    int64_t t0, n;
+    int f, tp, mode, det, checked = 0;
+    (void)state;
+    my_share(Tg, &t0, &n);
+    for (f = 0; f < FAM_N; f++) {
+        moe_layer_config_t c = family(f);
+        float *x = malloc(sizeof(float) * (size_t)(n * c.hidden + 1));
+        float *ref = malloc(sizeof(float) * (size_t)(n * c.hidden + 1));
+        float *y = malloc(sizeof(float) * (size_t)(n * c.hidden + 1));
+        assert_true(x && ref && y);
+        moe_gen_tokens(seed, t0, n, c.hidden, x);
+        run(rt_self, c, seed, x, n, NULL, ref); /* one rank holds everything */
+        for (tp = 1; tp <= world; tp *= 2) {
+            for (mode = MOE_DISPATCH_ALL_TO_ALL; mode <= MOE_DISPATCH_ALL_GATHER; mode++) {
+                for (det = 0; det <= 1; det++) {
+                    moe_layer_config_t lc = c;
+                    double err;
+                    lc.tp_size = tp;
+                    lc.ep_size = world / tp;
+                    lc.dispatch = (moe_dispatch_t)mode;
+                    lc.deterministic = det;
+                    run(rt_world, lc, seed, x, n, NULL, y);
+                    assert_int_equal(tu_count_nan(y, n * c.hidden), 0);
+                    err = tu_rel_err(y, ref, n * c.hidden);
+                    if (det && n > 0 && memcmp(y, ref, sizeof(float) * (size_t)(n * c.hidden)))
+                        fail_msg("family %d ep %d tp %d mode %d: deterministic output differs "
+                                 "bitwise from one rank (rel err %.3g)",
+                                 f, world / tp, tp, mode, err);
+                    if (err > 1e-5)
+                        fail_msg("family %d ep %d tp %d mode %d det %d: rel err %.3g", f,
+                                 world / tp, tp, mode, det, err);
+                    checked++;
+                }
+            }
+        }
+        free(x);
+        free(ref);
+        free(y);
+    }
+    assert_true(all_ok(checked > 0));
+}
+
+/* Every token chooses experts 0 and 1, which live on rank 0 (EP over all ranks). */
+static void test_hot_expert(void **state)
+{
+    const uint64_t seed = tu_seed("hot");
+    moe_layer_config_t c = family(FAM_MIXTRAL);
+    const int64_t n = 30;
+    float *x = malloc(sizeof(float) * n * 64), *y = malloc(sizeof(float) * n * 64);
+    float *ref = malloc(sizeof(float) * n * 64), *logits = calloc(n * 8, sizeof(float));
+    int64_t i;
+    (void)state;
+    moe_gen_tokens(seed, rank * n, n, 64, x);
+    for (i = 0; i < n; i++) {
+        logits[i * 8 + 0] = 3.0f + 0.1f * (float)(i % 5);
+        logits[i * 8 + 1] = 2.0f;
+    }
+    c.deterministic = 1;
+    run(rt_self, c, seed, x, n, logits, ref);
+    run(rt_world, c, seed, x, n, logits, y);
+    assert_memory_equal(y, ref, sizeof(float) * n * 64);
+    free(x);
+    free(y);
+    free(ref);
+    free(logits);
+}
+
+/* Deterministic mode: a token's output is bitwise the same alone and in any batch, on any
+ * layout. */
+static void test_deterministic_batch_sizes(void **state)
+{
+    const uint64_t seed = tu_seed("det_batch");
+    moe_layer_config_t c = family(FAM_DEEPSEEK);
+    float x1[64], y1[64], *x = malloc(sizeof(float) * 20 * 64), *y = malloc(sizeof(float) * 20 * 64);
+    (void)state;
+    c.deterministic = 1;
+    c.tp_size = world >= 2 ? 2 : 1;
+    moe_gen_tokens(seed, 100, 20, 64, x);
+    memcpy(x1, x + 7 * 64, sizeof(x1));
+    run(rt_world, c, seed, x, 20, NULL, y);
+    run(rt_world, c, seed, x1, rank == 0 ? 1 : 0, NULL, y1);
+    if (rank == 0)
+        assert_memory_equal(y1, y + 7 * 64, sizeof(y1));
+    free(x);
+    free(y);
+}
+
+/* Rank 0 passes another hidden size: every rank gets an error, none hangs. */
+static void test_mismatched_config(void **state)
+{
+    moe_layer_config_t c = family(FAM_MIXTRAL);
+    moe_layer_t *l = NULL;
+    moe_status_t st;
+    double t0 = MPI_Wtime();
+    (void)state;
+    if (world == 1)
+        skip();
+    if (rank == 0)
+        c.hidden = 128;
+    st = moe_layer_create(rt_world, &c, &l);
+    assert_int_equal(st, MOE_STATUS_MISMATCH);
+    assert_null(l);
+    assert_true(MPI_Wtime() - t0 < 30.0);
+    /* one rank's invalid config: it gets INVALID_ARGUMENT, the others PEER_FAILURE */
+    c = family(FAM_MIXTRAL);
+    if (rank == world - 1)
+        c.top_k = 99;
+    st = moe_layer_create(rt_world, &c, &l);
+    assert_int_equal(st, rank == world - 1 ? MOE_STATUS_INVALID_ARGUMENT : MOE_STATUS_PEER_FAILURE);
+    assert_null(l);
+}
+
+/* One rank's bad forward arguments fail the step on every rank. */
+static void test_bad_forward_on_one_rank(void **state)
+{
+    moe_layer_config_t c = family(FAM_MIXTRAL);
+    moe_layer_t *l = NULL;
+    moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
+    float x[4 * 64] = {0}, y[4 * 64];
+    moe_status_t st;
+    (void)state;
+    if (world == 1)
+        skip();
+    TU_OK(moe_layer_create(rt_world, &c, &l));
+    TU_OK(moe_gen_set_weights(l, &c, 1));
+    a.num_tokens = rank == 0 ? 65 : 4; /* 65 > max_tokens_per_rank on rank 0 */
+    a.x = x;
+    a.y = y;
+    st = moe_layer_forward(l, &a);
+    assert_int_equal(st, rank == 0 ? MOE_STATUS_INVALID_ARGUMENT : MOE_STATUS_PEER_FAILURE);
+    a.num_tokens = 4; /* the layer stays usable */
+    TU_OK(moe_layer_forward(l, &a));
+    TU_OK(moe_layer_destroy(l));
+}
+
+int main(int argc, char **argv)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_layouts_modes_families),
+        cmocka_unit_test(test_hot_expert),
+        cmocka_unit_test(test_deterministic_batch_sizes),
+        cmocka_unit_test(test_mismatched_config),
+        cmocka_unit_test(test_bad_forward_on_one_rank),
+    };
+    int rc, r;
+    MPI_Init(&argc, &argv);
+    MPI_Comm_rank(MPI_COMM_WORLD, &r);
+    if (r != 0) /* one report; failures still set every rank's exit code */
+        cmocka_set_message_output(CM_OUTPUT_SUBUNIT);
+    rc = cmocka_run_group_tests(tests, setup, teardown);
+    MPI_Allreduce(MPI_IN_PLACE, &rc, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    MPI_Finalize();
+    return rc ? 1 : 0;
+}

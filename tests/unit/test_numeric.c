@@ -1,0 +1,160 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* bf16 / f16 / fp8 e4m3 conversions: exhaustive over codes, rounding, saturation, NaN. */
+#include "testutil.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "kernels/numeric.h"
+
+static void test_fp8_all_codes_round_trip(void **state)
+{
+    int c;
+    (void)state;
+    for (c = 0; c < 256; c++) {
+        float f = moe_fp8e4m3_to_f32((uint8_t)c);
+        if ((c & 0x7f) == 0x7f) {
+            assert_true(isnan(f));
+            assert_int_equal(moe_f32_to_fp8e4m3(f), c); /* sign of NaN kept */
+            continue;
+        }
+        assert_true(isfinite(f));
+        assert_int_equal(moe_f32_to_fp8e4m3(f), c);
+    }
+}
+
+static void test_fp8_known_values(void **state)
+{
+    (void)state;
+    assert_true(moe_fp8e4m3_to_f32(0x7e) == 448.0f);
+    assert_true(moe_fp8e4m3_to_f32(0xfe) == -448.0f);
+    assert_true(moe_fp8e4m3_to_f32(0x08) == ldexpf(1.0f, -6)); /* smallest normal */
+    assert_true(moe_fp8e4m3_to_f32(0x01) == ldexpf(1.0f, -9)); /* smallest subnormal */
+    assert_true(moe_fp8e4m3_to_f32(0x07) == 7 * ldexpf(1.0f, -9));
+    assert_true(moe_fp8e4m3_to_f32(0x38) == 1.0f);
+    assert_true(moe_fp8e4m3_to_f32(0x39) == 1.125f);
+    assert_true(moe_fp8e4m3_to_f32(0x80) == 0.0f && signbit(moe_fp8e4m3_to_f32(0x80)));
+}
+
+static void test_fp8_monotonic(void **state)
+{
+    int c;
+    (void)state;
+    for (c = 0; c < 0x7e; c++)
+        assert_true(moe_fp8e4m3_to_f32((uint8_t)c) < moe_fp8e4m3_to_f32((uint8_t)(c + 1)));
+}
+
+static void test_fp8_rounding_and_saturation(void **state)
+{
+    (void)state;
+    /* ties to even: 1.0625 is between 1.0 (0x38, even) and 1.125 (0x39) */
+    assert_int_equal(moe_f32_to_fp8e4m3(1.0625f), 0x38);
+    /* 1.1875 between 1.125 (0x39) and 1.25 (0x3a, even) */
+    assert_int_equal(moe_f32_to_fp8e4m3(1.1875f), 0x3a);
+    assert_int_equal(moe_f32_to_fp8e4m3(1.07f), 0x39);
+    /* subnormal tie: 0.5 * 2^-9 rounds to 0 (even) */
+    assert_int_equal(moe_f32_to_fp8e4m3(ldexpf(1.0f, -10)), 0x00);
+    assert_int_equal(moe_f32_to_fp8e4m3(ldexpf(3.0f, -10)), 0x02); /* 1.5 -> 2 */
+    assert_int_equal(moe_f32_to_fp8e4m3(449.0f), 0x7e);
+    assert_int_equal(moe_f32_to_fp8e4m3(1e30f), 0x7e);
+    assert_int_equal(moe_f32_to_fp8e4m3(INFINITY), 0x7e);
+    assert_int_equal(moe_f32_to_fp8e4m3(-INFINITY), 0xfe);
+    assert_int_equal(moe_f32_to_fp8e4m3(NAN) & 0x7f, 0x7f);
+    assert_int_equal(moe_f32_to_fp8e4m3(-0.0f), 0x80);
+    assert_int_equal(moe_f32_to_fp8e4m3(1e-30f), 0x00);
+}
+
+/* Nearest-value property against a brute-force search over all codes. */
+static void test_fp8_nearest_random(void **state)
+{
+    uint64_t s = tu_seed("fp8_nearest");
+    float v[4096];
+    int i, c;
+    (void)state;
+    tu_fill_uniform(v, 4096, -500.0f, 500.0f, &s);
+    for (i = 0; i < 4096; i++) {
+        float x = v[i] * (i % 3 == 0 ? 1e-3f : 1.0f);
+        float got = moe_fp8e4m3_to_f32(moe_f32_to_fp8e4m3(x));
+        float best = 0;
+        for (c = 0; c < 256; c++) {
+            float f = moe_fp8e4m3_to_f32((uint8_t)c);
+            if (!isnan(f) && fabsf(f - x) < fabsf(best - x))
+                best = f;
+        }
+        if (fabsf(x) >= 448.0f)
+            best = copysignf(448.0f, x);
+        assert_true(fabsf(got - x) <= fabsf(best - x));
+    }
+}
+
+static void test_bf16_all_codes_round_trip(void **state)
+{
+    uint32_t c;
+    (void)state;
+    for (c = 0; c < 65536; c++) {
+        float f = moe_bf16_to_f32((uint16_t)c);
+        if (isnan(f)) {
+            assert_true(isnan(moe_bf16_to_f32(moe_f32_to_bf16(f))));
+            continue;
+        }
+        assert_int_equal(moe_f32_to_bf16(f), c);
+    }
+}
+
+static void test_bf16_rounding(void **state)
+{
+    (void)state;
+    /* 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1.0) */
+    assert_int_equal(moe_f32_to_bf16(1.0f + ldexpf(1.0f, -8)), 0x3f80);
+    /* 1 + 3*2^-8 is halfway between 1+2^-7 (odd) and 1+2^-6: goes up */
+    assert_int_equal(moe_f32_to_bf16(1.0f + 3 * ldexpf(1.0f, -8)), 0x3f82);
+    assert_int_equal(moe_f32_to_bf16(INFINITY), 0x7f80);
+    assert_int_equal(moe_f32_to_bf16(-INFINITY), 0xff80);
+    assert_true(isnan(moe_bf16_to_f32(moe_f32_to_bf16(NAN))));
+    assert_int_equal(moe_f32_to_bf16(3.4e38f), 0x7f80); /* rounds past the max: Inf */
+}
+
+static void test_f16_all_codes_round_trip(void **state)
+{
+    uint32_t c;
+    (void)state;
+    for (c = 0; c < 65536; c++) {
+        float f = moe_f16_to_f32((uint16_t)c);
+        if (isnan(f))
+            continue;
+        assert_int_equal(moe_f32_to_f16(f), c);
+    }
+    assert_true(moe_f16_to_f32(0x3c00) == 1.0f);
+    assert_true(moe_f16_to_f32(0x0001) == ldexpf(1.0f, -24));
+    assert_int_equal(moe_f32_to_f16(70000.0f), 0x7c00);
+}
+
+static void test_bulk_conversions(void **state)
+{
+    float src[5] = {1.0f, -2.5f, 0.0f, 448.0f, 0.1f}, back[5];
+    uint16_t b[5];
+    uint8_t f8[5];
+    (void)state;
+    moe_convert_from_f32(MOE_DTYPE_BF16, src, b, 5);
+    moe_convert_to_f32(MOE_DTYPE_BF16, b, back, 5);
+    assert_true(back[1] == -2.5f && back[3] == 448.0f);
+    moe_convert_from_f32(MOE_DTYPE_FP8_E4M3, src, f8, 5);
+    moe_convert_to_f32(MOE_DTYPE_FP8_E4M3, f8, back, 5);
+    assert_true(back[0] == 1.0f && back[3] == 448.0f && fabsf(back[4] - 0.1f) < 0.01f);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_fp8_all_codes_round_trip),
+        cmocka_unit_test(test_fp8_known_values),
+        cmocka_unit_test(test_fp8_monotonic),
+        cmocka_unit_test(test_fp8_rounding_and_saturation),
+        cmocka_unit_test(test_fp8_nearest_random),
+        cmocka_unit_test(test_bf16_all_codes_round_trip),
+        cmocka_unit_test(test_bf16_rounding),
+        cmocka_unit_test(test_f16_all_codes_round_trip),
+        cmocka_unit_test(test_bulk_conversions),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
