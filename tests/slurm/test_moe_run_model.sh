@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# moe-run --model on generated checkpoints of every family (Mixtral bf16 single file, Qwen2-MoE
+# and Qwen3-MoE sharded, DeepSeek-V3 fp8 with block scales, sharded) under mpirun with 1 rank,
+# 2 ranks (EP 2) and 2 ranks (TP 2): with --deterministic the written outputs must be equal
+# byte for byte; --input feeds an output back in.
+#   test_moe_run_model.sh MOE_RUN TEST_CHECKPOINT
+set -euo pipefail
+
+moe_run=$1
+fixtures=$2
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+command -v mpirun >/dev/null || { echo "SKIP: mpirun not found"; exit 77; }
+
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/moe-run-model-XXXXXX")
+trap 'rm -rf "$tmp"' EXIT
+"$fixtures" --write-fixtures "$tmp"
+
+fail=0
+run() { # np out [args...]
+    local np=$1 out=$2
+    shift 2
+    timeout 300 mpirun -np "$np" "$moe_run" --tokens 64 --deterministic --iters 1 --warmup 0 \
+        --backend cpu --output "$out" "$@" >"$out.log" 2>&1 || {
+        echo "FAIL: mpirun -np $np moe-run $* (exit $?)"; cat "$out.log"; fail=1; return 1; }
+    grep -q '^checksum ' "$out.log" || { echo "FAIL: no checksum line: $*"; fail=1; return 1; }
+}
+
+for m in mixtral qwen2_moe qwen3_moe deepseek_v3_fp8; do
+    args=(--model "$tmp/$m" --layer 1)
+    run 1 "$tmp/$m.np1" "${args[@]}" || continue
+    run 2 "$tmp/$m.ep2" "${args[@]}" || continue
+    run 2 "$tmp/$m.tp2" "${args[@]}" --tp 2 || continue
+    for v in ep2 tp2; do
+        if cmp -s "$tmp/$m.np1" "$tmp/$m.$v"; then
+            echo "ok: $m: 1 rank and 2 ranks ($v) write the same output"
+        else
+            echo "FAIL: $m: outputs of 1 rank and 2 ranks ($v) differ"; fail=1
+        fi
+    done
+    # The output is a safetensors file with hidden_states [64, H]: it is valid input.
+    run 2 "$tmp/$m.in" "${args[@]}" --input "$tmp/$m.np1" && echo "ok: $m: --input"
+done
+
+# Each of 2 EP ranks reads about half of the checkpoint's bytes (its experts), not all of it.
+log=$(MOE_DEBUG=INFO timeout 120 mpirun -x MOE_DEBUG -np 2 "$moe_run" --model "$tmp/mixtral" \
+    --layer 1 --tokens 64 --iters 1 --warmup 0 --backend cpu 2>&1 | grep '\[CKPT\]' || true)
+n=0
+while read -r bytes data; do
+    n=$((n + 1))
+    if [ $((bytes * 100 / data)) -lt 60 ]; then
+        echo "ok: a rank read $bytes of $data bytes"
+    else
+        echo "FAIL: a rank read $bytes of $data bytes (more than its shard)"; fail=1
+    fi
+done < <(echo "$log" | sed -n 's/.*read \([0-9]*\) bytes in .*(\([0-9]*\) bytes of tensor data open).*/\1 \2/p')
+[ "$n" = 2 ] || { echo "FAIL: expected 2 [CKPT] log lines, got $n"; echo "$log"; fail=1; }
+
+# A dense layer is refused with a message naming the reason, on every rank, without a hang.
+if timeout 120 mpirun -np 2 "$moe_run" --model "$tmp/deepseek_v3_fp8" --layer 0 --backend cpu \
+    >"$tmp/dense.log" 2>&1; then
+    echo "FAIL: a dense layer was accepted"; fail=1
+elif grep -q 'first_k_dense_replace' "$tmp/dense.log"; then
+    echo "ok: dense layer refused"
+else
+    echo "FAIL: dense layer message"; cat "$tmp/dense.log"; fail=1
+fi
+exit $fail
