@@ -10,10 +10,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build}
 PKGS="libopenmpi-dev openmpi-bin libhwloc-dev libcmocka-dev pkg-config cmake ninja-build"
+# The tests also start a real Slurm (slurm-wlm, munge) and fuzz with clang's libFuzzer.
+TEST_PKGS="slurm-wlm munge clang"
 
 deps() {
     local missing=() p sudo=""
-    for p in $PKGS; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+    for p in $PKGS ${1:-}; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
     [ ${#missing[@]} -eq 0 ] && return 0
     [ "$(id -u)" -ne 0 ] && sudo=sudo
     echo "dev.sh: installing ${missing[*]}" >&2
@@ -41,7 +43,7 @@ run)
     exec mpirun --oversubscribe --bind-to none -np "$np" "$BUILD_DIR/launch/moe-run" "${args[@]}"
     ;;
 test)
-    deps && build
+    deps "$TEST_PKGS" && build
     exec ctest --test-dir "$BUILD_DIR" --output-on-failure -j2 "$@"
     ;;
 *)

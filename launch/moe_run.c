@@ -472,11 +472,8 @@ int main(int argc, char **argv)
     CHECK(moe_runtime_create_mpi(&rc, MPI_COMM_WORLD, &rt));
     CHECK(moe_runtime_get_info(rt, &ri));
 #ifdef MOE_RUN_HAVE_MODEL
-    if (o.model) {
-        moe_dtype_t keep = o.cfg.weight_dtype;
+    if (o.model)
         CHECK(moe_run_model_config(o.model, o.layer_index, &o.cfg));
-        (void)keep;
-    }
 #else
     if (o.model)
         DIE("--model: this build has no checkpoint support");
@@ -503,7 +500,8 @@ int main(int argc, char **argv)
                li.tp_size, o.dispatch ? o.dispatch : "auto",
                li.deterministic ? ", deterministic" : "", o.model ? o.model : o.preset,
                o.cfg.num_experts, o.cfg.top_k, o.cfg.hidden, o.cfg.intermediate,
-               o.cfg.num_shared_experts, o.cfg.shared_intermediate, o.dtype,
+               o.cfg.num_shared_experts, o.cfg.shared_intermediate,
+               moe_dtype_name(o.cfg.weight_dtype),
                o.cfg.scoring == MOE_SCORING_SIGMOID ? "sigmoid" : "softmax",
                o.cfg.n_group > 1 ? " grouped" : "", (long long)o.tokens,
                (unsigned long long)o.seed);
