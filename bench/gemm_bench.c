@@ -1,0 +1,253 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Times every grouped-GEMM variant on the expert MLP of three models (GEMM1 x W13 with the
+ * SiLU*up epilogue, GEMM2 x W2 with the routing-weight epilogue) and prints a markdown table:
+ * microseconds, weight TB/s, TFLOP/s, fraction of the H200 floor.
+ * Usage: gemm_bench [model substring | all] [max rows per expert] [min rows] [variant name]. */
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/expert_gemm.h"
+#include "runtime/diag.h"
+
+#define CUDA_OK(x)                                                                                 \
+    do {                                                                                           \
+        cudaError_t e_ = (x);                                                                      \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));    \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+#define HBM_BPS 4.8e12
+#define PEAK_FLOPS 989e12
+#define SETS 16 /* rotating sets of active experts: no weight reuse in L2 between launches */
+
+typedef struct model {
+    const char *name;
+    int num_experts, top_k, hidden, inter;
+} model_t;
+
+static const model_t models[] = {
+    {"mixtral", 8, 2, 4096, 14336},
+    {"qwen3", 128, 8, 2048, 768},
+    {"dsv3_ep8", 32, 8, 7168, 2048},
+};
+
+typedef struct bench_case {
+    int active, rows; /* experts with rows, rows per active expert */
+} case_t;
+
+static int cmp_f(const void *a, const void *b)
+{
+    float x = *(const float *)a, y = *(const float *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Median over samples of the mean time of `batch` launches, in microseconds; < 0 on error. */
+static int once; /* GEMM_BENCH_ONCE=1: launch each kernel once (under ncu) */
+
+static float time_launch(const moe_gemm_variant_t *v, moe_gemm_args_t *args, int32_t **d_be,
+                         cudaStream_t st, cudaEvent_t e0, cudaEvent_t e1)
+{
+    args->block_expert = d_be[0];
+    if (v->launch(args, st) != MOE_STATUS_SUCCESS)
+        return -1.0f;
+    CUDA_OK(cudaStreamSynchronize(st));
+    if (once)
+        return 0.0f; /* one launch each, for a profiler */
+    float probe_ms;
+    CUDA_OK(cudaEventRecord(e0, st));
+    for (int i = 0; i < 3; i++) {
+        args->block_expert = d_be[(i + 1) % SETS];
+        v->launch(args, st);
+    }
+    CUDA_OK(cudaEventRecord(e1, st));
+    CUDA_OK(cudaEventSynchronize(e1));
+    CUDA_OK(cudaEventElapsedTime(&probe_ms, e0, e1));
+    probe_ms /= 3;
+    int batch = probe_ms < 0.05f ? 20 : probe_ms < 0.5f ? 5 : 1;
+    int samples = probe_ms > 5.0f ? 5 : probe_ms > 1.0f ? 11 : 21;
+    float t[32];
+    int it = 0;
+    for (int s = 0; s < samples; s++) {
+        CUDA_OK(cudaEventRecord(e0, st));
+        for (int b = 0; b < batch; b++, it++) {
+            args->block_expert = d_be[it % SETS];
+            v->launch(args, st);
+        }
+        CUDA_OK(cudaEventRecord(e1, st));
+        CUDA_OK(cudaEventSynchronize(e1));
+        CUDA_OK(cudaEventElapsedTime(&t[s], e0, e1));
+        t[s] = t[s] * 1000.0f / batch;
+    }
+    CUDA_OK(cudaGetLastError());
+    qsort(t, samples, sizeof(float), cmp_f);
+    return t[samples / 2];
+}
+
+static void fill_random(void *d, size_t bytes)
+{
+    size_t chunk = 64u << 20;
+    uint16_t *h = malloc(chunk);
+    uint64_t x = 88172645463325252ull;
+    for (size_t i = 0; i < chunk / 2; i++) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        /* bf16 in about [-1/16, 1/16]: sign, exponent 119..122, random mantissa */
+        h[i] = (uint16_t)(((x >> 20) & 0x8000) | ((119 + ((x >> 8) & 3)) << 7) | (x & 0x7f));
+    }
+    for (size_t off = 0; off < bytes; off += chunk) {
+        size_t nb = bytes - off < chunk ? bytes - off : chunk;
+        CUDA_OK(cudaMemcpy((char *)d + off, h, nb, cudaMemcpyHostToDevice));
+    }
+    free(h);
+}
+
+int main(int argc, char **argv)
+{
+    const char *filter = argc > 1 && strcmp(argv[1], "all") ? argv[1] : NULL;
+    const int max_case_rows = argc > 2 ? atoi(argv[2]) : 1 << 30;
+    const int min_case_rows = argc > 3 ? atoi(argv[3]) : 0;
+    const char *vfilter = argc > 4 ? argv[4] : NULL;
+    once = getenv("GEMM_BENCH_ONCE") != NULL;
+    int ndev = 0;
+    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+        fprintf(stderr, "no CUDA device\n");
+        return 77;
+    }
+    struct cudaDeviceProp prop;
+    CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+    int arch = prop.major * 10 + prop.minor;
+    int count;
+    const moe_gemm_variant_t *vs = moe_gemm_variants(&count);
+    cudaStream_t st;
+    cudaEvent_t e0, e1;
+    CUDA_OK(cudaStreamCreate(&st));
+    CUDA_OK(cudaEventCreate(&e0));
+    CUDA_OK(cudaEventCreate(&e1));
+
+    printf("# grouped GEMM bench: %s (arch %d, %d SMs); floor = max(weight bytes / 4.8 TB/s, "
+           "flops / 989 TFLOP/s); GEMM1 = x.W13^T + silu*up (bf16), GEMM2 = h.W2^T * "
+           "row_scale (bf16)\n\n",
+           prop.name, arch, prop.multiProcessorCount);
+    printf("| model | M | experts x rows | variant | GEMM1 us | GEMM2 us | total us | floor us | "
+           "frac | weight TB/s | TFLOP/s | select |\n");
+    printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+
+    for (size_t mi = 0; mi < sizeof(models) / sizeof(models[0]); mi++) {
+        const model_t *m = &models[mi];
+        if (filter && !strstr(m->name, filter))
+            continue;
+        const int E = m->num_experts, H = m->hidden, I = m->inter;
+        case_t cases[16];
+        int nc = 0;
+        cases[nc++] = (case_t){mi == 0 ? 2 : 8, 1}; /* one token: top_k experts */
+        const int rl[] = {1, 4, 8, 16, 32, 64, 128, 256, 1024, 2048};
+        for (int i = 0; i < 10; i++)
+            cases[nc++] = (case_t){E, rl[i]};
+        size_t w13_bytes = (size_t)E * 2 * I * H * 2, w2_bytes = (size_t)E * H * I * 2;
+        void *d_w13, *d_w2;
+        CUDA_OK(cudaMalloc(&d_w13, w13_bytes));
+        CUDA_OK(cudaMalloc(&d_w2, w2_bytes));
+        fill_random(d_w13, w13_bytes);
+        fill_random(d_w2, w2_bytes);
+        /* activations sized for the largest case at the smallest block size */
+        size_t max_rows = (size_t)E * (2048 + 128);
+        void *d_x, *d_h, *d_y;
+        float *d_scale;
+        CUDA_OK(cudaMalloc(&d_x, max_rows * H * 2));
+        CUDA_OK(cudaMalloc(&d_h, max_rows * I * 2));
+        CUDA_OK(cudaMalloc(&d_y, max_rows * H * 2));
+        CUDA_OK(cudaMalloc((void **)&d_scale, max_rows * 4));
+        fill_random(d_x, max_rows * H * 2);
+        fill_random(d_h, max_rows * I * 2);
+        fill_random(d_scale, max_rows * 4);
+        int32_t *d_be[SETS], *d_nb;
+        int32_t *h_be = malloc(sizeof(int32_t) * max_rows);
+        for (int s = 0; s < SETS; s++)
+            CUDA_OK(cudaMalloc((void **)&d_be[s], max_rows * 4));
+        CUDA_OK(cudaMalloc((void **)&d_nb, 4));
+
+        for (int ci = 0; ci < nc; ci++) {
+            const case_t *c = &cases[ci];
+            if (c->rows > max_case_rows || c->rows < min_case_rows)
+                continue;
+            double bytes = (double)c->active * 3.0 * I * H * 2;
+            double flops = 2.0 * c->active * c->rows * 3.0 * I * H;
+            double floor_us = fmax(bytes / HBM_BPS, flops / PEAK_FLOPS) * 1e6;
+            int tokens = (int)((double)c->active * c->rows / m->top_k + 0.5);
+            const moe_gemm_variant_t *sel =
+                moe_gemm_select(arch, MOE_DTYPE_BF16, MOE_SCALE_NONE, c->rows);
+            for (int vi = 0; vi < count; vi++) {
+                const moe_gemm_variant_t *v = &vs[vi];
+                if (v->min_arch > arch || (vfilter && strcmp(v->name, vfilter)))
+                    continue;
+                if (v->swap_ab && c->rows > 4 * v->block_rows && c->rows > 64)
+                    continue; /* swap-AB re-reads weights per block: only for few rows */
+                if (v->min_arch == 80 && arch >= 90 && ci > 0 && c->rows != 16 && c->rows != 64 &&
+                    c->rows != 1024)
+                    continue; /* the fallback: a few points on Hopper */
+                int br = v->block_rows;
+                int per = (c->rows + br - 1) / br, nb = c->active * per;
+                int max_blocks = nb + E; /* what a runtime sizes: + one partial block each */
+                for (int s = 0; s < SETS; s++) {
+                    for (int b = 0; b < max_blocks; b++)
+                        h_be[b] = b < nb ? (b / per + s * c->active) % E : -1;
+                    CUDA_OK(cudaMemcpy(d_be[s], h_be, max_blocks * 4, cudaMemcpyHostToDevice));
+                }
+                CUDA_OK(cudaMemcpy(d_nb, &nb, 4, cudaMemcpyHostToDevice));
+                moe_gemm_args_t a1;
+                memset(&a1, 0, sizeof(a1));
+                a1.a = d_x;
+                a1.b = d_w13;
+                a1.c = d_h;
+                a1.num_blocks = d_nb;
+                a1.max_blocks = max_blocks;
+                a1.num_experts = E;
+                a1.n = 2 * I;
+                a1.k = H;
+                a1.epilogue = MOE_GEMM_EPI_SILU_MUL;
+                a1.ab_dtype = MOE_DTYPE_BF16;
+                moe_gemm_args_t a2 = a1;
+                a2.a = d_h;
+                a2.b = d_w2;
+                a2.c = d_y;
+                a2.row_scale = d_scale;
+                a2.n = H;
+                a2.k = I;
+                a2.epilogue = MOE_GEMM_EPI_STORE;
+                float t1 = time_launch(v, &a1, d_be, st, e0, e1);
+                float t2 = time_launch(v, &a2, d_be, st, e0, e1);
+                if (t1 < 0 || t2 < 0) {
+                    printf("| %s | %d | %dx%d | %s | - | - | - | %.1f | - | - | - | %s |\n",
+                           m->name, tokens, c->active, c->rows, v->name, floor_us,
+                           moe_last_error());
+                    continue;
+                }
+                double tot = t1 + t2;
+                printf("| %s | %d | %dx%d | %s | %.1f | %.1f | %.1f | %.1f | %.2f | %.2f | %.0f "
+                       "| %s |\n",
+                       m->name, tokens, c->active, c->rows, v->name, t1, t2, tot, floor_us,
+                       floor_us / tot, bytes / (tot * 1e-6) / 1e12, flops / (tot * 1e-6) / 1e12,
+                       v == sel ? "<-" : "");
+                fflush(stdout);
+            }
+        }
+        free(h_be);
+        for (int s = 0; s < SETS; s++)
+            cudaFree(d_be[s]);
+        cudaFree(d_nb);
+        cudaFree(d_w13);
+        cudaFree(d_w2);
+        cudaFree(d_x);
+        cudaFree(d_h);
+        cudaFree(d_y);
+        cudaFree(d_scale);
+    }
+    return 0;
+}

@@ -1,0 +1,166 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Pieces shared by the grouped expert GEMM families (sm_90a and sm_80): argument checks,
+ * epilogue math, device properties, the one-time shared-memory attribute. */
+#ifndef MOE_EXPERT_GEMM_COMMON_CUH
+#define MOE_EXPERT_GEMM_COMMON_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "kernels/expert_gemm.h"
+#include "runtime/diag.h"
+
+/* Plain values every kernel needs; the operand pointers travel in tensor maps (sm_90a) or
+ * next to this struct (sm_80). */
+struct moe_gemm_kparams {
+    void *c;
+    const float *row_scale;
+    const int32_t *block_expert;
+    const int32_t *num_blocks;
+    int max_blocks, num_experts, n, k, n_out, c_f32, n_tiles;
+};
+
+__device__ __forceinline__ float moe_gemm_silu(float x)
+{
+    return x / (1.0f + __expf(-x));
+}
+
+/* gelu with the tanh approximation, as kernels/cpu computes it. */
+__device__ __forceinline__ float moe_gemm_gelu_tanh(float x)
+{
+    const float k0 = 0.7978845608028654f; /* sqrt(2/pi) */
+    float u = k0 * (x + 0.044715f * x * x * x);
+    return 0.5f * x * (1.0f + tanhf(u));
+}
+
+template <int EPI> __device__ __forceinline__ float moe_gemm_act_mul(float g, float u)
+{
+    if (EPI == MOE_GEMM_EPI_SILU_MUL)
+        return moe_gemm_silu(g) * u;
+    return moe_gemm_gelu_tanh(g) * u;
+}
+
+/* Row r's epilogue scale (1 without row_scale). Loaded once per row and item: c may alias
+ * nothing, but the compiler cannot know, so a load next to each store would repeat. */
+__device__ __forceinline__ float moe_gemm_row_scale(const moe_gemm_kparams &p, int64_t row)
+{
+    return p.row_scale ? __ldg(p.row_scale + row) : 1.0f;
+}
+
+/* Stores one output element (bf16 or f32 output), already scaled. */
+__device__ __forceinline__ void moe_gemm_put1(const moe_gemm_kparams &p, int64_t row, int col,
+                                              float v)
+{
+    if (p.c_f32)
+        ((float *)p.c)[row * p.n_out + col] = v;
+    else
+        ((__nv_bfloat16 *)p.c)[row * p.n_out + col] = __float2bfloat16_rn(v);
+}
+
+/* Stores two adjacent output elements (col even), already scaled. */
+__device__ __forceinline__ void moe_gemm_put2(const moe_gemm_kparams &p, int64_t row, int col,
+                                              float v0, float v1)
+{
+    if (p.c_f32)
+        *(float2 *)((float *)p.c + row * p.n_out + col) = make_float2(v0, v1);
+    else
+        *(__nv_bfloat162 *)((__nv_bfloat16 *)p.c + row * p.n_out + col) =
+            __floats2bfloat162_rn(v0, v1);
+}
+
+/* Checks what every variant needs. `n_store`: n must be a multiple of this for STORE;
+ * `n_half`: n/2 must be a multiple of this for the *_MUL epilogues; k a multiple of `k_mult`. */
+static inline moe_status_t moe_gemm_check_common(const moe_gemm_args_t *a, const char *name,
+                                                 int n_store, int n_half, int k_mult)
+{
+    if (!a)
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT, "%s: args is NULL", name);
+    if (a->ab_dtype != MOE_DTYPE_BF16)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: ab_dtype %d not built (bf16 only)", name,
+                         (int)a->ab_dtype);
+    if (a->scale_kind != MOE_SCALE_NONE)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: scale_kind %d not built (none only)", name,
+                         (int)a->scale_kind);
+    MOE_ARG_CHECK(a->max_blocks >= 0, "%s: max_blocks = %d < 0", name, a->max_blocks);
+    MOE_ARG_CHECK(a->num_experts > 0, "%s: num_experts = %d <= 0", name, a->num_experts);
+    MOE_ARG_CHECK(a->n > 0 && a->k > 0, "%s: n = %d, k = %d must be > 0", name, a->n, a->k);
+    MOE_ARG_CHECK(a->epilogue >= MOE_GEMM_EPI_STORE && a->epilogue <= MOE_GEMM_EPI_GELU_MUL,
+                  "%s: epilogue = %d", name, (int)a->epilogue);
+    MOE_ARG_CHECK(a->a && a->b && a->c && a->block_expert && a->num_blocks,
+                  "%s: a, b, c, block_expert and num_blocks must be device pointers (a=%p b=%p "
+                  "c=%p block_expert=%p num_blocks=%p)",
+                  name, a->a, a->b, a->c, (const void *)a->block_expert,
+                  (const void *)a->num_blocks);
+    MOE_ARG_CHECK(((uintptr_t)a->a % 16) == 0 && ((uintptr_t)a->b % 16) == 0 &&
+                      ((uintptr_t)a->c % 16) == 0,
+                  "%s: a, b and c must be 16-byte aligned", name);
+    if (a->k % k_mult)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: k = %d is not a multiple of %d", name, a->k,
+                         k_mult);
+    if (a->epilogue == MOE_GEMM_EPI_STORE) {
+        if (a->n % n_store)
+            return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                             "%s: n = %d is not a multiple of %d (STORE epilogue)", name, a->n,
+                             n_store);
+    } else if (a->n % 2 || (a->n / 2) % n_half) {
+        return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                         "%s: n = %d: n/2 must be a multiple of %d (gate|up epilogue)", name, a->n,
+                         n_half);
+    }
+    if ((int64_t)a->num_experts * a->n >= ((int64_t)1 << 31))
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: num_experts * n = %lld too large", name,
+                         (long long)a->num_experts * a->n);
+    return MOE_STATUS_SUCCESS;
+}
+
+#define MOE_GEMM_MAX_DEVICES 64
+
+/* Multiprocessor count of the current device, cached per device. */
+static inline moe_status_t moe_gemm_device_sms(const char *name, int *dev_out, int *sms_out)
+{
+    static int sms_cache[MOE_GEMM_MAX_DEVICES];
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess)
+        return moe_error(MOE_STATUS_CUDA_ERROR, "%s: cudaGetDevice: %s", name,
+                         cudaGetErrorString(e));
+    int sms = dev < MOE_GEMM_MAX_DEVICES ? __atomic_load_n(&sms_cache[dev], __ATOMIC_RELAXED) : 0;
+    if (sms <= 0) {
+        e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+        if (e != cudaSuccess)
+            return moe_error(MOE_STATUS_CUDA_ERROR, "%s: multiprocessor count: %s", name,
+                             cudaGetErrorString(e));
+        if (dev < MOE_GEMM_MAX_DEVICES)
+            __atomic_store_n(&sms_cache[dev], sms, __ATOMIC_RELAXED);
+    }
+    *dev_out = dev;
+    *sms_out = sms;
+    return MOE_STATUS_SUCCESS;
+}
+
+/* Raises a kernel's dynamic shared-memory limit once per device. `done` is a per-kernel
+ * bitmask of devices (racing threads may both set the attribute: harmless). */
+static inline moe_status_t moe_gemm_smem_once(const char *name, const void *kernel, int smem,
+                                              int dev, unsigned long long *done)
+{
+    unsigned long long bit = dev < MOE_GEMM_MAX_DEVICES ? 1ull << dev : 0;
+    if (bit && (__atomic_load_n(done, __ATOMIC_ACQUIRE) & bit))
+        return MOE_STATUS_SUCCESS;
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess)
+        return moe_error(MOE_STATUS_CUDA_ERROR, "%s: cudaFuncSetAttribute(smem %d): %s", name, smem,
+                         cudaGetErrorString(e));
+    __atomic_fetch_or(done, bit, __ATOMIC_RELEASE);
+    return MOE_STATUS_SUCCESS;
+}
+
+static inline moe_status_t moe_gemm_check_launch(const char *name)
+{
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess)
+        return moe_error(MOE_STATUS_CUDA_ERROR, "%s: launch: %s", name, cudaGetErrorString(e));
+    return MOE_STATUS_SUCCESS;
+}
+
+#endif /* MOE_EXPERT_GEMM_COMMON_CUH */

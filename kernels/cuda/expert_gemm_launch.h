@@ -1,0 +1,26 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Launch entry points of the compiled grouped-GEMM variants (CUDA-free), for the table. */
+#ifndef MOE_EXPERT_GEMM_LAUNCH_H
+#define MOE_EXPERT_GEMM_LAUNCH_H
+
+#include "kernels/expert_gemm.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+moe_status_t moe_gemm_sm90_m128_launch(const moe_gemm_args_t *args, void *stream);
+moe_status_t moe_gemm_sm90_m64_launch(const moe_gemm_args_t *args, void *stream);
+moe_status_t moe_gemm_sm90_swap8_launch(const moe_gemm_args_t *args, void *stream);
+moe_status_t moe_gemm_sm90_swap16_launch(const moe_gemm_args_t *args, void *stream);
+moe_status_t moe_gemm_sm90_swap32_launch(const moe_gemm_args_t *args, void *stream);
+moe_status_t moe_gemm_sm90_swap64_launch(const moe_gemm_args_t *args, void *stream);
+moe_status_t moe_gemm_sm90_swap32w_launch(const moe_gemm_args_t *args, void *stream);
+moe_status_t moe_gemm_sm80_m64_launch(const moe_gemm_args_t *args, void *stream);
+moe_status_t moe_gemm_sm80_m32_launch(const moe_gemm_args_t *args, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOE_EXPERT_GEMM_LAUNCH_H */

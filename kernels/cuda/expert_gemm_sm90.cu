@@ -1,0 +1,520 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Grouped expert GEMM for sm_90a: wgmma fed by TMA through an mbarrier ring, persistent CTAs,
+ * a normal layout (tokens in wgmma M) and a swap-AB layout (weight rows in M, tokens in N). */
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+/* Without sm_90a the kernel bodies below would compile to nothing: refuse instead. */
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "expert_gemm_sm90.cu is sm_90a only (-gencode arch=compute_90a,code=sm_90a)"
+#endif
+
+#include "kernels/cuda/expert_gemm_common.cuh"
+#include "kernels/cuda/expert_gemm_launch.h"
+
+/* ---- device primitives -------------------------------------------------------------------- */
+
+static __device__ __forceinline__ uint32_t smem_u32(const void *p)
+{
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+static __device__ __forceinline__ void mbar_init(uint64_t *bar, int count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+
+static __device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+
+static __device__ __forceinline__ void mbar_arrive(uint64_t *bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+static __device__ __forceinline__ void mbar_wait(uint64_t *bar, int phase)
+{
+    uint32_t done;
+    do {
+        asm volatile("{\n"
+                     ".reg .pred p;\n"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n"
+                     "}\n"
+                     : "=r"(done)
+                     : "r"(smem_u32(bar)), "r"(phase)
+                     : "memory");
+    } while (!done);
+}
+
+/* 2D tile load: c0 = column (k, innermost), c1 = row. Completes on `bar` with its bytes. */
+static __device__ __forceinline__ void tma_load_2d(void *dst, const CUtensorMap *map, int c0,
+                                                   int c1, uint64_t *bar)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];" ::"r"(smem_u32(dst)),
+                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(smem_u32(bar))
+                 : "memory");
+}
+
+static __device__ __forceinline__ void wgmma_fence()
+{
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+static __device__ __forceinline__ void wgmma_commit()
+{
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N> static __device__ __forceinline__ void wgmma_wait()
+{
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+/* Keeps the compiler from moving accumulator reads/writes across wgmma fences and waits. */
+static __device__ __forceinline__ void reg_fence(float &r)
+{
+    asm volatile("" : "+f"(r)::"memory");
+}
+
+/* Shared-memory matrix descriptor for a K-major tile of 64 bf16 (128 B) per row, written by TMA
+ * with the 128-byte swizzle: 8-row atoms 1024 B apart (stride byte offset), leading byte offset
+ * unused (1), layout type 1 = SWIZZLE_128B in bits 62-63. */
+static __device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr)
+{
+    return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) |
+           ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+
+/* d[N/2] += A(64 x 16, smem desc) . B(N x 16, smem desc)^T, f32 accumulators. */
+template <int N> __device__ __forceinline__ void wgmma_bf16(float *d, uint64_t da, uint64_t db);
+#include "kernels/cuda/expert_gemm_wgmma.inc"
+
+/* ---- the kernel ------------------------------------------------------------------------------
+ * One CTA = NWG consumer warpgroups + 1 producer warpgroup (one thread issues TMA). Work item t
+ * (persistent, strided by gridDim.x) = (row block b, weight tile jt). A weight tile is HALVES
+ * slices of WR weight rows: for STORE consecutive rows, for the *_MUL epilogues the gate rows
+ * and the up rows of the same output columns.
+ *   normal (SWAP=0): wgmma M = tokens (64 per consumer warpgroup), N = WR weight rows per
+ *     slice, one accumulator per slice, so a thread holds gate and up of its outputs.
+ *   swap-AB (SWAP=1): wgmma M = the weight rows of the tile, 64 per wgmma, WM = 1 or 2
+ *     wgmmas (HALVES x WR = 64 WM: for *_MUL gate rows first, then up rows), N = TOK tokens;
+ *     the epilogue goes through shared memory (pairs gate with up, writes rows of c
+ *     coalesced). 32 WM output columns per item for *_MUL keeps items small, so few-token
+ *     steps still spread over every SM. */
+constexpr int BK = 64;            /* bf16 elements per row of a stage: one 128 B swizzle row */
+constexpr int ROW_BYTES = BK * 2; /* 128 */
+constexpr int GROUP_BLOCKS = 16;  /* row blocks swept together over all weight tiles (L2 reuse) */
+
+template <int SWAP, int TOK, int WR, int HALVES, int STAGES, int KB> struct sm90_cfg {
+    static constexpr int NWG = SWAP ? 1 : TOK / 64;
+    static constexpr int THREADS = (NWG + 1) * 128;
+    static constexpr int WN = SWAP ? TOK : WR; /* wgmma N */
+    static constexpr int ACC = WN / 2;         /* f32 accumulators per thread per wgmma */
+    static constexpr int WM = SWAP ? HALVES * WR / 64 : 1; /* swap-AB: m64 wgmmas per k16 */
+    static constexpr int NACC = SWAP ? WM : HALVES;
+    static constexpr int SUB_W = HALVES * WR * ROW_BYTES; /* one 64-wide k slice of weights */
+    static constexpr int SUB_T = TOK * ROW_BYTES;         /* one 64-wide k slice of tokens */
+    static constexpr int W_BYTES = KB * SUB_W;            /* a stage holds KB k slices */
+    static constexpr int TOK_BYTES = KB * SUB_T;
+    static constexpr int STAGE_BYTES = W_BYTES + TOK_BYTES;
+    static constexpr int EPI_LD = TOK + 1; /* swap-AB staging row (floats), odd: no conflicts */
+    static constexpr int EPI_BYTES = SWAP ? (64 * WM * EPI_LD + 64) * 4 : 0; /* + row scales */
+    static constexpr int SMEM = STAGES * STAGE_BYTES + EPI_BYTES + 2 * STAGES * 8 + 1024;
+    static_assert(!SWAP || HALVES * WR == 64 || HALVES * WR == 128, "swap-AB: 64 or 128 rows");
+    static_assert(TOK_BYTES % 1024 == 0 && W_BYTES % 1024 == 0, "1024 B aligned tiles");
+    static_assert(SMEM <= 227 * 1024, "shared memory");
+};
+
+/* Maps work item t to (row block b, weight tile jt); row blocks are taken GROUP_BLOCKS at a time
+ * across all weight tiles so the group's token rows and the swept weight tiles stay in L2. */
+static __device__ __forceinline__ void sm90_item(int t, int nb, int n_tiles, int *b, int *jt)
+{
+    int per_group = GROUP_BLOCKS * n_tiles;
+    int g = t / per_group;
+    int rem = t - g * per_group;
+    int gsize = min(GROUP_BLOCKS, nb - g * GROUP_BLOCKS);
+    *jt = rem / gsize;
+    *b = g * GROUP_BLOCKS + rem % gsize;
+}
+
+template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB>
+__global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>::THREADS, 1)
+    moe_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tm_tok,
+                         const __grid_constant__ CUtensorMap tm_w, const moe_gemm_kparams p)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using C = sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    float *sepi = (float *)(smem + STAGES * C::STAGE_BYTES);
+    uint64_t *full = (uint64_t *)(smem + STAGES * C::STAGE_BYTES + C::EPI_BYTES);
+    uint64_t *empty = full + STAGES;
+    const int wg = threadIdx.x / 128;
+    const int tid = threadIdx.x % 128;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], C::NWG * 4); /* lane 0 of each consumer warp */
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tm_w) : "memory");
+        asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tm_tok) : "memory");
+    }
+    __syncthreads();
+    /* Programmatic dependent launch: everything above overlaps the previous kernel's tail;
+     * nothing it writes (a, block_expert, num_blocks) is read before this wait. */
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+
+    const int nb = min(__ldg(p.num_blocks), p.max_blocks);
+    const int total = nb * p.n_tiles;
+    const int kt_count = p.k / BK;
+
+    if (wg == C::NWG) { /* producer */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (tid == 0) {
+            int s = 0, ph = 0;
+            for (int t = blockIdx.x; t < total; t += gridDim.x) {
+                int b, jt;
+                sm90_item(t, nb, p.n_tiles, &b, &jt);
+                int e = __ldg(p.block_expert + b);
+                if (e < 0 || e >= p.num_experts)
+                    continue;
+                int wrow[HALVES];
+#pragma unroll
+                for (int h = 0; h < HALVES; h++)
+                    wrow[h] = e * p.n + (EPI == MOE_GEMM_EPI_STORE ? jt * HALVES * WR + h * WR
+                                                                   : h * (p.n / 2) + jt * WR);
+                for (int kt = 0; kt < kt_count; kt += KB) {
+                    /* k slices past k (last stage, k not a multiple of KB * 64) come back
+                     * zero-filled from TMA and still count their bytes: they add nothing. */
+                    mbar_wait(&empty[s], ph ^ 1);
+                    uint8_t *st = smem + s * C::STAGE_BYTES;
+                    mbar_expect_tx(&full[s], C::STAGE_BYTES);
+#pragma unroll
+                    for (int sub = 0; sub < KB; sub++) {
+#pragma unroll
+                        for (int h = 0; h < HALVES; h++)
+                            tma_load_2d(st + sub * C::SUB_W + h * WR * ROW_BYTES, &tm_w,
+                                        (kt + sub) * BK, wrow[h], &full[s]);
+                        tma_load_2d(st + C::W_BYTES + sub * C::SUB_T, &tm_tok, (kt + sub) * BK,
+                                    b * TOK, &full[s]);
+                    }
+                    if (++s == STAGES) {
+                        s = 0;
+                        ph ^= 1;
+                    }
+                }
+            }
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int warp = tid / 32, lane = tid % 32;
+    float acc[C::NACC][C::ACC];
+    /* The wgmmas of one 64-wide k slice `sub` of the stage at shared address st. */
+    auto mma_slice = [&](float(&d)[C::NACC][C::ACC], uint32_t st, int sub, int wgi) {
+        const uint32_t sw = st + sub * C::SUB_W;
+        const uint32_t stk = st + C::W_BYTES + sub * C::SUB_T;
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; kk++) {
+            if (SWAP) {
+#pragma unroll
+                for (int j = 0; j < C::WM; j++)
+                    wgmma_bf16<C::WN>(d[j], sw128_desc(sw + j * 64 * ROW_BYTES + kk * 32),
+                                      sw128_desc(stk + kk * 32));
+            } else {
+#pragma unroll
+                for (int h = 0; h < HALVES; h++)
+                    wgmma_bf16<C::WN>(d[h], sw128_desc(stk + wgi * 64 * ROW_BYTES + kk * 32),
+                                      sw128_desc(sw + h * WR * ROW_BYTES + kk * 32));
+            }
+        }
+    };
+    int s = 0, ph = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+        int b, jt;
+        sm90_item(t, nb, p.n_tiles, &b, &jt);
+        int e = __ldg(p.block_expert + b);
+        if (e < 0 || e >= p.num_experts)
+            continue;
+#pragma unroll
+        for (int h = 0; h < C::NACC; h++)
+#pragma unroll
+            for (int i = 0; i < C::ACC; i++) {
+                acc[h][i] = 0.0f;
+                reg_fence(acc[h][i]);
+            }
+        int s_prev = -1;
+        for (int kt = 0; kt < kt_count; kt += KB) {
+            mbar_wait(&full[s], ph);
+            const uint32_t st = smem_u32(smem + s * C::STAGE_BYTES);
+            wgmma_fence();
+#pragma unroll
+            for (int sub = 0; sub < KB; sub++)
+                mma_slice(acc, st, sub, wg);
+            wgmma_commit();
+            /* keep this k-step's wgmmas in flight; the previous step's stage is free now */
+            wgmma_wait<1>();
+            if (s_prev >= 0 && lane == 0)
+                mbar_arrive(&empty[s_prev]);
+            s_prev = s;
+            if (++s == STAGES) {
+                s = 0;
+                ph ^= 1;
+            }
+        }
+        wgmma_wait<0>();
+#pragma unroll
+        for (int h = 0; h < C::NACC; h++)
+#pragma unroll
+            for (int i = 0; i < C::ACC; i++)
+                reg_fence(acc[h][i]);
+        if (s_prev >= 0 && lane == 0)
+            mbar_arrive(&empty[s_prev]);
+
+        /* Epilogue. Accumulator i of a thread: wgmma row 16*warp + lane/4 + 8*((i%4)/2),
+         * column 8*(i/4) + 2*(lane%4) + i%2. */
+        const int64_t row0 = (int64_t)b * TOK;
+        if (SWAP) {
+            constexpr int OC = 64 * C::WM / HALVES; /* output columns of the item */
+            float *sscale = sepi + 64 * C::WM * C::EPI_LD;
+            asm volatile("bar.sync 1, 128;" ::: "memory"); /* last item's readers are done */
+            if (tid < TOK)
+                sscale[tid] = moe_gemm_row_scale(p, row0 + tid);
+#pragma unroll
+            for (int i = 0; i < C::ACC; i++) {
+                int wr = 16 * warp + (lane >> 2) + 8 * ((i & 3) >> 1);
+                int tk = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+#pragma unroll
+                for (int j = 0; j < C::WM; j++)
+                    sepi[(64 * j + wr) * C::EPI_LD + tk] = acc[j][i];
+            }
+            asm volatile("bar.sync 1, 128;" ::: "memory");
+            for (int idx = tid; idx < OC * TOK; idx += 128) {
+                int oc = idx % OC, tk = idx / OC;
+                float v = sepi[oc * C::EPI_LD + tk];
+                if (EPI != MOE_GEMM_EPI_STORE)
+                    v = moe_gemm_act_mul<EPI>(v, sepi[(OC + oc) * C::EPI_LD + tk]);
+                moe_gemm_put1(p, row0 + tk, jt * OC + oc, v * sscale[tk]);
+            }
+        } else {
+            /* a thread's outputs lie on two rows: 8 apart */
+            const int64_t row = row0 + wg * 64 + 16 * warp + (lane >> 2);
+            const float sc[2] = {moe_gemm_row_scale(p, row), moe_gemm_row_scale(p, row + 8)};
+#pragma unroll
+            for (int i = 0; i < C::ACC; i += 2) {
+                const int q = (i & 3) >> 1;
+                const int wc = 8 * (i >> 2) + 2 * (lane & 3);
+                if (EPI == MOE_GEMM_EPI_STORE) {
+#pragma unroll
+                    for (int h = 0; h < HALVES; h++)
+                        moe_gemm_put2(p, row + 8 * q, jt * HALVES * WR + h * WR + wc,
+                                      acc[h][i] * sc[q], acc[h][i + 1] * sc[q]);
+                } else {
+                    moe_gemm_put2(p, row + 8 * q, jt * WR + wc,
+                                  moe_gemm_act_mul<EPI>(acc[0][i], acc[C::NACC - 1][i]) * sc[q],
+                                  moe_gemm_act_mul<EPI>(acc[0][i + 1], acc[C::NACC - 1][i + 1]) *
+                                      sc[q]);
+                }
+            }
+        }
+    }
+#endif
+}
+
+/* ---- host side ------------------------------------------------------------------------------ */
+
+static PFN_cuTensorMapEncodeTiled_v12000 encode_fn(void)
+{
+    static PFN_cuTensorMapEncodeTiled_v12000 fn;
+    PFN_cuTensorMapEncodeTiled_v12000 f = __atomic_load_n(&fn, __ATOMIC_ACQUIRE);
+    if (f)
+        return f;
+    void *ptr = NULL;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess || !ptr)
+        return NULL;
+    f = (PFN_cuTensorMapEncodeTiled_v12000)ptr;
+    __atomic_store_n(&fn, f, __ATOMIC_RELEASE);
+    return f;
+}
+
+/* Row-major bf16 [rows, k] with a box of [box_rows, 64], 128-byte swizzle. */
+static moe_status_t encode_map(CUtensorMap *map, const void *ptr, int64_t rows, int k, int box_rows,
+                               const char *name)
+{
+    PFN_cuTensorMapEncodeTiled_v12000 f = encode_fn();
+    if (!f)
+        return moe_error(MOE_STATUS_CUDA_ERROR, "%s: cuTensorMapEncodeTiled not found in driver",
+                         name);
+    cuuint64_t dims[2] = {(cuuint64_t)k, (cuuint64_t)rows};
+    cuuint64_t strides[1] = {(cuuint64_t)k * 2};
+    cuuint32_t box[2] = {BK, (cuuint32_t)box_rows};
+    cuuint32_t estr[2] = {1, 1};
+    CUresult r = f(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)ptr, dims, strides, box, estr,
+                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS)
+        return moe_error(MOE_STATUS_CUDA_ERROR,
+                         "%s: cuTensorMapEncodeTiled(rows %lld, k %d, box %d) failed: %d", name,
+                         (long long)rows, k, box_rows, (int)r);
+    return MOE_STATUS_SUCCESS;
+}
+
+/* MOE_GEMM_PDL=0 turns programmatic dependent launch off (default on): the kernel's prologue
+ * then no longer overlaps the previous kernel on the stream. */
+static int pdl_enabled(void)
+{
+    static int cached = -1;
+    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (v < 0) {
+        v = moe_env_int("MOE_GEMM_PDL", 1) != 0;
+        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
+
+template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB = 1>
+static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, const char *name)
+{
+    using C = sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>;
+    static unsigned long long smem_done;
+    auto kernel = moe_gemm_sm90_kernel<SWAP, TOK, WR, HALVES, EPI, STAGES, KB>;
+    int dev, sms;
+    MOE_CHECK(moe_gemm_device_sms(name, &dev, &sms));
+    MOE_CHECK(moe_gemm_smem_once(name, (const void *)kernel, C::SMEM, dev, &smem_done));
+
+    moe_gemm_kparams p;
+    p.c = a->c;
+    p.row_scale = a->row_scale;
+    p.block_expert = a->block_expert;
+    p.num_blocks = a->num_blocks;
+    p.max_blocks = a->max_blocks;
+    p.num_experts = a->num_experts;
+    p.n = a->n;
+    p.k = a->k;
+    p.c_f32 = a->c_f32;
+    if (EPI == MOE_GEMM_EPI_STORE) {
+        p.n_out = a->n;
+        p.n_tiles = a->n / (HALVES * WR);
+    } else {
+        p.n_out = a->n / 2;
+        p.n_tiles = a->n / 2 / WR;
+    }
+    int64_t items = (int64_t)a->max_blocks * p.n_tiles;
+    if (items == 0)
+        return MOE_STATUS_SUCCESS;
+    CUtensorMap tm_tok, tm_w;
+    MOE_CHECK(encode_map(&tm_tok, a->a, (int64_t)a->max_blocks * TOK, a->k, TOK, name));
+    MOE_CHECK(encode_map(&tm_w, a->b, (int64_t)a->num_experts * a->n, a->k, WR, name));
+    int grid = (int)(items < sms ? items : sms);
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(C::THREADS);
+    cfg.dynamicSmemBytes = C::SMEM;
+    cfg.stream = stream;
+    if (pdl_enabled()) {
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+    }
+    cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, tm_tok, tm_w, p);
+    if (err != cudaSuccess)
+        return moe_error(MOE_STATUS_CUDA_ERROR, "%s: launch: %s", name, cudaGetErrorString(err));
+    return moe_gemm_check_launch(name);
+}
+
+/* Stages that fit in `budget` bytes of shared memory, at most `cap`. */
+static constexpr int stages_for(int stage_bytes, int budget, int cap)
+{
+    return budget / stage_bytes < cap ? budget / stage_bytes : cap;
+}
+
+/* Normal layout: TOK tokens (64 per consumer warpgroup) x 2 x 128 weight rows. */
+template <int TOK>
+static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const char *name)
+{
+    constexpr int WR = 128;
+    constexpr int ST = stages_for((TOK + 2 * WR) * ROW_BYTES, 200 * 1024, 8);
+    if ((int64_t)a->max_blocks * TOK >= ((int64_t)1 << 31))
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: max_blocks = %d too large", name,
+                         a->max_blocks);
+    MOE_CHECK(moe_gemm_check_common(a, name, 2 * WR, WR, BK));
+    cudaStream_t s = (cudaStream_t)stream;
+    switch (a->epilogue) {
+    case MOE_GEMM_EPI_STORE:
+        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_STORE, ST>(a, s, name);
+    case MOE_GEMM_EPI_SILU_MUL:
+        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_SILU_MUL, ST>(a, s, name);
+    case MOE_GEMM_EPI_GELU_MUL:
+        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_GELU_MUL, ST>(a, s, name);
+    default:
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: epilogue %d", name, (int)a->epilogue);
+    }
+}
+
+/* Swap-AB: 64 weight rows per item (64 output columns for STORE; 32 gate + 32 up rows, 32
+ * output columns, for *_MUL) x TOK tokens; a stage holds KB slices of 64 k (longer contiguous
+ * runs of each weight row per stage). */
+template <int TOK, int KB, int WM = 1>
+static moe_status_t launch_swap(const moe_gemm_args_t *a, void *stream, const char *name)
+{
+    constexpr int ST = stages_for(KB * (TOK + 64 * WM) * ROW_BYTES,
+                                  200 * 1024 - (64 * WM * (TOK + 1) + 64) * 4, 12);
+    if ((int64_t)a->max_blocks * TOK >= ((int64_t)1 << 31))
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: max_blocks = %d too large", name,
+                         a->max_blocks);
+    MOE_CHECK(moe_gemm_check_common(a, name, 64 * WM, 32 * WM, BK));
+    cudaStream_t s = (cudaStream_t)stream;
+    switch (a->epilogue) {
+    case MOE_GEMM_EPI_STORE:
+        return launch_one<1, TOK, 64 * WM, 1, MOE_GEMM_EPI_STORE, ST, KB>(a, s, name);
+    case MOE_GEMM_EPI_SILU_MUL:
+        return launch_one<1, TOK, 32 * WM, 2, MOE_GEMM_EPI_SILU_MUL, ST, KB>(a, s, name);
+    case MOE_GEMM_EPI_GELU_MUL:
+        return launch_one<1, TOK, 32 * WM, 2, MOE_GEMM_EPI_GELU_MUL, ST, KB>(a, s, name);
+    default:
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: epilogue %d", name, (int)a->epilogue);
+    }
+}
+
+extern "C" {
+moe_status_t moe_gemm_sm90_m128_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<128>(a, stream, "sm90_wgmma_tma_m128n256");
+}
+moe_status_t moe_gemm_sm90_m64_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<64>(a, stream, "sm90_wgmma_tma_m64n256");
+}
+moe_status_t moe_gemm_sm90_swap8_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<8, 4>(a, stream, "sm90_swapab_n8");
+}
+moe_status_t moe_gemm_sm90_swap16_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<16, 4>(a, stream, "sm90_swapab_n16");
+}
+moe_status_t moe_gemm_sm90_swap32_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<32, 2>(a, stream, "sm90_swapab_n32");
+}
+moe_status_t moe_gemm_sm90_swap64_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<64, 2>(a, stream, "sm90_swapab_n64");
+}
+moe_status_t moe_gemm_sm90_swap32w_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<32, 2, 2>(a, stream, "sm90_swapab_w128_n32");
+}
+}

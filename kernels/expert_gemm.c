@@ -1,0 +1,88 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The grouped expert GEMM variant table and its default choice (thresholds: docs/KERNELS.md). */
+#include "kernels/expert_gemm.h"
+
+#include <stddef.h>
+#include <string.h>
+
+#ifdef MOE_HAVE_CUDA
+#include "kernels/cuda/expert_gemm_launch.h"
+
+/* An FP8 variant slots in as another row with its ab_dtype / scale_kind; moe_gemm_select only
+ * returns rows whose dtype and scale kind match. */
+static const moe_gemm_variant_t variants[] = {
+    {"sm90_swapab_n8", 90, 8, 1, MOE_DTYPE_BF16, MOE_SCALE_NONE, moe_gemm_sm90_swap8_launch},
+    {"sm90_swapab_n16", 90, 16, 1, MOE_DTYPE_BF16, MOE_SCALE_NONE, moe_gemm_sm90_swap16_launch},
+    {"sm90_swapab_n32", 90, 32, 1, MOE_DTYPE_BF16, MOE_SCALE_NONE, moe_gemm_sm90_swap32_launch},
+    {"sm90_swapab_n64", 90, 64, 1, MOE_DTYPE_BF16, MOE_SCALE_NONE, moe_gemm_sm90_swap64_launch},
+    {"sm90_swapab_w128_n32", 90, 32, 1, MOE_DTYPE_BF16, MOE_SCALE_NONE,
+     moe_gemm_sm90_swap32w_launch},
+    {"sm90_wgmma_tma_m64n256", 90, 64, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE, moe_gemm_sm90_m64_launch},
+    {"sm90_wgmma_tma_m128n256", 90, 128, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE,
+     moe_gemm_sm90_m128_launch},
+    {"sm80_mma_m32n128", 80, 32, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE, moe_gemm_sm80_m32_launch},
+    {"sm80_mma_m64n128", 80, 64, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE, moe_gemm_sm80_m64_launch},
+};
+#define NUM_VARIANTS ((int)(sizeof(variants) / sizeof(variants[0])))
+#else
+static const moe_gemm_variant_t variants[1];
+#define NUM_VARIANTS 0
+#endif
+
+const moe_gemm_variant_t *moe_gemm_variants(int *count)
+{
+    if (count)
+        *count = NUM_VARIANTS;
+    return variants;
+}
+
+const moe_gemm_variant_t *moe_gemm_variant_by_name(const char *name)
+{
+    if (!name)
+        return NULL;
+    for (int i = 0; i < NUM_VARIANTS; i++)
+        if (strcmp(variants[i].name, name) == 0)
+            return &variants[i];
+    return NULL;
+}
+
+/* Rows per expert at or below which each variant is the default, measured on the H200
+ * (docs/KERNELS.md, bench/RESULTS.md "grouped GEMM"); above the last one: the normal layout. */
+typedef struct moe_gemm_bucket {
+    double max_rows_per_expert;
+    const char *name;
+} moe_gemm_bucket_t;
+
+static const moe_gemm_bucket_t sm90_buckets[] = {
+    {2.0, "sm90_swapab_n8"},
+    {16.0, "sm90_swapab_n16"},
+    {32.0, "sm90_swapab_w128_n32"},
+    {96.0, "sm90_wgmma_tma_m64n256"},
+    {1e300, "sm90_wgmma_tma_m128n256"},
+};
+static const moe_gemm_bucket_t sm80_buckets[] = {
+    {32.0, "sm80_mma_m32n128"},
+    {1e300, "sm80_mma_m64n128"},
+};
+
+static const moe_gemm_variant_t *pick(const moe_gemm_bucket_t *b, int count, double rows)
+{
+    for (int i = 0; i < count; i++)
+        if (rows <= b[i].max_rows_per_expert)
+            return moe_gemm_variant_by_name(b[i].name);
+    return NULL;
+}
+
+const moe_gemm_variant_t *moe_gemm_select(int arch, moe_dtype_t dtype, moe_scale_kind_t scale,
+                                          double rows_per_expert)
+{
+    if (dtype != MOE_DTYPE_BF16 || scale != MOE_SCALE_NONE)
+        return NULL; /* FP8 variants: not built yet */
+    if (arch >= 90)
+        return pick(sm90_buckets, (int)(sizeof(sm90_buckets) / sizeof(sm90_buckets[0])),
+                    rows_per_expert);
+    if (arch >= 80)
+        return pick(sm80_buckets, (int)(sizeof(sm80_buckets) / sizeof(sm80_buckets[0])),
+                    rows_per_expert);
+    return NULL;
+}

@@ -1,0 +1,359 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Every compiled grouped-GEMM variant against a float host reference: uneven rows per expert
+ * (0 and 1 too), padding blocks, unused trailing blocks, all epilogues, row_scale, bf16/f32
+ * output, the three model shapes; outputs poisoned with NaN first. Exit 77 without a GPU. */
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/expert_gemm.h"
+#include "runtime/diag.h"
+
+#define SKIP 77
+#define TOL 1e-2
+
+#define CUDA_OK(x)                                                                                 \
+    do {                                                                                           \
+        cudaError_t e_ = (x);                                                                      \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));    \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+typedef struct shape {
+    const char *name;
+    int num_experts, n, k;
+    int rows[8];
+} shape_t;
+
+static const shape_t shapes[] = {
+    {"small", 5, 256, 128, {0, 1, 3, 17, 130}},
+    {"small2", 3, 768, 320, {64, 0, 9}},
+    {"mixtral_w13", 2, 28672, 4096, {3, 1}},
+    {"mixtral_w2", 2, 4096, 14336, {2, 5}},
+    {"qwen3_w13", 8, 1536, 2048, {1, 0, 9, 2, 0, 0, 33, 1}},
+    {"qwen3_w2", 8, 2048, 768, {1, 0, 9, 2, 0, 0, 33, 1}},
+    {"dsv3_w13", 3, 4096, 7168, {2, 0, 5}},
+    {"dsv3_w2", 3, 7168, 2048, {2, 0, 5}},
+};
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+static float rnd(void) /* uniform [-1, 1) */
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (float)((rng_state >> 40) * (1.0 / 8388608.0)) - 1.0f;
+}
+
+static uint16_t f2bf(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+static float bf2f(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static float act_mul(moe_gemm_epilogue_t epi, float g, float u)
+{
+    if (epi == MOE_GEMM_EPI_SILU_MUL)
+        return g / (1.0f + expf(-g)) * u;
+    float t = tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g));
+    return 0.5f * g * (1.0f + t) * u;
+}
+
+/* One shape's inputs: token rows per expert (bf16 as float too) and the reference a . b^T. */
+typedef struct inputs {
+    const shape_t *s;
+    int total_rows;
+    int row_off[9]; /* first logical row of each expert */
+    uint16_t *x;    /* [total_rows, k] */
+    float *ref;     /* [total_rows, n] */
+    void *d_b;      /* device weights */
+} inputs_t;
+
+static void make_inputs(const shape_t *s, inputs_t *in)
+{
+    size_t k = (size_t)s->k, n = (size_t)s->n;
+    in->s = s;
+    in->total_rows = 0;
+    for (int e = 0; e < s->num_experts; e++) {
+        in->row_off[e] = in->total_rows;
+        in->total_rows += s->rows[e];
+    }
+    in->row_off[s->num_experts] = in->total_rows;
+    in->x = malloc(sizeof(uint16_t) * (size_t)(in->total_rows ? in->total_rows : 1) * k);
+    for (size_t i = 0; i < (size_t)in->total_rows * k; i++)
+        in->x[i] = f2bf(rnd());
+    size_t wcount = (size_t)s->num_experts * n * k;
+    uint16_t *w = malloc(sizeof(uint16_t) * wcount);
+    float wscale = 2.0f / sqrtf((float)k);
+    for (size_t i = 0; i < wcount; i++)
+        w[i] = f2bf(rnd() * wscale);
+    CUDA_OK(cudaMalloc(&in->d_b, wcount * 2));
+    CUDA_OK(cudaMemcpy(in->d_b, w, wcount * 2, cudaMemcpyHostToDevice));
+    in->ref = malloc(sizeof(float) * (size_t)(in->total_rows ? in->total_rows : 1) * n);
+    float *xf = malloc(sizeof(float) * k), *wf = malloc(sizeof(float) * k * 64);
+    for (int e = 0; e < s->num_experts; e++) {
+        for (size_t j0 = 0; j0 < n; j0 += 64) {
+            for (size_t j = 0; j < 64; j++)
+                for (size_t i = 0; i < k; i++)
+                    wf[j * k + i] = bf2f(w[((size_t)e * n + j0 + j) * k + i]);
+            for (int r = in->row_off[e]; r < in->row_off[e + 1]; r++) {
+                for (size_t i = 0; i < k; i++)
+                    xf[i] = bf2f(in->x[(size_t)r * k + i]);
+                for (size_t j = 0; j < 64; j++) {
+                    float acc[8] = {0};
+                    for (size_t i = 0; i < k; i += 8)
+                        for (int q = 0; q < 8; q++)
+                            acc[q] += xf[i + q] * wf[j * k + i + q];
+                    in->ref[(size_t)r * n + j0 + j] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) +
+                                                      ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+                }
+            }
+        }
+    }
+    free(xf);
+    free(wf);
+    free(w);
+}
+
+static void free_inputs(inputs_t *in)
+{
+    free(in->x);
+    free(in->ref);
+    cudaFree(in->d_b);
+}
+
+static int failures, checks;
+
+/* Runs one variant on one shape with every epilogue x output dtype x row_scale. */
+static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
+{
+    const shape_t *s = in->s;
+    const int br = v->block_rows, k = s->k, n = s->n;
+    /* Block list: a padding block after expert 0's blocks, then the rest; two trailing blocks
+     * past num_blocks (naming expert 0) must be left alone. */
+    int be[512], row_of_block[512], nblk = 0;
+    for (int e = 0; e < s->num_experts; e++) {
+        for (int r = 0; r < s->rows[e]; r += br) {
+            be[nblk] = e;
+            row_of_block[nblk++] = in->row_off[e] + r;
+        }
+        if (e == 0) {
+            be[nblk] = -1;
+            row_of_block[nblk++] = -1;
+        }
+    }
+    const int num_blocks = nblk, max_blocks = nblk + 2;
+    be[nblk] = 0;
+    be[nblk + 1] = 0;
+    row_of_block[nblk] = row_of_block[nblk + 1] = -1;
+    /* logical row of each padded row (-1: pad row or unused block) */
+    size_t prow = (size_t)max_blocks * br;
+    int *logical = malloc(sizeof(int) * prow);
+    uint16_t *a = malloc(sizeof(uint16_t) * prow * k);
+    float *scale = malloc(sizeof(float) * prow);
+    for (size_t i = 0; i < prow * k; i++)
+        a[i] = 0x7fc0; /* NaN in pad rows: must not leak into real rows */
+    for (int b = 0; b < max_blocks; b++) {
+        int e = b < num_blocks ? be[b] : -1;
+        for (int r = 0; r < br; r++) {
+            size_t pr = (size_t)b * br + r;
+            int lr = e >= 0 ? row_of_block[b] + r : -1;
+            if (e >= 0 && lr >= in->row_off[e + 1])
+                lr = -1;
+            logical[pr] = lr;
+            scale[pr] = 0.5f + 0.5f * (rnd() + 1.0f);
+            if (lr >= 0)
+                memcpy(a + pr * k, in->x + (size_t)lr * k, sizeof(uint16_t) * k);
+        }
+    }
+    void *d_a, *d_c;
+    float *d_scale;
+    int32_t *d_be, *d_nb;
+    CUDA_OK(cudaMalloc(&d_a, prow * k * 2));
+    CUDA_OK(cudaMalloc(&d_c, prow * n * 4));
+    CUDA_OK(cudaMalloc((void **)&d_scale, prow * 4));
+    CUDA_OK(cudaMalloc((void **)&d_be, max_blocks * 4));
+    CUDA_OK(cudaMalloc((void **)&d_nb, 4));
+    CUDA_OK(cudaMemcpy(d_a, a, prow * k * 2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_scale, scale, prow * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_be, be, max_blocks * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_nb, &num_blocks, 4, cudaMemcpyHostToDevice));
+    void *c = malloc(prow * n * 4);
+
+    for (int epi = 0; epi < 3; epi++)
+        for (int f32 = 0; f32 < 2; f32++)
+            for (int use_scale = 0; use_scale < 2; use_scale++) {
+                int n_out = epi == MOE_GEMM_EPI_STORE ? n : n / 2;
+                moe_gemm_args_t args;
+                memset(&args, 0, sizeof(args));
+                args.a = d_a;
+                args.b = in->d_b;
+                args.c = d_c;
+                args.row_scale = use_scale ? d_scale : NULL;
+                args.block_expert = d_be;
+                args.num_blocks = d_nb;
+                args.max_blocks = max_blocks;
+                args.num_experts = s->num_experts;
+                args.n = n;
+                args.k = k;
+                args.epilogue = (moe_gemm_epilogue_t)epi;
+                args.c_f32 = f32;
+                args.ab_dtype = MOE_DTYPE_BF16;
+                args.scale_kind = MOE_SCALE_NONE;
+                CUDA_OK(cudaMemset(d_c, 0xff, prow * n * 4)); /* NaN in bf16 and f32 */
+                moe_status_t st = v->launch(&args, NULL);
+                CUDA_OK(cudaDeviceSynchronize());
+                CUDA_OK(cudaMemcpy(c, d_c, prow * n_out * (f32 ? 4 : 2), cudaMemcpyDeviceToHost));
+                double err2 = 0, ref2 = 0;
+                long bad_nan = 0, bad_written = 0;
+                for (size_t pr = 0; pr < prow; pr++) {
+                    int lr = logical[pr];
+                    int b = (int)(pr / br);
+                    int untouched = b >= num_blocks || be[b] < 0;
+                    for (int j = 0; j < n_out; j++) {
+                        size_t idx = pr * n_out + j;
+                        float got = f32 ? ((float *)c)[idx] : bf2f(((uint16_t *)c)[idx]);
+                        if (untouched) {
+                            uint32_t bits = f32 ? ((uint32_t *)c)[idx] : ((uint16_t *)c)[idx];
+                            bad_written += bits != (f32 ? 0xffffffffu : 0xffffu);
+                            continue;
+                        }
+                        if (lr < 0)
+                            continue;
+                        const float *rr = in->ref + (size_t)lr * n;
+                        float want = epi == MOE_GEMM_EPI_STORE
+                                         ? rr[j]
+                                         : act_mul((moe_gemm_epilogue_t)epi, rr[j], rr[n / 2 + j]);
+                        if (use_scale)
+                            want *= scale[pr];
+                        if (isnan(got)) {
+                            bad_nan++;
+                            continue;
+                        }
+                        err2 += (double)(got - want) * (got - want);
+                        ref2 += (double)want * want;
+                    }
+                }
+                double rel = ref2 > 0 ? sqrt(err2 / ref2) : sqrt(err2);
+                int ok = st == MOE_STATUS_SUCCESS && bad_nan == 0 && bad_written == 0 && rel <= TOL;
+                checks++;
+                failures += !ok;
+                printf("%-26s %-12s %-5s %-4s %-5s rel %.2e nan %ld stray %ld %s%s%s\n", v->name,
+                       s->name,
+                       epi == 0   ? "store"
+                       : epi == 1 ? "silu"
+                                  : "gelu",
+                       f32 ? "f32" : "bf16", use_scale ? "scale" : "-", rel, bad_nan, bad_written,
+                       ok ? "ok" : "FAIL", st ? " " : "", st ? moe_last_error() : "");
+            }
+    free(c);
+    free(a);
+    free(scale);
+    free(logical);
+    cudaFree(d_a);
+    cudaFree(d_c);
+    cudaFree(d_scale);
+    cudaFree(d_be);
+    cudaFree(d_nb);
+}
+
+static void expect(int cond, const char *what)
+{
+    checks++;
+    if (!cond) {
+        failures++;
+        printf("FAIL: %s (%s)\n", what, moe_last_error());
+    }
+}
+
+/* Bad arguments give a status and a message, never a launch. */
+static void check_rejects(const moe_gemm_variant_t *v, const inputs_t *in)
+{
+    moe_gemm_args_t args;
+    memset(&args, 0, sizeof(args));
+    void *d;
+    CUDA_OK(cudaMalloc(&d, 1 << 20));
+    args.a = d;
+    args.b = in->d_b;
+    args.c = d;
+    args.block_expert = d;
+    args.num_blocks = d;
+    args.max_blocks = 1;
+    args.num_experts = 1;
+    args.n = 256;
+    args.k = 100;
+    args.ab_dtype = MOE_DTYPE_BF16;
+    expect(v->launch(&args, NULL) == MOE_STATUS_NOT_SUPPORTED && strstr(moe_last_error(), "100"),
+           "k = 100 rejected");
+    args.k = 128;
+    args.ab_dtype = MOE_DTYPE_FP8_E4M3;
+    expect(v->launch(&args, NULL) == MOE_STATUS_NOT_SUPPORTED, "fp8 rejected");
+    args.ab_dtype = MOE_DTYPE_BF16;
+    args.scale_kind = MOE_SCALE_BLOCK_128;
+    expect(v->launch(&args, NULL) == MOE_STATUS_NOT_SUPPORTED, "block scales rejected");
+    args.scale_kind = MOE_SCALE_NONE;
+    args.a = NULL;
+    expect(v->launch(&args, NULL) == MOE_STATUS_INVALID_ARGUMENT, "a = NULL rejected");
+    args.a = d;
+    args.n = 200;
+    expect(v->launch(&args, NULL) == MOE_STATUS_NOT_SUPPORTED && strstr(moe_last_error(), "200"),
+           "n = 200 rejected");
+    CUDA_OK(cudaDeviceSynchronize());
+    cudaFree(d);
+}
+
+int main(void)
+{
+    int ndev = 0;
+    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+        printf("no CUDA device: skipped\n");
+        return SKIP;
+    }
+    struct cudaDeviceProp prop;
+    CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+    int arch = prop.major * 10 + prop.minor;
+    printf("device %s, arch %d\n", prop.name, arch);
+
+    int count = 0;
+    const moe_gemm_variant_t *vs = moe_gemm_variants(&count);
+    expect(count > 0, "variants compiled");
+    const double rpe[] = {0.1, 1, 3, 8, 16, 40, 64, 100, 1000, 1e6};
+    for (int i = 0; i < 10; i++) {
+        expect(moe_gemm_select(90, MOE_DTYPE_BF16, MOE_SCALE_NONE, rpe[i]) != NULL, "select 90");
+        expect(moe_gemm_select(80, MOE_DTYPE_BF16, MOE_SCALE_NONE, rpe[i]) != NULL, "select 80");
+    }
+    expect(moe_gemm_select(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128, 1) == NULL, "no fp8 yet");
+    expect(moe_gemm_variant_by_name("no_such_variant") == NULL, "unknown name");
+
+    for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
+        inputs_t in;
+        make_inputs(&shapes[si], &in);
+        for (int i = 0; i < count; i++) {
+            if (vs[i].min_arch > arch)
+                continue;
+            expect(moe_gemm_variant_by_name(vs[i].name) == &vs[i], "by name");
+            if (si == 0)
+                check_rejects(&vs[i], &in);
+            run_variant(&vs[i], &in);
+        }
+        free_inputs(&in);
+    }
+    printf("%d checks, %d failures\n", checks, failures);
+    return failures ? 1 : 0;
+}
