@@ -310,10 +310,8 @@ static void time_steps(moe_layer_t *layer, const moe_forward_args_t *fa, const o
         MPI_Barrier(MPI_COMM_WORLD);
         wall0 = MPI_Wtime();
         CHECK(moe_layer_forward(layer, fa));
+        CHECK(moe_layer_synchronize(layer, NULL));
         CHECK(moe_layer_get_stats(layer, &st));
-#ifdef MOE_HAVE_CUDA
-        cudaDeviceSynchronize();
-#endif
         MPI_Barrier(MPI_COMM_WORLD);
         wall += MPI_Wtime() - wall0;
         ph[PH_ROUTE * o->iters + i] = st.route_us;

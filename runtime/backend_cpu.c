@@ -756,4 +756,4 @@ out:
 }
 
 const moe_backend_ops_t moe_backend_cpu = {"cpu", cpu_init, cpu_fini, cpu_store_weight,
-                                           cpu_forward};
+                                           cpu_forward, NULL};

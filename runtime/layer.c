@@ -403,3 +403,16 @@ moe_status_t moe_layer_forward(moe_layer_t *l, const moe_forward_args_t *args)
         l->broken = 1;
     return st;
 }
+
+moe_status_t moe_layer_synchronize(moe_layer_t *l, void *stream)
+{
+    moe_status_t st;
+    moe_error_clear();
+    MOE_ARG_CHECK(l != NULL, "layer = NULL");
+    if (!l->ops->synchronize)
+        return MOE_STATUS_SUCCESS;
+    st = l->ops->synchronize(l, stream);
+    if (st == MOE_STATUS_TIMEOUT || st == MOE_STATUS_NCCL_ERROR)
+        l->broken = 1;
+    return st;
+}

@@ -62,6 +62,8 @@ typedef struct moe_backend_ops {
     moe_status_t (*store_weight)(struct moe_layer *layer, moe_weight_kind_t kind, int local,
                                  const moe_matrix_t *m);
     moe_status_t (*forward)(struct moe_layer *layer, const moe_forward_args_t *args);
+    /* Bounded wait for the forwards queued on `stream`; NULL: forward is synchronous. */
+    moe_status_t (*synchronize)(struct moe_layer *layer, void *stream);
 } moe_backend_ops_t;
 
 extern const moe_backend_ops_t moe_backend_cpu;

@@ -11,6 +11,9 @@
 #ifdef MOE_HAVE_CUDA
 #include "kernels/gpu.h"
 #endif
+#ifdef MOE_HAVE_NCCL
+#include "comm/nccl_comm.h"
+#endif
 
 double moe_now_us(void)
 {
@@ -146,6 +149,9 @@ moe_status_t moe_runtime_create(const moe_runtime_config_t *config, const void *
 static void runtime_free(moe_runtime_t *rt)
 {
     int owns = rt->owns_mpi;
+#ifdef MOE_HAVE_NCCL
+    moe_nccl_destroy(rt->gpu_ctx); /* made by the first multi-GPU layer */
+#endif
     moe_comm_destroy(rt->comm);
     free(rt);
     moe_comm_finalize_mpi(owns);

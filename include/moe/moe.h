@@ -243,6 +243,13 @@ typedef struct moe_forward_args {
  * `stream`; the call returns without waiting for the GPU in the steady state). */
 moe_status_t moe_layer_forward(moe_layer_t *layer, const moe_forward_args_t *args);
 
+/* Waits until the work of the forward calls queued on `stream` has finished on this rank,
+ * bounded by the runtime's timeout: a peer that died or hangs gives MOE_STATUS_TIMEOUT (the
+ * NCCL communicators are then aborted and the layer is unusable) instead of a hang in
+ * cudaStreamSynchronize. Not collective. CPU backend: returns at once (forward is
+ * synchronous there). */
+moe_status_t moe_layer_synchronize(moe_layer_t *layer, void *stream);
+
 /* Wall-clock time of the last forward's phases on this rank (CPU backend; CUDA backend when
  * MOE_PROFILE=1, synchronising), in microseconds. */
 typedef struct moe_layer_stats {

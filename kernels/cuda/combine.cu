@@ -1,0 +1,152 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Combine kernel: weighted sum of each token's expert rows (fixed order) plus shared expert. */
+#include "kernels/combine.h"
+
+#include <cuda_bf16.h>
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/pdl.cuh"
+
+namespace
+{
+
+constexpr int COMBINE_THREADS = 256;
+
+__device__ __forceinline__ void unpack8(uint4 u, float *v)
+{
+    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float2 f = __bfloat1622float2(h[i]);
+        v[2 * i] = f.x;
+        v[2 * i + 1] = f.y;
+    }
+}
+
+__device__ __forceinline__ void store8(float *y, const float *v)
+{
+    float4 *d = reinterpret_cast<float4 *>(y);
+    d[0] = make_float4(v[0], v[1], v[2], v[3]);
+    d[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+__device__ __forceinline__ void store8(__nv_bfloat16 *y, const float *v)
+{
+    uint4 r;
+    __nv_bfloat162 h[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+    r.x = *reinterpret_cast<unsigned *>(&h[0]);
+    r.y = *reinterpret_cast<unsigned *>(&h[1]);
+    r.z = *reinterpret_cast<unsigned *>(&h[2]);
+    r.w = *reinterpret_cast<unsigned *>(&h[3]);
+    *reinterpret_cast<uint4 *>(y) = r;
+}
+
+__device__ __forceinline__ void store1(float *y, float v)
+{
+    *y = v;
+}
+__device__ __forceinline__ void store1(__nv_bfloat16 *y, float v)
+{
+    *y = __float2bfloat16_rn(v);
+}
+
+/* One thread per 8 columns of a token (VEC), or per column. */
+template <typename TY, bool VEC>
+__global__ void __launch_bounds__(COMBINE_THREADS)
+    combine_kernel(const __nv_bfloat16 *__restrict__ out, const int32_t *__restrict__ row_of_slot,
+                   const float *__restrict__ topk_weights, const __nv_bfloat16 *__restrict__ shared,
+                   const float *__restrict__ gate_logit, TY *__restrict__ y, int num_tokens,
+                   int hidden, int top_k)
+{
+    moe_pdl_wait();
+    constexpr int V = VEC ? 8 : 1;
+    const int per_token = hidden / V;
+    const int64_t idx = (int64_t)blockIdx.x * COMBINE_THREADS + threadIdx.x;
+    if (idx >= (int64_t)num_tokens * per_token)
+        return;
+    const int t = (int)(idx / per_token), c = (int)(idx % per_token) * V;
+    float acc[V];
+#pragma unroll
+    for (int i = 0; i < V; i++)
+        acc[i] = 0.0f;
+    for (int j = 0; j < top_k; j++) {
+        const int row = row_of_slot[(size_t)t * top_k + j];
+        if (row < 0)
+            continue;
+        const float w = topk_weights[(size_t)t * top_k + j];
+        const __nv_bfloat16 *src = out + (size_t)row * hidden + c;
+        float v[V];
+        if (VEC)
+            unpack8(*reinterpret_cast<const uint4 *>(src), v);
+        else
+            v[0] = __bfloat162float(src[0]);
+#pragma unroll
+        for (int i = 0; i < V; i++)
+            acc[i] += w * v[i];
+    }
+    if (shared) {
+        const float g = gate_logit ? 1.0f / (1.0f + expf(-gate_logit[t])) : 1.0f;
+        const __nv_bfloat16 *src = shared + (size_t)t * hidden + c;
+        float v[V];
+        if (VEC)
+            unpack8(*reinterpret_cast<const uint4 *>(src), v);
+        else
+            v[0] = __bfloat162float(src[0]);
+#pragma unroll
+        for (int i = 0; i < V; i++)
+            acc[i] += g * v[i];
+    }
+    if (VEC)
+        store8(y + (size_t)t * hidden + c, acc);
+    else
+        store1(y + (size_t)t * hidden + c, acc[0]);
+}
+
+template <typename TY> moe_status_t launch(const moe_combine_args_t *a, bool vec, cudaStream_t s)
+{
+    const int64_t threads = a->num_tokens * (vec ? a->hidden / 8 : a->hidden);
+    const unsigned grid = (unsigned)((threads + COMBINE_THREADS - 1) / COMBINE_THREADS);
+    const __nv_bfloat16 *out = (const __nv_bfloat16 *)a->expert_out;
+    const __nv_bfloat16 *sh = (const __nv_bfloat16 *)a->shared_out;
+    if (vec)
+        MOE_CUDA_CHECK(moe_launch((combine_kernel<TY, true>), dim3(grid), dim3(COMBINE_THREADS), 0,
+                                  s, out, a->row_of_slot, a->topk_weights, sh, a->shared_gate_logit,
+                                  (TY *)a->y, (int)a->num_tokens, a->hidden, a->top_k));
+    else
+        MOE_CUDA_CHECK(moe_launch((combine_kernel<TY, false>), dim3(grid), dim3(COMBINE_THREADS), 0,
+                                  s, out, a->row_of_slot, a->topk_weights, sh, a->shared_gate_logit,
+                                  (TY *)a->y, (int)a->num_tokens, a->hidden, a->top_k));
+    MOE_CUDA_CHECK_LAUNCH("combine_kernel");
+    return MOE_STATUS_SUCCESS;
+}
+
+bool aligned16(const void *p)
+{
+    return ((uintptr_t)p & 15u) == 0;
+}
+
+} /* namespace */
+
+extern "C" moe_status_t moe_combine_launch(const moe_combine_args_t *a, void *stream)
+{
+    bool vec;
+    MOE_ARG_CHECK(a->num_tokens >= 0 && a->num_tokens * (int64_t)a->hidden <= (int64_t)1 << 40,
+                  "combine: num_tokens = %lld", (long long)a->num_tokens);
+    MOE_ARG_CHECK(a->hidden > 0 && a->top_k >= 0, "combine: hidden = %d, top_k = %d", a->hidden,
+                  a->top_k);
+    if (a->num_tokens == 0)
+        return MOE_STATUS_SUCCESS;
+    vec = a->hidden % 8 == 0 && aligned16(a->y) && aligned16(a->expert_out) &&
+          (!a->shared_out || aligned16(a->shared_out));
+    switch (a->y_dtype) {
+    case MOE_DTYPE_F32:
+        return launch<float>(a, vec, (cudaStream_t)stream);
+    case MOE_DTYPE_BF16:
+        return launch<__nv_bfloat16>(a, vec, (cudaStream_t)stream);
+    default:
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "combine: y dtype %s (F32 or BF16)",
+                         moe_dtype_name(a->y_dtype));
+    }
+}

@@ -1,0 +1,358 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Permute kernels: per-expert counts, padded offsets, block table and row maps in one block;
+ * the gather of token rows into the GEMM's bf16 A buffer. No host synchronisation. */
+#include "kernels/permute.h"
+
+#include <cuda_bf16.h>
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/pdl.cuh"
+
+namespace
+{
+
+constexpr int META_THREADS = 1024;
+constexpr int META_WARPS = META_THREADS / 32;
+
+/* Ids a warp handles next, PREFETCH x 32 of them loaded at once (latency, not bandwidth, bounds
+ * this kernel); entry u of lane l is index i0 + 32 u + l, so the order stays ascending. Ids
+ * outside [0, E) and indices past `end` read as -1. */
+constexpr int PREFETCH = 8;
+
+__device__ __forceinline__ void load_ids(const int32_t *__restrict__ ids, int i0, int end, int E,
+                                         int lane, int *ev)
+{
+#pragma unroll
+    for (int u = 0; u < PREFETCH; u++) {
+        const int i = i0 + u * 32 + lane;
+        const int e = i < end ? __ldg(ids + i) : -1;
+        ev[u] = (e >= 0 && e < E) ? e : -1;
+    }
+}
+
+/* One block. Each warp owns a contiguous chunk of the rows, so counting per (warp, expert) and
+ * a prefix over warps gives every row its stable place with no atomics (deterministic). */
+__global__ void __launch_bounds__(META_THREADS)
+    permute_meta_kernel(const int32_t *__restrict__ ids, int n, int E, int br, int max_blocks,
+                        int32_t *__restrict__ expert_counts, int32_t *__restrict__ expert_offsets,
+                        int32_t *__restrict__ block_expert, int32_t *__restrict__ num_blocks,
+                        int32_t *__restrict__ row_of_slot, int32_t *__restrict__ slot_of_row)
+{
+    moe_pdl_wait();
+    extern __shared__ int smem[];
+    int *wcnt = smem;                 /* [META_WARPS][E]: count, then exclusive prefix */
+    int *cnt = wcnt + META_WARPS * E; /* [E] */
+    int *offs = cnt + E;              /* [E + 1] padded offsets */
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const int chunk = (n + META_WARPS - 1) / META_WARPS;
+    const int begin = min(w * chunk, n), end = min(begin + chunk, n);
+    const unsigned lt = (1u << lane) - 1u;
+
+    for (int e = lane; e < E; e += 32)
+        wcnt[w * E + e] = 0;
+    __syncwarp();
+    for (int i0 = begin; i0 < end; i0 += 32 * PREFETCH) {
+        int ev[PREFETCH];
+        load_ids(ids, i0, end, E, lane, ev);
+#pragma unroll
+        for (int u = 0; u < PREFETCH; u++) {
+            const int e = ev[u];
+            const unsigned peers = __match_any_sync(0xffffffffu, e);
+            if (e >= 0 && lane == __ffs(peers) - 1)
+                wcnt[w * E + e] += __popc(peers);
+            __syncwarp();
+        }
+    }
+    __syncthreads();
+    for (int e = tid; e < E; e += META_THREADS) {
+        int run = 0;
+        for (int v = 0; v < META_WARPS; v++) {
+            const int c = wcnt[v * E + e];
+            wcnt[v * E + e] = run;
+            run += c;
+        }
+        cnt[e] = run;
+        expert_counts[e] = run;
+        offs[e] = (run + br - 1) / br * br;
+    }
+    __syncthreads();
+    if (w == 0) { /* exclusive scan of the padded sizes: lane-contiguous runs, then a warp scan */
+        const int per = (E + 31) / 32, b0 = min(lane * per, E), b1 = min(b0 + per, E);
+        int local = 0;
+        for (int e = b0; e < b1; e++)
+            local += offs[e];
+        int incl = local;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o)
+                incl += v;
+        }
+        int run = incl - local;
+        for (int e = b0; e < b1; e++) {
+            const int v = offs[e];
+            offs[e] = run;
+            run += v;
+        }
+        if (lane == 31)
+            offs[E] = incl;
+    }
+    __syncthreads();
+    const int total = offs[E], nb = total / br;
+    if (tid == 0)
+        *num_blocks = nb;
+    for (int e = tid; e <= E; e += META_THREADS)
+        expert_offsets[e] = offs[e];
+    for (int b = tid; b < max_blocks; b += META_THREADS) {
+        int e = -1;
+        if (b < nb) { /* last expert whose first row is <= this block's first row */
+            const int row = b * br;
+            int lo = 0, hi = E; /* offs[lo] <= row < offs[hi] */
+            while (hi - lo > 1) {
+                const int mid = (lo + hi) >> 1;
+                if (offs[mid] <= row)
+                    lo = mid;
+                else
+                    hi = mid;
+            }
+            e = lo;
+        }
+        block_expert[b] = e;
+    }
+    for (int e = tid; e < E; e += META_THREADS)
+        for (int r = offs[e] + cnt[e]; r < offs[e + 1]; r++)
+            slot_of_row[r] = -1;
+    for (int i0 = begin; i0 < end; i0 += 32 * PREFETCH) {
+        int ev[PREFETCH];
+        load_ids(ids, i0, end, E, lane, ev);
+#pragma unroll
+        for (int u = 0; u < PREFETCH; u++) {
+            const int i = i0 + u * 32 + lane, e = ev[u];
+            const unsigned peers = __match_any_sync(0xffffffffu, e);
+            int row = -1;
+            if (e >= 0)
+                row = offs[e] + wcnt[w * E + e] + __popc(peers & lt);
+            __syncwarp();
+            if (e >= 0 && lane == __ffs(peers) - 1)
+                wcnt[w * E + e] += __popc(peers);
+            __syncwarp();
+            if (i < end) {
+                row_of_slot[i] = row;
+                if (row >= 0)
+                    slot_of_row[row] = i;
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ uint4 pack8(const float *v)
+{
+    uint4 r;
+    __nv_bfloat162 h[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+    r.x = *reinterpret_cast<unsigned *>(&h[0]);
+    r.y = *reinterpret_cast<unsigned *>(&h[1]);
+    r.z = *reinterpret_cast<unsigned *>(&h[2]);
+    r.w = *reinterpret_cast<unsigned *>(&h[3]);
+    return r;
+}
+
+/* Copies one row of hidden values into bf16 dst (8 per 16-byte store when VEC), or zeroes it. */
+template <typename T, bool VEC>
+__device__ __forceinline__ void copy_row(const T *src, __nv_bfloat16 *dst, int hidden)
+{
+    if (VEC) {
+        uint4 *d = reinterpret_cast<uint4 *>(dst);
+        for (int c = threadIdx.x; c < hidden / 8; c += blockDim.x) {
+            if (!src) {
+                d[c] = make_uint4(0, 0, 0, 0);
+            } else if (sizeof(T) == 2) {
+                d[c] = reinterpret_cast<const uint4 *>(src)[c];
+            } else {
+                const float4 *s = reinterpret_cast<const float4 *>(src) + 2 * c;
+                float v[8];
+                const float4 p = s[0], q = s[1];
+                v[0] = p.x, v[1] = p.y, v[2] = p.z, v[3] = p.w;
+                v[4] = q.x, v[5] = q.y, v[6] = q.z, v[7] = q.w;
+                d[c] = pack8(v);
+            }
+        }
+    } else {
+        for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
+            float v = 0.0f;
+            if (src)
+                v = sizeof(T) == 2 ? __bfloat162float(((const __nv_bfloat16 *)src)[c])
+                                   : ((const float *)src)[c];
+            dst[c] = __float2bfloat16_rn(v);
+        }
+    }
+}
+
+template <typename T, bool VEC>
+__global__ void gather_kernel(const T *__restrict__ x, int hidden, int top_k,
+                              const int32_t *__restrict__ slot_of_row,
+                              const int32_t *__restrict__ num_blocks, int br,
+                              __nv_bfloat16 *__restrict__ a)
+{
+    moe_pdl_wait();
+    const int row = blockIdx.x;
+    if (row >= *num_blocks * br)
+        return;
+    const int slot = slot_of_row[row];
+    const T *src = slot >= 0 ? x + (size_t)(slot / top_k) * hidden : nullptr;
+    copy_row<T, VEC>(src, a + (size_t)row * hidden, hidden);
+}
+
+template <typename T, bool VEC>
+__global__ void rows_kernel(const T *__restrict__ x, int num_tokens, int hidden, int br,
+                            int max_blocks, __nv_bfloat16 *__restrict__ a,
+                            int32_t *__restrict__ block_expert, int32_t *__restrict__ num_blocks)
+{
+    moe_pdl_wait();
+    const int row = blockIdx.x;
+    const int nb = (num_tokens + br - 1) / br;
+    if (row == 0) {
+        for (int b = threadIdx.x; b < max_blocks; b += blockDim.x)
+            block_expert[b] = b < nb ? 0 : -1;
+        if (threadIdx.x == 0)
+            *num_blocks = nb;
+    }
+    const T *src = row < num_tokens ? x + (size_t)row * hidden : nullptr;
+    copy_row<T, VEC>(src, a + (size_t)row * hidden, hidden);
+}
+
+int row_threads(int hidden, bool vec)
+{
+    const int units = vec ? hidden / 8 : hidden;
+    return units >= 256 ? 256 : (units >= 128 ? 128 : 64);
+}
+
+bool aligned16(const void *p)
+{
+    return ((uintptr_t)p & 15u) == 0;
+}
+
+template <typename T>
+moe_status_t launch_gather(const moe_gather_args_t *g, unsigned rows, cudaStream_t s)
+{
+    const bool vec = g->hidden % 8 == 0 && aligned16(g->x) && aligned16(g->a);
+    const int th = row_threads(g->hidden, vec);
+    if (vec)
+        MOE_CUDA_CHECK(moe_launch((gather_kernel<T, true>), dim3(rows), dim3(th), 0, s,
+                                  (const T *)g->x, g->hidden, g->top_k, g->slot_of_row,
+                                  g->num_blocks, g->block_rows, (__nv_bfloat16 *)g->a));
+    else
+        MOE_CUDA_CHECK(moe_launch((gather_kernel<T, false>), dim3(rows), dim3(th), 0, s,
+                                  (const T *)g->x, g->hidden, g->top_k, g->slot_of_row,
+                                  g->num_blocks, g->block_rows, (__nv_bfloat16 *)g->a));
+    MOE_CUDA_CHECK_LAUNCH("gather_kernel");
+    return MOE_STATUS_SUCCESS;
+}
+
+template <typename T>
+moe_status_t launch_rows(const moe_rows_args_t *r, unsigned rows, cudaStream_t s)
+{
+    const bool vec = r->hidden % 8 == 0 && aligned16(r->x) && aligned16(r->a);
+    const int th = row_threads(r->hidden, vec);
+    if (vec)
+        MOE_CUDA_CHECK(moe_launch((rows_kernel<T, true>), dim3(rows), dim3(th), 0, s,
+                                  (const T *)r->x, (int)r->num_tokens, r->hidden, r->block_rows,
+                                  r->max_blocks, (__nv_bfloat16 *)r->a, r->block_expert,
+                                  r->num_blocks));
+    else
+        MOE_CUDA_CHECK(moe_launch((rows_kernel<T, false>), dim3(rows), dim3(th), 0, s,
+                                  (const T *)r->x, (int)r->num_tokens, r->hidden, r->block_rows,
+                                  r->max_blocks, (__nv_bfloat16 *)r->a, r->block_expert,
+                                  r->num_blocks));
+    MOE_CUDA_CHECK_LAUNCH("rows_kernel");
+    return MOE_STATUS_SUCCESS;
+}
+
+/* Opts the metadata kernel into the largest dynamic shared memory it can need (E = 1024), once
+ * per device, so that no attribute call happens while a stream is being captured later. */
+moe_status_t raise_smem_limit()
+{
+    static int done[64];
+    const int need = (int)(sizeof(int) * ((size_t)META_WARPS * MOE_PERMUTE_MAX_EXPERTS +
+                                          2 * (size_t)MOE_PERMUTE_MAX_EXPERTS + 1));
+    int dev = 0, optin = 0;
+    MOE_CUDA_CHECK(cudaGetDevice(&dev));
+    if (dev >= 0 && dev < 64 && done[dev])
+        return MOE_STATUS_SUCCESS;
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    MOE_CUDA_CHECK(cudaFuncSetAttribute(permute_meta_kernel,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        need < optin ? need : optin));
+    if (dev >= 0 && dev < 64)
+        done[dev] = 1;
+    return MOE_STATUS_SUCCESS;
+}
+
+} /* namespace */
+
+extern "C" moe_status_t moe_permute_launch(const moe_permute_args_t *a, void *stream)
+{
+    const int64_t n = a->num_tokens * a->top_k;
+    size_t smem;
+
+    MOE_ARG_CHECK(a->num_tokens >= 0 && n <= INT32_MAX / 2, "permute: num_tokens = %lld",
+                  (long long)a->num_tokens);
+    MOE_ARG_CHECK(a->block_rows > 0, "permute: block_rows = %d", a->block_rows);
+    MOE_ARG_CHECK(a->max_blocks >= moe_permute_max_blocks(n, a->num_experts, a->block_rows),
+                  "permute: max_blocks = %d < %lld needed for %lld rows", a->max_blocks,
+                  (long long)moe_permute_max_blocks(n, a->num_experts, a->block_rows),
+                  (long long)n);
+    if (a->num_experts < 1 || a->num_experts > MOE_PERMUTE_MAX_EXPERTS)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "permute: num_experts = %d (1..%d)",
+                         a->num_experts, MOE_PERMUTE_MAX_EXPERTS);
+    smem = sizeof(int) * ((size_t)META_WARPS * a->num_experts + 2 * (size_t)a->num_experts + 1);
+    MOE_CHECK(raise_smem_limit());
+    MOE_CUDA_CHECK(moe_launch((permute_meta_kernel), dim3(1), dim3(META_THREADS), smem,
+                              (cudaStream_t)stream, a->topk_ids, (int)n, a->num_experts,
+                              a->block_rows, a->max_blocks, a->expert_counts, a->expert_offsets,
+                              a->block_expert, a->num_blocks, a->row_of_slot, a->slot_of_row));
+    MOE_CUDA_CHECK_LAUNCH("permute_meta_kernel");
+    return MOE_STATUS_SUCCESS;
+}
+
+extern "C" moe_status_t moe_gather_launch(const moe_gather_args_t *g, void *stream)
+{
+    const int64_t rows = (int64_t)g->max_blocks * g->block_rows;
+    MOE_ARG_CHECK(g->hidden > 0 && g->top_k > 0 && g->block_rows > 0 && g->max_blocks >= 0,
+                  "gather: hidden = %d, top_k = %d, block_rows = %d", g->hidden, g->top_k,
+                  g->block_rows);
+    MOE_ARG_CHECK(rows <= INT32_MAX, "gather: %lld rows", (long long)rows);
+    if (rows == 0)
+        return MOE_STATUS_SUCCESS;
+    switch (g->x_dtype) {
+    case MOE_DTYPE_F32:
+        return launch_gather<float>(g, (unsigned)rows, (cudaStream_t)stream);
+    case MOE_DTYPE_BF16:
+        return launch_gather<__nv_bfloat16>(g, (unsigned)rows, (cudaStream_t)stream);
+    default:
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "gather: x dtype %s (F32 or BF16)",
+                         moe_dtype_name(g->x_dtype));
+    }
+}
+
+extern "C" moe_status_t moe_rows_launch(const moe_rows_args_t *r, void *stream)
+{
+    const int64_t rows = (int64_t)r->max_blocks * r->block_rows;
+    MOE_ARG_CHECK(r->hidden > 0 && r->block_rows > 0 && r->num_tokens >= 0,
+                  "rows: hidden = %d, block_rows = %d", r->hidden, r->block_rows);
+    MOE_ARG_CHECK(rows >= r->num_tokens && rows <= INT32_MAX,
+                  "rows: %lld tokens do not fit %d blocks of %d", (long long)r->num_tokens,
+                  r->max_blocks, r->block_rows);
+    if (rows == 0)
+        return MOE_STATUS_SUCCESS;
+    switch (r->x_dtype) {
+    case MOE_DTYPE_F32:
+        return launch_rows<float>(r, (unsigned)rows, (cudaStream_t)stream);
+    case MOE_DTYPE_BF16:
+        return launch_rows<__nv_bfloat16>(r, (unsigned)rows, (cudaStream_t)stream);
+    default:
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "rows: x dtype %s (F32 or BF16)",
+                         moe_dtype_name(r->x_dtype));
+    }
+}

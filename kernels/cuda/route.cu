@@ -1,0 +1,486 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Routing kernels: router logits (blocked SIMT GEMM, f32 accumulation) and fused top-k scoring. */
+#include "kernels/route.h"
+
+#include <cuda_bf16.h>
+#include <math.h>
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/pdl.cuh"
+
+namespace
+{
+
+/* ---- logits ------------------------------------------------------------------------------ */
+
+template <typename T> __device__ __forceinline__ float to_f32(T v);
+template <> __device__ __forceinline__ float to_f32<float>(float v)
+{
+    return v;
+}
+template <> __device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v)
+{
+    return __bfloat162float(v);
+}
+
+/* Few tokens: one warp per weight row, GEMV_TOKENS tokens at a time. The weight row streams
+ * once per token chunk; lanes own strided columns and reduce by a fixed shuffle tree. */
+constexpr int GEMV_TOKENS = 8;
+constexpr int GEMV_MAX_TOKENS = 32;
+constexpr int GEMV_WARPS = 4;
+
+template <typename T>
+__global__ void logits_gemv_kernel(const T *__restrict__ x, const float *__restrict__ w,
+                                   float *__restrict__ logits, int num_tokens, int num_rows,
+                                   int hidden)
+{
+    moe_pdl_wait();
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (r >= num_rows)
+        return;
+    const float *wr = w + (size_t)r * hidden;
+    for (int t0 = 0; t0 < num_tokens; t0 += GEMV_TOKENS) {
+        float acc[GEMV_TOKENS];
+#pragma unroll
+        for (int i = 0; i < GEMV_TOKENS; i++)
+            acc[i] = 0.0f;
+        for (int h = lane; h < hidden; h += 32) {
+            const float wv = wr[h];
+#pragma unroll
+            for (int i = 0; i < GEMV_TOKENS; i++)
+                if (t0 + i < num_tokens)
+                    acc[i] += wv * to_f32(x[(size_t)(t0 + i) * hidden + h]);
+        }
+#pragma unroll
+        for (int i = 0; i < GEMV_TOKENS; i++) {
+            float v = acc[i];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1)
+                v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0 && t0 + i < num_tokens)
+                logits[(size_t)(t0 + i) * num_rows + r] = v;
+        }
+    }
+}
+
+/* Many tokens: 32 tokens x 64 rows per block, k in steps of 32 through shared memory, 2 x 4
+ * outputs per thread; each output sums its k sequentially (fixed order). */
+constexpr int TM = 32, TN = 64, TK = 32;
+
+template <typename T>
+__global__ void __launch_bounds__(256)
+    logits_tiled_kernel(const T *__restrict__ x, const float *__restrict__ w,
+                        float *__restrict__ logits, int num_tokens, int num_rows, int hidden)
+{
+    moe_pdl_wait();
+    __shared__ float xs[TM][TK + 1];
+    __shared__ float ws[TN][TK + 1];
+    const int tid = threadIdx.x;
+    const int ty = tid / 16, tx = tid % 16;
+    const int t0 = blockIdx.x * TM, r0 = blockIdx.y * TN;
+    float acc[2][4] = {};
+
+    for (int k0 = 0; k0 < hidden; k0 += TK) {
+#pragma unroll
+        for (int i = 0; i < (TM * TK) / 256; i++) {
+            const int idx = tid + i * 256, m = idx / TK, kk = idx % TK;
+            const int t = t0 + m, k = k0 + kk;
+            xs[m][kk] = (t < num_tokens && k < hidden) ? to_f32(x[(size_t)t * hidden + k]) : 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < (TN * TK) / 256; i++) {
+            const int idx = tid + i * 256, n = idx / TK, kk = idx % TK;
+            const int r = r0 + n, k = k0 + kk;
+            ws[n][kk] = (r < num_rows && k < hidden) ? w[(size_t)r * hidden + k] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll 8
+        for (int kk = 0; kk < TK; kk++) {
+            const float a0 = xs[ty * 2][kk], a1 = xs[ty * 2 + 1][kk];
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const float b = ws[tx + 16 * j][kk];
+                acc[0][j] += a0 * b;
+                acc[1][j] += a1 * b;
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int t = t0 + ty * 2 + i, r = r0 + tx + 16 * j;
+            if (t < num_tokens && r < num_rows)
+                logits[(size_t)t * num_rows + r] = acc[i][j];
+        }
+}
+
+/* The main path (hidden a multiple of 8, 16-byte aligned rows): BLK_ROWS rows x BLK_TOK tokens
+ * per block; the block's warps split hidden into 256-wide chunks (32 lanes x 8 values, 16-byte
+ * loads, a dozen in flight per lane). Each output is summed lane-sequentially, then by a fixed
+ * shuffle tree, then over warps in order: the same order at every token count. */
+constexpr int BLK_ROWS = 8, BLK_TOK = 8, BLK_WARPS = 8;
+
+__device__ __forceinline__ void load8(const float *p, float *v)
+{
+    const float4 a = reinterpret_cast<const float4 *>(p)[0];
+    const float4 b = reinterpret_cast<const float4 *>(p)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+    v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
+__device__ __forceinline__ void load8(const __nv_bfloat16 *p, float *v)
+{
+    const uint4 u = *reinterpret_cast<const uint4 *>(p);
+    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float2 f = __bfloat1622float2(h[i]);
+        v[2 * i] = f.x;
+        v[2 * i + 1] = f.y;
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(BLK_WARPS * 32)
+    logits_blk_kernel(const T *__restrict__ x, const float *__restrict__ w,
+                      float *__restrict__ logits, int num_tokens, int num_rows, int hidden)
+{
+    moe_pdl_wait();
+    __shared__ float red[BLK_WARPS][BLK_ROWS * BLK_TOK];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int t0 = blockIdx.x * BLK_TOK, r0 = blockIdx.y * BLK_ROWS;
+    const int ntk = min(BLK_TOK, num_tokens - t0), nr = min(BLK_ROWS, num_rows - r0);
+    float acc[BLK_ROWS][BLK_TOK];
+#pragma unroll
+    for (int i = 0; i < BLK_ROWS; i++)
+#pragma unroll
+        for (int j = 0; j < BLK_TOK; j++)
+            acc[i][j] = 0.0f;
+
+    for (int base = (warp * 32 + lane) * 8; base < hidden; base += BLK_WARPS * 256) {
+        float xv[BLK_TOK][8];
+#pragma unroll
+        for (int j = 0; j < BLK_TOK; j++) {
+            if (j < ntk) {
+                load8(x + (size_t)(t0 + j) * hidden + base, xv[j]);
+            } else {
+#pragma unroll
+                for (int q = 0; q < 8; q++)
+                    xv[j][q] = 0.0f;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < BLK_ROWS; i++) {
+            if (i < nr) {
+                float wv[8];
+                load8(w + (size_t)(r0 + i) * hidden + base, wv);
+#pragma unroll
+                for (int j = 0; j < BLK_TOK; j++)
+#pragma unroll
+                    for (int q = 0; q < 8; q++)
+                        acc[i][j] += wv[q] * xv[j][q];
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < BLK_ROWS; i++)
+#pragma unroll
+        for (int j = 0; j < BLK_TOK; j++) {
+            float v = acc[i][j];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1)
+                v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0)
+                red[warp][i * BLK_TOK + j] = v;
+        }
+    __syncthreads();
+    if (threadIdx.x < BLK_ROWS * BLK_TOK) {
+        const int i = threadIdx.x / BLK_TOK, j = threadIdx.x % BLK_TOK;
+        if (i < nr && j < ntk) {
+            float v = 0.0f;
+#pragma unroll
+            for (int k = 0; k < BLK_WARPS; k++)
+                v += red[k][threadIdx.x];
+            logits[(size_t)(t0 + j) * num_rows + r0 + i] = v;
+        }
+    }
+}
+
+bool aligned16(const void *p)
+{
+    return ((uintptr_t)p & 15u) == 0;
+}
+
+template <typename T> moe_status_t launch_logits(const moe_route_logits_args_t *a, cudaStream_t s)
+{
+    const T *x = (const T *)a->x;
+    const int nt = (int)a->num_tokens;
+    if (a->hidden % 8 == 0 && aligned16(a->x) && aligned16(a->w)) {
+        dim3 grid((nt + BLK_TOK - 1) / BLK_TOK, (a->num_rows + BLK_ROWS - 1) / BLK_ROWS);
+        MOE_CUDA_CHECK(moe_launch((logits_blk_kernel<T>), grid, dim3(BLK_WARPS * 32), 0, s, x, a->w,
+                                  a->logits, nt, a->num_rows, a->hidden));
+        MOE_CUDA_CHECK_LAUNCH("logits_blk_kernel");
+    } else if (nt <= GEMV_MAX_TOKENS) {
+        dim3 grid((a->num_rows + GEMV_WARPS - 1) / GEMV_WARPS);
+        MOE_CUDA_CHECK(moe_launch((logits_gemv_kernel<T>), dim3(grid), dim3(GEMV_WARPS * 32), 0, s,
+                                  x, a->w, a->logits, nt, a->num_rows, a->hidden));
+        MOE_CUDA_CHECK_LAUNCH("logits_gemv_kernel");
+    } else {
+        dim3 grid((nt + TM - 1) / TM, (a->num_rows + TN - 1) / TN);
+        MOE_CUDA_CHECK(moe_launch((logits_tiled_kernel<T>), dim3(grid), dim3(256), 0, s, x, a->w,
+                                  a->logits, nt, a->num_rows, a->hidden));
+        MOE_CUDA_CHECK_LAUNCH("logits_tiled_kernel");
+    }
+    return MOE_STATUS_SUCCESS;
+}
+
+/* ---- scoring + top-k: one warp per token ------------------------------------------------- */
+
+constexpr int ROUTE_WARPS = 4;
+
+struct route_kparams {
+    int num_experts, top_k, scoring, use_bias, n_group, topk_group, renormalize;
+    float scaling;
+};
+
+/* The better of two (value, id) candidates: larger value, then lower id; id < 0 = none. */
+__device__ __forceinline__ void better(float &v, int &id, float v2, int id2)
+{
+    if (id2 < 0)
+        return;
+    if (id < 0 || v2 > v || (v2 == v && id2 < id)) {
+        v = v2;
+        id = id2;
+    }
+}
+
+__device__ __forceinline__ void warp_argmax(float &v, int &id)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float v2 = __shfl_xor_sync(0xffffffffu, v, o);
+        const int id2 = __shfl_xor_sync(0xffffffffu, id, o);
+        better(v, id, v2, id2);
+    }
+}
+
+/* NPL experts per lane: expert e = lane + 32 * i lives in register slot i of lane e % 32. */
+template <int NPL>
+__global__ void __launch_bounds__(ROUTE_WARPS * 32)
+    route_topk_kernel(const float *__restrict__ logits, const float *__restrict__ bias,
+                      int32_t *__restrict__ topk_ids, float *__restrict__ topk_weights,
+                      int num_tokens, route_kparams p)
+{
+    moe_pdl_wait();
+    __shared__ float choice_sm[ROUTE_WARPS][NPL * 32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int t = blockIdx.x * ROUTE_WARPS + warp;
+    if (t >= num_tokens)
+        return;
+    const int E = p.num_experts, K = p.top_k;
+    const float *l = logits + (size_t)t * E;
+    float score[NPL], choice[NPL];
+    unsigned allowed = 0; /* bit i: expert lane + 32 i may still be chosen */
+
+#pragma unroll
+    for (int i = 0; i < NPL; i++) {
+        const int e = lane + 32 * i;
+        score[i] = e < E ? l[e] : -INFINITY;
+        if (e < E)
+            allowed |= 1u << i;
+    }
+    if (p.scoring == MOE_SCORING_SOFTMAX) {
+        float mx = -INFINITY, sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NPL; i++)
+            mx = fmaxf(mx, score[i]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+#pragma unroll
+        for (int i = 0; i < NPL; i++) {
+            score[i] = (allowed >> i) & 1u ? expf(score[i] - mx) : 0.0f;
+            sum += score[i];
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+            sum += __shfl_xor_sync(0xffffffffu, sum, o);
+#pragma unroll
+        for (int i = 0; i < NPL; i++)
+            score[i] = score[i] / sum;
+    } else {
+#pragma unroll
+        for (int i = 0; i < NPL; i++)
+            score[i] = 1.0f / (1.0f + expf(-score[i]));
+    }
+#pragma unroll
+    for (int i = 0; i < NPL; i++) {
+        const int e = lane + 32 * i;
+        choice[i] = score[i];
+        if (p.scoring == MOE_SCORING_SIGMOID && p.use_bias && bias && e < E)
+            choice[i] += bias[e];
+    }
+
+    if (p.n_group > 1) {
+        /* Lane g scores group g (contiguous experts) by its two best choice values. */
+        const int gsize = E / p.n_group;
+#pragma unroll
+        for (int i = 0; i < NPL; i++)
+            choice_sm[warp][lane + 32 * i] = choice[i];
+        __syncwarp();
+        float gscore = -INFINITY;
+        int gid = -1;
+        if (lane < p.n_group) {
+            float b1 = -INFINITY, b2 = -INFINITY;
+            for (int e = lane * gsize; e < (lane + 1) * gsize; e++) {
+                const float c = choice_sm[warp][e];
+                if (c > b1) {
+                    b2 = b1;
+                    b1 = c;
+                } else if (c > b2) {
+                    b2 = c;
+                }
+            }
+            gscore = gsize >= 2 ? b1 + b2 : b1;
+            gid = lane;
+        }
+        unsigned kept = 0;
+        for (int j = 0; j < p.topk_group; j++) {
+            float v = gscore;
+            int id = gid;
+            warp_argmax(v, id);
+            kept |= 1u << id;
+            if (lane == id)
+                gid = -1; /* taken */
+        }
+#pragma unroll
+        for (int i = 0; i < NPL; i++) {
+            const int e = lane + 32 * i;
+            if (e < E && !((kept >> (e / gsize)) & 1u))
+                allowed &= ~(1u << i);
+        }
+    }
+
+    int ids[MOE_ROUTE_MAX_TOP_K];
+    float w[MOE_ROUTE_MAX_TOP_K];
+    float wsum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < MOE_ROUTE_MAX_TOP_K; j++) {
+        ids[j] = -1;
+        w[j] = 0.0f;
+        if (j < K) {
+            float v = -INFINITY;
+            int id = -1;
+#pragma unroll
+            for (int i = 0; i < NPL; i++)
+                if ((allowed >> i) & 1u)
+                    better(v, id, choice[i], lane + 32 * i);
+            warp_argmax(v, id);
+            /* The owner lane clears the winner and broadcasts its unbiased score. */
+            float s = 0.0f;
+            if (id >= 0 && (id & 31) == lane) {
+#pragma unroll
+                for (int i = 0; i < NPL; i++)
+                    if (lane + 32 * i == id) {
+                        allowed &= ~(1u << i);
+                        s = score[i];
+                    }
+            }
+            s = __shfl_sync(0xffffffffu, s, id >= 0 ? (id & 31) : 0);
+            ids[j] = id;
+            w[j] = s;
+            wsum += s;
+        }
+    }
+    if (lane == 0) {
+        const float denom = p.scoring == MOE_SCORING_SIGMOID ? wsum + 1e-20f : wsum;
+        const int scale = p.scaling != 0.0f && p.scaling != 1.0f;
+#pragma unroll
+        for (int j = 0; j < MOE_ROUTE_MAX_TOP_K; j++) {
+            if (j < K) {
+                float v = w[j];
+                if (p.renormalize)
+                    v /= denom;
+                if (scale)
+                    v *= p.scaling;
+                topk_ids[(size_t)t * K + j] = ids[j];
+                topk_weights[(size_t)t * K + j] = v;
+            }
+        }
+    }
+}
+
+template <int NPL> moe_status_t launch_topk(const moe_route_args_t *a, cudaStream_t s)
+{
+    const moe_route_params_t *q = &a->params;
+    route_kparams p = {q->num_experts, q->top_k,      (int)q->scoring, q->use_bias,
+                       q->n_group,     q->topk_group, q->renormalize,  q->scaling};
+    const int nt = (int)a->num_tokens;
+    MOE_CUDA_CHECK(moe_launch((route_topk_kernel<NPL>), dim3((nt + ROUTE_WARPS - 1) / ROUTE_WARPS),
+                              dim3(ROUTE_WARPS * 32), 0, s, a->logits, a->bias, a->topk_ids,
+                              a->topk_weights, nt, p));
+    MOE_CUDA_CHECK_LAUNCH("route_topk_kernel");
+    return MOE_STATUS_SUCCESS;
+}
+
+} /* namespace */
+
+extern "C" moe_status_t moe_route_logits_launch(const moe_route_logits_args_t *a, void *stream)
+{
+    MOE_ARG_CHECK(a->num_tokens >= 0 && a->num_tokens <= INT32_MAX,
+                  "route logits: num_tokens = %lld", (long long)a->num_tokens);
+    MOE_ARG_CHECK(a->num_rows > 0 && a->hidden > 0, "route logits: rows = %d, hidden = %d",
+                  a->num_rows, a->hidden);
+    if (a->num_tokens == 0)
+        return MOE_STATUS_SUCCESS;
+    switch (a->x_dtype) {
+    case MOE_DTYPE_F32:
+        return launch_logits<float>(a, (cudaStream_t)stream);
+    case MOE_DTYPE_BF16:
+        return launch_logits<__nv_bfloat16>(a, (cudaStream_t)stream);
+    default:
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "route logits: x dtype %s (F32 or BF16)",
+                         moe_dtype_name(a->x_dtype));
+    }
+}
+
+extern "C" moe_status_t moe_route_launch(const moe_route_args_t *a, void *stream)
+{
+    const moe_route_params_t *p = &a->params;
+    const cudaStream_t s = (cudaStream_t)stream;
+    const int E = p->num_experts;
+
+    MOE_ARG_CHECK(a->num_tokens >= 0 && a->num_tokens <= INT32_MAX, "route: num_tokens = %lld",
+                  (long long)a->num_tokens);
+    MOE_ARG_CHECK(p->top_k >= 1 && p->top_k <= E, "route: top_k = %d with %d experts", p->top_k, E);
+    if (E > MOE_ROUTE_MAX_EXPERTS || p->top_k > MOE_ROUTE_MAX_TOP_K)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                         "route: num_experts = %d, top_k = %d (the CUDA kernel handles up to "
+                         "%d experts and top_k %d)",
+                         E, p->top_k, MOE_ROUTE_MAX_EXPERTS, MOE_ROUTE_MAX_TOP_K);
+    if (p->n_group > 1) {
+        MOE_ARG_CHECK(E % p->n_group == 0, "route: n_group = %d does not divide %d experts",
+                      p->n_group, E);
+        MOE_ARG_CHECK(p->topk_group >= 1 && p->topk_group <= p->n_group,
+                      "route: topk_group = %d with n_group = %d", p->topk_group, p->n_group);
+        MOE_ARG_CHECK(p->top_k <= p->topk_group * (E / p->n_group),
+                      "route: top_k = %d exceeds the experts of %d groups", p->top_k,
+                      p->topk_group);
+        if (p->n_group > MOE_ROUTE_MAX_GROUPS)
+            return moe_error(MOE_STATUS_NOT_SUPPORTED, "route: n_group = %d (at most %d)",
+                             p->n_group, MOE_ROUTE_MAX_GROUPS);
+    }
+    if (a->num_tokens == 0)
+        return MOE_STATUS_SUCCESS;
+    if (E <= 32)
+        return launch_topk<1>(a, s);
+    if (E <= 64)
+        return launch_topk<2>(a, s);
+    if (E <= 128)
+        return launch_topk<4>(a, s);
+    if (E <= 256)
+        return launch_topk<8>(a, s);
+    return launch_topk<16>(a, s);
+}

@@ -1,0 +1,77 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The runtime's only door to the CUDA runtime: devices, memory, streams, events, graphs.
+ * CUDA-free: streams, events and graphs cross as `void *` (cudaStream_t, cudaEvent_t,
+ * cudaGraph_t, cudaGraphExec_t). A NULL stream is the legacy default stream. Every call
+ * returns MOE_STATUS_CUDA_ERROR naming the failed CUDA call on error. */
+#ifndef MOE_GPU_H
+#define MOE_GPU_H
+
+#include <stddef.h>
+#include "moe/moe.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Visible CUDA devices; 0 on any error (no driver, no device). Never sets an error. */
+int moe_gpu_device_count(void);
+moe_status_t moe_gpu_set_device(int device);
+moe_status_t moe_gpu_get_device(int *device);
+/* Compute capability as major * 10 + minor (90 for H100/H200). */
+moe_status_t moe_gpu_arch(int device, int *arch);
+/* Number of multiprocessors of a device. */
+moe_status_t moe_gpu_sm_count(int device, int *sms);
+moe_status_t moe_gpu_name(int device, char *name, size_t len);
+moe_status_t moe_gpu_mem_info(size_t *free_bytes, size_t *total_bytes);
+moe_status_t moe_gpu_device_synchronize(void);
+
+/* Device memory. moe_gpu_free(NULL) is fine. */
+moe_status_t moe_gpu_malloc(void **ptr, size_t bytes);
+moe_status_t moe_gpu_free(void *ptr);
+
+/* Synchronous copies (h2d, d2h, d2d) and memset. */
+moe_status_t moe_gpu_memcpy_h2d(void *dst, const void *src, size_t bytes);
+moe_status_t moe_gpu_memcpy_d2h(void *dst, const void *src, size_t bytes);
+moe_status_t moe_gpu_memcpy_d2d(void *dst, const void *src, size_t bytes);
+moe_status_t moe_gpu_memset(void *dst, int value, size_t bytes);
+
+/* Stream-ordered copies and memset (capturable; host memory should be pinned for overlap). */
+moe_status_t moe_gpu_memcpy_h2d_async(void *dst, const void *src, size_t bytes, void *stream);
+moe_status_t moe_gpu_memcpy_d2h_async(void *dst, const void *src, size_t bytes, void *stream);
+moe_status_t moe_gpu_memcpy_d2d_async(void *dst, const void *src, size_t bytes, void *stream);
+moe_status_t moe_gpu_memset_async(void *dst, int value, size_t bytes, void *stream);
+
+/* Streams (non-blocking with respect to the legacy stream). */
+moe_status_t moe_gpu_stream_create(void **stream);
+moe_status_t moe_gpu_stream_destroy(void *stream);
+moe_status_t moe_gpu_stream_synchronize(void *stream);
+/* 1 if `stream` is being captured into a graph, else 0. */
+moe_status_t moe_gpu_stream_is_capturing(void *stream, int *capturing);
+
+/* Events with timing. elapsed: milliseconds from `start` to `stop` (both recorded). */
+moe_status_t moe_gpu_event_create(void **event);
+moe_status_t moe_gpu_event_destroy(void *event);
+moe_status_t moe_gpu_event_record(void *event, void *stream);
+moe_status_t moe_gpu_event_synchronize(void *event);
+moe_status_t moe_gpu_event_elapsed_ms(void *start, void *stop, float *ms);
+/* Makes `stream` wait for `event` (cross-stream ordering, capturable). */
+moe_status_t moe_gpu_stream_wait_event(void *stream, void *event);
+
+/* Graphs: capture the work queued on `stream` between begin and end (thread-local mode),
+ * instantiate once, launch many times. */
+moe_status_t moe_gpu_graph_capture_begin(void *stream);
+moe_status_t moe_gpu_graph_capture_end(void *stream, void **graph);
+moe_status_t moe_gpu_graph_instantiate(void *graph, void **graph_exec);
+moe_status_t moe_gpu_graph_launch(void *graph_exec, void *stream);
+moe_status_t moe_gpu_graph_destroy(void *graph);
+moe_status_t moe_gpu_graph_exec_destroy(void *graph_exec);
+
+/* Pinned host memory for fast and asynchronous copies. */
+moe_status_t moe_gpu_host_alloc(void **ptr, size_t bytes);
+moe_status_t moe_gpu_host_free(void *ptr);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOE_GPU_H */

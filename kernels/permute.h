@@ -1,0 +1,77 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* CUDA permute: group token-expert rows by expert, padded to the GEMM's block_rows, and gather
+ * the token rows into the GEMM's A buffer. Everything stays on the device. CUDA-free. */
+#ifndef MOE_PERMUTE_H
+#define MOE_PERMUTE_H
+
+#include <stdint.h>
+#include "moe/moe.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Upper bound of the blocks one step needs, known on the host: each expert hit adds at most
+ * one partial block, so sum_e ceil(c_e / br) <= ceil(n / br) + min(E, n) with n = rows. */
+static inline int64_t moe_permute_max_blocks(int64_t rows, int num_experts, int block_rows)
+{
+    const int64_t hit = rows < num_experts ? rows : num_experts;
+    return (rows + block_rows - 1) / block_rows + hit;
+}
+
+/* Metadata pass, one launch. Rows are (t, j) pairs in order t * top_k + j; within an expert
+ * they keep that order (stable). Ids outside [0, num_experts) are skipped (row_of_slot -1):
+ * expert parallelism passes local ids and marks remote experts that way. */
+typedef struct moe_permute_args {
+    const int32_t *topk_ids; /* device [num_tokens, top_k] */
+    int64_t num_tokens;
+    int top_k, num_experts;  /* num_experts <= MOE_PERMUTE_MAX_EXPERTS */
+    int block_rows;          /* the GEMM variant's padding */
+    int max_blocks;          /* >= moe_permute_max_blocks(num_tokens * top_k, ...) */
+    int32_t *expert_counts;  /* out [num_experts]: rows of each expert (unpadded) */
+    int32_t *expert_offsets; /* out [num_experts + 1]: first row of each expert (padded) */
+    int32_t *block_expert;   /* out [max_blocks]: expert of each block, -1 past the last */
+    int32_t *num_blocks;     /* out scalar: blocks used */
+    int32_t *row_of_slot;    /* out [num_tokens * top_k]: row of (t, j) in A, -1 if skipped */
+    int32_t *slot_of_row;    /* out [max_blocks * block_rows]: t * top_k + j, -1 for padding
+                                (written for rows < num_blocks * block_rows) */
+} moe_permute_args_t;
+
+#define MOE_PERMUTE_MAX_EXPERTS 1024
+
+moe_status_t moe_permute_launch(const moe_permute_args_t *args, void *stream);
+
+/* a[row] = bf16(x[slot_of_row[row] / top_k]) for the rows of the first *num_blocks blocks;
+ * padding rows are zeroed. The grid is sized from max_blocks; blocks past *num_blocks exit. */
+typedef struct moe_gather_args {
+    const void *x;       /* device [num_tokens, hidden], x_dtype */
+    moe_dtype_t x_dtype; /* F32 or BF16 */
+    int hidden, top_k;
+    const int32_t *slot_of_row;
+    const int32_t *num_blocks;
+    int block_rows, max_blocks;
+    void *a; /* device bf16 [max_blocks * block_rows, hidden] */
+} moe_gather_args_t;
+
+moe_status_t moe_gather_launch(const moe_gather_args_t *args, void *stream);
+
+/* Rows of every token as one group (the shared MLP): a[t] = bf16(x[t]) for t < num_tokens,
+ * zero up to max_blocks * block_rows; block_expert[b] = 0 for the ceil(num_tokens/block_rows)
+ * used blocks, -1 after; *num_blocks set. One launch. */
+typedef struct moe_rows_args {
+    const void *x;
+    moe_dtype_t x_dtype;
+    int64_t num_tokens;
+    int hidden, block_rows, max_blocks; /* max_blocks * block_rows >= num_tokens */
+    void *a;                            /* device bf16 [max_blocks * block_rows, hidden] */
+    int32_t *block_expert;              /* device [max_blocks] */
+    int32_t *num_blocks;                /* device scalar */
+} moe_rows_args_t;
+
+moe_status_t moe_rows_launch(const moe_rows_args_t *args, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOE_PERMUTE_H */

@@ -1,0 +1,51 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* CUDA routing: router logits (x . Wg^T) and the fused scoring + top-k launch. CUDA-free. */
+#ifndef MOE_ROUTE_H
+#define MOE_ROUTE_H
+
+#include <stdint.h>
+#include "kernels/cpu/moe_cpu.h"
+#include "moe/moe.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Largest num_experts and top_k the scoring kernel is compiled for. */
+#define MOE_ROUTE_MAX_EXPERTS 512
+#define MOE_ROUTE_MAX_TOP_K 16
+/* Largest n_group for grouped top-k (one lane per group). */
+#define MOE_ROUTE_MAX_GROUPS 32
+
+/* logits[t, r] = sum_h x[t, h] * w[r, h], f32 accumulation in a fixed order (deterministic).
+ * Used for the router (rows = num_experts) and the shared-expert gate (rows = 1). */
+typedef struct moe_route_logits_args {
+    const void *x;       /* device [num_tokens, hidden], x_dtype */
+    moe_dtype_t x_dtype; /* MOE_DTYPE_F32 or MOE_DTYPE_BF16 */
+    const float *w;      /* device [num_rows, hidden] f32 */
+    float *logits;       /* device [num_tokens, num_rows] */
+    int64_t num_tokens;
+    int num_rows, hidden;
+} moe_route_logits_args_t;
+
+moe_status_t moe_route_logits_launch(const moe_route_logits_args_t *args, void *stream);
+
+/* One launch: scores (softmax, or sigmoid with optional bias and grouped top-k), top-k,
+ * renormalisation and scaling, exactly as moe_cpu_route (ties: lower expert id first; ids in
+ * falling order of the choice score). */
+typedef struct moe_route_args {
+    moe_route_params_t params; /* num_experts <= 512, top_k <= 16, n_group <= 32 */
+    const float *logits;       /* device [num_tokens, num_experts] */
+    const float *bias;         /* device [num_experts] or NULL (sigmoid + use_bias only) */
+    int32_t *topk_ids;         /* device [num_tokens, top_k] */
+    float *topk_weights;       /* device [num_tokens, top_k] */
+    int64_t num_tokens;
+} moe_route_args_t;
+
+moe_status_t moe_route_launch(const moe_route_args_t *args, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOE_ROUTE_H */

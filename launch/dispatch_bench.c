@@ -1,0 +1,244 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* moe-bench --dispatch-only: the expert-parallel dispatch and combine of a layer across the
+ * ranks (one per GPU), per tokens/rank, next to NCCL's own all-to-all of the same bytes
+ * (grouped ncclSend/ncclRecv, graph-replayed) measured in the same run. Rank 0 prints.
+ *
+ * dispatch = the layer's phase from routing done to the expert rows gathered (all-gather of
+ * the tokens + ids, local ids, permute, gather); combine = rows scattered, reduce-scatter back,
+ * weighted sum. Both from one step profiled with MOE_PROFILE=1 (events), median over steps.
+ * The "same bytes" are the logical payload: tokens x top_k x hidden x 2 bytes per rank each
+ * way. This program links NCCL and CUDA itself (a benchmark, not the library). */
+#define _POSIX_C_SOURCE 200809L
+#include "dispatch_bench.h"
+
+#include <stdio.h>
+
+#ifndef MOE_HAVE_NCCL
+int moe_dispatch_bench_main(int argc, char **argv)
+{
+    (void)argc;
+    (void)argv;
+    fprintf(stderr, "moe-bench --dispatch-only: this build has no NCCL\n");
+    return 2;
+}
+#else
+#include <cuda_runtime.h>
+#include <mpi.h>
+#include <nccl.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "layer_gen.h"
+#include "moe/moe.h"
+#include "moe/moe_mpi.h"
+
+#define DIE(...)                                                                               \
+    do {                                                                                       \
+        fprintf(stderr, "moe-bench --dispatch-only: " __VA_ARGS__);                            \
+        fprintf(stderr, "\n");                                                                 \
+        MPI_Abort(MPI_COMM_WORLD, 1);                                                          \
+    } while (0)
+#define CK(call)                                                                               \
+    do {                                                                                       \
+        cudaError_t e_ = (call);                                                               \
+        if (e_ != cudaSuccess)                                                                 \
+            DIE("%s: %s", #call, cudaGetErrorString(e_));                                      \
+    } while (0)
+#define NK(call)                                                                               \
+    do {                                                                                       \
+        ncclResult_t r_ = (call);                                                              \
+        if (r_ != ncclSuccess)                                                                 \
+            DIE("%s: %s", #call, ncclGetErrorString(r_));                                      \
+    } while (0)
+#define MK(call)                                                                               \
+    do {                                                                                       \
+        moe_status_t s_ = (call);                                                              \
+        if (s_ != MOE_STATUS_SUCCESS)                                                          \
+            DIE("%s: %s: %s", #call, moe_status_string(s_), moe_last_error());                 \
+    } while (0)
+
+static int cmpd(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* NCCL grouped send/recv all-to-all of `bytes` per rank (split evenly over the peers),
+ * captured once in a graph and replayed; median microseconds. */
+static double nccl_a2a_us(ncclComm_t comm, int world, size_t bytes, void *sbuf, void *rbuf,
+                          cudaStream_t s, int iters)
+{
+    const size_t per = bytes / (size_t)world;
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    cudaEvent_t e0, e1;
+    double *t = malloc(sizeof(double) * (size_t)iters), med;
+    float ms;
+    int p, i;
+
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    NK(ncclGroupStart());
+    for (p = 0; p < world; p++) {
+        NK(ncclSend((char *)sbuf + per * p, per, ncclUint8, p, comm, s));
+        NK(ncclRecv((char *)rbuf + per * p, per, ncclUint8, p, comm, s));
+    }
+    NK(ncclGroupEnd());
+    CK(cudaStreamEndCapture(s, &g));
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    for (i = 0; i < 5; i++)
+        CK(cudaGraphLaunch(ge, s));
+    CK(cudaStreamSynchronize(s));
+    for (i = 0; i < iters; i++) {
+        MPI_Barrier(MPI_COMM_WORLD);
+        CK(cudaEventRecord(e0, s));
+        CK(cudaGraphLaunch(ge, s));
+        CK(cudaEventRecord(e1, s));
+        CK(cudaEventSynchronize(e1));
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        t[i] = ms * 1e3;
+    }
+    qsort(t, (size_t)iters, sizeof(double), cmpd);
+    med = t[iters / 2];
+    free(t);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    cudaGraphExecDestroy(ge);
+    cudaGraphDestroy(g);
+    return med;
+}
+
+int moe_dispatch_bench_main(int argc, char **argv)
+{
+    static const int64_t sizes[] = {1, 8, 32, 128, 512, 4096};
+    const int nsizes = (int)(sizeof(sizes) / sizeof(sizes[0]));
+    moe_runtime_config_t rc = MOE_RUNTIME_CONFIG_INIT;
+    moe_layer_config_t cfg = MOE_LAYER_CONFIG_INIT;
+    moe_runtime_t *rt = NULL;
+    int rank, world, i, it, iters = 20, max_sizes = nsizes;
+    int64_t tmax;
+    ncclUniqueId id;
+    ncclComm_t comm;
+    cudaStream_t s;
+    void *sbuf, *rbuf, *dx, *dy;
+    moe_runtime_info_t ri;
+
+    for (i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--max-tokens") && i + 1 < argc)
+            for (tmax = atoll(argv[++i]), max_sizes = 0; max_sizes < nsizes &&
+                                                          sizes[max_sizes] <= tmax; max_sizes++)
+                ;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &world);
+    tmax = sizes[max_sizes - 1];
+    /* DeepSeek-V3-like routing: 256 experts, top-8, H 7168; small experts (I 256): their GEMMs
+     * are not what this measures. */
+    cfg.num_experts = 256;
+    cfg.top_k = 8;
+    cfg.hidden = 7168;
+    cfg.intermediate = 256;
+    cfg.scoring = MOE_SCORING_SIGMOID;
+    cfg.use_score_bias = 1;
+    cfg.n_group = 8;
+    cfg.topk_group = 4;
+    cfg.routed_scaling_factor = 2.5f;
+    cfg.max_tokens_per_rank = tmax;
+    rc.backend = MOE_BACKEND_CUDA;
+    MK(moe_runtime_create_mpi(&rc, MPI_COMM_WORLD, &rt));
+    MK(moe_runtime_get_info(rt, &ri));
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+
+    if (rank == 0)
+        NK(ncclGetUniqueId(&id));
+    MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD);
+    NK(ncclCommInitRank(&comm, world, id, rank));
+    {
+        const size_t maxb = (size_t)tmax * cfg.top_k * cfg.hidden * 2;
+        CK(cudaMalloc(&sbuf, maxb));
+        CK(cudaMalloc(&rbuf, maxb));
+        CK(cudaMemset(sbuf, 1, maxb));
+        CK(cudaMalloc(&dx, 2 * (size_t)tmax * cfg.hidden));
+        CK(cudaMalloc(&dy, 2 * (size_t)tmax * cfg.hidden));
+    }
+    if (rank == 0) {
+        int v = 0;
+        ncclGetVersion(&v);
+        printf("# moe-bench --dispatch-only: %d ranks (GPUs), E%d top-%d H%d bf16, NCCL %d\n"
+               "# dispatch/combine: the layer's phases (events, median of %d steps, max over "
+               "ranks); nccl a2a: grouped send/recv of the same payload (tokens x k x H x 2 B), "
+               "graph-replayed\n#\n# %9s %12s %12s %12s %12s %9s %11s %10s\n",
+               world, cfg.num_experts, cfg.top_k, cfg.hidden, v, iters, "tok/rank",
+               "payload(MB)", "dispatch(us)", "combine(us)", "nccl_a2a(us)", "ratio",
+               "busbw(GB/s)", "ours(GB/s)");
+    }
+    for (i = 0; i < max_sizes; i++) {
+        const int64_t T = sizes[i];
+        const size_t bytes = (size_t)T * cfg.top_k * cfg.hidden * 2;
+        moe_layer_t *layer = NULL;
+        moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
+        moe_layer_stats_t st;
+        double *d = malloc(sizeof(double) * iters), *c = malloc(sizeof(double) * iters), v[2];
+        double a2a;
+        uint16_t *hx = malloc(2 * (size_t)T * cfg.hidden);
+        float *fx = malloc(4 * (size_t)T * cfg.hidden);
+        int64_t j;
+
+        cfg.max_tokens_per_rank = T;
+        MK(moe_layer_create(rt, &cfg, &layer));
+        MK(moe_gen_set_weights(layer, &cfg, 7));
+        moe_gen_tokens(7, (int64_t)rank * T, T, cfg.hidden, fx);
+        for (j = 0; j < T * cfg.hidden; j++) { /* f32 -> bf16 by truncation is fine here */
+            uint32_t u;
+            memcpy(&u, &fx[j], 4);
+            hx[j] = (uint16_t)(u >> 16);
+        }
+        CK(cudaMemcpy(dx, hx, 2 * (size_t)T * cfg.hidden, cudaMemcpyHostToDevice));
+        a.num_tokens = T;
+        a.dtype = MOE_DTYPE_BF16;
+        a.x = dx;
+        a.y = dy;
+        a.stream = s;
+        setenv("MOE_PROFILE", "1", 1);
+        for (it = 0; it < 3; it++)
+            MK(moe_layer_forward(layer, &a));
+        for (it = 0; it < iters; it++) {
+            MPI_Barrier(MPI_COMM_WORLD);
+            MK(moe_layer_forward(layer, &a));
+            MK(moe_layer_synchronize(layer, s));
+            MK(moe_layer_get_stats(layer, &st));
+            d[it] = st.dispatch_us;
+            c[it] = st.combine_us;
+        }
+        setenv("MOE_PROFILE", "0", 1);
+        qsort(d, (size_t)iters, sizeof(double), cmpd);
+        qsort(c, (size_t)iters, sizeof(double), cmpd);
+        v[0] = d[iters / 2];
+        v[1] = c[iters / 2];
+        MPI_Allreduce(MPI_IN_PLACE, v, 2, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+        a2a = nccl_a2a_us(comm, world, bytes, sbuf, rbuf, s, iters);
+        MPI_Allreduce(MPI_IN_PLACE, &a2a, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+        if (rank == 0)
+            printf("  %9lld %12.3f %12.1f %12.1f %12.1f %9.2f %11.1f %10.1f\n", (long long)T,
+                   bytes / 1e6, v[0], v[1], a2a, (v[0] + v[1]) / (2 * a2a),
+                   /* nccl-tests busbw for alltoall: bytes * (n-1)/n / time */
+                   bytes * (world - 1.0) / world / a2a / 1e3,
+                   2.0 * bytes * (world - 1.0) / world / (v[0] + v[1]) / 1e3);
+        fflush(stdout);
+        MK(moe_layer_destroy(layer));
+        free(d);
+        free(c);
+        free(hx);
+        free(fx);
+    }
+    if (rank == 0)
+        printf("# ratio = (dispatch + combine) / (2 x nccl a2a); target <= 1\n");
+    ncclCommDestroy(comm);
+    cudaFree(sbuf), cudaFree(rbuf), cudaFree(dx), cudaFree(dy);
+    cudaStreamDestroy(s);
+    MK(moe_runtime_destroy(rt));
+    return 0;
+}
+#endif /* MOE_HAVE_NCCL */

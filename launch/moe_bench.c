@@ -1,0 +1,510 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* moe-bench: times one MoE layer step on this GPU per token count, nccl-tests style, against
+ * the hardware limit (weight bytes / HBM bandwidth, flops / tensor-core rate).
+ *
+ * The layer runs through the public API only. The benchmark itself (device buffers, streams,
+ * events, graph capture, the copy and cuBLAS reference rates) talks to the CUDA runtime and
+ * cuBLAS directly: this is a program, not the library, and it links CUDA::cudart and
+ * CUDA::cublas itself. */
+#define _POSIX_C_SOURCE 200809L /* setenv */
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <mpi.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "dispatch_bench.h"
+#include "layer_gen.h"
+#include "moe/moe.h"
+#include "moe/moe_mpi.h"
+
+/* H200 datasheet figures the score is measured against. */
+#define HBM_BYTES_PER_S 4.8e12
+#define BF16_FLOPS_PER_S 989e12
+#define MAX_POINTS 64
+
+#define CUDA_OK(call)                                                                              \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "moe-bench: %s failed: %s\n", #call, cudaGetErrorString(e_));          \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+#define MOE_OK(call)                                                                               \
+    do {                                                                                           \
+        moe_status_t s_ = (call);                                                                  \
+        if (s_ != MOE_STATUS_SUCCESS) {                                                            \
+            fprintf(stderr, "moe-bench: %s failed: %s: %s\n", #call, moe_status_string(s_),        \
+                    moe_last_error());                                                             \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+typedef struct point {
+    int64_t m;
+    int distinct, graph, iters;
+    double time_us, min_us, flops, bytes, limit_us;
+    moe_layer_stats_t phases; /* one step run with MOE_PROFILE=1 */
+} point_t;
+
+typedef struct options {
+    const char *preset, *json;
+    moe_layer_config_t cfg;
+    int64_t tokens[MAX_POINTS];
+    int num_tokens;
+    int64_t graph_max; /* graph-replay steps of at most this many tokens */
+    double seconds;    /* time spent per point, roughly */
+} options_t;
+
+static void usage(void)
+{
+    printf("usage: moe-bench [--preset NAME] [--experts E --top-k K --hidden H --intermediate I]\n"
+           "                 [--tokens 1,8,64,512,2048,8192] [--graph-max M] [--seconds S]\n"
+           "                 [--json FILE]\n"
+           "       mpirun -np N moe-bench --dispatch-only [--max-tokens T]\n"
+           "         (expert-parallel dispatch/combine next to NCCL all-to-all)\n"
+           "presets: %s\n",
+           moe_gen_preset_names());
+}
+
+static int parse_tokens(const char *s, options_t *o)
+{
+    char *end;
+    o->num_tokens = 0;
+    while (*s && o->num_tokens < MAX_POINTS) {
+        long long v = strtoll(s, &end, 10);
+        if (end == s || v < 1)
+            return 0;
+        o->tokens[o->num_tokens++] = v;
+        s = *end == ',' ? end + 1 : end;
+    }
+    return o->num_tokens > 0;
+}
+
+static int parse(int argc, char **argv, options_t *o)
+{
+    int i;
+    moe_layer_config_t init = MOE_LAYER_CONFIG_INIT;
+    o->cfg = init;
+    o->preset = "mixtral-8x7b";
+    o->json = NULL;
+    o->graph_max = 512;
+    o->seconds = 0.3;
+    parse_tokens("1,8,64,512,2048,8192", o);
+    moe_gen_preset(o->preset, &o->cfg);
+    for (i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage();
+            exit(0);
+        }
+        if (!v) {
+            fprintf(stderr, "moe-bench: %s needs a value\n", a);
+            return 0;
+        }
+        i++;
+        if (!strcmp(a, "--preset")) {
+            o->preset = v;
+            o->cfg = init;
+            if (!moe_gen_preset(v, &o->cfg)) {
+                fprintf(stderr, "moe-bench: --preset %s: unknown (%s)\n", v,
+                        moe_gen_preset_names());
+                return 0;
+            }
+        } else if (!strcmp(a, "--experts")) {
+            o->cfg.num_experts = atoi(v), o->preset = "custom";
+        } else if (!strcmp(a, "--top-k")) {
+            o->cfg.top_k = atoi(v), o->preset = "custom";
+        } else if (!strcmp(a, "--hidden")) {
+            o->cfg.hidden = atoi(v), o->preset = "custom";
+        } else if (!strcmp(a, "--intermediate")) {
+            o->cfg.intermediate = atoi(v), o->preset = "custom";
+        } else if (!strcmp(a, "--tokens")) {
+            if (!parse_tokens(v, o)) {
+                fprintf(stderr, "moe-bench: --tokens %s: expected 1,8,64,...\n", v);
+                return 0;
+            }
+        } else if (!strcmp(a, "--graph-max")) {
+            o->graph_max = atoll(v);
+        } else if (!strcmp(a, "--seconds")) {
+            o->seconds = atof(v);
+        } else if (!strcmp(a, "--json")) {
+            o->json = v;
+        } else {
+            fprintf(stderr, "moe-bench: unknown option %s\n", a);
+            usage();
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* Uniform random bf16 in [-a, a): the top half of an f32 (truncation is fine for a benchmark). */
+static void fill_bf16(uint16_t *p, size_t n, float a, uint64_t *state)
+{
+    size_t i;
+    for (i = 0; i < n; i++) {
+        uint64_t x = *state;
+        float f;
+        uint32_t u;
+        x ^= x >> 12, x ^= x << 25, x ^= x >> 27;
+        *state = x;
+        f = a * ((float)((x * 2685821657736338717ULL) >> 40) / 8388608.0f - 1.0f);
+        memcpy(&u, &f, 4);
+        p[i] = (uint16_t)(u >> 16);
+    }
+}
+
+/* Every weight from a few shared random buffers (one per shape): fast at any size. */
+static void set_weights(moe_layer_t *layer, const moe_layer_config_t *c)
+{
+    const int64_t H = c->hidden, I = c->intermediate, E = c->num_experts;
+    const int64_t S = c->num_shared_experts > 0 ? c->shared_intermediate : 0;
+    const int64_t big = (I > S ? I : S) * H;
+    uint16_t *buf = malloc(2 * (size_t)(big > E * H ? big : E * H));
+    uint64_t st = 0x9e3779b97f4a7c15ULL;
+    int64_t e;
+    moe_tensor_t t = {MOE_DTYPE_BF16, 0, 0, buf, NULL, 0, 0};
+
+    fill_bf16(buf, (size_t)(big > E * H ? big : E * H), 1.0f / sqrtf((float)H), &st);
+    t.rows = E, t.cols = H;
+    MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_ROUTER, -1, &t));
+    if (c->use_score_bias) {
+        t.rows = 1, t.cols = E;
+        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_ROUTER_BIAS, -1, &t));
+    }
+    for (e = 0; e < E; e++) {
+        t.rows = I, t.cols = H;
+        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_GATE_PROJ, (int)e, &t));
+        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_UP_PROJ, (int)e, &t));
+        t.rows = H, t.cols = I;
+        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_DOWN_PROJ, (int)e, &t));
+    }
+    if (S > 0) {
+        t.rows = S, t.cols = H;
+        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_GATE_PROJ, -1, &t));
+        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_UP_PROJ, -1, &t));
+        t.rows = H, t.cols = S;
+        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_DOWN_PROJ, -1, &t));
+        if (c->shared_expert_gate) {
+            t.rows = 1, t.cols = H;
+            MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_EXPERT_GATE, -1, &t));
+        }
+    }
+    free(buf);
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Device-to-device copy rate, counting read + write bytes (as the figure in the device notes). */
+static double copy_gbps(cudaStream_t s)
+{
+    const size_t bytes = (size_t)1 << 30;
+    void *a, *b;
+    cudaEvent_t e0, e1;
+    float ms = 0;
+    int i;
+    CUDA_OK(cudaMalloc(&a, bytes));
+    CUDA_OK(cudaMalloc(&b, bytes));
+    CUDA_OK(cudaEventCreate(&e0));
+    CUDA_OK(cudaEventCreate(&e1));
+    CUDA_OK(cudaMemsetAsync(a, 1, bytes, s));
+    CUDA_OK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s));
+    CUDA_OK(cudaEventRecord(e0, s));
+    for (i = 0; i < 10; i++)
+        CUDA_OK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s));
+    CUDA_OK(cudaEventRecord(e1, s));
+    CUDA_OK(cudaEventSynchronize(e1));
+    CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
+    CUDA_OK(cudaFree(a));
+    CUDA_OK(cudaFree(b));
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    return 10.0 * 2.0 * (double)bytes / (ms * 1e-3) / 1e9;
+}
+
+/* cuBLAS bf16 GEMM 8192^3 (f32 accumulation) in TFLOP/s. */
+static double cublas_tflops(cudaStream_t s)
+{
+    const int n = 8192;
+    const size_t bytes = 2 * (size_t)n * n;
+    void *a, *b, *c;
+    uint16_t *h = malloc(bytes);
+    uint64_t st = 12345;
+    float alpha = 1.0f, beta = 0.0f, ms = 0;
+    cublasHandle_t handle;
+    cudaEvent_t e0, e1;
+    int i;
+    fill_bf16(h, (size_t)n * n, 1.0f, &st);
+    CUDA_OK(cudaMalloc(&a, bytes));
+    CUDA_OK(cudaMalloc(&b, bytes));
+    CUDA_OK(cudaMalloc(&c, bytes));
+    CUDA_OK(cudaMemcpy(a, h, bytes, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(b, h, bytes, cudaMemcpyHostToDevice));
+    if (cublasCreate(&handle) != CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "moe-bench: cublasCreate failed\n");
+        return 0.0;
+    }
+    cublasSetStream(handle, s);
+    CUDA_OK(cudaEventCreate(&e0));
+    CUDA_OK(cudaEventCreate(&e1));
+    for (i = 0; i < 23; i++) {
+        if (i == 3)
+            CUDA_OK(cudaEventRecord(e0, s));
+        if (cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &alpha, a, CUDA_R_16BF, n, b,
+                         CUDA_R_16BF, n, &beta, c, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+                         CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
+            fprintf(stderr, "moe-bench: cublasGemmEx failed\n");
+            return 0.0;
+        }
+    }
+    CUDA_OK(cudaEventRecord(e1, s));
+    CUDA_OK(cudaEventSynchronize(e1));
+    CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
+    cublasDestroy(handle);
+    cudaFree(a), cudaFree(b), cudaFree(c), free(h);
+    cudaEventDestroy(e0), cudaEventDestroy(e1);
+    return 20.0 * 2.0 * (double)n * n * n / (ms * 1e-3) / 1e12;
+}
+
+/* Distinct experts hit by the step's actual routing. */
+static int count_distinct(moe_layer_t *layer, moe_forward_args_t a, int32_t *d_ids, int E, int k,
+                          cudaStream_t s)
+{
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(a.num_tokens * k));
+    unsigned char *hit = calloc((size_t)E, 1);
+    int64_t i;
+    int n = 0;
+    a.topk_ids = d_ids;
+    MOE_OK(moe_layer_forward(layer, &a));
+    CUDA_OK(cudaStreamSynchronize(s));
+    CUDA_OK(cudaMemcpy(ids, d_ids, sizeof(int32_t) * (size_t)(a.num_tokens * k),
+                       cudaMemcpyDeviceToHost));
+    for (i = 0; i < a.num_tokens * k; i++)
+        if (ids[i] >= 0 && ids[i] < E && !hit[ids[i]]) {
+            hit[ids[i]] = 1;
+            n++;
+        }
+    free(ids);
+    free(hit);
+    return n;
+}
+
+static void run_point(moe_layer_t *layer, const options_t *o, moe_forward_args_t a, int32_t *d_ids,
+                      cudaStream_t s, point_t *p)
+{
+    const moe_layer_config_t *c = &o->cfg;
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    cudaEvent_t e0, e1, *ev;
+    double *t, first;
+    float ms;
+    int i, n;
+
+    p->m = a.num_tokens;
+    p->distinct = count_distinct(layer, a, d_ids, c->num_experts, c->top_k, s);
+    p->graph = a.num_tokens <= o->graph_max;
+    if (p->graph) {
+        CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+        MOE_OK(moe_layer_forward(layer, &a));
+        CUDA_OK(cudaStreamEndCapture(s, &graph));
+        CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    }
+    CUDA_OK(cudaEventCreate(&e0));
+    CUDA_OK(cudaEventCreate(&e1));
+    /* warm-up, and one timed step to size the run */
+    for (i = 0; i < 4; i++) {
+        CUDA_OK(cudaEventRecord(e0, s));
+        if (p->graph)
+            CUDA_OK(cudaGraphLaunch(exec, s));
+        else
+            MOE_OK(moe_layer_forward(layer, &a));
+        CUDA_OK(cudaEventRecord(e1, s));
+    }
+    CUDA_OK(cudaEventSynchronize(e1));
+    CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
+    first = ms * 1e-3;
+    n = (int)(o->seconds / (first > 1e-6 ? first : 1e-6));
+    n = n < 20 ? 20 : (n > 1000 ? 1000 : n);
+    /* Back to back, an event between steps: the queue never drains, so each interval is the
+     * GPU's time for one step (no host launch latency inside it). */
+    t = malloc(sizeof(double) * (size_t)n);
+    ev = malloc(sizeof(cudaEvent_t) * (size_t)(n + 1));
+    for (i = 0; i <= n; i++)
+        CUDA_OK(cudaEventCreate(&ev[i]));
+    CUDA_OK(cudaEventRecord(ev[0], s));
+    for (i = 0; i < n; i++) {
+        if (p->graph)
+            CUDA_OK(cudaGraphLaunch(exec, s));
+        else
+            MOE_OK(moe_layer_forward(layer, &a));
+        CUDA_OK(cudaEventRecord(ev[i + 1], s));
+    }
+    CUDA_OK(cudaEventSynchronize(ev[n]));
+    for (i = 0; i < n; i++) {
+        CUDA_OK(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]));
+        t[i] = ms * 1e3;
+    }
+    for (i = 0; i <= n; i++)
+        cudaEventDestroy(ev[i]);
+    free(ev);
+    /* One more step with the library's per-phase events (it synchronises; not timed above). */
+    setenv("MOE_PROFILE", "1", 1);
+    MOE_OK(moe_layer_forward(layer, &a));
+    unsetenv("MOE_PROFILE");
+    MOE_OK(moe_layer_get_stats(layer, &p->phases));
+    qsort(t, (size_t)n, sizeof(double), cmp_double);
+    p->iters = n;
+    p->time_us = t[n / 2];
+    p->min_us = t[0];
+    p->flops = 2.0 * (double)a.num_tokens * c->top_k * 3.0 * c->hidden * c->intermediate;
+    p->bytes = (double)p->distinct * 3.0 * c->hidden * c->intermediate * 2.0;
+    p->limit_us = fmax(p->bytes / HBM_BYTES_PER_S, p->flops / BF16_FLOPS_PER_S) * 1e6;
+    free(t);
+    if (exec)
+        cudaGraphExecDestroy(exec);
+    if (graph)
+        cudaGraphDestroy(graph);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+}
+
+static void write_json(const options_t *o, const char *gpu, double copy, double blas,
+                       const point_t *p, int n)
+{
+    FILE *f = fopen(o->json, "w");
+    const moe_layer_config_t *c = &o->cfg;
+    int i;
+    if (!f) {
+        fprintf(stderr, "moe-bench: cannot write %s\n", o->json);
+        return;
+    }
+    fprintf(f,
+            "{\"preset\": \"%s\", \"gpu\": \"%s\", \"experts\": %d, \"top_k\": %d, "
+            "\"hidden\": %d, \"intermediate\": %d, \"copy_gbps\": %.1f, "
+            "\"cublas_bf16_tflops\": %.1f, \"hbm_bytes_per_s\": %.3g, \"bf16_flops_per_s\": %.3g, "
+            "\"points\": [",
+            o->preset, gpu, c->num_experts, c->top_k, c->hidden, c->intermediate, copy, blas,
+            HBM_BYTES_PER_S, BF16_FLOPS_PER_S);
+    for (i = 0; i < n; i++)
+        fprintf(f,
+                "%s\n  {\"m\": %lld, \"distinct_experts\": %d, \"graph\": %d, \"iters\": %d, "
+                "\"time_us\": %.2f, \"min_us\": %.2f, \"tflops\": %.2f, \"weight_gbps\": %.1f, "
+                "\"limit_us\": %.2f, \"score\": %.3f, \"phases_us\": {\"route\": %.1f, "
+                "\"permute\": %.1f, \"experts\": %.1f, \"shared\": %.1f, \"combine\": %.1f}}",
+                i ? "," : "", (long long)p[i].m, p[i].distinct, p[i].graph, p[i].iters,
+                p[i].time_us, p[i].min_us, p[i].flops / p[i].time_us / 1e6,
+                p[i].bytes / p[i].time_us / 1e3, p[i].limit_us, p[i].limit_us / p[i].time_us,
+                p[i].phases.route_us, p[i].phases.dispatch_us, p[i].phases.expert_us,
+                p[i].phases.shared_us, p[i].phases.combine_us);
+    fprintf(f, "\n]}\n");
+    fclose(f);
+}
+
+int main(int argc, char **argv)
+{
+    options_t o;
+    moe_runtime_config_t rc = MOE_RUNTIME_CONFIG_INIT;
+    moe_runtime_t *rt = NULL;
+    moe_layer_t *layer = NULL;
+    moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
+    struct cudaDeviceProp prop;
+    point_t pts[MAX_POINTS];
+    cudaStream_t s;
+    void *d_x, *d_y;
+    int32_t *d_ids;
+    uint16_t *hx;
+    uint64_t st = 777;
+    int64_t max_m = 0;
+    double copy, blas, score_sum = 0;
+    int i, dev = 0;
+    moe_layer_info_t info;
+    time_t now = time(NULL);
+    char date[32];
+
+    MPI_Init(&argc, &argv);
+    for (i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--dispatch-only")) {
+            int rc2 = moe_dispatch_bench_main(argc, argv);
+            MPI_Finalize();
+            return rc2;
+        }
+    if (!parse(argc, argv, &o)) {
+        MPI_Finalize();
+        return 2;
+    }
+    for (i = 0; i < o.num_tokens; i++)
+        max_m = o.tokens[i] > max_m ? o.tokens[i] : max_m;
+    o.cfg.max_tokens_per_rank = max_m;
+    o.cfg.weight_dtype = MOE_DTYPE_BF16;
+    rc.backend = MOE_BACKEND_CUDA;
+    MOE_OK(moe_runtime_create_mpi(&rc, MPI_COMM_WORLD, &rt));
+    CUDA_OK(cudaGetDevice(&dev));
+    CUDA_OK(cudaGetDeviceProperties(&prop, dev));
+    CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    MOE_OK(moe_layer_create(rt, &o.cfg, &layer));
+    MOE_OK(moe_layer_get_info(layer, &info));
+    set_weights(layer, &o.cfg);
+
+    hx = malloc(2 * (size_t)(max_m * o.cfg.hidden));
+    fill_bf16(hx, (size_t)(max_m * o.cfg.hidden), 1.0f, &st);
+    CUDA_OK(cudaMalloc(&d_x, 2 * (size_t)(max_m * o.cfg.hidden)));
+    CUDA_OK(cudaMalloc(&d_y, 2 * (size_t)(max_m * o.cfg.hidden)));
+    CUDA_OK(cudaMalloc((void **)&d_ids, sizeof(int32_t) * (size_t)(max_m * o.cfg.top_k)));
+    CUDA_OK(cudaMemcpy(d_x, hx, 2 * (size_t)(max_m * o.cfg.hidden), cudaMemcpyHostToDevice));
+    free(hx);
+
+    copy = copy_gbps(s);
+    blas = cublas_tflops(s);
+    strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", gmtime(&now));
+    printf("# moe-bench %s: %s E%d k%d H%d I%d%s, bf16 weights, x/y bf16\n", date, o.preset,
+           o.cfg.num_experts, o.cfg.top_k, o.cfg.hidden, o.cfg.intermediate,
+           o.cfg.num_shared_experts ? " + shared" : "");
+    printf("# GPU %d: %s, %d SMs; weights %.2f GB, workspace %.2f GB\n", dev, prop.name,
+           prop.multiProcessorCount, info.weight_bytes / 1e9, info.workspace_bytes / 1e9);
+    printf("# measured: device copy %.0f GB/s (read+write), cuBLAS bf16 8192^3 %.0f TFLOP/s\n",
+           copy, blas);
+    printf("# limit = max(touched expert bytes / %.1f TB/s, flops / %.0f TFLOP/s); "
+           "score = limit / time\n",
+           HBM_BYTES_PER_S / 1e12, BF16_FLOPS_PER_S / 1e12);
+    printf("#\n# %8s %8s %6s %6s %10s %10s %9s %9s %10s %7s\n", "tokens", "experts", "mode",
+           "iters", "time(us)", "min(us)", "TFLOP/s", "GB/s", "limit(us)", "score");
+    a.dtype = MOE_DTYPE_BF16;
+    a.x = d_x;
+    a.y = d_y;
+    a.stream = s;
+    for (i = 0; i < o.num_tokens; i++) {
+        point_t *p = &pts[i];
+        a.num_tokens = o.tokens[i];
+        run_point(layer, &o, a, d_ids, s, p);
+        printf("  %8lld %8d %6s %6d %10.1f %10.1f %9.1f %9.0f %10.1f %7.3f\n", (long long)p->m,
+               p->distinct, p->graph ? "graph" : "stream", p->iters, p->time_us, p->min_us,
+               p->flops / p->time_us / 1e6, p->bytes / p->time_us / 1e3, p->limit_us,
+               p->limit_us / p->time_us);
+        printf("  %8s phases (one profiled step, us): route %.1f  permute+gather %.1f  "
+               "experts %.1f  shared %.1f  combine %.1f\n",
+               "", p->phases.route_us, p->phases.dispatch_us, p->phases.expert_us,
+               p->phases.shared_us, p->phases.combine_us);
+        fflush(stdout);
+        score_sum += p->limit_us / p->time_us;
+    }
+    printf("# avg score: %.3f over %d token counts\n", score_sum / o.num_tokens, o.num_tokens);
+    if (o.json)
+        write_json(&o, prop.name, copy, blas, pts, o.num_tokens);
+    cudaFree(d_x), cudaFree(d_y), cudaFree(d_ids);
+    cudaStreamDestroy(s);
+    moe_layer_destroy(layer);
+    moe_runtime_destroy(rt);
+    MPI_Finalize();
+    return 0;
+}

@@ -1,0 +1,187 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* GPU routing against the CPU reference: top-k ids exact, weights and logits to rounding. */
+#include "gpu_test.h"
+
+#include "kernels/cpu/moe_cpu.h"
+#include "kernels/route.h"
+
+typedef struct route_case {
+    const char *name;
+    moe_route_params_t p;
+} route_case_t;
+
+static const route_case_t cases[] = {
+    {"mixtral E8 k2 softmax", {8, 2, MOE_SCORING_SOFTMAX, 0, 0, 0, 1, 1.0f}},
+    {"qwen3 E128 k8 softmax", {128, 8, MOE_SCORING_SOFTMAX, 0, 0, 0, 1, 1.0f}},
+    {"qwen2 E60 k4 softmax raw", {60, 4, MOE_SCORING_SOFTMAX, 0, 0, 0, 0, 1.0f}},
+    {"deepseek shard E32 k8 sigmoid g4/2", {32, 8, MOE_SCORING_SIGMOID, 1, 4, 2, 1, 2.5f}},
+    {"deepseek E256 k8 sigmoid g8/4", {256, 8, MOE_SCORING_SIGMOID, 1, 8, 4, 1, 2.5f}},
+    {"E512 k16 softmax", {512, 16, MOE_SCORING_SOFTMAX, 0, 0, 0, 1, 1.0f}},
+    {"E64 k6 sigmoid plain", {64, 6, MOE_SCORING_SIGMOID, 0, 0, 0, 0, 1.0f}},
+    {"E1 k1", {1, 1, MOE_SCORING_SOFTMAX, 0, 0, 0, 1, 1.0f}},
+};
+
+/* Runs the GPU route on host logits and checks it against moe_cpu_route. */
+static void check_route(const route_case_t *c, int64_t T, const float *logits, const float *bias)
+{
+    const int E = c->p.num_experts, K = c->p.top_k;
+    const size_t nk = (size_t)T * K;
+    int32_t *ref_ids = malloc(sizeof(int32_t) * (nk + 1)),
+            *ids = malloc(sizeof(int32_t) * (nk + 1));
+    float *ref_w = malloc(sizeof(float) * (nk + 1)), *w = malloc(sizeof(float) * (nk + 1));
+    float *d_logits = gt_dup(logits, sizeof(float) * (size_t)T * E + 4);
+    float *d_bias = gt_dup(bias, sizeof(float) * (size_t)E);
+    int32_t *d_ids = gt_dalloc(sizeof(int32_t) * (nk + 1));
+    float *d_w = gt_dalloc(sizeof(float) * (nk + 1));
+    moe_route_args_t a = {c->p, d_logits, d_bias, d_ids, d_w, T};
+    size_t i;
+
+    gt_poison(d_ids, GT_POISON_INT, sizeof(int32_t) * (nk + 1));
+    gt_poison(d_w, GT_POISON_FLOAT, sizeof(float) * (nk + 1));
+    gt_ok(moe_route_launch(&a, NULL), c->name);
+    gt_get(ids, d_ids, sizeof(int32_t) * (nk + 1));
+    gt_get(w, d_w, sizeof(float) * (nk + 1));
+    gt_ok(moe_cpu_route(&c->p, logits, bias, T, ref_ids, ref_w), "cpu route");
+    for (i = 0; i < nk; i++) {
+        if (ids[i] != ref_ids[i] ||
+            !(fabsf(w[i] - ref_w[i]) <= 1e-5f * fmaxf(1.0f, fabsf(ref_w[i])))) {
+            fprintf(stderr, "%s T=%lld: token %zu slot %zu: gpu (%d, %.9g) cpu (%d, %.9g)\n",
+                    c->name, (long long)T, i / K, i % K, ids[i], (double)w[i], ref_ids[i],
+                    (double)ref_w[i]);
+            fail();
+        }
+    }
+    /* nothing written past the end */
+    assert_int_equal(ids[nk], 0x7F7F7F7F);
+    free(ref_ids), free(ids), free(ref_w), free(w);
+    moe_gpu_free(d_logits), moe_gpu_free(d_bias), moe_gpu_free(d_ids), moe_gpu_free(d_w);
+}
+
+static void test_route_random(void **state)
+{
+    size_t c;
+    int t;
+    (void)state;
+    for (c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        const int E = cases[c].p.num_experts;
+        float *bias = malloc(sizeof(float) * (size_t)E);
+        /* Values on coarse grids: distinct choice scores stay far apart compared with the
+         * ulp differences of expf between the device and libm, so ids must match exactly. */
+        for (t = 0; t < E; t++)
+            bias[t] = 0.5f * (float)gt_below(2);
+        for (t = 0; t < GT_NUM_TOKEN_COUNTS; t++) {
+            const int64_t T = gt_token_counts[t];
+            float *logits = malloc(sizeof(float) * (size_t)(T * E + 1));
+            int64_t i;
+            for (i = 0; i < T * E; i++)
+                logits[i] = (float)gt_below(257) / 32.0f - 4.0f;
+            check_route(&cases[c], T, logits, bias);
+            free(logits);
+        }
+        free(bias);
+    }
+}
+
+/* Exact ties everywhere: the rule (lower expert id first) must match the reference. */
+static void test_route_ties(void **state)
+{
+    size_t c;
+    (void)state;
+    for (c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        const int E = cases[c].p.num_experts;
+        const int64_t T = 255;
+        float *logits = malloc(sizeof(float) * (size_t)(T * E));
+        float *bias = calloc((size_t)E, sizeof(float));
+        int64_t i;
+        for (i = 0; i < T * E; i++)
+            logits[i] = (float)gt_below(3);
+        for (i = 0; i < E; i++)
+            bias[i] = 0.25f * (float)gt_below(2);
+        check_route(&cases[c], T, logits, bias);
+        free(logits);
+        free(bias);
+    }
+}
+
+/* Router logits kernel (both the GEMV and the tiled path) against a double-precision dot. */
+static void check_logits(int E, int H, int64_t T, moe_dtype_t xt)
+{
+    const size_t nx = (size_t)T * H, nl = (size_t)T * E;
+    float *x = malloc(sizeof(float) * nx + 4), *w = malloc(sizeof(float) * (size_t)E * H);
+    uint16_t *xb = malloc(2 * nx + 4);
+    float *out = malloc(sizeof(float) * nl + 4);
+    void *d_x;
+    float *d_w, *d_l;
+    int64_t t;
+    int e, h;
+
+    gt_fill_bf16(x, xb, nx, 1.0f);
+    for (e = 0; e < E * H; e++)
+        w[e] = gt_uniform() / sqrtf((float)H);
+    d_x = xt == MOE_DTYPE_BF16 ? gt_dup(xb, 2 * nx + 4) : gt_dup(x, 4 * nx + 4);
+    d_w = gt_dup(w, sizeof(float) * (size_t)E * H);
+    d_l = gt_dalloc(sizeof(float) * nl + 4);
+    gt_poison(d_l, GT_POISON_FLOAT, sizeof(float) * nl + 4);
+    {
+        moe_route_logits_args_t a = {d_x, xt, d_w, d_l, T, E, H};
+        gt_ok(moe_route_logits_launch(&a, NULL), "logits");
+    }
+    gt_get(out, d_l, sizeof(float) * nl);
+    for (t = 0; t < T; t++)
+        for (e = 0; e < E; e++) {
+            double ref = 0.0, mag = 0.0;
+            for (h = 0; h < H; h++) {
+                ref += (double)x[t * H + h] * w[(size_t)e * H + h];
+                mag += fabs((double)x[t * H + h] * w[(size_t)e * H + h]);
+            }
+            if (!(fabs(out[t * E + e] - ref) <= 1e-5 * mag + 1e-6)) {
+                fprintf(stderr, "logits E%d H%d T%lld %s: [%lld, %d] gpu %.9g ref %.9g\n", E, H,
+                        (long long)T, moe_dtype_name(xt), (long long)t, e, (double)out[t * E + e],
+                        ref);
+                fail();
+            }
+        }
+    free(x), free(w), free(xb), free(out);
+    moe_gpu_free(d_x), moe_gpu_free(d_w), moe_gpu_free(d_l);
+}
+
+static void test_route_logits(void **state)
+{
+    static const int shapes[][2] = {{8, 4096}, {128, 2048}, {32, 7168},
+                                    {1, 2048}, {60, 200},   {5, 203}};
+    static const int64_t tokens[] = {1, 3, 17, 33, 64, 255};
+    size_t s, t;
+    (void)state;
+    for (s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++)
+        for (t = 0; t < sizeof(tokens) / sizeof(tokens[0]); t++) {
+            check_logits(shapes[s][0], shapes[s][1], tokens[t], MOE_DTYPE_F32);
+            check_logits(shapes[s][0], shapes[s][1], tokens[t], MOE_DTYPE_BF16);
+        }
+    check_logits(128, 2048, 1024, MOE_DTYPE_BF16);
+    check_logits(8, 512, 8192, MOE_DTYPE_F32);
+}
+
+static void test_route_rejects(void **state)
+{
+    moe_route_args_t a;
+    (void)state;
+    memset(&a, 0, sizeof(a));
+    a.params.num_experts = 1024;
+    a.params.top_k = 8;
+    a.num_tokens = 1;
+    assert_int_equal(moe_route_launch(&a, NULL), MOE_STATUS_NOT_SUPPORTED);
+    a.params.num_experts = 64;
+    a.params.top_k = 17;
+    assert_int_equal(moe_route_launch(&a, NULL), MOE_STATUS_NOT_SUPPORTED);
+    a.params.top_k = 65;
+    assert_int_equal(moe_route_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
+}
+
+static const struct CMUnitTest tests[] = {
+    cmocka_unit_test(test_route_random),
+    cmocka_unit_test(test_route_ties),
+    cmocka_unit_test(test_route_logits),
+    cmocka_unit_test(test_route_rejects),
+};
+
+GT_MAIN(tests)

@@ -1,0 +1,238 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Multi-GPU (one rank per GPU, NCCL): EP and TP layouts of the CUDA backend against the CPU
+ * backend on the same global tokens, uneven tokens per rank (one rank with none), every token
+ * to one rank's experts, and deterministic mode bitwise equal across EP sizes. */
+#include "testutil.h"
+
+#include <cuda_runtime.h>
+#include <math.h>
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/numeric.h"
+#include "launch/layer_gen.h"
+
+static moe_runtime_t *rt_gpu, *rt_gpu_self, *rt_cpu_self;
+static int rank, world;
+
+static int setup(void **state)
+{
+    moe_runtime_config_t rc = MOE_RUNTIME_CONFIG_INIT;
+    MPI_Comm self = MPI_COMM_SELF;
+    (void)state;
+    rc.timeout_ms = 120000;
+    rc.backend = MOE_BACKEND_CUDA;
+    if (moe_runtime_create(&rc, NULL, &rt_gpu))
+        return -1;
+    rc.device = rank; /* the one-rank runtime on this rank's own GPU (single node) */
+    if (moe_runtime_create(&rc, &self, &rt_gpu_self))
+        return -1;
+    rc.device = -1;
+    rc.backend = MOE_BACKEND_CPU;
+    return moe_runtime_create(&rc, &self, &rt_cpu_self) ? -1 : 0;
+}
+
+static int teardown(void **state)
+{
+    (void)state;
+    moe_runtime_destroy(rt_cpu_self);
+    moe_runtime_destroy(rt_gpu_self);
+    moe_runtime_destroy(rt_gpu);
+    return 0;
+}
+
+static moe_layer_config_t shape(int deepseek)
+{
+    moe_layer_config_t c = MOE_LAYER_CONFIG_INIT;
+    c.num_experts = 16;
+    c.top_k = 4;
+    c.hidden = 1024;
+    c.intermediate = 512;
+    c.max_tokens_per_rank = 320;
+    if (deepseek) {
+        c.scoring = MOE_SCORING_SIGMOID;
+        c.use_score_bias = 1;
+        c.n_group = 4;
+        c.topk_group = 2;
+        c.routed_scaling_factor = 2.5f;
+        c.num_shared_experts = 1;
+    }
+    return c;
+}
+
+/* Rank r's share of Tg tokens; rank 1 gets none. */
+static void share(int64_t Tg, int64_t *t0, int64_t *n)
+{
+    int64_t acc = 0, tot = 0, w;
+    int r;
+    for (r = 0; r < world; r++) {
+        w = (world > 1 && r == 1) ? 0 : r + 1;
+        if (r < rank)
+            acc += w;
+        tot += w;
+    }
+    w = (world > 1 && rank == 1) ? 0 : rank + 1;
+    *t0 = Tg * acc / tot;
+    *n = Tg * (acc + w) / tot - *t0;
+}
+
+/* y (host) = layer(x (host)) on runtime rt; device buffers when it is a CUDA runtime. */
+static void run(moe_runtime_t *rt, moe_layer_config_t c, uint64_t seed, const float *x,
+                int64_t n, const float *logits, float *y)
+{
+    moe_runtime_info_t ri;
+    moe_layer_t *l = NULL;
+    moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
+    const size_t bytes = sizeof(float) * (size_t)(n * c.hidden + 1);
+    void *dx = NULL, *dy = NULL, *dl = NULL;
+    int64_t i;
+
+    TU_OK(moe_runtime_get_info(rt, &ri));
+    TU_OK(moe_layer_create(rt, &c, &l));
+    TU_OK(moe_gen_set_weights(l, &c, seed));
+    a.num_tokens = n;
+    if (ri.backend == MOE_BACKEND_CUDA) {
+        assert_int_equal(cudaMalloc(&dx, bytes), cudaSuccess);
+        assert_int_equal(cudaMalloc(&dy, bytes), cudaSuccess);
+        assert_int_equal(cudaMemcpy(dx, x, bytes - sizeof(float), cudaMemcpyHostToDevice), 0);
+        assert_int_equal(cudaMemset(dy, 0xff, bytes), cudaSuccess); /* NaN poison */
+        if (logits) {
+            assert_int_equal(cudaMalloc(&dl, sizeof(float) * (size_t)(n * c.num_experts + 1)), 0);
+            assert_int_equal(cudaMemcpy(dl, logits, sizeof(float) * (size_t)(n * c.num_experts),
+                                        cudaMemcpyHostToDevice), 0);
+        }
+        a.x = dx;
+        a.y = dy;
+        a.router_logits = dl;
+    } else {
+        for (i = 0; i < n * c.hidden; i++)
+            y[i] = NAN;
+        a.x = x;
+        a.y = y;
+        a.router_logits = logits;
+    }
+    TU_OK(moe_layer_forward(l, &a));
+    if (ri.backend == MOE_BACKEND_CUDA) {
+        assert_int_equal(cudaDeviceSynchronize(), cudaSuccess);
+        assert_int_equal(cudaMemcpy(y, dy, bytes - sizeof(float), cudaMemcpyDeviceToHost), 0);
+        cudaFree(dx);
+        cudaFree(dy);
+        cudaFree(dl);
+    }
+    TU_OK(moe_layer_destroy(l));
+}
+
+static void compare_layout(int deepseek, int tp, const float *logits_for_hot)
+{
+    const uint64_t seed = tu_seed("gpu_ep");
+    moe_layer_config_t c = shape(deepseek);
+    int64_t t0, n;
+    float *x, *y, *ref;
+    double err;
+    share(300, &t0, &n);
+    if (logits_for_hot)
+        t0 = 0, n = 64;
+    x = malloc(sizeof(float) * (size_t)(n * c.hidden + 1));
+    y = malloc(sizeof(float) * (size_t)(n * c.hidden + 1));
+    ref = malloc(sizeof(float) * (size_t)(n * c.hidden + 1));
+    assert_true(x && y && ref);
+    moe_gen_tokens(seed, t0, n, c.hidden, x);
+    run(rt_cpu_self, c, seed, x, n, logits_for_hot, ref);
+    c.tp_size = tp;
+    c.ep_size = world / tp;
+    run(rt_gpu, c, seed, x, n, logits_for_hot, y);
+    assert_int_equal(tu_count_nan(y, n * c.hidden), 0);
+    err = n ? tu_rel_err(y, ref, n * c.hidden) : 0.0;
+    print_message("rank %d: %s ep %d tp %d, %lld tokens: rel err %.3g\n", rank,
+                  deepseek ? "deepseek" : "mixtral", world / tp, tp, (long long)n, err);
+    assert_true(err <= 1e-2);
+    free(x);
+    free(y);
+    free(ref);
+}
+
+static void test_ep_mixtral(void **state)
+{
+    (void)state;
+    compare_layout(0, 1, NULL);
+}
+
+static void test_ep_deepseek_shared(void **state)
+{
+    (void)state;
+    compare_layout(1, 1, NULL);
+}
+
+static void test_tp(void **state)
+{
+    (void)state;
+    compare_layout(0, world, NULL);
+}
+
+static void test_hot_rank(void **state)
+{
+    float *logits = calloc(64 * 16, sizeof(float));
+    int i;
+    (void)state;
+    for (i = 0; i < 64; i++) { /* experts 0..3 live on rank 0 */
+        logits[i * 16 + 0] = 4.0f + 0.01f * (float)i;
+        logits[i * 16 + 1] = 3.0f;
+        logits[i * 16 + 2] = 2.5f;
+        logits[i * 16 + 3] = 2.0f;
+    }
+    compare_layout(0, 1, logits);
+    free(logits);
+}
+
+/* The same tokens on one GPU and on EP = world GPUs: bitwise equal outputs. */
+static void test_deterministic_across_ep(void **state)
+{
+    const uint64_t seed = tu_seed("gpu_det");
+    moe_layer_config_t c = shape(0);
+    const int64_t n = 40;
+    float *x = malloc(sizeof(float) * n * 1024), *y1 = malloc(sizeof(float) * n * 1024);
+    float *yn = malloc(sizeof(float) * n * 1024);
+    (void)state;
+    c.deterministic = 1;
+    moe_gen_tokens(seed, rank * n, n, c.hidden, x);
+    run(rt_gpu_self, c, seed, x, n, NULL, y1);
+    run(rt_gpu, c, seed, x, n, NULL, yn);
+    assert_memory_equal(y1, yn, sizeof(float) * n * 1024);
+    free(x);
+    free(y1);
+    free(yn);
+}
+
+int main(int argc, char **argv)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_ep_mixtral),
+        cmocka_unit_test(test_ep_deepseek_shared),
+        cmocka_unit_test(test_tp),
+        cmocka_unit_test(test_hot_rank),
+        cmocka_unit_test(test_deterministic_across_ep),
+    };
+    int rc, gpus = 0, enough;
+    MPI_Init(&argc, &argv);
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &world);
+    if (cudaGetDeviceCount(&gpus) != cudaSuccess)
+        gpus = 0;
+    enough = gpus >= world; /* one GPU per rank on this single-node test */
+    MPI_Allreduce(MPI_IN_PLACE, &enough, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    if (!enough) {
+        if (rank == 0)
+            fprintf(stderr, "skip: %d ranks need %d GPUs, %d visible\n", world, world, gpus);
+        MPI_Finalize();
+        return 77;
+    }
+    cudaSetDevice(rank);
+    if (rank != 0)
+        cmocka_set_message_output(CM_OUTPUT_SUBUNIT);
+    rc = cmocka_run_group_tests(tests, setup, teardown);
+    MPI_Allreduce(MPI_IN_PLACE, &rc, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    MPI_Finalize();
+    return rc ? 1 : 0;
+}
