@@ -42,12 +42,11 @@ moe_status_t moe_comm_allreduce_f64(moe_comm_t *comm, double *vals, int n, moe_r
 moe_status_t moe_comm_alltoall_i64(moe_comm_t *comm, const int64_t *send, int64_t *recv);
 /* Element counts and displacements (in elements of elem_bytes each) per rank. */
 moe_status_t moe_comm_alltoallv(moe_comm_t *comm, const void *send, const int64_t *send_counts,
-                                const int64_t *send_displs, void *recv,
-                                const int64_t *recv_counts, const int64_t *recv_displs,
-                                size_t elem_bytes);
-moe_status_t moe_comm_allgatherv(moe_comm_t *comm, const void *send, int64_t send_count,
-                                 void *recv, const int64_t *recv_counts,
-                                 const int64_t *recv_displs, size_t elem_bytes);
+                                const int64_t *send_displs, void *recv, const int64_t *recv_counts,
+                                const int64_t *recv_displs, size_t elem_bytes);
+moe_status_t moe_comm_allgatherv(moe_comm_t *comm, const void *send, int64_t send_count, void *recv,
+                                 const int64_t *recv_counts, const int64_t *recv_displs,
+                                 size_t elem_bytes);
 /* Sum over ranks of send[total], rank i keeps recv_counts[i] floats (MPI's order of summing). */
 moe_status_t moe_comm_reduce_scatter_f32(moe_comm_t *comm, const float *send, float *recv,
                                          const int64_t *recv_counts);

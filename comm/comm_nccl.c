@@ -107,8 +107,8 @@ moe_status_t moe_nccl_create(moe_comm_t *mpi, int ep_size, int tp_size, int time
 
     *out = NULL;
     if (ep_size * tp_size != world)
-        return moe_error(MOE_STATUS_INVALID_ARGUMENT, "nccl: ep %d x tp %d != world %d",
-                         ep_size, tp_size, world);
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT, "nccl: ep %d x tp %d != world %d", ep_size,
+                         tp_size, world);
     n = calloc(1, sizeof(*n));
     if (!n)
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "nccl state");
@@ -218,9 +218,8 @@ static moe_status_t issued(moe_nccl_t *n, ncclComm_t c, ncclResult_t r, const ch
 }
 
 moe_status_t moe_nccl_all_to_all_v(moe_nccl_t *n, moe_nccl_group_t g, const void *send,
-                                   const size_t *send_bytes, const size_t *send_off,
-                                   void *recv, const size_t *recv_bytes, const size_t *recv_off,
-                                   void *stream)
+                                   const size_t *send_bytes, const size_t *send_off, void *recv,
+                                   const size_t *recv_bytes, const size_t *recv_off, void *stream)
 {
     ncclComm_t c;
     int p, size;
@@ -264,13 +263,14 @@ moe_status_t moe_nccl_all_to_all(moe_nccl_t *n, moe_nccl_group_t g, const void *
     return st;
 }
 
-moe_status_t moe_nccl_all_gather(moe_nccl_t *n, moe_nccl_group_t g, const void *send,
-                                 void *recv, size_t bytes, void *stream)
+moe_status_t moe_nccl_all_gather(moe_nccl_t *n, moe_nccl_group_t g, const void *send, void *recv,
+                                 size_t bytes, void *stream)
 {
     MOE_CHECK(usable(n, "all-gather"));
-    return issued(n, group_comm(n, g),
-                  ncclAllGather(send, recv, bytes, ncclUint8, group_comm(n, g), (cudaStream_t)stream),
-                  "ncclAllGather");
+    return issued(
+        n, group_comm(n, g),
+        ncclAllGather(send, recv, bytes, ncclUint8, group_comm(n, g), (cudaStream_t)stream),
+        "ncclAllGather");
 }
 
 moe_status_t moe_nccl_reduce_scatter(moe_nccl_t *n, moe_nccl_group_t g, const void *send,
@@ -320,8 +320,7 @@ moe_status_t moe_nccl_wait(moe_nccl_t *n, void *stream)
         if (e == cudaSuccess)
             return MOE_STATUS_SUCCESS;
         if (e != cudaErrorNotReady)
-            return moe_error(MOE_STATUS_CUDA_ERROR, "cudaStreamQuery: %s",
-                             cudaGetErrorString(e));
+            return moe_error(MOE_STATUS_CUDA_ERROR, "cudaStreamQuery: %s", cudaGetErrorString(e));
         MOE_CHECK(moe_nccl_check(n));
         if (now_ms() > deadline) {
             abort_all(n);

@@ -32,9 +32,8 @@ int moe_nccl_version(void);
 /* Grouped send/recv: to peer p send_bytes[p] bytes at send + send_off[p]; from peer p
  * recv_bytes[p] at recv + recv_off[p] (host-known sizes). */
 moe_status_t moe_nccl_all_to_all_v(moe_nccl_t *nccl, moe_nccl_group_t group, const void *send,
-                                   const size_t *send_bytes, const size_t *send_off,
-                                   void *recv, const size_t *recv_bytes, const size_t *recv_off,
-                                   void *stream);
+                                   const size_t *send_bytes, const size_t *send_off, void *recv,
+                                   const size_t *recv_bytes, const size_t *recv_off, void *stream);
 /* Same bytes to and from every peer (slot p of `bytes` each). */
 moe_status_t moe_nccl_all_to_all(moe_nccl_t *nccl, moe_nccl_group_t group, const void *send,
                                  void *recv, size_t bytes, void *stream);

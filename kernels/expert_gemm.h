@@ -23,27 +23,27 @@ typedef enum moe_gemm_epilogue {
  * variant's block_rows, so every block of block_rows rows belongs to one expert
  * (block_expert[b]; < 0: padding block, skipped). Pad rows are computed but never read. */
 typedef struct moe_gemm_args {
-    const void *a;               /* [max_blocks * block_rows, k], ab_dtype */
-    const void *b;               /* num_experts x [n, k] row-major (k contiguous), ab_dtype;
-                                    *_MUL epilogues: rows [0, n/2) gate, [n/2, n) up */
-    void *c;                     /* [max_blocks * block_rows, n_out], bf16 (or f32: c_f32) */
-    const float *row_scale;      /* optional [max_blocks * block_rows]: row r of c *= row_scale[r] */
+    const void *a;          /* [max_blocks * block_rows, k], ab_dtype */
+    const void *b;          /* num_experts x [n, k] row-major (k contiguous), ab_dtype;
+                             *_MUL epilogues: rows [0, n/2) gate, [n/2, n) up */
+    void *c;                /* [max_blocks * block_rows, n_out], bf16 (or f32: c_f32) */
+    const float *row_scale; /* optional [max_blocks * block_rows]: row r of c *= row_scale[r] */
     const int32_t *block_expert; /* device [max_blocks] */
     const int32_t *num_blocks;   /* device scalar: blocks used this step (<= max_blocks) */
     int max_blocks;              /* grid is sized from this; blocks past *num_blocks exit */
     int num_experts, n, k;
     moe_gemm_epilogue_t epilogue;
     int c_f32;
-    moe_dtype_t ab_dtype;         /* MOE_DTYPE_BF16 now; FP8_E4M3 later */
-    moe_scale_kind_t scale_kind;  /* MOE_SCALE_NONE now */
+    moe_dtype_t ab_dtype;        /* MOE_DTYPE_BF16 now; FP8_E4M3 later */
+    moe_scale_kind_t scale_kind; /* MOE_SCALE_NONE now */
     const float *a_scale, *b_scale;
 } moe_gemm_args_t;
 
 typedef struct moe_gemm_variant {
-    const char *name;    /* "sm90_wgmma_tma_m128n128", "sm90_swapab_n16", "sm80_mma_m64n128" */
-    int min_arch;        /* 80 or 90 (sm_90a) */
-    int block_rows;      /* padding of each expert's rows this variant needs */
-    int swap_ab;         /* computes C^T = B . A^T: weight rows fill wgmma M, tokens sit in N */
+    const char *name; /* "sm90_wgmma_tma_m128n128", "sm90_swapab_n16", "sm80_mma_m64n128" */
+    int min_arch;     /* 80 or 90 (sm_90a) */
+    int block_rows;   /* padding of each expert's rows this variant needs */
+    int swap_ab;      /* computes C^T = B . A^T: weight rows fill wgmma M, tokens sit in N */
     moe_dtype_t ab_dtype;
     moe_scale_kind_t scale_kind;
     /* Checks args (returns MOE_STATUS_INVALID_ARGUMENT / NOT_SUPPORTED with a message) and

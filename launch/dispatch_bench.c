@@ -34,29 +34,29 @@ int moe_dispatch_bench_main(int argc, char **argv)
 #include "moe/moe.h"
 #include "moe/moe_mpi.h"
 
-#define DIE(...)                                                                               \
-    do {                                                                                       \
-        fprintf(stderr, "moe-bench --dispatch-only: " __VA_ARGS__);                            \
-        fprintf(stderr, "\n");                                                                 \
-        MPI_Abort(MPI_COMM_WORLD, 1);                                                          \
+#define DIE(...)                                                                                   \
+    do {                                                                                           \
+        fprintf(stderr, "moe-bench --dispatch-only: " __VA_ARGS__);                                \
+        fprintf(stderr, "\n");                                                                     \
+        MPI_Abort(MPI_COMM_WORLD, 1);                                                              \
     } while (0)
-#define CK(call)                                                                               \
-    do {                                                                                       \
-        cudaError_t e_ = (call);                                                               \
-        if (e_ != cudaSuccess)                                                                 \
-            DIE("%s: %s", #call, cudaGetErrorString(e_));                                      \
+#define CK(call)                                                                                   \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess)                                                                     \
+            DIE("%s: %s", #call, cudaGetErrorString(e_));                                          \
     } while (0)
-#define NK(call)                                                                               \
-    do {                                                                                       \
-        ncclResult_t r_ = (call);                                                              \
-        if (r_ != ncclSuccess)                                                                 \
-            DIE("%s: %s", #call, ncclGetErrorString(r_));                                      \
+#define NK(call)                                                                                   \
+    do {                                                                                           \
+        ncclResult_t r_ = (call);                                                                  \
+        if (r_ != ncclSuccess)                                                                     \
+            DIE("%s: %s", #call, ncclGetErrorString(r_));                                          \
     } while (0)
-#define MK(call)                                                                               \
-    do {                                                                                       \
-        moe_status_t s_ = (call);                                                              \
-        if (s_ != MOE_STATUS_SUCCESS)                                                          \
-            DIE("%s: %s: %s", #call, moe_status_string(s_), moe_last_error());                 \
+#define MK(call)                                                                                   \
+    do {                                                                                           \
+        moe_status_t s_ = (call);                                                                  \
+        if (s_ != MOE_STATUS_SUCCESS)                                                              \
+            DIE("%s: %s: %s", #call, moe_status_string(s_), moe_last_error());                     \
     } while (0)
 
 static int cmpd(const void *a, const void *b)
@@ -128,8 +128,8 @@ int moe_dispatch_bench_main(int argc, char **argv)
 
     for (i = 1; i < argc; i++)
         if (!strcmp(argv[i], "--max-tokens") && i + 1 < argc)
-            for (tmax = atoll(argv[++i]), max_sizes = 0; max_sizes < nsizes &&
-                                                          sizes[max_sizes] <= tmax; max_sizes++)
+            for (tmax = atoll(argv[++i]), max_sizes = 0;
+                 max_sizes < nsizes && sizes[max_sizes] <= tmax; max_sizes++)
                 ;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &world);
@@ -170,9 +170,8 @@ int moe_dispatch_bench_main(int argc, char **argv)
                "# dispatch/combine: the layer's phases (events, median of %d steps, max over "
                "ranks); nccl a2a: grouped send/recv of the same payload (tokens x k x H x 2 B), "
                "graph-replayed\n#\n# %9s %12s %12s %12s %12s %9s %11s %10s\n",
-               world, cfg.num_experts, cfg.top_k, cfg.hidden, v, iters, "tok/rank",
-               "payload(MB)", "dispatch(us)", "combine(us)", "nccl_a2a(us)", "ratio",
-               "busbw(GB/s)", "ours(GB/s)");
+               world, cfg.num_experts, cfg.top_k, cfg.hidden, v, iters, "tok/rank", "payload(MB)",
+               "dispatch(us)", "combine(us)", "nccl_a2a(us)", "ratio", "busbw(GB/s)", "ours(GB/s)");
     }
     for (i = 0; i < max_sizes; i++) {
         const int64_t T = sizes[i];

@@ -54,9 +54,9 @@ void moe_gen_tokens(uint64_t seed, int64_t t0, int64_t n, int hidden, float *x)
             x[t * hidden + h] = unit(key(seed, 99, 0, t0 + t, h));
 }
 
-static moe_status_t set_one(moe_layer_t *layer, uint64_t seed, moe_weight_kind_t kind,
-                            int expert, int64_t r0, int64_t rows, int64_t c0, int64_t cols,
-                            int64_t full_cols, float *buf)
+static moe_status_t set_one(moe_layer_t *layer, uint64_t seed, moe_weight_kind_t kind, int expert,
+                            int64_t r0, int64_t rows, int64_t c0, int64_t cols, int64_t full_cols,
+                            float *buf)
 {
     moe_tensor_t t = {MOE_DTYPE_F32, rows, cols, buf, NULL, 0, 0};
     if (rows <= 0 || cols <= 0)
@@ -65,8 +65,7 @@ static moe_status_t set_one(moe_layer_t *layer, uint64_t seed, moe_weight_kind_t
     return moe_layer_set_weight(layer, kind, expert, &t);
 }
 
-moe_status_t moe_gen_set_weights(moe_layer_t *layer, const moe_layer_config_t *cfg,
-                                 uint64_t seed)
+moe_status_t moe_gen_set_weights(moe_layer_t *layer, const moe_layer_config_t *cfg, uint64_t seed)
 {
     const int64_t H = cfg->hidden, E = cfg->num_experts, I = cfg->intermediate;
     moe_layer_info_t info;
@@ -91,16 +90,15 @@ moe_status_t moe_gen_set_weights(moe_layer_t *layer, const moe_layer_config_t *c
     buf = malloc(sizeof(float) * (size_t)(big + 1));
     if (!buf)
         return MOE_STATUS_OUT_OF_MEMORY;
-#define SET(...)                                                                               \
-    do {                                                                                       \
-        if ((st = set_one(layer, seed, __VA_ARGS__, buf)) != MOE_STATUS_SUCCESS)               \
-            goto out;                                                                          \
+#define SET(...)                                                                                   \
+    do {                                                                                           \
+        if ((st = set_one(layer, seed, __VA_ARGS__, buf)) != MOE_STATUS_SUCCESS)                   \
+            goto out;                                                                              \
     } while (0)
     SET(MOE_WEIGHT_ROUTER, -1, 0, E, 0, H, H);
     if (cfg->use_score_bias)
         SET(MOE_WEIGHT_ROUTER_BIAS, -1, 0, 1, 0, E, E);
-    for (e = info.first_local_expert; e < info.first_local_expert + info.num_local_experts;
-         e++) {
+    for (e = info.first_local_expert; e < info.first_local_expert + info.num_local_experts; e++) {
         SET(MOE_WEIGHT_GATE_PROJ, e, info.intermediate_begin, is, 0, H, H);
         SET(MOE_WEIGHT_UP_PROJ, e, info.intermediate_begin, is, 0, H, H);
         SET(MOE_WEIGHT_DOWN_PROJ, e, 0, H, info.intermediate_begin, is, I);

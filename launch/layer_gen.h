@@ -28,8 +28,7 @@ void moe_gen_matrix(uint64_t seed, moe_weight_kind_t kind, int expert, int64_t r
 void moe_gen_tokens(uint64_t seed, int64_t t0, int64_t n, int hidden, float *x);
 
 /* Sets this rank's slice of every weight of `layer` (config `cfg`) from `seed`. */
-moe_status_t moe_gen_set_weights(moe_layer_t *layer, const moe_layer_config_t *cfg,
-                                 uint64_t seed);
+moe_status_t moe_gen_set_weights(moe_layer_t *layer, const moe_layer_config_t *cfg, uint64_t seed);
 
 #ifdef __cplusplus
 }

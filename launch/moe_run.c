@@ -31,23 +31,23 @@ typedef struct opts {
 
 static int rank_g = 0;
 
-#define DIE(...)                                                                               \
-    do {                                                                                       \
-        fprintf(stderr, "moe-run: rank %d: ", rank_g);                                         \
-        fprintf(stderr, __VA_ARGS__);                                                          \
-        fprintf(stderr, "\n");                                                                 \
-        MPI_Abort(MPI_COMM_WORLD, 2);                                                          \
+#define DIE(...)                                                                                   \
+    do {                                                                                           \
+        fprintf(stderr, "moe-run: rank %d: ", rank_g);                                             \
+        fprintf(stderr, __VA_ARGS__);                                                              \
+        fprintf(stderr, "\n");                                                                     \
+        MPI_Abort(MPI_COMM_WORLD, 2);                                                              \
     } while (0)
 
-#define CHECK(call)                                                                            \
-    do {                                                                                       \
-        moe_status_t s_ = (call);                                                              \
-        if (s_ != MOE_STATUS_SUCCESS) {                                                        \
-            fprintf(stderr, "moe-run: rank %d: %s: %s (%s)\n", rank_g, #call,                  \
-                    moe_status_string(s_), moe_last_error());                                  \
-            MPI_Finalize();                                                                    \
-            exit(1);                                                                           \
-        }                                                                                      \
+#define CHECK(call)                                                                                \
+    do {                                                                                           \
+        moe_status_t s_ = (call);                                                                  \
+        if (s_ != MOE_STATUS_SUCCESS) {                                                            \
+            fprintf(stderr, "moe-run: rank %d: %s: %s (%s)\n", rank_g, #call,                      \
+                    moe_status_string(s_), moe_last_error());                                      \
+            MPI_Finalize();                                                                        \
+            exit(1);                                                                               \
+        }                                                                                          \
     } while (0)
 
 static void usage(void)
@@ -372,8 +372,8 @@ static void print_rank_map(const moe_runtime_info_t *ri, const moe_layer_info_t 
     char line[256], *all = NULL;
     int r;
     snprintf(line, sizeof(line), "#  %4d  %-16s %4d %5d  %-14s %8lld  %5d..%-5d %5d..%-5d %10.1f",
-             ri->rank, ri->hostname, ri->device, ri->numa_node,
-             ri->cpuset[0] ? ri->cpuset : "-", (long long)my_tokens, li->first_local_expert,
+             ri->rank, ri->hostname, ri->device, ri->numa_node, ri->cpuset[0] ? ri->cpuset : "-",
+             (long long)my_tokens, li->first_local_expert,
              li->first_local_expert + li->num_local_experts - 1, li->intermediate_begin,
              li->intermediate_end, li->weight_bytes / 1048576.0);
     if (rank_g == 0)
@@ -489,20 +489,18 @@ int main(int argc, char **argv)
     CHECK(moe_layer_create(rt, &o.cfg, &layer));
     CHECK(moe_layer_get_info(layer, &li));
     if (rank_g == 0)
-        printf("# libmoe %d.%d.%d moe-run: backend %s%s, %d rank(s), ep %d x tp %d, dispatch %s%s\n"
-               "# layer %s: E%d k%d H%d I%d shared %d (I %d) dtype %s scoring %s%s, "
-               "tokens %lld, seed %llu\n",
-               MOE_VERSION_MAJOR, MOE_VERSION_MINOR, MOE_VERSION_PATCH,
-               moe_backend_name(ri.backend),
-               ri.backend == MOE_BACKEND_CPU ? " (no GPU backend in use)" : "", world, li.ep_size,
-               li.tp_size, o.dispatch ? o.dispatch : "auto",
-               li.deterministic ? ", deterministic" : "", o.model ? o.model : o.preset,
-               o.cfg.num_experts, o.cfg.top_k, o.cfg.hidden, o.cfg.intermediate,
-               o.cfg.num_shared_experts, o.cfg.shared_intermediate,
-               moe_dtype_name(o.cfg.weight_dtype),
-               o.cfg.scoring == MOE_SCORING_SIGMOID ? "sigmoid" : "softmax",
-               o.cfg.n_group > 1 ? " grouped" : "", (long long)o.tokens,
-               (unsigned long long)o.seed);
+        printf(
+            "# libmoe %d.%d.%d moe-run: backend %s%s, %d rank(s), ep %d x tp %d, dispatch %s%s\n"
+            "# layer %s: E%d k%d H%d I%d shared %d (I %d) dtype %s scoring %s%s, "
+            "tokens %lld, seed %llu\n",
+            MOE_VERSION_MAJOR, MOE_VERSION_MINOR, MOE_VERSION_PATCH, moe_backend_name(ri.backend),
+            ri.backend == MOE_BACKEND_CPU ? " (no GPU backend in use)" : "", world, li.ep_size,
+            li.tp_size, o.dispatch ? o.dispatch : "auto", li.deterministic ? ", deterministic" : "",
+            o.model ? o.model : o.preset, o.cfg.num_experts, o.cfg.top_k, o.cfg.hidden,
+            o.cfg.intermediate, o.cfg.num_shared_experts, o.cfg.shared_intermediate,
+            moe_dtype_name(o.cfg.weight_dtype),
+            o.cfg.scoring == MOE_SCORING_SIGMOID ? "sigmoid" : "softmax",
+            o.cfg.n_group > 1 ? " grouped" : "", (long long)o.tokens, (unsigned long long)o.seed);
     x = malloc(sizeof(float) * (size_t)(my_tokens * o.cfg.hidden + 1));
     if (!x)
         DIE("out of memory for %lld tokens", (long long)my_tokens);

@@ -20,16 +20,16 @@ typedef struct cpu_state {
 
 /* Buffers of one forward step on this rank. */
 typedef struct step {
-    int64_t T, Tg;         /* this rank's and all ranks' tokens */
-    int64_t *tokens;       /* [world] tokens per rank */
-    int64_t *token_displ;  /* [world] first global token of each rank */
-    float *x;              /* [T, H] */
-    int32_t *ids;          /* [T, K] */
-    float *w;              /* [T, K] */
-    float *routed;         /* [T, H] */
-    float *xall;           /* [Tg, H] when needed */
-    int32_t *ids_all;      /* [Tg, K] (all-gather mode) */
-    float *w_all;          /* [Tg, K] (all-gather, non-deterministic) */
+    int64_t T, Tg;        /* this rank's and all ranks' tokens */
+    int64_t *tokens;      /* [world] tokens per rank */
+    int64_t *token_displ; /* [world] first global token of each rank */
+    float *x;             /* [T, H] */
+    int32_t *ids;         /* [T, K] */
+    float *w;             /* [T, K] */
+    float *routed;        /* [T, H] */
+    float *xall;          /* [Tg, H] when needed */
+    int32_t *ids_all;     /* [Tg, K] (all-gather mode) */
+    float *w_all;         /* [Tg, K] (all-gather, non-deterministic) */
 } step_t;
 
 /* Send plan of (token, slot, tp) rows, destination-major, (token, slot) order inside. */
@@ -198,9 +198,9 @@ static moe_status_t route(moe_layer_t *l, const moe_forward_args_t *a, step_t *s
 {
     const moe_layer_config_t *c = &l->cfg;
     const cpu_state_t *st = l->state;
-    moe_route_params_t p = {c->num_experts, c->top_k, c->scoring, c->use_score_bias,
-                            c->n_group, c->topk_group, c->renormalize,
-                            c->routed_scaling_factor};
+    moe_route_params_t p = {
+        c->num_experts, c->top_k,      c->scoring,     c->use_score_bias,
+        c->n_group,     c->topk_group, c->renormalize, c->routed_scaling_factor};
     const float *logits = a->router_logits;
     float *own = NULL;
     moe_status_t r;
@@ -395,8 +395,7 @@ static moe_status_t return_and_combine(moe_layer_t *l, step_t *s, const send_pla
     if (!back)
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "combine buffer: %lld rows",
                          (long long)p->total);
-    st = moe_comm_alltoallv(l->rt->comm, rows, rcount, rdispl, back, p->count, p->displ,
-                            row_bytes);
+    st = moe_comm_alltoallv(l->rt->comm, rows, rcount, rdispl, back, p->count, p->displ, row_bytes);
     if (st == MOE_STATUS_SUCCESS)
         st = combine(l, s, p, back);
     free(back);
@@ -428,8 +427,7 @@ static moe_status_t routed_all_to_all(moe_layer_t *l, step_t *s)
     smeta = malloc(sizeof(int32_t) * (size_t)(p.total + 1));
     spay = malloc(row_bytes * (size_t)(p.total + 1));
     if (!smeta || !spay) {
-        st = moe_error(MOE_STATUS_OUT_OF_MEMORY, "dispatch buffers: %lld rows",
-                       (long long)p.total);
+        st = moe_error(MOE_STATUS_OUT_OF_MEMORY, "dispatch buffers: %lld rows", (long long)p.total);
         goto out;
     }
     for (i = 0; i < s->T * K; i++)
@@ -451,12 +449,12 @@ static moe_status_t routed_all_to_all(moe_layer_t *l, step_t *s)
         st = moe_error(MOE_STATUS_OUT_OF_MEMORY, "receive buffers: %lld rows", (long long)nrecv);
         goto out;
     }
-    MOE_CHECK_GOTO(moe_comm_alltoallv(l->rt->comm, smeta, p.count, p.displ, rmeta, rcount,
-                                      rdispl, sizeof(int32_t)),
+    MOE_CHECK_GOTO(moe_comm_alltoallv(l->rt->comm, smeta, p.count, p.displ, rmeta, rcount, rdispl,
+                                      sizeof(int32_t)),
                    st, out);
-    MOE_CHECK_GOTO(moe_comm_alltoallv(l->rt->comm, spay, p.count, p.displ, rpay, rcount, rdispl,
-                                      row_bytes),
-                   st, out);
+    MOE_CHECK_GOTO(
+        moe_comm_alltoallv(l->rt->comm, spay, p.count, p.displ, rpay, rcount, rdispl, row_bytes),
+        st, out);
     l->stats.dispatch_us = moe_now_us() - t0;
     t0 = moe_now_us();
     for (i = 0; i < nrecv; i++)
@@ -637,9 +635,9 @@ static moe_status_t shared_experts(moe_layer_t *l, step_t *s, float *shared)
         rdispl[r] = (int64_t)r * s->T;
         scount[r] = s->tokens[r];
     }
-    MOE_CHECK_GOTO(moe_comm_alltoallv(l->rt->comm, part, scount, s->token_displ, back, cnt,
-                                      rdispl, row_bytes),
-                   st, out);
+    MOE_CHECK_GOTO(
+        moe_comm_alltoallv(l->rt->comm, part, scount, s->token_displ, back, cnt, rdispl, row_bytes),
+        st, out);
     for (r = 0; r < world; r++)
         parts[r] = back + (int64_t)r * s->T * H;
     moe_cpu_tree_sum(parts, world, s->T * H, shared);
@@ -715,8 +713,7 @@ static moe_status_t step_alloc(moe_layer_t *l, step_t *s)
     s->w = malloc(sizeof(float) * (size_t)(s->T * K + 1));
     s->routed = malloc(sizeof(float) * (size_t)(s->T * H + 1));
     if (!s->tokens || !s->token_displ || !s->x || !s->ids || !s->w || !s->routed)
-        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "step buffers for %lld tokens",
-                         (long long)s->T);
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "step buffers for %lld tokens", (long long)s->T);
     return MOE_STATUS_SUCCESS;
 }
 
@@ -755,5 +752,5 @@ out:
     return st;
 }
 
-const moe_backend_ops_t moe_backend_cpu = {"cpu", cpu_init, cpu_fini, cpu_store_weight,
+const moe_backend_ops_t moe_backend_cpu = {"cpu",       cpu_init, cpu_fini, cpu_store_weight,
                                            cpu_forward, NULL};

@@ -25,8 +25,8 @@ enum { EV_START, EV_ROUTE, EV_PERMUTE, EV_EXPERT, EV_SHARED, EV_COMBINE, EV_COUN
 
 typedef struct cuda_layer {
     int device, arch;
-    int E, k, H;  /* E: experts on this rank */
-    int E_total;  /* experts of the layer: the router's rows */
+    int E, k, H; /* E: experts on this rank */
+    int E_total; /* experts of the layer: the router's rows */
     int64_t is, ss, max_tokens;
     moe_activation_t act;
     const moe_gemm_variant_t *forced; /* MOE_GEMM_VARIANT, else NULL (oracle per step) */
@@ -59,7 +59,7 @@ typedef struct cuda_layer {
     /* expert parallelism over NCCL (world > 1): every rank sees every token (all-gather of
      * tm = max_tokens_per_rank padded rows), computes its experts' rows, and the rows return
      * in a dense (token, slot) array by reduce-scatter, one contributor per entry */
-    moe_nccl_t *nccl;            /* the runtime's (not owned) */
+    moe_nccl_t *nccl; /* the runtime's (not owned) */
     int world, first_local;
     int deterministic;
     int64_t tm;                  /* max tokens per rank */
@@ -490,7 +490,7 @@ static moe_status_t route_step(moe_layer_t *l, const moe_forward_args_t *a, int3
     moe_route_args_t r;
 
     if (!logits) {
-        moe_route_logits_args_t g = {a->x,          a->dtype, s->router, s->logits,
+        moe_route_logits_args_t g = {a->x,          a->dtype,   s->router, s->logits,
                                      a->num_tokens, s->E_total, s->H};
         MOE_CHECK(moe_route_logits_launch(&g, a->stream));
         logits = s->logits;
@@ -521,9 +521,17 @@ static moe_status_t routed_experts(cuda_layer_t *s, const void *x, moe_dtype_t x
     const moe_gemm_variant_t *v = variant_for(s, rows_per_expert);
     const int br = v->block_rows;
     const int mb = (int)moe_permute_max_blocks(rows, s->E, br);
-    moe_permute_args_t p = {ids,       T,         s->k,           s->E,
-                            br,        mb,        s->counts,      s->offsets,
-                            s->block_expert,      s->num_blocks,  s->row_of_slot,
+    moe_permute_args_t p = {ids,
+                            T,
+                            s->k,
+                            s->E,
+                            br,
+                            mb,
+                            s->counts,
+                            s->offsets,
+                            s->block_expert,
+                            s->num_blocks,
+                            s->row_of_slot,
                             s->slot_of_row};
     moe_gather_args_t g = {x, x_dtype, s->H, s->k, s->slot_of_row, s->num_blocks, br, mb, s->a};
 
@@ -558,8 +566,7 @@ static moe_status_t shared_experts(cuda_layer_t *s, const void *x, moe_dtype_t x
 static moe_status_t shared_gate(moe_layer_t *l, const moe_forward_args_t *a)
 {
     cuda_layer_t *s = l->state;
-    moe_route_logits_args_t g = {a->x, a->dtype, s->sgate, s->s_gate_logit, a->num_tokens, 1,
-                                 s->H};
+    moe_route_logits_args_t g = {a->x, a->dtype, s->sgate, s->s_gate_logit, a->num_tokens, 1, s->H};
     if (!l->cfg.shared_expert_gate || a->num_tokens == 0)
         return MOE_STATUS_SUCCESS;
     return moe_route_logits_launch(&g, a->stream);
@@ -599,16 +606,16 @@ static moe_status_t ep_dispatch(moe_layer_t *l, const moe_forward_args_t *a)
 {
     cuda_layer_t *s = l->state;
     const int64_t T = a->num_tokens, tm = s->tm, k = s->k, H = s->H;
-    moe_rows_args_t r = {a->x, a->dtype, T, s->H, (int)tm, 1, s->xsend, s->one_block,
-                         s->one_block + 1};
+    moe_rows_args_t r = {a->x,         a->dtype,        T, s->H, (int)tm, 1, s->xsend,
+                         s->one_block, s->one_block + 1};
     moe_ep_local_ids_args_t li = {s->ids_all, s->lids, s->world * tm * k, s->first_local, s->E};
 
     if (T < tm)
-        MOE_CHECK(moe_gpu_memset_async(s->ids + T * k, 0xff, sizeof(int32_t) * (size_t)((tm - T) * k),
-                                       a->stream));
+        MOE_CHECK(moe_gpu_memset_async(s->ids + T * k, 0xff,
+                                       sizeof(int32_t) * (size_t)((tm - T) * k), a->stream));
     MOE_CHECK(moe_rows_launch(&r, a->stream));
-    MOE_CHECK(moe_nccl_all_gather(s->nccl, MOE_NCCL_WORLD, s->xsend, s->xall,
-                                  2 * (size_t)(tm * H), a->stream));
+    MOE_CHECK(moe_nccl_all_gather(s->nccl, MOE_NCCL_WORLD, s->xsend, s->xall, 2 * (size_t)(tm * H),
+                                  a->stream));
     MOE_CHECK(moe_nccl_all_gather(s->nccl, MOE_NCCL_WORLD, s->ids, s->ids_all,
                                   sizeof(int32_t) * (size_t)(tm * k), a->stream));
     return moe_ep_local_ids_launch(&li, a->stream);
@@ -678,9 +685,8 @@ static moe_status_t ep_forward(moe_layer_t *l, const moe_forward_args_t *a, int3
     c.top_k = s->k;
     MOE_CHECK(moe_combine_launch(&c, a->stream));
     if (a->num_tokens > 0 && a->topk_ids)
-        MOE_CHECK(moe_gpu_memcpy_d2d_async(a->topk_ids, s->ids,
-                                           sizeof(int32_t) * (size_t)(a->num_tokens * s->k),
-                                           a->stream));
+        MOE_CHECK(moe_gpu_memcpy_d2d_async(
+            a->topk_ids, s->ids, sizeof(int32_t) * (size_t)(a->num_tokens * s->k), a->stream));
     if (a->num_tokens > 0 && a->topk_weights)
         MOE_CHECK(moe_gpu_memcpy_d2d_async(a->topk_weights, s->weights,
                                            sizeof(float) * (size_t)(a->num_tokens * s->k),
@@ -751,5 +757,5 @@ static moe_status_t cuda_synchronize(moe_layer_t *l, void *stream)
     return moe_gpu_stream_synchronize(stream);
 }
 
-const moe_backend_ops_t moe_backend_cuda = {"cuda", cuda_init, cuda_fini, cuda_store_weight,
-                                            cuda_forward, cuda_synchronize};
+const moe_backend_ops_t moe_backend_cuda = {
+    "cuda", cuda_init, cuda_fini, cuda_store_weight, cuda_forward, cuda_synchronize};

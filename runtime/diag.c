@@ -95,8 +95,8 @@ void moe_log(int level, const char *subsys, const char *fmt, ...)
     vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
     /* One fprintf per line so lines from threads do not interleave. */
-    fprintf(stderr, "%s:%d rank %d gpu %d [%s] %s %s\n", host, (int)getpid(), log_rank,
-            log_device, subsys, names[level], msg);
+    fprintf(stderr, "%s:%d rank %d gpu %d [%s] %s %s\n", host, (int)getpid(), log_rank, log_device,
+            subsys, names[level], msg);
 }
 
 const char *moe_dtype_name(moe_dtype_t dtype)

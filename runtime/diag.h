@@ -30,15 +30,15 @@ int moe_log_level(void);
 void moe_log_set_identity(int rank, int device);
 
 #define MOE_LOG_WARN(sub, ...) moe_log(MOE_LOG_LEVEL_WARN, sub, __VA_ARGS__)
-#define MOE_LOG_INFO(sub, ...)                                                                 \
-    do {                                                                                       \
-        if (moe_log_level() >= MOE_LOG_LEVEL_INFO)                                             \
-            moe_log(MOE_LOG_LEVEL_INFO, sub, __VA_ARGS__);                                     \
+#define MOE_LOG_INFO(sub, ...)                                                                     \
+    do {                                                                                           \
+        if (moe_log_level() >= MOE_LOG_LEVEL_INFO)                                                 \
+            moe_log(MOE_LOG_LEVEL_INFO, sub, __VA_ARGS__);                                         \
     } while (0)
-#define MOE_LOG_DEBUG(sub, ...)                                                                \
-    do {                                                                                       \
-        if (moe_log_level() >= MOE_LOG_LEVEL_DEBUG)                                            \
-            moe_log(MOE_LOG_LEVEL_DEBUG, sub, __VA_ARGS__);                                    \
+#define MOE_LOG_DEBUG(sub, ...)                                                                    \
+    do {                                                                                           \
+        if (moe_log_level() >= MOE_LOG_LEVEL_DEBUG)                                                \
+            moe_log(MOE_LOG_LEVEL_DEBUG, sub, __VA_ARGS__);                                        \
     } while (0)
 
 /* Environment parameters (getenv lives in env.c only). Each parameter is declared next to
@@ -47,25 +47,25 @@ int64_t moe_env_int(const char *name, int64_t dflt);
 const char *moe_env_str(const char *name, const char *dflt);
 
 /* The only control flow hidden in macros. */
-#define MOE_CHECK(expr)                                                                        \
-    do {                                                                                       \
-        moe_status_t moe_s_ = (expr);                                                          \
-        if (moe_s_ != MOE_STATUS_SUCCESS)                                                      \
-            return moe_s_;                                                                     \
+#define MOE_CHECK(expr)                                                                            \
+    do {                                                                                           \
+        moe_status_t moe_s_ = (expr);                                                              \
+        if (moe_s_ != MOE_STATUS_SUCCESS)                                                          \
+            return moe_s_;                                                                         \
     } while (0)
 
-#define MOE_CHECK_GOTO(expr, st, label)                                                        \
-    do {                                                                                       \
-        (st) = (expr);                                                                         \
-        if ((st) != MOE_STATUS_SUCCESS)                                                        \
-            goto label;                                                                        \
+#define MOE_CHECK_GOTO(expr, st, label)                                                            \
+    do {                                                                                           \
+        (st) = (expr);                                                                             \
+        if ((st) != MOE_STATUS_SUCCESS)                                                            \
+            goto label;                                                                            \
     } while (0)
 
 /* Returns MOE_STATUS_INVALID_ARGUMENT with a message when `cond` is false. */
-#define MOE_ARG_CHECK(cond, ...)                                                               \
-    do {                                                                                       \
-        if (!(cond))                                                                           \
-            return moe_error(MOE_STATUS_INVALID_ARGUMENT, __VA_ARGS__);                        \
+#define MOE_ARG_CHECK(cond, ...)                                                                   \
+    do {                                                                                           \
+        if (!(cond))                                                                               \
+            return moe_error(MOE_STATUS_INVALID_ARGUMENT, __VA_ARGS__);                            \
     } while (0)
 
 #ifdef __cplusplus

@@ -56,8 +56,7 @@ static moe_status_t validate_routing(const moe_layer_config_t *c)
     MOE_ARG_CHECK(c->n_group >= 0, "n_group = %d: must be >= 0", c->n_group);
     if (c->n_group > 1) {
         MOE_ARG_CHECK(c->num_experts % c->n_group == 0,
-                      "n_group = %d does not divide num_experts = %d", c->n_group,
-                      c->num_experts);
+                      "n_group = %d does not divide num_experts = %d", c->n_group, c->num_experts);
         MOE_ARG_CHECK(c->topk_group >= 1 && c->topk_group <= c->n_group,
                       "topk_group = %d: must be in 1..n_group (%d)", c->topk_group, c->n_group);
         MOE_ARG_CHECK(c->top_k <= c->topk_group * (c->num_experts / c->n_group),
@@ -80,8 +79,7 @@ static moe_status_t validate_dtype(const moe_layer_config_t *c)
                   "weight_dtype = %d (%s): must be F32, BF16 or FP8_E4M3", (int)c->weight_dtype,
                   moe_dtype_name(c->weight_dtype));
     if (c->weight_dtype == MOE_DTYPE_FP8_E4M3)
-        MOE_ARG_CHECK(c->scale_kind == MOE_SCALE_PER_TENSOR ||
-                          c->scale_kind == MOE_SCALE_BLOCK_128,
+        MOE_ARG_CHECK(c->scale_kind == MOE_SCALE_PER_TENSOR || c->scale_kind == MOE_SCALE_BLOCK_128,
                       "scale_kind = %d: FP8_E4M3 weights need MOE_SCALE_PER_TENSOR or "
                       "MOE_SCALE_BLOCK_128",
                       (int)c->scale_kind);
@@ -116,9 +114,8 @@ static moe_status_t validate_layout(moe_layer_config_t *c, int world)
     MOE_ARG_CHECK((int64_t)c->ep_size * c->tp_size == world,
                   "ep_size (%d) x tp_size (%d) = %lld must equal the world size %d", c->ep_size,
                   c->tp_size, (long long)c->ep_size * c->tp_size, world);
-    MOE_ARG_CHECK(c->ep_size <= c->num_experts,
-                  "ep_size = %d: more EP ranks than num_experts = %d", c->ep_size,
-                  c->num_experts);
+    MOE_ARG_CHECK(c->ep_size <= c->num_experts, "ep_size = %d: more EP ranks than num_experts = %d",
+                  c->ep_size, c->num_experts);
     MOE_ARG_CHECK(c->intermediate % c->tp_size == 0,
                   "intermediate = %d is not divisible by tp_size = %d", c->intermediate,
                   c->tp_size);
@@ -152,8 +149,8 @@ static moe_status_t validate_layout(moe_layer_config_t *c, int world)
                              "a power of two <= 64 (got %d)",
                              world);
     }
-    MOE_ARG_CHECK(c->check_inputs == 0 || c->check_inputs == 1,
-                  "check_inputs = %d: must be 0 or 1", c->check_inputs);
+    MOE_ARG_CHECK(c->check_inputs == 0 || c->check_inputs == 1, "check_inputs = %d: must be 0 or 1",
+                  c->check_inputs);
     return MOE_STATUS_SUCCESS;
 }
 
@@ -201,12 +198,28 @@ static moe_status_t make_plan(moe_layer_t *l, int world, int rank)
 /* FNV-1a over the resolved config, field by field (no padding bytes). */
 static uint64_t config_hash(const moe_layer_config_t *c)
 {
-    int64_t f[] = {c->num_experts, c->top_k, c->hidden, c->intermediate, c->num_shared_experts,
-                   c->shared_intermediate, c->shared_expert_gate, c->activation, c->scoring,
-                   c->use_score_bias, c->n_group, c->topk_group, c->renormalize,
-                   (int64_t)(c->routed_scaling_factor * 1e6), c->weight_dtype, c->scale_kind,
-                   c->max_tokens_per_rank, c->ep_size, c->tp_size, c->dispatch,
-                   c->deterministic, c->check_inputs};
+    int64_t f[] = {c->num_experts,
+                   c->top_k,
+                   c->hidden,
+                   c->intermediate,
+                   c->num_shared_experts,
+                   c->shared_intermediate,
+                   c->shared_expert_gate,
+                   c->activation,
+                   c->scoring,
+                   c->use_score_bias,
+                   c->n_group,
+                   c->topk_group,
+                   c->renormalize,
+                   (int64_t)(c->routed_scaling_factor * 1e6),
+                   c->weight_dtype,
+                   c->scale_kind,
+                   c->max_tokens_per_rank,
+                   c->ep_size,
+                   c->tp_size,
+                   c->dispatch,
+                   c->deterministic,
+                   c->check_inputs};
     uint64_t h = 1469598103934665603ULL;
     size_t i, b;
     for (i = 0; i < sizeof(f) / sizeof(f[0]); i++)
@@ -259,8 +272,8 @@ static moe_status_t layer_setup(moe_layer_t *l, const moe_layer_config_t *config
     if (l->cfg.n_group <= 1)
         l->cfg.n_group = 0, l->cfg.topk_group = 0;
     MOE_CHECK(make_plan(l, world, l->rt->info.rank));
-    l->weight_set = calloc((size_t)MOE_WEIGHT_KIND_COUNT * (size_t)(l->plan.num_local_experts + 1),
-                           1);
+    l->weight_set =
+        calloc((size_t)MOE_WEIGHT_KIND_COUNT * (size_t)(l->plan.num_local_experts + 1), 1);
     l->expert_load = calloc((size_t)l->cfg.num_experts, sizeof(int64_t));
     if (!l->weight_set || !l->expert_load)
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "layer bookkeeping");
@@ -283,8 +296,8 @@ moe_status_t moe_layer_create(moe_runtime_t *rt, const moe_layer_config_t *confi
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "layer");
     l->rt = rt;
     /* Validation errors stay local until the agreement, so every rank answers. */
-    local = config ? layer_setup(l, config)
-                   : moe_error(MOE_STATUS_INVALID_ARGUMENT, "config = NULL");
+    local =
+        config ? layer_setup(l, config) : moe_error(MOE_STATUS_INVALID_ARGUMENT, "config = NULL");
     st = agree_config(l, local);
     if (st == MOE_STATUS_SUCCESS) {
         local = l->ops->init(l);
@@ -294,7 +307,8 @@ moe_status_t moe_layer_create(moe_runtime_t *rt, const moe_layer_config_t *confi
         layer_free(l);
         return st;
     }
-    MOE_LOG_INFO("LAYER", "layer E%d k%d H%d I%d: ep %d/%d tp %d/%d, %d local experts, "
+    MOE_LOG_INFO("LAYER",
+                 "layer E%d k%d H%d I%d: ep %d/%d tp %d/%d, %d local experts, "
                  "%zu weight bytes",
                  l->cfg.num_experts, l->cfg.top_k, l->cfg.hidden, l->cfg.intermediate,
                  l->plan.ep_rank, l->plan.ep_size, l->plan.tp_rank, l->plan.tp_size,

@@ -15,10 +15,10 @@ struct moe_runtime {
     moe_runtime_config_t config;
     moe_comm_t *comm; /* world, node-local; MPI */
     moe_runtime_info_t info;
-    int owns_mpi;        /* libmoe called MPI_Init */
-    int timeout_ms;      /* resolved */
-    int num_gpus;        /* visible CUDA devices (0 without the CUDA backend) */
-    void *gpu_ctx;       /* CUDA backend: stream, NCCL communicators (opaque here) */
+    int owns_mpi;   /* libmoe called MPI_Init */
+    int timeout_ms; /* resolved */
+    int num_gpus;   /* visible CUDA devices (0 without the CUDA backend) */
+    void *gpu_ctx;  /* CUDA backend: stream, NCCL communicators (opaque here) */
 };
 
 /* Where each expert lives and which slice of its intermediate dimension this rank keeps.
@@ -88,8 +88,8 @@ struct moe_layer {
 };
 
 /* Shape of one matrix of `kind` on this rank (the slice) and in full. */
-void moe_layer_weight_shape(const struct moe_layer *layer, moe_weight_kind_t kind,
-                            int64_t *rows, int64_t *cols, int64_t *full_rows, int64_t *full_cols,
+void moe_layer_weight_shape(const struct moe_layer *layer, moe_weight_kind_t kind, int64_t *rows,
+                            int64_t *cols, int64_t *full_rows, int64_t *full_cols,
                             int64_t *row_begin, int64_t *col_begin);
 
 /* Bytes of a matrix's data and scales in a storage dtype. */

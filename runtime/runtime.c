@@ -120,8 +120,8 @@ moe_status_t moe_runtime_create(const moe_runtime_config_t *config, const void *
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "runtime");
     rt->config = *config;
     /* MOE_TIMEOUT_MS: bound on every wait for a peer (default 5 minutes). */
-    rt->timeout_ms = config->timeout_ms ? config->timeout_ms
-                                        : (int)moe_env_int("MOE_TIMEOUT_MS", 300000);
+    rt->timeout_ms =
+        config->timeout_ms ? config->timeout_ms : (int)moe_env_int("MOE_TIMEOUT_MS", 300000);
     st = moe_comm_create(mpi_comm, rt->timeout_ms, &rt->comm, &rt->owns_mpi);
     if (st != MOE_STATUS_SUCCESS) {
         moe_comm_finalize_mpi(rt->owns_mpi);
@@ -138,8 +138,8 @@ moe_status_t moe_runtime_create(const moe_runtime_config_t *config, const void *
         runtime_free(rt);
         return st;
     }
-    MOE_LOG_INFO("INIT", "runtime: rank %d/%d local %d/%d backend %s device %d",
-                 rt->info.rank, rt->info.world_size, rt->info.local_rank, rt->info.local_size,
+    MOE_LOG_INFO("INIT", "runtime: rank %d/%d local %d/%d backend %s device %d", rt->info.rank,
+                 rt->info.world_size, rt->info.local_rank, rt->info.local_size,
                  moe_backend_name(rt->info.backend), rt->info.device);
     *runtime = rt;
     return MOE_STATUS_SUCCESS;

@@ -13,9 +13,8 @@
 #define BLK 128
 
 static const char *const kind_names[MOE_WEIGHT_KIND_COUNT] = {
-    "ROUTER",           "ROUTER_BIAS",           "GATE_PROJ",
-    "UP_PROJ",          "DOWN_PROJ",             "SHARED_GATE_PROJ",
-    "SHARED_UP_PROJ",   "SHARED_DOWN_PROJ",      "SHARED_EXPERT_GATE"};
+    "ROUTER",           "ROUTER_BIAS",    "GATE_PROJ",        "UP_PROJ",           "DOWN_PROJ",
+    "SHARED_GATE_PROJ", "SHARED_UP_PROJ", "SHARED_DOWN_PROJ", "SHARED_EXPERT_GATE"};
 
 static int per_expert(moe_weight_kind_t k)
 {
@@ -154,8 +153,8 @@ static void copy_fp8(const moe_tensor_t *t, moe_scale_kind_t sk, int64_t r0, int
 {
     int64_t r, c;
     for (r = 0; r < m->rows; r++)
-        memcpy((uint8_t *)m->data + r * m->cols,
-               (const uint8_t *)t->data + (r0 + r) * t->cols + c0, (size_t)m->cols);
+        memcpy((uint8_t *)m->data + r * m->cols, (const uint8_t *)t->data + (r0 + r) * t->cols + c0,
+               (size_t)m->cols);
     if (sk == MOE_SCALE_PER_TENSOR) {
         m->scale[0] = t->scale[0];
         return;
@@ -180,9 +179,8 @@ static moe_status_t check_tensor(const moe_layer_t *l, moe_weight_kind_t kind, i
     MOE_ARG_CHECK(t->rows > 0 && t->cols > 0, "%s: shape [%lld, %lld] must be positive",
                   kind_names[kind], (long long)t->rows, (long long)t->cols);
     if (per_expert(kind))
-        MOE_ARG_CHECK(expert >= 0 && expert < l->cfg.num_experts,
-                      "%s: expert = %d not in 0..%d", kind_names[kind], expert,
-                      l->cfg.num_experts - 1);
+        MOE_ARG_CHECK(expert >= 0 && expert < l->cfg.num_experts, "%s: expert = %d not in 0..%d",
+                      kind_names[kind], expert, l->cfg.num_experts - 1);
     MOE_ARG_CHECK(kind != MOE_WEIGHT_ROUTER_BIAS || l->cfg.use_score_bias,
                   "ROUTER_BIAS: the layer has use_score_bias = 0");
     MOE_ARG_CHECK(kind < MOE_WEIGHT_SHARED_GATE_PROJ || l->plan.shared_intermediate > 0,
@@ -206,8 +204,7 @@ static moe_status_t convert_slice(const moe_tensor_t *t, int64_t r0, int64_t c0,
 
     if (t->dtype == MOE_DTYPE_FP8_E4M3)
         MOE_CHECK(fp8_scale_kind(t, what, &sk));
-    if (t->dtype == MOE_DTYPE_FP8_E4M3 && m->dtype == MOE_DTYPE_FP8_E4M3 &&
-        sk == m->scale_kind) {
+    if (t->dtype == MOE_DTYPE_FP8_E4M3 && m->dtype == MOE_DTYPE_FP8_E4M3 && sk == m->scale_kind) {
         copy_fp8(t, sk, r0, c0, m);
         return MOE_STATUS_SUCCESS;
     }
@@ -286,13 +283,14 @@ moe_status_t moe_layer_check_weights(const moe_layer_t *l, int need_router)
     for (e = 0; e < l->plan.num_local_experts; e++)
         for (k = MOE_WEIGHT_GATE_PROJ; k <= MOE_WEIGHT_DOWN_PROJ; k++)
             if (!*set_mark((moe_layer_t *)l, (moe_weight_kind_t)k, e))
-                return moe_error(MOE_STATUS_INVALID_STATE, "%s of expert %d not set",
-                                 kind_names[k], l->plan.first_local_expert + e);
+                return moe_error(MOE_STATUS_INVALID_STATE, "%s of expert %d not set", kind_names[k],
+                                 l->plan.first_local_expert + e);
     if (l->plan.shared_intermediate > 0)
         for (k = MOE_WEIGHT_SHARED_GATE_PROJ; k <= MOE_WEIGHT_SHARED_DOWN_PROJ; k++)
             if (!*set_mark((moe_layer_t *)l, (moe_weight_kind_t)k, -1))
                 return moe_error(MOE_STATUS_INVALID_STATE, "%s not set", kind_names[k]);
-    if (l->cfg.shared_expert_gate && !*set_mark((moe_layer_t *)l, MOE_WEIGHT_SHARED_EXPERT_GATE, -1))
+    if (l->cfg.shared_expert_gate &&
+        !*set_mark((moe_layer_t *)l, MOE_WEIGHT_SHARED_EXPERT_GATE, -1))
         return moe_error(MOE_STATUS_INVALID_STATE, "SHARED_EXPERT_GATE not set");
     return MOE_STATUS_SUCCESS;
 }

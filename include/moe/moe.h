@@ -87,21 +87,21 @@ typedef enum moe_scoring {
 } moe_scoring_t;
 
 typedef enum moe_dispatch {
-    MOE_DISPATCH_AUTO = 0,      /* chosen by tokens per rank */
+    MOE_DISPATCH_AUTO = 0,       /* chosen by tokens per rank */
     MOE_DISPATCH_ALL_TO_ALL = 1, /* rows sent only to the ranks owning their experts */
     MOE_DISPATCH_ALL_GATHER = 2  /* every rank sees every token; partial sums reduced back */
 } moe_dispatch_t;
 
 typedef enum moe_weight_kind {
-    MOE_WEIGHT_ROUTER = 0,             /* [num_experts, hidden] */
-    MOE_WEIGHT_ROUTER_BIAS = 1,        /* [1, num_experts] e_score_correction_bias (choice only) */
-    MOE_WEIGHT_GATE_PROJ = 2,          /* per expert: W1 [intermediate, hidden] */
-    MOE_WEIGHT_UP_PROJ = 3,            /* per expert: W3 [intermediate, hidden] */
-    MOE_WEIGHT_DOWN_PROJ = 4,          /* per expert: W2 [hidden, intermediate] */
-    MOE_WEIGHT_SHARED_GATE_PROJ = 5,   /* [shared_intermediate, hidden] */
-    MOE_WEIGHT_SHARED_UP_PROJ = 6,     /* [shared_intermediate, hidden] */
-    MOE_WEIGHT_SHARED_DOWN_PROJ = 7,   /* [hidden, shared_intermediate] */
-    MOE_WEIGHT_SHARED_EXPERT_GATE = 8  /* [1, hidden]: y += sigmoid(g . x) * shared(x) */
+    MOE_WEIGHT_ROUTER = 0,            /* [num_experts, hidden] */
+    MOE_WEIGHT_ROUTER_BIAS = 1,       /* [1, num_experts] e_score_correction_bias (choice only) */
+    MOE_WEIGHT_GATE_PROJ = 2,         /* per expert: W1 [intermediate, hidden] */
+    MOE_WEIGHT_UP_PROJ = 3,           /* per expert: W3 [intermediate, hidden] */
+    MOE_WEIGHT_DOWN_PROJ = 4,         /* per expert: W2 [hidden, intermediate] */
+    MOE_WEIGHT_SHARED_GATE_PROJ = 5,  /* [shared_intermediate, hidden] */
+    MOE_WEIGHT_SHARED_UP_PROJ = 6,    /* [shared_intermediate, hidden] */
+    MOE_WEIGHT_SHARED_DOWN_PROJ = 7,  /* [hidden, shared_intermediate] */
+    MOE_WEIGHT_SHARED_EXPERT_GATE = 8 /* [1, hidden]: y += sigmoid(g . x) * shared(x) */
 } moe_weight_kind_t;
 
 #define MOE_WEIGHT_KIND_COUNT 9
@@ -119,7 +119,10 @@ typedef struct moe_runtime_config {
     int bind;       /* 1: bind threads and memory to the GPU's NUMA node with hwloc */
 } moe_runtime_config_t;
 
-#define MOE_RUNTIME_CONFIG_INIT {MOE_BACKEND_AUTO, -1, 0, 0}
+#define MOE_RUNTIME_CONFIG_INIT                                                                    \
+    {                                                                                              \
+        MOE_BACKEND_AUTO, -1, 0, 0                                                                 \
+    }
 
 typedef struct moe_runtime_info {
     int rank, world_size;
@@ -175,14 +178,16 @@ typedef struct moe_layer_config {
     int ep_size; /* expert parallel; MOE_AUTO: world / tp_size */
     int tp_size; /* tensor parallel over intermediate; MOE_AUTO: 1 */
     moe_dispatch_t dispatch;
-    int deterministic;  /* 1: fixed reduction order, bitwise equal across batch/layout/mode;
-                           MOE_AUTO: MOE_DETERMINISTIC env */
-    int check_inputs;   /* 1: reject NaN/Inf in x and logits (MOE_STATUS_NUMERIC_ERROR) */
+    int deterministic; /* 1: fixed reduction order, bitwise equal across batch/layout/mode;
+                          MOE_AUTO: MOE_DETERMINISTIC env */
+    int check_inputs;  /* 1: reject NaN/Inf in x and logits (MOE_STATUS_NUMERIC_ERROR) */
 } moe_layer_config_t;
 
-#define MOE_LAYER_CONFIG_INIT                                                                  \
-    {0, 0, 0, 0, 0, MOE_AUTO, 0, MOE_ACTIVATION_SILU, MOE_SCORING_SOFTMAX, 0, 0, 0, 1, 1.0f,   \
-     MOE_DTYPE_BF16, MOE_SCALE_NONE, 0, MOE_AUTO, MOE_AUTO, MOE_DISPATCH_AUTO, MOE_AUTO, 0}
+#define MOE_LAYER_CONFIG_INIT                                                                      \
+    {                                                                                              \
+        0, 0, 0, 0, 0, MOE_AUTO, 0, MOE_ACTIVATION_SILU, MOE_SCORING_SOFTMAX, 0, 0, 0, 1, 1.0f,    \
+            MOE_DTYPE_BF16, MOE_SCALE_NONE, 0, MOE_AUTO, MOE_AUTO, MOE_DISPATCH_AUTO, MOE_AUTO, 0  \
+    }
 
 /* What the layer resolved on this rank. */
 typedef struct moe_layer_info {
@@ -236,7 +241,10 @@ typedef struct moe_forward_args {
     void *stream;               /* CUDA backend: cudaStream_t (NULL: legacy default stream) */
 } moe_forward_args_t;
 
-#define MOE_FORWARD_ARGS_INIT {0, MOE_DTYPE_F32, NULL, NULL, NULL, NULL, NULL, NULL}
+#define MOE_FORWARD_ARGS_INIT                                                                      \
+    {                                                                                              \
+        0, MOE_DTYPE_F32, NULL, NULL, NULL, NULL, NULL, NULL                                       \
+    }
 
 /* Collective: every rank calls it once per step (num_tokens may be 0 on any rank). Pointers
  * are host memory for the CPU backend, device memory for the CUDA backend (stream-ordered on

@@ -7,8 +7,8 @@
 #include "moe/moe.h"
 
 /* Collective over `comm`; see moe_runtime_create. */
-static inline moe_status_t moe_runtime_create_mpi(const moe_runtime_config_t *config,
-                                                  MPI_Comm comm, moe_runtime_t **runtime)
+static inline moe_status_t moe_runtime_create_mpi(const moe_runtime_config_t *config, MPI_Comm comm,
+                                                  moe_runtime_t **runtime)
 {
     return moe_runtime_create(config, &comm, runtime);
 }

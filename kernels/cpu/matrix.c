@@ -28,7 +28,8 @@ void moe_cpu_matrix_row(const moe_cpu_matrix_t *m, int64_t r, float *out)
         break;
     }
     default:
-        moe_convert_to_f32(m->dtype, (const char *)m->data + (size_t)(r * cols) * moe_dtype_size(m->dtype),
+        moe_convert_to_f32(m->dtype,
+                           (const char *)m->data + (size_t)(r * cols) * moe_dtype_size(m->dtype),
                            out, (size_t)cols);
         break;
     }
@@ -52,8 +53,7 @@ moe_status_t moe_cpu_matmul_nt(const float *x, int64_t n, const moe_cpu_matrix_t
         return MOE_STATUS_SUCCESS;
     row = malloc(sizeof(float) * (size_t)(m->cols > 0 ? m->cols : 1));
     if (!row)
-        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "cpu matmul: %lld floats",
-                         (long long)m->cols);
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "cpu matmul: %lld floats", (long long)m->cols);
     /* Weight rows outer: each row is converted once and used for every token. */
     for (r = 0; r < m->rows; r++) {
         moe_cpu_matrix_row(m, r, row);

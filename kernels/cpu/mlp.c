@@ -7,8 +7,7 @@
 #include <string.h>
 #include "runtime/diag.h"
 
-void moe_cpu_act_mul(moe_activation_t act, const float *gate, const float *up, float *h,
-                     int64_t n)
+void moe_cpu_act_mul(moe_activation_t act, const float *gate, const float *up, float *h, int64_t n)
 {
     int64_t i;
     for (i = 0; i < n; i++) {
@@ -93,8 +92,8 @@ static moe_status_t down_proj(const moe_cpu_mlp_t *w, const float *h, int64_t n,
     return MOE_STATUS_SUCCESS;
 }
 
-moe_status_t moe_cpu_mlp(const moe_cpu_mlp_t *w, moe_activation_t act, const float *x,
-                         int64_t n, float *out)
+moe_status_t moe_cpu_mlp(const moe_cpu_mlp_t *w, moe_activation_t act, const float *x, int64_t n,
+                         float *out)
 {
     const int64_t is = w->gate.rows;
     float *g = NULL, *u = NULL;
@@ -158,8 +157,8 @@ moe_status_t moe_cpu_group_rows(const int32_t *group_of_row, int64_t n, int num_
         offsets[g] = 0;
     for (i = 0; i < n; i++) {
         if (group_of_row[i] < 0 || group_of_row[i] >= num_groups)
-            return moe_error(MOE_STATUS_INTERNAL_ERROR, "row %lld has group %d of %d",
-                             (long long)i, group_of_row[i], num_groups);
+            return moe_error(MOE_STATUS_INTERNAL_ERROR, "row %lld has group %d of %d", (long long)i,
+                             group_of_row[i], num_groups);
         offsets[group_of_row[i] + 1]++;
     }
     for (g = 0; g < num_groups; g++)

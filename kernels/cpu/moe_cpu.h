@@ -34,11 +34,11 @@ moe_status_t moe_cpu_matmul_nt(const float *x, int64_t n, const moe_cpu_matrix_t
 typedef struct moe_route_params {
     int num_experts, top_k;
     moe_scoring_t scoring;
-    int use_bias;       /* sigmoid: bias added for choosing only */
-    int n_group;        /* <= 1: no grouping */
+    int use_bias; /* sigmoid: bias added for choosing only */
+    int n_group;  /* <= 1: no grouping */
     int topk_group;
     int renormalize;
-    float scaling;      /* routed_scaling_factor (applied after renormalising) */
+    float scaling; /* routed_scaling_factor (applied after renormalising) */
 } moe_route_params_t;
 
 /* Top-k per token from logits [T, E]. Ties: lower expert id first. ids[T, k] in order of
@@ -47,8 +47,7 @@ moe_status_t moe_cpu_route(const moe_route_params_t *p, const float *logits, con
                            int64_t num_tokens, int32_t *topk_ids, float *topk_weights);
 
 /* h[i] = act(gate[i]) * up[i]. */
-void moe_cpu_act_mul(moe_activation_t act, const float *gate, const float *up, float *h,
-                     int64_t n);
+void moe_cpu_act_mul(moe_activation_t act, const float *gate, const float *up, float *h, int64_t n);
 
 /* One expert's (or the shared MLP's) slice of weights: gate/up [Is, H], down [H, Is]. */
 typedef struct moe_cpu_mlp {
@@ -60,8 +59,8 @@ typedef struct moe_cpu_mlp {
 /* out[n, H] = down . (act(gate . x) * (up . x)) over the slice: unweighted partial sums.
  * The down projection reduces over the MOE_CPU_TREE_LEAVES tree when the slice is aligned to
  * it, else sequentially. */
-moe_status_t moe_cpu_mlp(const moe_cpu_mlp_t *w, moe_activation_t act, const float *x,
-                         int64_t n, float *out);
+moe_status_t moe_cpu_mlp(const moe_cpu_mlp_t *w, moe_activation_t act, const float *x, int64_t n,
+                         float *out);
 
 /* out[n] = parts[0] + ... + parts[count-1]: a pairwise tree when count is a power of two
  * (matching the down projection's tree), else left to right. */

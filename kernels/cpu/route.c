@@ -27,8 +27,7 @@ static moe_status_t check_params(const moe_route_params_t *p)
                   "top_k = %d: must be in 1..num_experts (%d)", p->top_k, p->num_experts);
     if (p->n_group > 1) {
         MOE_ARG_CHECK(p->num_experts % p->n_group == 0,
-                      "n_group = %d does not divide num_experts = %d", p->n_group,
-                      p->num_experts);
+                      "n_group = %d does not divide num_experts = %d", p->n_group, p->num_experts);
         MOE_ARG_CHECK(p->topk_group >= 1 && p->topk_group <= p->n_group,
                       "topk_group = %d: must be in 1..n_group (%d)", p->topk_group, p->n_group);
         MOE_ARG_CHECK(p->top_k <= p->topk_group * (p->num_experts / p->n_group),

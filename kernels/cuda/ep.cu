@@ -6,7 +6,8 @@
 #include <cuda_bf16.h>
 #include "kernels/cuda/cuda_check.h"
 
-namespace {
+namespace
+{
 
 constexpr int EP_THREADS = 256;
 
@@ -21,7 +22,8 @@ __global__ void local_ids_kernel(const int32_t *__restrict__ in, int32_t *__rest
 }
 
 // One block per row; 16-byte copies when hidden % 8 == 0 (the layer requires it for bf16).
-__global__ void scatter_kernel(const uint4 *__restrict__ rows, const int32_t *__restrict__ slot_of_row,
+__global__ void scatter_kernel(const uint4 *__restrict__ rows,
+                               const int32_t *__restrict__ slot_of_row,
                                const int32_t *__restrict__ num_blocks, int block_rows,
                                int vec_per_row, uint4 *__restrict__ dense)
 {
@@ -55,9 +57,9 @@ extern "C" moe_status_t moe_ep_scatter_launch(const moe_ep_scatter_args_t *a, vo
                          a->hidden);
     if (rows <= 0)
         return MOE_STATUS_SUCCESS;
-    scatter_kernel<<<rows, 128, 0, (cudaStream_t)stream>>>(
-        (const uint4 *)a->rows, a->slot_of_row, a->num_blocks, a->block_rows, a->hidden / 8,
-        (uint4 *)a->dense);
+    scatter_kernel<<<rows, 128, 0, (cudaStream_t)stream>>>((const uint4 *)a->rows, a->slot_of_row,
+                                                           a->num_blocks, a->block_rows,
+                                                           a->hidden / 8, (uint4 *)a->dense);
     MOE_CUDA_CHECK_LAUNCH("ep scatter");
     return MOE_STATUS_SUCCESS;
 }

@@ -87,7 +87,8 @@ static void as_stored(const moe_layer_config_t *cfg, float *m, int64_t rows, int
         for (i = 0; i < n; i++)
             m[i] = moe_bf16_to_f32(moe_f32_to_bf16(m[i]));
     } else if (cfg->weight_dtype == MOE_DTYPE_FP8_E4M3) {
-        const int64_t B = cfg->scale_kind == MOE_SCALE_BLOCK_128 ? 128 : (rows > cols ? rows : cols);
+        const int64_t B =
+            cfg->scale_kind == MOE_SCALE_BLOCK_128 ? 128 : (rows > cols ? rows : cols);
         int64_t br, bc, r, c;
         for (br = 0; br < rows; br += B)
             for (bc = 0; bc < cols; bc += B) {
@@ -98,7 +99,8 @@ static void as_stored(const moe_layer_config_t *cfg, float *m, int64_t rows, int
                 s = amax > 0 ? amax / MOE_FP8_E4M3_MAX : 1.0f;
                 for (r = br; r < br + B && r < rows; r++)
                     for (c = bc; c < bc + B && c < cols; c++)
-                        m[r * cols + c] = moe_fp8e4m3_to_f32(moe_f32_to_fp8e4m3(m[r * cols + c] / s)) * s;
+                        m[r * cols + c] =
+                            moe_fp8e4m3_to_f32(moe_f32_to_fp8e4m3(m[r * cols + c] / s)) * s;
             }
     }
 }
@@ -174,8 +176,8 @@ static double act(moe_activation_t a, double g)
 }
 
 /* acc[H] += scale * W2 (act(W1 x) * W3 x) for one MLP of intermediate I. */
-static void mlp(moe_activation_t a, const float *w1, const float *w3, const float *w2,
-                int64_t I, int64_t H, const float *x, double scale, double *acc)
+static void mlp(moe_activation_t a, const float *w1, const float *w3, const float *w2, int64_t I,
+                int64_t H, const float *x, double scale, double *acc)
 {
     double *h = malloc(sizeof(double) * (size_t)I);
     int64_t i, j;
@@ -197,8 +199,8 @@ static void mlp(moe_activation_t a, const float *w1, const float *w3, const floa
     free(h);
 }
 
-void tu_naive_layer(const moe_layer_config_t *cfg, const tu_weights_t *w, const float *x,
-                    int64_t T, const int32_t *ids, const float *topk_w, float *y)
+void tu_naive_layer(const moe_layer_config_t *cfg, const tu_weights_t *w, const float *x, int64_t T,
+                    const int32_t *ids, const float *topk_w, float *y)
 {
     const int64_t H = w->H, I = w->I;
     double *acc = malloc(sizeof(double) * (size_t)H);
@@ -209,8 +211,8 @@ void tu_naive_layer(const moe_layer_config_t *cfg, const tu_weights_t *w, const 
         memset(acc, 0, sizeof(double) * (size_t)H);
         for (j = 0; j < cfg->top_k; j++) {
             int e = ids[t * cfg->top_k + j];
-            mlp(cfg->activation, w->gate + e * I * H, w->up + e * I * H, w->down + e * I * H, I,
-                H, xt, topk_w[t * cfg->top_k + j], acc);
+            mlp(cfg->activation, w->gate + e * I * H, w->up + e * I * H, w->down + e * I * H, I, H,
+                xt, topk_w[t * cfg->top_k + j], acc);
         }
         if (w->S > 0) {
             double g = 1.0;

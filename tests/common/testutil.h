@@ -13,11 +13,11 @@
 #include "moe/moe.h"
 
 /* Fails the test with the status name and moe_last_error() unless `call` succeeds. */
-#define TU_OK(call)                                                                            \
-    do {                                                                                       \
-        moe_status_t tu_s_ = (call);                                                           \
-        if (tu_s_ != MOE_STATUS_SUCCESS)                                                       \
-            fail_msg("%s -> %s: %s", #call, moe_status_string(tu_s_), moe_last_error());       \
+#define TU_OK(call)                                                                                \
+    do {                                                                                           \
+        moe_status_t tu_s_ = (call);                                                               \
+        if (tu_s_ != MOE_STATUS_SUCCESS)                                                           \
+            fail_msg("%s -> %s: %s", #call, moe_status_string(tu_s_), moe_last_error());           \
     } while (0)
 
 /* ||a - ref|| / ||ref|| (NaN anywhere -> INFINITY). */
@@ -36,9 +36,9 @@ moe_runtime_t *tu_runtime_cpu(void);
  * layer stored it in cfg->weight_dtype (bf16 rounding; FP8 per-block quantisation). */
 typedef struct tu_weights {
     int E, H, I, S;
-    float *router, *bias, *sgate;      /* [E,H], [E], [H] */
-    float *gate, *up, *down;           /* [E,I,H], [E,I,H], [E,H,I] */
-    float *sg, *su, *sd;               /* shared [S,H], [S,H], [H,S] */
+    float *router, *bias, *sgate; /* [E,H], [E], [H] */
+    float *gate, *up, *down;      /* [E,I,H], [E,I,H], [E,H,I] */
+    float *sg, *su, *sd;          /* shared [S,H], [S,H], [H,S] */
 } tu_weights_t;
 
 void tu_weights_make(const moe_layer_config_t *cfg, uint64_t seed, tu_weights_t *w);
@@ -46,7 +46,7 @@ void tu_weights_free(tu_weights_t *w);
 
 /* Naive per-token formula in double: y = sum_k w_k W2_e (act(W1_e x) * W3_e x) + shared(x),
  * with the routing of the CPU reference (ids/weights given). */
-void tu_naive_layer(const moe_layer_config_t *cfg, const tu_weights_t *w, const float *x,
-                    int64_t T, const int32_t *ids, const float *topk_w, float *y);
+void tu_naive_layer(const moe_layer_config_t *cfg, const tu_weights_t *w, const float *x, int64_t T,
+                    const int32_t *ids, const float *topk_w, float *y);
 
 #endif /* MOE_TESTUTIL_H */

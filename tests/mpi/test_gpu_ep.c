@@ -79,8 +79,8 @@ static void share(int64_t Tg, int64_t *t0, int64_t *n)
 }
 
 /* y (host) = layer(x (host)) on runtime rt; device buffers when it is a CUDA runtime. */
-static void run(moe_runtime_t *rt, moe_layer_config_t c, uint64_t seed, const float *x,
-                int64_t n, const float *logits, float *y)
+static void run(moe_runtime_t *rt, moe_layer_config_t c, uint64_t seed, const float *x, int64_t n,
+                const float *logits, float *y)
 {
     moe_runtime_info_t ri;
     moe_layer_t *l = NULL;
@@ -101,7 +101,8 @@ static void run(moe_runtime_t *rt, moe_layer_config_t c, uint64_t seed, const fl
         if (logits) {
             assert_int_equal(cudaMalloc(&dl, sizeof(float) * (size_t)(n * c.num_experts + 1)), 0);
             assert_int_equal(cudaMemcpy(dl, logits, sizeof(float) * (size_t)(n * c.num_experts),
-                                        cudaMemcpyHostToDevice), 0);
+                                        cudaMemcpyHostToDevice),
+                             0);
         }
         a.x = dx;
         a.y = dy;

@@ -83,8 +83,8 @@ static void my_share(int64_t Tg, int64_t *t0, int64_t *n)
 }
 
 /* y = layer(x) for n tokens on runtime rt with config c (weights from seed). */
-static void run(moe_runtime_t *rt, moe_layer_config_t c, uint64_t seed, const float *x,
-                int64_t n, const float *logits, float *y)
+static void run(moe_runtime_t *rt, moe_layer_config_t c, uint64_t seed, const float *x, int64_t n,
+                const float *logits, float *y)
 {
     moe_layer_t *l = NULL;
     moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
@@ -184,7 +184,8 @@ static void test_deterministic_batch_sizes(void **state)
 {
     const uint64_t seed = tu_seed("det_batch");
     moe_layer_config_t c = family(FAM_DEEPSEEK);
-    float x1[64], y1[64], *x = malloc(sizeof(float) * 20 * 64), *y = malloc(sizeof(float) * 20 * 64);
+    float x1[64], y1[64], *x = malloc(sizeof(float) * 20 * 64),
+                          *y = malloc(sizeof(float) * 20 * 64);
     (void)state;
     c.deterministic = 1;
     c.tp_size = world >= 2 ? 2 : 1;
@@ -249,10 +250,8 @@ static void test_bad_forward_on_one_rank(void **state)
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_layouts_modes_families),
-        cmocka_unit_test(test_hot_expert),
-        cmocka_unit_test(test_deterministic_batch_sizes),
-        cmocka_unit_test(test_mismatched_config),
+        cmocka_unit_test(test_layouts_modes_families),    cmocka_unit_test(test_hot_expert),
+        cmocka_unit_test(test_deterministic_batch_sizes), cmocka_unit_test(test_mismatched_config),
         cmocka_unit_test(test_bad_forward_on_one_rank),
     };
     int rc, r;

@@ -47,11 +47,11 @@ static void expect(moe_layer_config_t c, moe_status_t want, const char *needle)
     assert_null(l);
 }
 
-#define BAD(field_expr, needle)                                                                \
-    do {                                                                                       \
-        moe_layer_config_t c = good();                                                         \
-        field_expr;                                                                            \
-        expect(c, MOE_STATUS_INVALID_ARGUMENT, needle);                                        \
+#define BAD(field_expr, needle)                                                                    \
+    do {                                                                                           \
+        moe_layer_config_t c = good();                                                             \
+        field_expr;                                                                                \
+        expect(c, MOE_STATUS_INVALID_ARGUMENT, needle);                                            \
     } while (0)
 
 static void test_bad_layer_configs(void **state)
@@ -63,7 +63,7 @@ static void test_bad_layer_configs(void **state)
     BAD(c.top_k = 9, "top_k = 9");
     BAD(c.hidden = -1, "hidden = -1");
     BAD(c.intermediate = 0, "intermediate = 0");
-    BAD(c.hidden = 60, "hidden = 60");             /* bf16 rows need multiples of 8 */
+    BAD(c.hidden = 60, "hidden = 60"); /* bf16 rows need multiples of 8 */
     BAD(c.intermediate = 100, "intermediate = 100");
     BAD(c.num_shared_experts = -1, "num_shared_experts = -1");
     BAD(c.shared_expert_gate = 1, "shared_expert_gate");
