@@ -1,6 +1,12 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* MPI bootstrap and CPU transport. Every collective is nonblocking underneath and waited on
- * with a deadline, so a dead or stuck peer gives MOE_STATUS_TIMEOUT instead of a hang. */
+ * with a deadline, so a dead or stuck peer gives MOE_STATUS_TIMEOUT instead of a hang.
+ *
+ * MPI never sees the caller's buffers: a collective copies its send data into a staging block
+ * of its own, receives there and copies out once it completed. A collective that timed out
+ * cannot be cancelled and completes whenever the late peer joins (MPI progresses it inside any
+ * later MPI call, MPI_Finalize included), so its staging block is parked with the request
+ * instead of freed: the late completion writes there, never into memory the caller reused. */
 #include "comm/comm.h"
 
 #include <limits.h>
@@ -10,11 +16,19 @@
 #include <time.h>
 #include "runtime/diag.h"
 
+/* A request abandoned by a failed wait and the staging memory MPI may still write. */
+typedef struct parked {
+    MPI_Request req;
+    void *mem;
+    struct parked *next;
+} parked_t;
+
 struct moe_comm {
     MPI_Comm comm;
     int rank, size;
     int timeout_ms;
-    int failed; /* a wait timed out: the communicator may hold a pending operation */
+    int failed;       /* a wait failed: the communicator may hold a pending operation */
+    parked_t *parked; /* the abandoned requests */
 };
 
 static moe_status_t mpi_error(int rc, const char *what)
@@ -25,11 +39,11 @@ static moe_status_t mpi_error(int rc, const char *what)
     return moe_error(MOE_STATUS_MPI_ERROR, "%s failed: %s", what, msg);
 }
 
-#define MOE_MPI_CHECK(call, what)                                                              \
-    do {                                                                                       \
-        int moe_rc_ = (call);                                                                  \
-        if (moe_rc_ != MPI_SUCCESS)                                                            \
-            return mpi_error(moe_rc_, what);                                                   \
+#define MOE_MPI_CHECK(call, what)                                                                  \
+    do {                                                                                           \
+        int moe_rc_ = (call);                                                                      \
+        if (moe_rc_ != MPI_SUCCESS)                                                                \
+            return mpi_error(moe_rc_, what);                                                       \
     } while (0)
 
 static double now_ms(void)
@@ -39,9 +53,30 @@ static double now_ms(void)
     return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
+/* Keeps a failed request's staging memory (*mem, then set to NULL) until destroy finds the
+ * request complete, or for good. A request that ended with an error is already freed by MPI,
+ * but the parts of its schedule still posted may write later, so its memory is just leaked;
+ * so is everything when there is no memory for the record. */
+static void park(moe_comm_t *c, MPI_Request *req, void **mem)
+{
+    parked_t *p;
+    c->failed = 1;
+    if (!mem || !*mem)
+        return;
+    p = *req != MPI_REQUEST_NULL ? malloc(sizeof(*p)) : NULL;
+    if (p) {
+        p->req = *req;
+        p->mem = *mem;
+        p->next = c->parked;
+        c->parked = p;
+    }
+    *mem = NULL;
+}
+
 /* Polls the request until done or the deadline; backs off from busy polling to 1 ms sleeps
- * so that waiting ranks leave the cores to the working ones (oversubscribed runs). */
-static moe_status_t wait_bounded(moe_comm_t *c, MPI_Request *req, const char *what)
+ * so that waiting ranks leave the cores to the working ones (oversubscribed runs). On failure
+ * the request's staging memory (*mem, may be NULL) is parked and *mem set to NULL. */
+static moe_status_t wait_bounded(moe_comm_t *c, MPI_Request *req, void **mem, const char *what)
 {
     const double deadline = now_ms() + c->timeout_ms;
     long spins = 0;
@@ -49,8 +84,10 @@ static moe_status_t wait_bounded(moe_comm_t *c, MPI_Request *req, const char *wh
 
     for (;;) {
         int rc = MPI_Test(req, &done, MPI_STATUS_IGNORE);
-        if (rc != MPI_SUCCESS)
+        if (rc != MPI_SUCCESS) {
+            park(c, req, mem);
             return mpi_error(rc, what);
+        }
         if (done)
             return MOE_STATUS_SUCCESS;
         if (++spins > 1000) {
@@ -60,7 +97,7 @@ static moe_status_t wait_bounded(moe_comm_t *c, MPI_Request *req, const char *wh
                 break;
         }
     }
-    c->failed = 1;
+    park(c, req, mem);
     return moe_error(MOE_STATUS_TIMEOUT,
                      "%s: a peer did not answer within %d ms (rank %d of %d); the "
                      "communicator is no longer usable",
@@ -71,9 +108,31 @@ static moe_status_t check_usable(const moe_comm_t *c, const char *what)
 {
     if (c->failed)
         return moe_error(MOE_STATUS_INVALID_STATE,
-                         "%s: the communicator failed earlier (timeout); recreate the runtime",
+                         "%s: the communicator failed earlier (timeout or MPI error); recreate "
+                         "the runtime",
                          what);
     return MOE_STATUS_SUCCESS;
+}
+
+/* A staging block of `bytes` (at least 1) holding a copy of `src` (NULL: uninitialised). */
+static void *stage(const void *src, size_t bytes)
+{
+    void *m = malloc(bytes ? bytes : 1);
+    if (m && src && bytes)
+        memcpy(m, src, bytes);
+    return m;
+}
+
+/* Bounded wait on `req`, then, on success, `bytes` of the staging block back to `dst`; the
+ * block is freed unless it was parked. */
+static moe_status_t finish(moe_comm_t *c, MPI_Request *req, void *mem, void *dst, size_t bytes,
+                           const char *what)
+{
+    moe_status_t st = wait_bounded(c, req, &mem, what);
+    if (st == MOE_STATUS_SUCCESS && dst && bytes)
+        memcpy(dst, mem, bytes);
+    free(mem);
+    return st;
 }
 
 static moe_status_t comm_wrap(MPI_Comm mc, int timeout_ms, moe_comm_t **out)
@@ -92,14 +151,13 @@ static moe_status_t comm_wrap(MPI_Comm mc, int timeout_ms, moe_comm_t **out)
     return MOE_STATUS_SUCCESS;
 }
 
-moe_status_t moe_comm_create(const void *mpi_comm, int timeout_ms, moe_comm_t **comm,
-                             int *owns_mpi)
+moe_status_t moe_comm_create(const void *mpi_comm, int timeout_ms, moe_comm_t **comm, int *owns_mpi)
 {
     MPI_Comm parent = mpi_comm ? *(const MPI_Comm *)mpi_comm : MPI_COMM_WORLD;
-    MPI_Comm dup = MPI_COMM_NULL;
+    MPI_Comm *dup, mc;
     MPI_Request req;
     moe_comm_t tmp = {0};
-    int inited = 0, finalized = 0, provided = 0;
+    int inited = 0, finalized = 0, provided = 0, rc;
     moe_status_t st;
 
     *owns_mpi = 0;
@@ -112,21 +170,40 @@ moe_status_t moe_comm_create(const void *mpi_comm, int timeout_ms, moe_comm_t **
         *owns_mpi = 1;
         parent = MPI_COMM_WORLD;
     }
+    /* MPI_COMM_NULL would reach the caller's fatal error handler below and abort the job. */
+    if (parent == MPI_COMM_NULL)
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT,
+                         "mpi_comm points to MPI_COMM_NULL: pass a communicator or NULL "
+                         "(MPI_COMM_WORLD)");
     MPI_Comm_set_errhandler(parent, MPI_ERRORS_RETURN);
-    MOE_MPI_CHECK(MPI_Comm_idup(parent, &dup, &req), "MPI_Comm_idup");
+    /* MPI writes the new handle when the idup completes: after a timeout that can be during
+     * any later MPI call, so the handle lives on the heap and is then never freed. */
+    dup = malloc(sizeof(*dup));
+    if (!dup)
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "communicator handle");
+    *dup = MPI_COMM_NULL;
+    rc = MPI_Comm_idup(parent, dup, &req);
+    if (rc != MPI_SUCCESS) {
+        free(dup);
+        return mpi_error(rc, "MPI_Comm_idup");
+    }
     tmp.timeout_ms = timeout_ms;
     MPI_Comm_rank(parent, &tmp.rank);
     MPI_Comm_size(parent, &tmp.size);
-    st = wait_bounded(&tmp, &req, "runtime bootstrap (MPI_Comm_idup)");
+    st = wait_bounded(&tmp, &req, NULL, "runtime bootstrap (MPI_Comm_idup)");
     if (st != MOE_STATUS_SUCCESS)
-        return st;
-    return comm_wrap(dup, timeout_ms, comm);
+        return st; /* dup is left to the pending request, on purpose */
+    mc = *dup;
+    free(dup);
+    return comm_wrap(mc, timeout_ms, comm);
 }
 
+/* MPI has no nonblocking split: a bounded barrier first makes sure every peer has arrived, so
+ * the blocking call below can wait only on a peer that dies in between. */
 moe_status_t moe_comm_split(moe_comm_t *parent, int color, int key, moe_comm_t **comm)
 {
     MPI_Comm mc;
-    MOE_CHECK(check_usable(parent, "comm split"));
+    MOE_CHECK(moe_comm_barrier(parent));
     MOE_MPI_CHECK(MPI_Comm_split(parent->comm, color, key, &mc), "MPI_Comm_split");
     return comm_wrap(mc, parent->timeout_ms, comm);
 }
@@ -134,20 +211,30 @@ moe_status_t moe_comm_split(moe_comm_t *parent, int color, int key, moe_comm_t *
 moe_status_t moe_comm_split_node(moe_comm_t *parent, moe_comm_t **comm)
 {
     MPI_Comm mc;
-    MOE_CHECK(check_usable(parent, "node split"));
-    MOE_MPI_CHECK(MPI_Comm_split_type(parent->comm, MPI_COMM_TYPE_SHARED, parent->rank,
-                                      MPI_INFO_NULL, &mc),
-                  "MPI_Comm_split_type");
+    MOE_CHECK(moe_comm_barrier(parent));
+    MOE_MPI_CHECK(
+        MPI_Comm_split_type(parent->comm, MPI_COMM_TYPE_SHARED, parent->rank, MPI_INFO_NULL, &mc),
+        "MPI_Comm_split_type");
     return comm_wrap(mc, parent->timeout_ms, comm);
 }
 
 void moe_comm_destroy(moe_comm_t *comm)
 {
     int finalized = 0;
+    parked_t *p, *next;
     if (!comm)
         return;
     MPI_Finalized(&finalized);
-    /* A communicator with a pending (timed-out) operation cannot be freed safely. */
+    /* Staging memory of a request that has not completed stays allocated: MPI may still
+     * write it. The communicator itself is not freed either while it may hold one. */
+    for (p = comm->parked; p; p = next) {
+        int done = 0;
+        next = p->next;
+        if (!finalized && MPI_Test(&p->req, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && done) {
+            free(p->mem);
+            free(p);
+        }
+    }
     if (!finalized && !comm->failed)
         MPI_Comm_free(&comm->comm);
     free(comm);
@@ -181,17 +268,26 @@ moe_status_t moe_comm_barrier(moe_comm_t *c)
     MPI_Request req;
     MOE_CHECK(check_usable(c, "barrier"));
     MOE_MPI_CHECK(MPI_Ibarrier(c->comm, &req), "MPI_Ibarrier");
-    return wait_bounded(c, &req, "barrier");
+    return wait_bounded(c, &req, NULL, "barrier");
 }
 
 moe_status_t moe_comm_bcast(moe_comm_t *c, void *buf, size_t bytes, int root)
 {
     MPI_Request req;
+    void *mem;
+    int rc;
     MOE_CHECK(check_usable(c, "bcast"));
     if (bytes > INT_MAX)
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "bcast of %zu bytes", bytes);
-    MOE_MPI_CHECK(MPI_Ibcast(buf, (int)bytes, MPI_BYTE, root, c->comm, &req), "MPI_Ibcast");
-    return wait_bounded(c, &req, "bcast");
+    mem = stage(c->rank == root ? buf : NULL, bytes);
+    if (!mem)
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "bcast staging: %zu bytes", bytes);
+    rc = MPI_Ibcast(mem, (int)bytes, MPI_BYTE, root, c->comm, &req);
+    if (rc != MPI_SUCCESS) {
+        free(mem);
+        return mpi_error(rc, "MPI_Ibcast");
+    }
+    return finish(c, &req, mem, buf, bytes, "bcast");
 }
 
 static MPI_Op mpi_op(moe_reduce_op_t op)
@@ -199,47 +295,108 @@ static MPI_Op mpi_op(moe_reduce_op_t op)
     return op == MOE_REDUCE_MIN ? MPI_MIN : op == MOE_REDUCE_MAX ? MPI_MAX : MPI_SUM;
 }
 
+static moe_status_t allreduce(moe_comm_t *c, void *vals, int n, size_t elem_bytes,
+                              MPI_Datatype type, moe_reduce_op_t op)
+{
+    const size_t bytes = elem_bytes * (size_t)(n > 0 ? n : 0);
+    MPI_Request req;
+    void *mem;
+    int rc;
+    MOE_CHECK(check_usable(c, "allreduce"));
+    mem = stage(vals, bytes);
+    if (!mem)
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "allreduce staging: %zu bytes", bytes);
+    rc = MPI_Iallreduce(MPI_IN_PLACE, mem, n, type, mpi_op(op), c->comm, &req);
+    if (rc != MPI_SUCCESS) {
+        free(mem);
+        return mpi_error(rc, "MPI_Iallreduce");
+    }
+    return finish(c, &req, mem, vals, bytes, "allreduce");
+}
+
 moe_status_t moe_comm_allreduce_i64(moe_comm_t *c, int64_t *vals, int n, moe_reduce_op_t op)
 {
-    MPI_Request req;
-    MOE_CHECK(check_usable(c, "allreduce"));
-    MOE_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, vals, n, MPI_INT64_T, mpi_op(op), c->comm, &req),
-                  "MPI_Iallreduce");
-    return wait_bounded(c, &req, "allreduce");
+    return allreduce(c, vals, n, sizeof(int64_t), MPI_INT64_T, op);
 }
 
 moe_status_t moe_comm_allreduce_f64(moe_comm_t *c, double *vals, int n, moe_reduce_op_t op)
 {
-    MPI_Request req;
-    MOE_CHECK(check_usable(c, "allreduce"));
-    MOE_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, vals, n, MPI_DOUBLE, mpi_op(op), c->comm, &req),
-                  "MPI_Iallreduce");
-    return wait_bounded(c, &req, "allreduce");
+    return allreduce(c, vals, n, sizeof(double), MPI_DOUBLE, op);
 }
 
 moe_status_t moe_comm_alltoall_i64(moe_comm_t *c, const int64_t *send, int64_t *recv)
 {
+    const size_t bytes = sizeof(int64_t) * (size_t)c->size;
     MPI_Request req;
+    int64_t *mem; /* [size] received, then [size] sent */
+    int rc;
     MOE_CHECK(check_usable(c, "alltoall"));
-    MOE_MPI_CHECK(MPI_Ialltoall(send, 1, MPI_INT64_T, recv, 1, MPI_INT64_T, c->comm, &req),
-                  "MPI_Ialltoall");
-    return wait_bounded(c, &req, "alltoall (counts)");
+    mem = stage(NULL, 2 * bytes);
+    if (!mem)
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "alltoall staging");
+    memcpy(mem + c->size, send, bytes);
+    rc = MPI_Ialltoall(mem + c->size, 1, MPI_INT64_T, mem, 1, MPI_INT64_T, c->comm, &req);
+    if (rc != MPI_SUCCESS) {
+        free(mem);
+        return mpi_error(rc, "MPI_Ialltoall");
+    }
+    return finish(c, &req, mem, recv, bytes, "alltoall (counts)");
 }
 
-/* MPI counts are int: elements are sent as one contiguous datatype of elem_bytes, so the
+/* Staging for the v-collectives: the caller's per-rank segments (counts and displacements in
+ * elements) are packed back to back, so MPI gets int counts and displacements into one block.
+ * MPI counts are int: elements are sent as one contiguous datatype of elem_bytes, so the
  * limit is 2^31 rows, not 2^31 bytes. */
-static moe_status_t to_int_arrays(const moe_comm_t *c, const int64_t *a, const int64_t *b,
-                                  int *ia, int *ib, const char *what)
+typedef struct vlayout {
+    int *counts, *displs; /* [size] each, packed */
+    int64_t total;        /* elements */
+} vlayout_t;
+
+static moe_status_t pack_layout(const moe_comm_t *c, const int64_t *counts, vlayout_t *v,
+                                const char *what)
 {
     int i;
+    v->total = 0;
     for (i = 0; i < c->size; i++) {
-        if (a[i] < 0 || a[i] > INT_MAX || (b && (b[i] < 0 || b[i] > INT_MAX)))
+        if (counts[i] < 0 || counts[i] > INT_MAX || v->total > INT_MAX)
             return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: count %lld for rank %d", what,
-                             (long long)a[i], i);
-        ia[i] = (int)a[i];
-        if (b)
-            ib[i] = (int)b[i];
+                             (long long)counts[i], i);
+        v->counts[i] = (int)counts[i];
+        v->displs[i] = (int)v->total;
+        v->total += counts[i];
     }
+    return MOE_STATUS_SUCCESS;
+}
+
+/* Each rank's segment of the caller's buffer (at displs) into the packed staging area. */
+static void pack_segments(const moe_comm_t *c, const vlayout_t *v, char *packed, const char *user,
+                          const int64_t *displs, size_t elem_bytes)
+{
+    int i;
+    for (i = 0; i < c->size; i++)
+        if (v->counts[i])
+            memcpy(packed + (size_t)v->displs[i] * elem_bytes,
+                   user + (size_t)displs[i] * elem_bytes, (size_t)v->counts[i] * elem_bytes);
+}
+
+/* The reverse: packed staging area to the caller's buffer at displs. */
+static void unpack_segments(const moe_comm_t *c, const vlayout_t *v, const char *packed, char *user,
+                            const int64_t *displs, size_t elem_bytes)
+{
+    int i;
+    for (i = 0; i < c->size; i++)
+        if (v->counts[i])
+            memcpy(user + (size_t)displs[i] * elem_bytes,
+                   packed + (size_t)v->displs[i] * elem_bytes, (size_t)v->counts[i] * elem_bytes);
+}
+
+static moe_status_t check_displs(const moe_comm_t *c, const int64_t *displs, const char *what)
+{
+    int i;
+    for (i = 0; displs && i < c->size; i++)
+        if (displs[i] < 0)
+            return moe_error(MOE_STATUS_INTERNAL_ERROR, "%s: displacement %lld for rank %d", what,
+                             (long long)displs[i], i);
     return MOE_STATUS_SUCCESS;
 }
 
@@ -252,100 +409,185 @@ static moe_status_t elem_type(size_t elem_bytes, MPI_Datatype *t)
     return MOE_STATUS_SUCCESS;
 }
 
-moe_status_t moe_comm_alltoallv(moe_comm_t *c, const void *send, const int64_t *send_counts,
-                                const int64_t *send_displs, void *recv,
-                                const int64_t *recv_counts, const int64_t *recv_displs,
-                                size_t elem_bytes)
+/* One block: [int arrays][send data][receive data], each part 16-byte aligned. */
+static size_t align16(size_t n)
 {
-    int *buf = NULL;
+    return (n + 15) & ~(size_t)15;
+}
+
+/* Bytes of the send part: never 0, because Open MPI's nonblocking collectives (libnbc) take a
+ * send buffer equal to the receive buffer for MPI_IN_PLACE. */
+static size_t send_part(size_t bytes)
+{
+    return align16(bytes + 1);
+}
+
+moe_status_t moe_comm_alltoallv(moe_comm_t *c, const void *send, const int64_t *send_counts,
+                                const int64_t *send_displs, void *recv, const int64_t *recv_counts,
+                                const int64_t *recv_displs, size_t elem_bytes)
+{
+    const size_t ints = align16(sizeof(int) * 4 * (size_t)c->size);
+    vlayout_t sv, rv;
     MPI_Datatype t = MPI_DATATYPE_NULL;
     MPI_Request req;
+    char *mem = NULL, *sbuf, *rbuf;
+    void *m;
     moe_status_t st;
     int rc;
 
     MOE_CHECK(check_usable(c, "alltoallv"));
-    buf = malloc(sizeof(int) * 4 * (size_t)c->size);
-    if (!buf)
+    MOE_CHECK(check_displs(c, send_displs, "alltoallv"));
+    MOE_CHECK(check_displs(c, recv_displs, "alltoallv"));
+    mem = stage(NULL, ints);
+    if (!mem)
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "alltoallv counts");
-    MOE_CHECK_GOTO(to_int_arrays(c, send_counts, send_displs, buf, buf + c->size, "alltoallv"),
-                   st, out);
-    MOE_CHECK_GOTO(to_int_arrays(c, recv_counts, recv_displs, buf + 2 * c->size,
-                                 buf + 3 * c->size, "alltoallv"),
-                   st, out);
+    sv.counts = (int *)mem, sv.displs = sv.counts + c->size;
+    rv.counts = sv.displs + c->size, rv.displs = rv.counts + c->size;
+    MOE_CHECK_GOTO(pack_layout(c, send_counts, &sv, "alltoallv"), st, out);
+    MOE_CHECK_GOTO(pack_layout(c, recv_counts, &rv, "alltoallv"), st, out);
+    m = realloc(mem, ints + send_part((size_t)sv.total * elem_bytes) +
+                         (size_t)rv.total * elem_bytes + 1);
+    if (!m) {
+        st = moe_error(MOE_STATUS_OUT_OF_MEMORY, "alltoallv staging: %lld + %lld rows",
+                       (long long)sv.total, (long long)rv.total);
+        goto out;
+    }
+    mem = m;
+    sv.counts = (int *)mem, sv.displs = sv.counts + c->size;
+    rv.counts = sv.displs + c->size, rv.displs = rv.counts + c->size;
+    sbuf = mem + ints;
+    rbuf = sbuf + send_part((size_t)sv.total * elem_bytes);
+    pack_segments(c, &sv, sbuf, send, send_displs, elem_bytes);
     MOE_CHECK_GOTO(elem_type(elem_bytes, &t), st, out);
-    rc = MPI_Ialltoallv(send, buf, buf + c->size, t, recv, buf + 2 * c->size, buf + 3 * c->size,
-                        t, c->comm, &req);
+    rc =
+        MPI_Ialltoallv(sbuf, sv.counts, sv.displs, t, rbuf, rv.counts, rv.displs, t, c->comm, &req);
     if (rc != MPI_SUCCESS) {
         st = mpi_error(rc, "MPI_Ialltoallv");
         goto out;
     }
-    st = wait_bounded(c, &req, "alltoallv");
+    m = mem;
+    st = wait_bounded(c, &req, &m, "alltoallv");
+    if (st == MOE_STATUS_SUCCESS)
+        unpack_segments(c, &rv, rbuf, recv, recv_displs, elem_bytes);
+    mem = m; /* NULL when parked */
 out:
     if (t != MPI_DATATYPE_NULL)
-        MPI_Type_free(&t);
-    free(buf);
+        MPI_Type_free(&t); /* freeing a datatype a pending request uses is allowed */
+    free(mem);
     return st;
 }
 
-moe_status_t moe_comm_allgatherv(moe_comm_t *c, const void *send, int64_t send_count,
-                                 void *recv, const int64_t *recv_counts,
-                                 const int64_t *recv_displs, size_t elem_bytes)
+moe_status_t moe_comm_allgatherv(moe_comm_t *c, const void *send, int64_t send_count, void *recv,
+                                 const int64_t *recv_counts, const int64_t *recv_displs,
+                                 size_t elem_bytes)
 {
-    int *buf = NULL;
+    const size_t ints = align16(sizeof(int) * 2 * (size_t)c->size);
+    vlayout_t rv;
     MPI_Datatype t = MPI_DATATYPE_NULL;
     MPI_Request req;
+    char *mem = NULL, *sbuf, *rbuf;
+    void *m;
     moe_status_t st;
     int rc;
 
     MOE_CHECK(check_usable(c, "allgatherv"));
-    buf = malloc(sizeof(int) * 2 * (size_t)c->size);
-    if (!buf)
+    MOE_CHECK(check_displs(c, recv_displs, "allgatherv"));
+    if (send_count < 0 || send_count > INT_MAX)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "allgatherv: count %lld", (long long)send_count);
+    mem = stage(NULL, ints);
+    if (!mem)
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "allgatherv counts");
-    MOE_CHECK_GOTO(to_int_arrays(c, recv_counts, recv_displs, buf, buf + c->size, "allgatherv"),
-                   st, out);
+    rv.counts = (int *)mem, rv.displs = rv.counts + c->size;
+    MOE_CHECK_GOTO(pack_layout(c, recv_counts, &rv, "allgatherv"), st, out);
+    m = realloc(mem, ints + send_part((size_t)send_count * elem_bytes) +
+                         (size_t)rv.total * elem_bytes + 1);
+    if (!m) {
+        st = moe_error(MOE_STATUS_OUT_OF_MEMORY, "allgatherv staging: %lld rows",
+                       (long long)rv.total);
+        goto out;
+    }
+    mem = m;
+    rv.counts = (int *)mem, rv.displs = rv.counts + c->size;
+    sbuf = mem + ints;
+    rbuf = sbuf + send_part((size_t)send_count * elem_bytes);
+    if (send_count)
+        memcpy(sbuf, send, (size_t)send_count * elem_bytes);
     MOE_CHECK_GOTO(elem_type(elem_bytes, &t), st, out);
-    rc = MPI_Iallgatherv(send, (int)send_count, t, recv, buf, buf + c->size, t, c->comm, &req);
+    rc = MPI_Iallgatherv(sbuf, (int)send_count, t, rbuf, rv.counts, rv.displs, t, c->comm, &req);
     if (rc != MPI_SUCCESS) {
         st = mpi_error(rc, "MPI_Iallgatherv");
         goto out;
     }
-    st = wait_bounded(c, &req, "allgatherv");
+    m = mem;
+    st = wait_bounded(c, &req, &m, "allgatherv");
+    if (st == MOE_STATUS_SUCCESS)
+        unpack_segments(c, &rv, rbuf, recv, recv_displs, elem_bytes);
+    mem = m;
 out:
     if (t != MPI_DATATYPE_NULL)
         MPI_Type_free(&t);
-    free(buf);
+    free(mem);
     return st;
 }
 
 moe_status_t moe_comm_reduce_scatter_f32(moe_comm_t *c, const float *send, float *recv,
                                          const int64_t *recv_counts)
 {
-    int *counts = malloc(sizeof(int) * (size_t)c->size);
+    const size_t ints = align16(sizeof(int) * 2 * (size_t)c->size);
+    vlayout_t rv;
     MPI_Request req;
+    char *mem, *sbuf, *rbuf;
+    void *m;
+    size_t mine;
     moe_status_t st;
     int rc;
 
-    if (!counts)
+    MOE_CHECK(check_usable(c, "reduce_scatter"));
+    mem = stage(NULL, ints);
+    if (!mem)
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "reduce_scatter counts");
-    MOE_CHECK_GOTO(check_usable(c, "reduce_scatter"), st, out);
-    MOE_CHECK_GOTO(to_int_arrays(c, recv_counts, NULL, counts, NULL, "reduce_scatter"), st, out);
-    rc = MPI_Ireduce_scatter(send, recv, counts, MPI_FLOAT, MPI_SUM, c->comm, &req);
+    rv.counts = (int *)mem, rv.displs = rv.counts + c->size;
+    MOE_CHECK_GOTO(pack_layout(c, recv_counts, &rv, "reduce_scatter"), st, out);
+    mine = sizeof(float) * (size_t)rv.counts[c->rank];
+    m = realloc(mem, ints + send_part(sizeof(float) * (size_t)rv.total) + mine + 1);
+    if (!m) {
+        st = moe_error(MOE_STATUS_OUT_OF_MEMORY, "reduce_scatter staging: %lld floats",
+                       (long long)rv.total);
+        goto out;
+    }
+    mem = m;
+    rv.counts = (int *)mem;
+    sbuf = mem + ints;
+    rbuf = sbuf + send_part(sizeof(float) * (size_t)rv.total);
+    if (rv.total)
+        memcpy(sbuf, send, sizeof(float) * (size_t)rv.total);
+    rc = MPI_Ireduce_scatter(sbuf, rbuf, rv.counts, MPI_FLOAT, MPI_SUM, c->comm, &req);
     if (rc != MPI_SUCCESS) {
         st = mpi_error(rc, "MPI_Ireduce_scatter");
         goto out;
     }
-    st = wait_bounded(c, &req, "reduce_scatter");
+    m = mem;
+    st = wait_bounded(c, &req, &m, "reduce_scatter");
+    if (st == MOE_STATUS_SUCCESS && mine)
+        memcpy(recv, rbuf, mine);
+    mem = m;
 out:
-    free(counts);
+    free(mem);
     return st;
 }
 
 moe_status_t moe_comm_agree(moe_comm_t *c, moe_status_t status)
 {
     /* MIN over failing ranks of (rank * 64 + status): the first failing rank and its status. */
-    int64_t v = status != MOE_STATUS_SUCCESS ? (int64_t)c->rank * 64 + (int64_t)status
-                                             : INT64_MAX;
-    MOE_CHECK(moe_comm_allreduce_i64(c, &v, 1, MOE_REDUCE_MIN));
+    int64_t v = status != MOE_STATUS_SUCCESS ? (int64_t)c->rank * 64 + (int64_t)status : INT64_MAX;
+    moe_status_t st;
+    /* A rank whose own step failed on this communicator (a timeout) reports that failure,
+     * not the communicator's state. */
+    if (c->failed && status != MOE_STATUS_SUCCESS)
+        return status;
+    st = moe_comm_allreduce_i64(c, &v, 1, MOE_REDUCE_MIN);
+    if (st != MOE_STATUS_SUCCESS)
+        return st;
     if (v == INT64_MAX)
         return MOE_STATUS_SUCCESS;
     if (status != MOE_STATUS_SUCCESS)
