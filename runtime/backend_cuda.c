@@ -600,6 +600,26 @@ static moe_status_t finish_profile(moe_layer_t *l, const moe_forward_args_t *a)
     return MOE_STATUS_SUCCESS;
 }
 
+/* y = sum over slots in order of w * expert rows (+ [gated] shared rows), into args->y. */
+static moe_status_t combine(moe_layer_t *l, const moe_forward_args_t *a, const void *rows,
+                            const int32_t *row_of_slot, const float *w, const void *shared)
+{
+    cuda_layer_t *s = l->state;
+    moe_combine_args_t c;
+    memset(&c, 0, sizeof(c));
+    c.expert_out = rows;
+    c.row_of_slot = row_of_slot;
+    c.topk_weights = w;
+    c.shared_out = s->ss > 0 ? shared : NULL;
+    c.shared_gate_logit = s->ss > 0 && l->cfg.shared_expert_gate ? s->s_gate_logit : NULL;
+    c.y = a->y;
+    c.y_dtype = a->dtype;
+    c.num_tokens = a->num_tokens;
+    c.hidden = s->H;
+    c.top_k = s->k;
+    return moe_combine_launch(&c, a->stream);
+}
+
 /* Dispatch: this rank's tokens (bf16, padded to tm rows, ids -1 past num_tokens) to every
  * rank by all-gather; then the local experts' ids. */
 static moe_status_t ep_dispatch(moe_layer_t *l, const moe_forward_args_t *a)
@@ -649,11 +669,10 @@ static moe_status_t ep_return(cuda_layer_t *s, void *stream)
 
 /* One step across the ranks (every rank calls it, num_tokens may be 0). No host
  * synchronisation: buffers are sized from max_tokens_per_rank, so it can be captured. */
-static moe_status_t ep_forward(moe_layer_t *l, const moe_forward_args_t *a, int32_t *ids, float *w)
+static moe_status_t ep_forward(moe_layer_t *l, const moe_forward_args_t *a)
 {
     cuda_layer_t *s = l->state;
     const int64_t W = s->world, tm = s->tm;
-    moe_combine_args_t c;
 
     MOE_CHECK(moe_nccl_check(s->nccl));
     MOE_CHECK(record(s, EV_START, a->stream));
@@ -672,18 +691,7 @@ static moe_status_t ep_forward(moe_layer_t *l, const moe_forward_args_t *a, int3
     }
     MOE_CHECK(record(s, EV_SHARED, a->stream));
     MOE_CHECK(ep_return(s, a->stream));
-    memset(&c, 0, sizeof(c));
-    c.expert_out = s->mine;
-    c.row_of_slot = s->iota;
-    c.topk_weights = s->weights;
-    c.shared_out = s->ss > 0 ? s->smine : NULL;
-    c.shared_gate_logit = s->ss > 0 && l->cfg.shared_expert_gate ? s->s_gate_logit : NULL;
-    c.y = a->y;
-    c.y_dtype = a->dtype;
-    c.num_tokens = a->num_tokens;
-    c.hidden = s->H;
-    c.top_k = s->k;
-    MOE_CHECK(moe_combine_launch(&c, a->stream));
+    MOE_CHECK(combine(l, a, s->mine, s->iota, s->weights, s->smine));
     if (a->num_tokens > 0 && a->topk_ids)
         MOE_CHECK(moe_gpu_memcpy_d2d_async(
             a->topk_ids, s->ids, sizeof(int32_t) * (size_t)(a->num_tokens * s->k), a->stream));
@@ -692,8 +700,6 @@ static moe_status_t ep_forward(moe_layer_t *l, const moe_forward_args_t *a, int3
                                            sizeof(float) * (size_t)(a->num_tokens * s->k),
                                            a->stream));
     MOE_CHECK(record(s, EV_COMBINE, a->stream));
-    (void)ids;
-    (void)w;
     return s->profile ? finish_profile(l, a) : MOE_STATUS_SUCCESS;
 }
 
@@ -702,7 +708,6 @@ static moe_status_t cuda_forward(moe_layer_t *l, const moe_forward_args_t *a)
     cuda_layer_t *s = l->state;
     int32_t *ids;
     float *w;
-    moe_combine_args_t c;
 
     if (l->input_status != MOE_STATUS_SUCCESS)
         return l->input_status;
@@ -721,7 +726,7 @@ static moe_status_t cuda_forward(moe_layer_t *l, const moe_forward_args_t *a)
         s->profile = !capturing;
     }
     if (s->world > 1)
-        return ep_forward(l, a, ids, w);
+        return ep_forward(l, a);
     MOE_CHECK(record(s, EV_START, a->stream));
     MOE_CHECK(route_step(l, a, ids, w));
     MOE_CHECK(record(s, EV_ROUTE, a->stream));
@@ -733,18 +738,7 @@ static moe_status_t cuda_forward(moe_layer_t *l, const moe_forward_args_t *a)
         MOE_CHECK(shared_gate(l, a));
     }
     MOE_CHECK(record(s, EV_SHARED, a->stream));
-    memset(&c, 0, sizeof(c));
-    c.expert_out = s->o;
-    c.row_of_slot = s->row_of_slot;
-    c.topk_weights = w;
-    c.shared_out = s->ss > 0 ? s->so : NULL;
-    c.shared_gate_logit = s->ss > 0 && l->cfg.shared_expert_gate ? s->s_gate_logit : NULL;
-    c.y = a->y;
-    c.y_dtype = a->dtype;
-    c.num_tokens = a->num_tokens;
-    c.hidden = s->H;
-    c.top_k = s->k;
-    MOE_CHECK(moe_combine_launch(&c, a->stream));
+    MOE_CHECK(combine(l, a, s->o, s->row_of_slot, w, s->so));
     MOE_CHECK(record(s, EV_COMBINE, a->stream));
     return s->profile ? finish_profile(l, a) : MOE_STATUS_SUCCESS;
 }

@@ -409,9 +409,9 @@ moe_status_t moe_layer_forward(moe_layer_t *l, const moe_forward_args_t *args)
     if (l->broken)
         return moe_error(MOE_STATUS_INVALID_STATE,
                          "the layer is unusable after an earlier communication failure");
+    /* Even with bad (or NULL) arguments the backend takes part in the step's first collective,
+     * which carries this rank's status to the others. */
     l->input_status = check_forward_args(l, args);
-    if (l->input_status != MOE_STATUS_SUCCESS && !args)
-        return l->input_status;
     st = l->ops->forward(l, args);
     if (st == MOE_STATUS_TIMEOUT || st == MOE_STATUS_MPI_ERROR || st == MOE_STATUS_NCCL_ERROR)
         l->broken = 1;

@@ -79,7 +79,6 @@ static void runtime_free(moe_runtime_t *rt);
 static moe_status_t runtime_setup(moe_runtime_t *rt)
 {
     moe_comm_t *node = NULL;
-    int64_t b[2];
 
     MOE_CHECK(moe_comm_split_node(rt->comm, &node));
     rt->info.local_rank = moe_comm_rank(node);
@@ -90,7 +89,14 @@ static moe_status_t runtime_setup(moe_runtime_t *rt)
     moe_log_set_identity(rt->info.rank, rt->info.device);
     if (rt->config.bind || moe_env_int("MOE_BIND", 0))
         MOE_CHECK(moe_topology_bind(rt));
-    /* All ranks must run the same backend: compare min and max. */
+    return MOE_STATUS_SUCCESS;
+}
+
+/* After a successful agreement (so every rank calls it): all ranks must run the same backend
+ * (MAX over {b, -b} gives max and -min). */
+static moe_status_t check_same_backend(moe_runtime_t *rt)
+{
+    int64_t b[2];
     b[0] = rt->info.backend;
     b[1] = -(int64_t)rt->info.backend;
     MOE_CHECK(moe_comm_allreduce_i64(rt->comm, b, 2, MOE_REDUCE_MAX));
@@ -134,6 +140,8 @@ moe_status_t moe_runtime_create(const moe_runtime_config_t *config, const void *
     gethostname(rt->info.hostname, sizeof(rt->info.hostname) - 1);
     local = runtime_setup(rt);
     st = moe_comm_agree(rt->comm, local);
+    if (st == MOE_STATUS_SUCCESS)
+        st = check_same_backend(rt);
     if (st != MOE_STATUS_SUCCESS) {
         runtime_free(rt);
         return st;

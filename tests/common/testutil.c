@@ -79,6 +79,21 @@ moe_runtime_t *tu_runtime_cpu(void)
     return rt;
 }
 
+moe_runtime_t *tu_rt;
+
+int tu_group_setup_cpu(void **state)
+{
+    (void)state;
+    tu_rt = tu_runtime_cpu();
+    return tu_rt ? 0 : -1;
+}
+
+int tu_group_teardown(void **state)
+{
+    (void)state;
+    return moe_runtime_destroy(tu_rt) == MOE_STATUS_SUCCESS ? 0 : -1;
+}
+
 /* What the layer's storage does to a matrix: bf16 rounding or FP8 quantisation. */
 static void as_stored(const moe_layer_config_t *cfg, float *m, int64_t rows, int64_t cols)
 {

@@ -32,6 +32,11 @@ uint64_t tu_seed(const char *test);
 /* A runtime on MPI_COMM_WORLD with the CPU backend (MPI initialised if needed). */
 moe_runtime_t *tu_runtime_cpu(void);
 
+/* cmocka group setup/teardown that create and destroy tu_rt (tu_runtime_cpu). */
+extern moe_runtime_t *tu_rt;
+int tu_group_setup_cpu(void **state);
+int tu_group_teardown(void **state);
+
 /* The value each weight element of a layer made by moe_gen_set_weights(seed) has after the
  * layer stored it in cfg->weight_dtype (bf16 rounding; FP8 per-block quantisation). */
 typedef struct tu_weights {

@@ -8,21 +8,6 @@
 
 #include "launch/layer_gen.h"
 
-static moe_runtime_t *rt;
-
-static int setup(void **state)
-{
-    (void)state;
-    rt = tu_runtime_cpu();
-    return 0;
-}
-
-static int teardown(void **state)
-{
-    (void)state;
-    return moe_runtime_destroy(rt) == MOE_STATUS_SUCCESS ? 0 : -1;
-}
-
 static moe_layer_config_t good(void)
 {
     moe_layer_config_t c = MOE_LAYER_CONFIG_INIT;
@@ -38,7 +23,7 @@ static moe_layer_config_t good(void)
 static void expect(moe_layer_config_t c, moe_status_t want, const char *needle)
 {
     moe_layer_t *l = (moe_layer_t *)0x1;
-    moe_status_t st = moe_layer_create(rt, &c, &l);
+    moe_status_t st = moe_layer_create(tu_rt, &c, &l);
     if (st != want)
         fail_msg("want %s, got %s (%s)", moe_status_string(want), moe_status_string(st),
                  moe_last_error());
@@ -88,10 +73,10 @@ static void test_bad_layer_configs(void **state)
     BAD(c.check_inputs = 2, "check_inputs = 2");
     {
         moe_layer_t *l = NULL;
-        assert_int_equal(moe_layer_create(rt, NULL, &l), MOE_STATUS_INVALID_ARGUMENT);
+        assert_int_equal(moe_layer_create(tu_rt, NULL, &l), MOE_STATUS_INVALID_ARGUMENT);
         assert_non_null(strstr(moe_last_error(), "config = NULL"));
         assert_int_equal(moe_layer_create(NULL, NULL, &l), MOE_STATUS_INVALID_ARGUMENT);
-        assert_int_equal(moe_layer_create(rt, NULL, NULL), MOE_STATUS_INVALID_ARGUMENT);
+        assert_int_equal(moe_layer_create(tu_rt, NULL, NULL), MOE_STATUS_INVALID_ARGUMENT);
     }
 }
 
@@ -101,7 +86,7 @@ static void test_good_config_and_null_destroy(void **state)
     moe_layer_t *l = NULL;
     moe_layer_info_t info;
     (void)state;
-    TU_OK(moe_layer_create(rt, &c, &l));
+    TU_OK(moe_layer_create(tu_rt, &c, &l));
     TU_OK(moe_layer_get_info(l, &info));
     assert_int_equal(info.ep_size * info.tp_size, 1);
     assert_int_equal(info.num_local_experts, 8);
@@ -118,7 +103,7 @@ static void test_bad_weights(void **state)
     float buf[128 * 64] = {0};
     moe_tensor_t t = {MOE_DTYPE_F32, 128, 64, buf, NULL, 0, 0};
     (void)state;
-    TU_OK(moe_layer_create(rt, &c, &l));
+    TU_OK(moe_layer_create(tu_rt, &c, &l));
     assert_int_equal(moe_layer_set_weight(l, MOE_WEIGHT_GATE_PROJ, 8, &t),
                      MOE_STATUS_INVALID_ARGUMENT);
     assert_non_null(strstr(moe_last_error(), "expert = 8"));
@@ -155,7 +140,7 @@ static void test_bad_forward(void **state)
     float x[17 * 64] = {0}, y[17 * 64];
     moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
     (void)state;
-    TU_OK(moe_layer_create(rt, &c, &l));
+    TU_OK(moe_layer_create(tu_rt, &c, &l));
     a.num_tokens = 4;
     a.x = x;
     a.y = y;
@@ -193,7 +178,7 @@ static void test_check_inputs_rejects_nan(void **state)
     moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
     (void)state;
     c.check_inputs = 1;
-    TU_OK(moe_layer_create(rt, &c, &l));
+    TU_OK(moe_layer_create(tu_rt, &c, &l));
     TU_OK(moe_gen_set_weights(l, &c, 3));
     x[70] = NAN;
     a.num_tokens = 2;
@@ -218,7 +203,7 @@ static void test_runtime_and_misc_args(void **state)
     assert_int_equal(moe_runtime_create(&rc, NULL, &r2), MOE_STATUS_INVALID_ARGUMENT);
     assert_int_equal(moe_runtime_create(NULL, NULL, NULL), MOE_STATUS_INVALID_ARGUMENT);
     assert_int_equal(moe_runtime_get_info(NULL, &info), MOE_STATUS_INVALID_ARGUMENT);
-    TU_OK(moe_runtime_get_info(rt, &info));
+    TU_OK(moe_runtime_get_info(tu_rt, &info));
     assert_int_equal(info.backend, MOE_BACKEND_CPU);
     assert_string_equal(moe_status_string(MOE_STATUS_TIMEOUT), "MOE_STATUS_TIMEOUT");
     assert_string_equal(moe_status_string((moe_status_t)999), "MOE_STATUS_UNKNOWN");
@@ -234,5 +219,5 @@ int main(void)
         cmocka_unit_test(test_check_inputs_rejects_nan),
         cmocka_unit_test(test_runtime_and_misc_args),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return cmocka_run_group_tests(tests, tu_group_setup_cpu, tu_group_teardown);
 }

@@ -12,21 +12,6 @@
 #include "kernels/numeric.h"
 #include "launch/layer_gen.h"
 
-static moe_runtime_t *rt;
-
-static int setup(void **state)
-{
-    (void)state;
-    rt = tu_runtime_cpu();
-    return 0;
-}
-
-static int teardown(void **state)
-{
-    (void)state;
-    return moe_runtime_destroy(rt) == MOE_STATUS_SUCCESS ? 0 : -1;
-}
-
 static moe_layer_config_t small(void)
 {
     moe_layer_config_t c = MOE_LAYER_CONFIG_INIT;
@@ -57,7 +42,7 @@ static double run_vs_naive(moe_layer_config_t c, int64_t T, moe_dtype_t io_dtype
     double err;
 
     assert_true(x && y && ref && tw && ids && xb && yb);
-    TU_OK(moe_layer_create(rt, &c, &l));
+    TU_OK(moe_layer_create(tu_rt, &c, &l));
     TU_OK(moe_gen_set_weights(l, &c, seed));
     moe_gen_tokens(seed + 1, 0, T, (int)H, x);
     for (i = 0; i < T * H; i++)
@@ -180,7 +165,7 @@ static void test_zero_and_one_token(void **state)
     moe_layer_t *l = NULL;
     moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
     (void)state;
-    TU_OK(moe_layer_create(rt, &c, &l));
+    TU_OK(moe_layer_create(tu_rt, &c, &l));
     TU_OK(moe_gen_set_weights(l, &c, seed));
     a.num_tokens = 0; /* x and y may be NULL */
     TU_OK(moe_layer_forward(l, &a));
@@ -209,7 +194,7 @@ static void test_all_tokens_to_one_expert(void **state)
         logits[t * 8 + 3] = 5.0f + 0.01f * (float)t;
         logits[t * 8 + 5] = 4.0f;
     }
-    TU_OK(moe_layer_create(rt, &c, &l));
+    TU_OK(moe_layer_create(tu_rt, &c, &l));
     TU_OK(moe_gen_set_weights(l, &c, seed));
     moe_gen_tokens(seed, 0, T, (int)H, x);
     a.num_tokens = T;
@@ -249,7 +234,7 @@ static void test_batch_invariance(void **state)
     int64_t t;
     (void)state;
     c.num_shared_experts = 1;
-    TU_OK(moe_layer_create(rt, &c, &l));
+    TU_OK(moe_layer_create(tu_rt, &c, &l));
     TU_OK(moe_gen_set_weights(l, &c, seed));
     moe_gen_tokens(seed, 0, T, (int)H, x);
     a.num_tokens = T;
@@ -280,7 +265,7 @@ static void test_tie_break_is_deterministic(void **state)
     (void)state;
     for (i = 0; i < 24; i++)
         logits[i] = (i % 8 == 6 || i % 8 == 2 || i % 8 == 4) ? 1.0f : 0.0f;
-    TU_OK(moe_layer_create(rt, &c, &l));
+    TU_OK(moe_layer_create(tu_rt, &c, &l));
     TU_OK(moe_gen_set_weights(l, &c, 5));
     a.num_tokens = 3;
     a.x = x;
@@ -350,5 +335,5 @@ int main(void)
         cmocka_unit_test(test_tie_break_is_deterministic),
         cmocka_unit_test(test_tree_slices_sum_bitwise),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return cmocka_run_group_tests(tests, tu_group_setup_cpu, tu_group_teardown);
 }
