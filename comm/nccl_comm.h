@@ -45,6 +45,10 @@ moe_status_t moe_nccl_reduce_scatter(moe_nccl_t *nccl, moe_nccl_group_t group, c
 moe_status_t moe_nccl_all_reduce(moe_nccl_t *nccl, moe_nccl_group_t group, const void *send,
                                  void *recv, size_t count, moe_dtype_t dtype, void *stream);
 
+/* Brackets several calls above into one NCCL group (one launch). */
+moe_status_t moe_nccl_group_start(void);
+moe_status_t moe_nccl_group_end(moe_nccl_t *nccl);
+
 /* Waits until `stream` has finished, at most the timeout; polls the communicators' async
  * errors. On a timeout or a NCCL error the communicators are aborted (unusable afterwards):
  * MOE_STATUS_TIMEOUT / MOE_STATUS_NCCL_ERROR. */

@@ -68,6 +68,8 @@ typedef struct cuda_layer {
     void *dense, *mine;          /* bf16 [world tm k][H], [tm k][H] */
     void *smine;                 /* bf16 [tm][H]: this rank's tokens' shared output */
     int32_t *iota;               /* [tm k]: row of slot (t, j) in `mine` */
+    float *w_all;                /* [world tm k] routing weights of every rank's slots */
+    float *ones;                 /* [tm] */
     int32_t *one_block;          /* [2]: block table of the padded send rows */
     double last_rows_per_expert; /* the hint routed_experts got this step (same variant) */
 
@@ -169,6 +171,8 @@ static void plan_workspace(cuda_layer_t *s, carve_t *c)
         s->mine = take(c, 2 * t1 * k * H);
         s->smine = take(c, 2 * t1 * H);
         s->iota = take(c, sizeof(int32_t) * t1 * k);
+        s->w_all = take(c, sizeof(float) * (size_t)tm * k);
+        s->ones = take(c, sizeof(float) * t1);
         s->one_block = take(c, sizeof(int32_t) * 2);
     }
 }
@@ -281,6 +285,10 @@ static moe_status_t ep_fill_iota(cuda_layer_t *s)
     for (i = 0; i < n; i++)
         h[i] = (int32_t)i;
     st = moe_gpu_memcpy_h2d(s->iota, h, sizeof(int32_t) * (size_t)n);
+    for (i = 0; i < s->tm && st == MOE_STATUS_SUCCESS; i++)
+        ((float *)h)[i] = 1.0f;
+    if (st == MOE_STATUS_SUCCESS)
+        st = moe_gpu_memcpy_h2d(s->ones, h, sizeof(float) * (size_t)s->tm);
     free(h);
     return st;
 }
@@ -629,20 +637,71 @@ static moe_status_t ep_dispatch(moe_layer_t *l, const moe_forward_args_t *a)
     moe_rows_args_t r = {a->x,         a->dtype,        T, s->H, (int)tm, 1, s->xsend,
                          s->one_block, s->one_block + 1};
     moe_ep_local_ids_args_t li = {s->ids_all, s->lids, s->world * tm * k, s->first_local, s->E};
+    moe_status_t st, end;
 
     if (T < tm)
         MOE_CHECK(moe_gpu_memset_async(s->ids + T * k, 0xff,
                                        sizeof(int32_t) * (size_t)((tm - T) * k), a->stream));
     MOE_CHECK(moe_rows_launch(&r, a->stream));
-    MOE_CHECK(moe_nccl_all_gather(s->nccl, MOE_NCCL_WORLD, s->xsend, s->xall, 2 * (size_t)(tm * H),
-                                  a->stream));
-    MOE_CHECK(moe_nccl_all_gather(s->nccl, MOE_NCCL_WORLD, s->ids, s->ids_all,
-                                  sizeof(int32_t) * (size_t)(tm * k), a->stream));
+    /* one NCCL group: tokens, ids and (for the summed return) routing weights */
+    MOE_CHECK(moe_nccl_group_start());
+    st = moe_nccl_all_gather(s->nccl, MOE_NCCL_WORLD, s->xsend, s->xall, 2 * (size_t)(tm * H),
+                             a->stream);
+    if (st == MOE_STATUS_SUCCESS)
+        st = moe_nccl_all_gather(s->nccl, MOE_NCCL_WORLD, s->ids, s->ids_all,
+                                 sizeof(int32_t) * (size_t)(tm * k), a->stream);
+    if (st == MOE_STATUS_SUCCESS && !s->deterministic)
+        st = moe_nccl_all_gather(s->nccl, MOE_NCCL_WORLD, s->weights, s->w_all,
+                                 sizeof(float) * (size_t)(tm * k), a->stream);
+    end = moe_nccl_group_end(s->nccl);
+    MOE_CHECK(st);
+    MOE_CHECK(end);
     return moe_ep_local_ids_launch(&li, a->stream);
 }
 
 /* Return: each computed row into its (token, slot) entry of a zeroed dense array, which a
  * reduce-scatter brings to the source rank (entries with one contributor stay exact). */
+/* Return, default mode: each rank sums its slots of every token with their weights (and its
+ * slice of the shared MLP) into a bf16 partial y of all tokens, a reduce-scatter adds the
+ * ranks' partials (k times fewer bytes than the dense return; the sum order across ranks is
+ * NCCL's), and a last pass writes y in the caller's dtype. */
+static moe_status_t ep_return_summed(moe_layer_t *l, const moe_forward_args_t *a)
+{
+    cuda_layer_t *s = l->state;
+    const int64_t tm = s->tm, W = s->world, H = s->H;
+    moe_combine_args_t c;
+
+    if (s->ss > 0 && l->cfg.shared_expert_gate) { /* the gate of every token */
+        moe_route_logits_args_t g = {s->xall, MOE_DTYPE_BF16, s->sgate, s->s_gate_logit, W * tm, 1,
+                                     s->H};
+        MOE_CHECK(moe_route_logits_launch(&g, a->stream));
+    }
+    memset(&c, 0, sizeof(c));
+    c.expert_out = s->o;
+    c.row_of_slot = s->row_of_slot; /* -1 for the slots of other ranks' experts */
+    c.topk_weights = s->w_all;
+    c.shared_out = s->ss > 0 ? s->so : NULL;
+    c.shared_gate_logit = s->ss > 0 && l->cfg.shared_expert_gate ? s->s_gate_logit : NULL;
+    c.y = s->dense; /* bf16 [W tm, H] partial */
+    c.y_dtype = MOE_DTYPE_BF16;
+    c.num_tokens = W * tm;
+    c.hidden = s->H;
+    c.top_k = s->k;
+    MOE_CHECK(moe_combine_launch(&c, a->stream));
+    MOE_CHECK(moe_nccl_reduce_scatter(s->nccl, MOE_NCCL_WORLD, s->dense, s->mine, (size_t)(tm * H),
+                                      MOE_DTYPE_BF16, a->stream));
+    memset(&c, 0, sizeof(c));
+    c.expert_out = s->mine;
+    c.row_of_slot = s->iota;
+    c.topk_weights = s->ones;
+    c.y = a->y;
+    c.y_dtype = a->dtype;
+    c.num_tokens = a->num_tokens;
+    c.hidden = s->H;
+    c.top_k = 1;
+    return moe_combine_launch(&c, a->stream);
+}
+
 static moe_status_t ep_return(cuda_layer_t *s, void *stream)
 {
     const int64_t tm = s->tm, k = s->k, H = s->H, W = s->world;
@@ -685,13 +744,17 @@ static moe_status_t ep_forward(moe_layer_t *l, const moe_forward_args_t *a)
     MOE_CHECK(routed_experts(s, s->xall, MOE_DTYPE_BF16, W * tm, s->lids, s->last_rows_per_expert,
                              a->stream));
     MOE_CHECK(record(s, EV_EXPERT, a->stream));
-    if (s->ss > 0) {
+    if (s->ss > 0)
         MOE_CHECK(shared_experts(s, s->xall, MOE_DTYPE_BF16, W * tm, a->stream));
-        MOE_CHECK(shared_gate(l, a));
-    }
     MOE_CHECK(record(s, EV_SHARED, a->stream));
-    MOE_CHECK(ep_return(s, a->stream));
-    MOE_CHECK(combine(l, a, s->mine, s->iota, s->weights, s->smine));
+    if (!s->deterministic) {
+        MOE_CHECK(ep_return_summed(l, a));
+    } else {
+        if (s->ss > 0)
+            MOE_CHECK(shared_gate(l, a));
+        MOE_CHECK(ep_return(s, a->stream));
+        MOE_CHECK(combine(l, a, s->mine, s->iota, s->weights, s->smine));
+    }
     if (a->num_tokens > 0 && a->topk_ids)
         MOE_CHECK(moe_gpu_memcpy_d2d_async(
             a->topk_ids, s->ids, sizeof(int32_t) * (size_t)(a->num_tokens * s->k), a->stream));
