@@ -326,6 +326,9 @@ static moe_status_t cuda_init(moe_layer_t *l)
     s->act = l->cfg.activation;
     if (s->world > 1)
         MOE_CHECK_GOTO(ep_connect(l, s), st, fail);
+    if (s->world > 1 && l->cfg.dispatch == MOE_DISPATCH_ALL_TO_ALL)
+        MOE_LOG_WARN("CUDA", "dispatch = all-to-all is not built for the CUDA backend yet: this "
+                             "layer uses the all-gather dispatch (same results)");
     MOE_CHECK_GOTO(pick_forced_variant(s), st, fail);
     if (!s->forced && !moe_gemm_select(s->arch, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1.0))
         s->forced = moe_gemm_simple_variant(); /* no tuned variant for this arch */
