@@ -13,6 +13,7 @@
 #include "moe/moe.h"
 #include "moe/moe_mpi.h"
 #ifdef MOE_RUN_HAVE_MODEL
+#include "moe/moe_checkpoint.h"
 #include "run_model.h"
 #endif
 #ifdef MOE_HAVE_CUDA
@@ -27,6 +28,7 @@ typedef struct opts {
     int64_t tokens;
     uint64_t seed;
     int iters, warmup, bind, ep, tp, deterministic, quiet;
+    int tokens_given; /* --tokens on the command line (else --input's row count) */
 } opts_t;
 
 static int rank_g = 0;
@@ -57,7 +59,8 @@ static void usage(void)
            "  --experts E --top-k K --hidden H --intermediate I   explicit sizes\n"
            "  --shared N --shared-intermediate S --scoring softmax|sigmoid\n"
            "  --n-group G --topk-group G --dtype f32|bf16|fp8 (fp8: 128x128 block scales)\n"
-           "  --tokens N           global batch, split over the ranks (default 64)\n"
+           "  --tokens N           global batch, split over the ranks (default 64, or the\n"
+           "                       rows of --input's hidden_states)\n"
            "  --seed S             weights and tokens (default 1)\n"
            "  --ep N --tp N        parallel layout (default: EP over all ranks)\n"
            "  --dispatch auto|all-to-all|all-gather   --deterministic\n"
@@ -135,6 +138,7 @@ static void parse(int argc, char **argv, opts_t *o)
             o->dtype = v;
         } else if (OPT("--tokens")) {
             o->tokens = num_arg(v, a);
+            o->tokens_given = 1;
         } else if (OPT("--seed")) {
             o->seed = (uint64_t)num_arg(v, a);
         } else if (OPT("--ep")) {
@@ -472,6 +476,11 @@ int main(int argc, char **argv)
 #ifdef MOE_RUN_HAVE_MODEL
     if (o.model)
         CHECK(moe_run_model_config(o.model, o.layer_index, &o.cfg));
+    if (o.input && !o.tokens_given) { /* the global batch is the file's tokens */
+        moe_dtype_t dt;
+        int64_t cols;
+        CHECK(moe_safetensors_tensor_info(o.input, "hidden_states", &dt, &o.tokens, &cols));
+    }
 #else
     if (o.model)
         DIE("--model: this build has no checkpoint support");
@@ -505,15 +514,18 @@ int main(int argc, char **argv)
     if (!x)
         DIE("out of memory for %lld tokens", (long long)my_tokens);
 #ifdef MOE_RUN_HAVE_MODEL
-    if (o.model) {
+    if (o.model)
         CHECK(moe_run_model_load(layer, o.model, o.layer_index));
-        CHECK(moe_run_model_tokens(o.input, o.seed, t0, my_tokens, o.cfg.hidden, x));
-    } else
-#endif
-    {
+    else
         CHECK(moe_gen_set_weights(layer, &o.cfg, o.seed));
-        moe_gen_tokens(o.seed, t0, my_tokens, o.cfg.hidden, x);
-    }
+    /* tokens from --input (any layer), else random from --seed */
+    CHECK(moe_run_model_tokens(o.input, o.seed, t0, my_tokens, o.cfg.hidden, x));
+#else
+    if (o.input)
+        DIE("--input: this build has no safetensors support");
+    CHECK(moe_gen_set_weights(layer, &o.cfg, o.seed));
+    moe_gen_tokens(o.seed, t0, my_tokens, o.cfg.hidden, x);
+#endif
     CHECK(moe_layer_get_info(layer, &li));
     print_rank_map(&ri, &li, my_tokens, world);
     io_setup(&io, ri.backend == MOE_BACKEND_CUDA, x, my_tokens * o.cfg.hidden);
