@@ -21,6 +21,25 @@ struct moe_gemm_kparams {
     int max_blocks, num_experts, n, k, n_out, c_f32, n_tiles;
 };
 
+/* The fields every variant takes straight from the launch arguments (n_out and n_tiles are
+ * the variant's to set). */
+static inline moe_gemm_kparams moe_gemm_base_params(const moe_gemm_args_t *a)
+{
+    moe_gemm_kparams p;
+    p.c = a->c;
+    p.row_scale = a->row_scale;
+    p.block_expert = a->block_expert;
+    p.num_blocks = a->num_blocks;
+    p.max_blocks = a->max_blocks;
+    p.num_experts = a->num_experts;
+    p.n = a->n;
+    p.k = a->k;
+    p.c_f32 = a->c_f32;
+    p.n_out = 0;
+    p.n_tiles = 0;
+    return p;
+}
+
 __device__ __forceinline__ float moe_gemm_silu(float x)
 {
     return x / (1.0f + __expf(-x));

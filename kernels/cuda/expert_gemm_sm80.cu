@@ -207,16 +207,7 @@ static moe_status_t launch_one80(const moe_gemm_args_t *a, cudaStream_t stream, 
     int dev, sms;
     MOE_CHECK(moe_gemm_device_sms(name, &dev, &sms));
     MOE_CHECK(moe_gemm_smem_once(name, (const void *)kernel, C::SMEM, dev, &smem_done));
-    moe_gemm_kparams p;
-    p.c = a->c;
-    p.row_scale = a->row_scale;
-    p.block_expert = a->block_expert;
-    p.num_blocks = a->num_blocks;
-    p.max_blocks = a->max_blocks;
-    p.num_experts = a->num_experts;
-    p.n = a->n;
-    p.k = a->k;
-    p.c_f32 = a->c_f32;
+    moe_gemm_kparams p = moe_gemm_base_params(a);
     p.n_out = EPI == MOE_GEMM_EPI_STORE ? a->n : a->n / 2;
     p.n_tiles = EPI == MOE_GEMM_EPI_STORE ? a->n / 128 : a->n / 2 / 64;
     int64_t items = (int64_t)a->max_blocks * p.n_tiles;

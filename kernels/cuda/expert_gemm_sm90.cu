@@ -392,16 +392,7 @@ static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, co
     MOE_CHECK(moe_gemm_device_sms(name, &dev, &sms));
     MOE_CHECK(moe_gemm_smem_once(name, (const void *)kernel, C::SMEM, dev, &smem_done));
 
-    moe_gemm_kparams p;
-    p.c = a->c;
-    p.row_scale = a->row_scale;
-    p.block_expert = a->block_expert;
-    p.num_blocks = a->num_blocks;
-    p.max_blocks = a->max_blocks;
-    p.num_experts = a->num_experts;
-    p.n = a->n;
-    p.k = a->k;
-    p.c_f32 = a->c_f32;
+    moe_gemm_kparams p = moe_gemm_base_params(a);
     if (EPI == MOE_GEMM_EPI_STORE) {
         p.n_out = a->n;
         p.n_tiles = a->n / (HALVES * WR);
