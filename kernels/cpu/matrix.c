@@ -35,13 +35,18 @@ void moe_cpu_matrix_row(const moe_cpu_matrix_t *m, int64_t r, float *out)
     }
 }
 
-static float dot_f32(const float *a, const float *b, int64_t n)
+float moe_cpu_dot(const float *a, const float *b, int64_t n)
 {
-    float acc = 0.0f;
-    int64_t i;
-    for (i = 0; i < n; i++)
-        acc += a[i] * b[i];
-    return acc;
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, s;
+    int64_t i = 0;
+    int j;
+    for (; i + 8 <= n; i += 8)
+        for (j = 0; j < 8; j++)
+            acc[j] += a[i + j] * b[i + j];
+    s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; i++)
+        s += a[i] * b[i];
+    return s;
 }
 
 moe_status_t moe_cpu_matmul_nt(const float *x, int64_t n, const moe_cpu_matrix_t *m, float *y)
@@ -58,7 +63,7 @@ moe_status_t moe_cpu_matmul_nt(const float *x, int64_t n, const moe_cpu_matrix_t
     for (r = 0; r < m->rows; r++) {
         moe_cpu_matrix_row(m, r, row);
         for (i = 0; i < n; i++)
-            y[i * m->rows + r] = dot_f32(x + i * m->cols, row, m->cols);
+            y[i * m->rows + r] = moe_cpu_dot(x + i * m->cols, row, m->cols);
     }
     free(row);
     return MOE_STATUS_SUCCESS;

@@ -63,7 +63,7 @@ static moe_status_t down_proj(const moe_cpu_mlp_t *w, const float *h, int64_t n,
     float leaves[MOE_CPU_TREE_LEAVES];
     float *row;
     int l0 = 0, l1 = 0, tree;
-    int64_t r, i, c;
+    int64_t r, i;
 
     tree = aligned_subtree(w->full_intermediate, s0, s0 + is, &l0, &l1);
     if (!tree)
@@ -80,10 +80,7 @@ static moe_status_t down_proj(const moe_cpu_mlp_t *w, const float *h, int64_t n,
             for (l = l0; l < l1; l++) {
                 const int64_t c0 = leaf_start(w->full_intermediate, l) - s0;
                 const int64_t c1 = leaf_start(w->full_intermediate, l + 1) - s0;
-                float acc = 0.0f;
-                for (c = c0; c < c1; c++)
-                    acc += hi[c] * row[c];
-                leaves[l - l0] = acc;
+                leaves[l - l0] = moe_cpu_dot(hi + c0, row + c0, c1 - c0);
             }
             out[i * m->rows + r] = pairwise(leaves, l1 - l0);
         }

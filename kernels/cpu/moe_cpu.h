@@ -25,10 +25,14 @@ typedef struct moe_cpu_matrix {
     const float *scale; /* FP8: 1 float, or [ceil(rows/128), ceil(cols/128)] */
 } moe_cpu_matrix_t;
 
+/* sum_i a[i] * b[i] in f32, in a fixed order: eight interleaved partial sums (vectorisable)
+ * combined pairwise, then the tail. The same inputs always give the same bits. */
+float moe_cpu_dot(const float *a, const float *b, int64_t n);
+
 /* Row r of m as f32 (FP8 dequantised with its scale). */
 void moe_cpu_matrix_row(const moe_cpu_matrix_t *m, int64_t r, float *out);
 
-/* y[n, m.rows] = x[n, m.cols] . m^T, f32, each dot summed sequentially over columns. */
+/* y[n, m.rows] = x[n, m.cols] . m^T, f32, each dot by moe_cpu_dot. */
 moe_status_t moe_cpu_matmul_nt(const float *x, int64_t n, const moe_cpu_matrix_t *m, float *y);
 
 typedef struct moe_route_params {
