@@ -19,10 +19,9 @@ typedef enum { MOE_REDUCE_SUM = 0, MOE_REDUCE_MIN = 1, MOE_REDUCE_MAX = 2 } moe_
  * one has (then *owns_mpi = 1). Every wait is bounded by timeout_ms. */
 moe_status_t moe_comm_create(const void *mpi_comm, int timeout_ms, moe_comm_t **comm,
                              int *owns_mpi);
-/* Collective. Ranks with the same color form one communicator, ordered by key. */
-moe_status_t moe_comm_split(moe_comm_t *parent, int color, int key, moe_comm_t **comm);
-/* Ranks on the same host (MPI_COMM_TYPE_SHARED). */
-moe_status_t moe_comm_split_node(moe_comm_t *parent, moe_comm_t **comm);
+/* Collective, bounded: this rank's index among the ranks on its host, and their number
+ * (ranks with the same host name). */
+moe_status_t moe_comm_node_rank(moe_comm_t *comm, int *local_rank, int *local_size);
 void moe_comm_destroy(moe_comm_t *comm);
 /* Finalises MPI if libmoe initialised it. */
 void moe_comm_finalize_mpi(int owns_mpi);

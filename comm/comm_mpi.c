@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 #include "runtime/diag.h"
 
 /* A request abandoned by a failed wait and the staging memory MPI may still write. */
@@ -196,26 +197,6 @@ moe_status_t moe_comm_create(const void *mpi_comm, int timeout_ms, moe_comm_t **
     mc = *dup;
     free(dup);
     return comm_wrap(mc, timeout_ms, comm);
-}
-
-/* MPI has no nonblocking split: a bounded barrier first makes sure every peer has arrived, so
- * the blocking call below can wait only on a peer that dies in between. */
-moe_status_t moe_comm_split(moe_comm_t *parent, int color, int key, moe_comm_t **comm)
-{
-    MPI_Comm mc;
-    MOE_CHECK(moe_comm_barrier(parent));
-    MOE_MPI_CHECK(MPI_Comm_split(parent->comm, color, key, &mc), "MPI_Comm_split");
-    return comm_wrap(mc, parent->timeout_ms, comm);
-}
-
-moe_status_t moe_comm_split_node(moe_comm_t *parent, moe_comm_t **comm)
-{
-    MPI_Comm mc;
-    MOE_CHECK(moe_comm_barrier(parent));
-    MOE_MPI_CHECK(
-        MPI_Comm_split_type(parent->comm, MPI_COMM_TYPE_SHARED, parent->rank, MPI_INFO_NULL, &mc),
-        "MPI_Comm_split_type");
-    return comm_wrap(mc, parent->timeout_ms, comm);
 }
 
 void moe_comm_destroy(moe_comm_t *comm)
@@ -594,4 +575,43 @@ moe_status_t moe_comm_agree(moe_comm_t *c, moe_status_t status)
         return status; /* keep this rank's own message */
     return moe_error(MOE_STATUS_PEER_FAILURE, "rank %lld failed with %s", (long long)(v / 64),
                      moe_status_string((moe_status_t)(v % 64)));
+}
+
+moe_status_t moe_comm_node_rank(moe_comm_t *c, int *local_rank, int *local_size)
+{
+    /* Ranks with the same host name share a node. A bounded all-gather of the names instead
+     * of MPI_Comm_split_type, which has no nonblocking form and could wait forever. */
+    enum { NAME = 64 };
+    char mine[NAME];
+    char *all = malloc((size_t)NAME * (size_t)c->size);
+    int64_t *cnt = malloc(sizeof(int64_t) * 2 * (size_t)c->size);
+    moe_status_t st;
+    int r;
+
+    if (!all || !cnt) {
+        free(all);
+        free(cnt);
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "node rank");
+    }
+    memset(mine, 0, sizeof(mine));
+    gethostname(mine, NAME - 1);
+    for (r = 0; r < c->size; r++) {
+        cnt[r] = 1;
+        cnt[c->size + r] = r;
+    }
+    st = moe_comm_allgatherv(c, mine, 1, all, cnt, cnt + c->size, NAME);
+    if (st == MOE_STATUS_SUCCESS) {
+        *local_rank = 0;
+        *local_size = 0;
+        for (r = 0; r < c->size; r++) {
+            if (strncmp(all + (size_t)r * NAME, mine, NAME) != 0)
+                continue;
+            *local_size += 1;
+            if (r < c->rank)
+                *local_rank += 1;
+        }
+    }
+    free(all);
+    free(cnt);
+    return st;
 }

@@ -78,12 +78,7 @@ static void runtime_free(moe_runtime_t *rt);
 
 static moe_status_t runtime_setup(moe_runtime_t *rt)
 {
-    moe_comm_t *node = NULL;
-
-    MOE_CHECK(moe_comm_split_node(rt->comm, &node));
-    rt->info.local_rank = moe_comm_rank(node);
-    rt->info.local_size = moe_comm_size(node);
-    moe_comm_destroy(node);
+    MOE_CHECK(moe_comm_node_rank(rt->comm, &rt->info.local_rank, &rt->info.local_size));
     MOE_CHECK(resolve_backend(rt));
     MOE_CHECK(pick_device(rt));
     moe_log_set_identity(rt->info.rank, rt->info.device);
