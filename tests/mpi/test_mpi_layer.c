@@ -247,12 +247,26 @@ static void test_bad_forward_on_one_rank(void **state)
     TU_OK(moe_layer_destroy(l));
 }
 
+/* All ranks of this test share one host: node-local ranks are the world ranks. */
+static void test_node_local_rank(void **state)
+{
+    moe_runtime_info_t info;
+    (void)state;
+    TU_OK(moe_runtime_get_info(rt_world, &info));
+    assert_int_equal(info.local_rank, rank);
+    assert_int_equal(info.local_size, world);
+    assert_int_equal(info.world_size, world);
+    TU_OK(moe_runtime_get_info(rt_self, &info));
+    assert_int_equal(info.local_rank, 0);
+    assert_int_equal(info.local_size, 1);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_layouts_modes_families),    cmocka_unit_test(test_hot_expert),
-        cmocka_unit_test(test_deterministic_batch_sizes), cmocka_unit_test(test_mismatched_config),
-        cmocka_unit_test(test_bad_forward_on_one_rank),
+        cmocka_unit_test(test_node_local_rank),   cmocka_unit_test(test_layouts_modes_families),
+        cmocka_unit_test(test_hot_expert),        cmocka_unit_test(test_deterministic_batch_sizes),
+        cmocka_unit_test(test_mismatched_config), cmocka_unit_test(test_bad_forward_on_one_rank),
     };
     int rc, r;
     MPI_Init(&argc, &argv);
