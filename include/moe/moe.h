@@ -268,9 +268,10 @@ typedef struct moe_layer_stats {
 moe_status_t moe_layer_get_stats(const moe_layer_t *layer, moe_layer_stats_t *stats);
 
 /* Rows each global expert received in the last forward (summed over the tokens this rank
- * brought): counts[num_experts]. Not collective. The CUDA backend fills it (for this rank's
- * experts) only for forwards run with MOE_PROFILE=1, since reading it needs a host
- * synchronisation; otherwise it holds the last profiled step's counts (zeros at first). */
+ * brought): counts[num_experts]. Not collective. The CUDA backend instead counts the rows
+ * this rank's own experts received from all ranks, and only in forwards run with
+ * MOE_PROFILE=1 (reading them needs a host synchronisation); otherwise the counts of the last
+ * profiled step stay (zeros at first). Summed over the ranks, both give the global load. */
 moe_status_t moe_layer_get_expert_load(const moe_layer_t *layer, int64_t *counts, int n);
 
 /* Names for printing. */
