@@ -127,7 +127,7 @@ static moe_status_t parse_tensor(const moe_json_t *e, uint64_t data_bytes, const
 {
     const moe_json_t *dt, *shape, *offs, *b, *en;
     const char *name = e->key;
-    uint64_t elems = 1, esize;
+    uint64_t elems = 1, span = 1, esize;
 
     memset(t, 0, sizeof(*t));
     t->name = name;
@@ -166,11 +166,15 @@ static moe_status_t parse_tensor(const moe_json_t *e, uint64_t data_bytes, const
                                  "%s: tensor " NAME_FMT " shape[%d] is not a non-negative "
                                  "integer",
                                  what, name, i);
-            /* elements * dtype size must fit the data section; check before multiplying. */
-            if (d->integer != 0 && elems > (uint64_t)INT64_MAX / esize / (uint64_t)d->integer)
+            /* The product of the non-zero dimensions (times the dtype size) must fit in
+             * int64 even when another dimension is 0, since rows and cols are kept too; check
+             * before multiplying. */
+            if (d->integer != 0 && span > (uint64_t)INT64_MAX / esize / (uint64_t)d->integer)
                 return moe_error(MOE_STATUS_FORMAT_ERROR,
                                  "%s: tensor " NAME_FMT " shape overflows (dimension %d is %lld)",
                                  what, name, i, (long long)d->integer);
+            if (d->integer != 0)
+                span *= (uint64_t)d->integer;
             elems *= (uint64_t)d->integer;
             t->shape[i] = d->integer;
             if (i == 0)

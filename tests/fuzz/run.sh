@@ -49,9 +49,14 @@ trap 'rm -rf "$scratch"' EXIT
 mkdir -p "$build/fuzz-artifacts"
 
 # -malloc_limit_mb: any single allocation above it is a finding ("no huge allocation").
-"$build/tests/fuzz/fuzz_safetensors" \
-  -max_total_time="$secs" -max_len=65536 -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=256 \
+# MOE_FUZZ_SEED + MOE_FUZZ_RUNS: a reproducible run of that many inputs (what CI uses, so a CI
+# result never depends on timing); otherwise a random seed for SECONDS.
+budget=(-max_total_time="$secs")
+[ -n "${MOE_FUZZ_RUNS:-}" ] && budget=(-runs="$MOE_FUZZ_RUNS" -max_total_time=$((secs * 3)))
+[ -n "${MOE_FUZZ_SEED:-}" ] && budget+=(-seed="$MOE_FUZZ_SEED")
+"$build/tests/fuzz/fuzz_safetensors" "${budget[@]}" \
+  -max_len=65536 -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=256 \
   -print_final_stats=1 -artifact_prefix="$build/fuzz-artifacts/" \
   -dict="$root/tests/fuzz/safetensors.dict" \
   "$scratch" "$root/tests/fuzz/corpus/safetensors"
-echo "fuzz_safetensors: ${secs}s, no finding"
+echo "fuzz_safetensors: ${MOE_FUZZ_RUNS:+$MOE_FUZZ_RUNS runs, seed ${MOE_FUZZ_SEED:-random}, }${secs}s budget, no finding"

@@ -494,6 +494,18 @@ static void test_parse_buffer(void **state)
     assert_int_equal(moe_st_parse_buffer(buf, 8 + n - 1, "mem", &h), MOE_STATUS_FORMAT_ERROR);
     assert_int_equal(moe_st_parse_buffer(buf, 3, "mem", &h), MOE_STATUS_FORMAT_ERROR);
     assert_null(h);
+    {
+        /* found by the fuzzer: a 0 dimension must not hide the overflow of the others */
+        const char *big = T1("F32", "[0,292267440737095516,4,16]", "[0,0]");
+        unsigned char b2[256];
+        size_t m = strlen(big);
+        memset(b2, 0, sizeof(b2));
+        b2[0] = (unsigned char)m;
+        memcpy(b2 + 8, big, m);
+        assert_int_equal(moe_st_parse_buffer(b2, 8 + m, "mem", &h), MOE_STATUS_FORMAT_ERROR);
+        assert_non_null(strstr(moe_last_error(), "overflows"));
+        assert_null(h);
+    }
 }
 
 static void test_writer_rejects(void **state)
