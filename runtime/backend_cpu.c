@@ -47,11 +47,7 @@ static moe_status_t alloc_matrix(moe_layer_t *l, moe_weight_kind_t kind, moe_mat
 {
     int64_t fr, fc, r0, c0;
     moe_layer_weight_shape(l, kind, &m->rows, &m->cols, &fr, &fc, &r0, &c0);
-    m->dtype = (kind == MOE_WEIGHT_ROUTER || kind == MOE_WEIGHT_ROUTER_BIAS ||
-                kind == MOE_WEIGHT_SHARED_EXPERT_GATE)
-                   ? MOE_DTYPE_F32
-                   : l->cfg.weight_dtype;
-    m->scale_kind = m->dtype == MOE_DTYPE_FP8_E4M3 ? l->cfg.scale_kind : MOE_SCALE_NONE;
+    moe_layer_weight_storage(l, kind, &m->dtype, &m->scale_kind);
     m->data = calloc(moe_matrix_data_bytes(m->dtype, m->rows, m->cols) + 1, 1);
     m->scale = calloc(moe_matrix_scale_count(m->scale_kind, m->rows, m->cols) + 1, sizeof(float));
     if (!m->data || !m->scale)

@@ -92,6 +92,11 @@ void moe_layer_weight_shape(const struct moe_layer *layer, moe_weight_kind_t kin
                             int64_t *cols, int64_t *full_rows, int64_t *full_cols,
                             int64_t *row_begin, int64_t *col_begin);
 
+/* The dtype and scale kind a matrix of `kind` is stored in: router, bias and the shared-expert
+ * gate in f32; expert matrices in the layer's weight dtype and scale kind. */
+void moe_layer_weight_storage(const struct moe_layer *layer, moe_weight_kind_t kind,
+                              moe_dtype_t *dtype, moe_scale_kind_t *scale_kind);
+
 /* Bytes of a matrix's data and scales in a storage dtype. */
 size_t moe_matrix_data_bytes(moe_dtype_t dtype, int64_t rows, int64_t cols);
 size_t moe_matrix_scale_count(moe_scale_kind_t kind, int64_t rows, int64_t cols);

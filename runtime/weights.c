@@ -21,11 +21,13 @@ static int per_expert(moe_weight_kind_t k)
     return k == MOE_WEIGHT_GATE_PROJ || k == MOE_WEIGHT_UP_PROJ || k == MOE_WEIGHT_DOWN_PROJ;
 }
 
-/* Router, bias and the shared-expert gate are kept in f32; experts in the layer's dtype. */
-static int stored_f32(moe_weight_kind_t k)
+void moe_layer_weight_storage(const moe_layer_t *l, moe_weight_kind_t kind, moe_dtype_t *dtype,
+                              moe_scale_kind_t *scale_kind)
 {
-    return k == MOE_WEIGHT_ROUTER || k == MOE_WEIGHT_ROUTER_BIAS ||
-           k == MOE_WEIGHT_SHARED_EXPERT_GATE;
+    const int f32 = kind == MOE_WEIGHT_ROUTER || kind == MOE_WEIGHT_ROUTER_BIAS ||
+                    kind == MOE_WEIGHT_SHARED_EXPERT_GATE;
+    *dtype = f32 ? MOE_DTYPE_F32 : l->cfg.weight_dtype;
+    *scale_kind = f32 ? MOE_SCALE_NONE : l->cfg.scale_kind;
 }
 
 void moe_layer_weight_shape(const moe_layer_t *l, moe_weight_kind_t kind, int64_t *rows,
@@ -252,8 +254,7 @@ moe_status_t moe_layer_set_weight(moe_layer_t *l, moe_weight_kind_t kind, int ex
             return MOE_STATUS_SUCCESS; /* another rank's expert */
         local = l->plan.expert_local_index[expert];
     }
-    m.dtype = stored_f32(kind) ? MOE_DTYPE_F32 : l->cfg.weight_dtype;
-    m.scale_kind = stored_f32(kind) ? MOE_SCALE_NONE : l->cfg.scale_kind;
+    moe_layer_weight_storage(l, kind, &m.dtype, &m.scale_kind);
     m.rows = rows;
     m.cols = cols;
     m.data = malloc(moe_matrix_data_bytes(m.dtype, rows, cols) + 1);
