@@ -69,6 +69,24 @@ uint64_t tu_seed(const char *test)
     return s;
 }
 
+static int64_t share_weight(int r, int world)
+{
+    return (world > 1 && r == 1) ? 0 : r + 1;
+}
+
+void tu_uneven_share(int64_t Tg, int rank, int world, int64_t *t0, int64_t *n)
+{
+    int64_t acc = 0, tot = 0;
+    int r;
+    for (r = 0; r < world; r++) {
+        if (r < rank)
+            acc += share_weight(r, world);
+        tot += share_weight(r, world);
+    }
+    *t0 = Tg * acc / tot;
+    *n = Tg * (acc + share_weight(rank, world)) / tot - *t0;
+}
+
 moe_runtime_t *tu_runtime_cpu(void)
 {
     moe_runtime_config_t rc = MOE_RUNTIME_CONFIG_INIT;

@@ -29,6 +29,10 @@ void tu_fill_uniform(float *v, int64_t n, float lo, float hi, uint64_t *state);
 /* A fresh seed per run unless MOE_TEST_SEED is set; printed so a failure can be replayed. */
 uint64_t tu_seed(const char *test);
 
+/* Uneven split of Tg global tokens over `world` ranks (rank r weighs r + 1; rank 1 gets none
+ * when there are several): this rank's first token *t0 and count *n. */
+void tu_uneven_share(int64_t Tg, int rank, int world, int64_t *t0, int64_t *n);
+
 /* A runtime on MPI_COMM_WORLD with the CPU backend (MPI initialised if needed). */
 moe_runtime_t *tu_runtime_cpu(void);
 

@@ -62,22 +62,6 @@ static moe_layer_config_t shape(int deepseek)
     return c;
 }
 
-/* Rank r's share of Tg tokens; rank 1 gets none. */
-static void share(int64_t Tg, int64_t *t0, int64_t *n)
-{
-    int64_t acc = 0, tot = 0, w;
-    int r;
-    for (r = 0; r < world; r++) {
-        w = (world > 1 && r == 1) ? 0 : r + 1;
-        if (r < rank)
-            acc += w;
-        tot += w;
-    }
-    w = (world > 1 && rank == 1) ? 0 : rank + 1;
-    *t0 = Tg * acc / tot;
-    *n = Tg * (acc + w) / tot - *t0;
-}
-
 /* y (host) = layer(x (host)) on runtime rt; device buffers when it is a CUDA runtime. */
 static void run(moe_runtime_t *rt, moe_layer_config_t c, uint64_t seed, const float *x, int64_t n,
                 const float *logits, float *y)
@@ -132,7 +116,7 @@ static void compare_layout(int deepseek, int tp, const float *logits_for_hot)
     int64_t t0, n;
     float *x, *y, *ref;
     double err;
-    share(300, &t0, &n);
+    tu_uneven_share(300, rank, world, &t0, &n);
     if (logits_for_hot)
         t0 = 0, n = 64;
     x = malloc(sizeof(float) * (size_t)(n * c.hidden + 1));

@@ -67,21 +67,6 @@ static moe_layer_config_t family(int f)
     return c;
 }
 
-/* Uneven split of Tg global tokens; rank 1 gets none when there are several ranks. */
-static void my_share(int64_t Tg, int64_t *t0, int64_t *n)
-{
-    int64_t w[8], tot = 0, acc = 0;
-    int r;
-    for (r = 0; r < world; r++) {
-        w[r] = (world > 1 && r == 1) ? 0 : r + 1;
-        tot += w[r];
-    }
-    for (r = 0; r < rank; r++)
-        acc += w[r];
-    *t0 = Tg * acc / tot;
-    *n = Tg * (acc + w[rank]) / tot - *t0;
-}
-
 /* y = layer(x) for n tokens on runtime rt with config c (weights from seed). */
 static void run(moe_runtime_t *rt, moe_layer_config_t c, uint64_t seed, const float *x, int64_t n,
                 const float *logits, float *y)
@@ -114,7 +99,7 @@ static void test_layouts_modes_families(void **state)
     int64_t t0, n;
     int f, tp, mode, det, checked = 0;
     (void)state;
-    my_share(Tg, &t0, &n);
+    tu_uneven_share(Tg, rank, world, &t0, &n);
     for (f = 0; f < FAM_N; f++) {
         moe_layer_config_t c = family(f);
         float *x = malloc(sizeof(float) * (size_t)(n * c.hidden + 1));
