@@ -181,12 +181,17 @@ typedef struct moe_layer_config {
     int deterministic; /* 1: fixed reduction order, bitwise equal across batch/layout/mode;
                           MOE_AUTO: MOE_DETERMINISTIC env */
     int check_inputs;  /* 1: reject NaN/Inf in x and logits (MOE_STATUS_NUMERIC_ERROR) */
+    /* 0 (default): moe_layer_set_weight and moe_layer_load reject NaN/Inf weights and FP8
+     * scales that are not finite and > 0 (MOE_STATUS_NUMERIC_ERROR naming the tensor and the
+     * first bad element); 1: skip that scan of every weight (faster loads of trusted files). */
+    int skip_weight_check;
 } moe_layer_config_t;
 
 #define MOE_LAYER_CONFIG_INIT                                                                      \
     {                                                                                              \
         0, 0, 0, 0, 0, MOE_AUTO, 0, MOE_ACTIVATION_SILU, MOE_SCORING_SOFTMAX, 0, 0, 0, 1, 1.0f,    \
-            MOE_DTYPE_BF16, MOE_SCALE_NONE, 0, MOE_AUTO, MOE_AUTO, MOE_DISPATCH_AUTO, MOE_AUTO, 0  \
+            MOE_DTYPE_BF16, MOE_SCALE_NONE, 0, MOE_AUTO, MOE_AUTO, MOE_DISPATCH_AUTO, MOE_AUTO, 0, \
+            0                                                                                      \
     }
 
 /* What the layer resolved on this rank. */
@@ -226,7 +231,10 @@ typedef struct moe_tensor {
  * per-expert kinds and ignored (-1) otherwise. A rank that does not own the expert returns
  * success and keeps nothing. The tensor may be the full matrix (each rank keeps its TP slice)
  * or this rank's slice only (shape of the slice). Data in F32/BF16/F16 is converted to the
- * layer's weight dtype; FP8 layers quantise it with scales of the layer's scale kind. */
+ * layer's weight dtype; FP8 layers quantise it with scales of the layer's scale kind. Unless the
+ * layer has skip_weight_check, the part this rank keeps is scanned first: a NaN/Inf value, or
+ * an FP8 scale that is not finite and > 0, gives MOE_STATUS_NUMERIC_ERROR naming the kind and
+ * the first bad element, and nothing is kept. */
 moe_status_t moe_layer_set_weight(moe_layer_t *layer, moe_weight_kind_t kind, int expert,
                                   const moe_tensor_t *tensor);
 
