@@ -4,7 +4,6 @@
 #define _POSIX_C_SOURCE 200809L
 #include "moe/moe_checkpoint.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -19,10 +18,14 @@
 #include "runtime/diag.h"
 #include "runtime/json.h"
 #include "runtime/safetensors.h"
+#include "runtime/weights.h"
 
 /* config.json and the index are small; anything larger is not one. */
 #define MAX_CONFIG_BYTES (16u << 20)
 #define MAX_INDEX_BYTES (256u << 20)
+/* Shard files one index may name (published checkpoints have at most a few hundred; each
+ * opened shard holds a file descriptor). */
+#define MAX_SHARDS 16384
 #define FP8_BLOCK 128
 
 typedef struct ckpt_file {
@@ -70,18 +73,13 @@ static moe_status_t read_small_file(const char *path, size_t cap, char **out, si
     int fd;
 
     *out = NULL;
-    *missing = 0;
-    fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        if (errno == ENOENT) {
-            *missing = 1;
-            return MOE_STATUS_SUCCESS;
-        }
-        return moe_error(MOE_STATUS_IO_ERROR, "%s: cannot open: %s", path, strerror(errno));
-    }
-    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+    MOE_CHECK(moe_open_regular(path, &fd, missing));
+    if (*missing)
+        return MOE_STATUS_SUCCESS;
+    if (fstat(fd, &sb) != 0) {
+        int err = errno;
         close(fd);
-        return moe_error(MOE_STATUS_IO_ERROR, "%s: not a readable regular file", path);
+        return moe_error(MOE_STATUS_IO_ERROR, "%s: cannot stat: %s", path, strerror(err));
     }
     if ((uint64_t)sb.st_size > cap) {
         close(fd);
@@ -144,53 +142,92 @@ static int safe_file_name(const char *s)
     return s[0] && strlen(s) < 256 && !strchr(s, '/') && strcmp(s, ".") && strcmp(s, "..");
 }
 
-static moe_status_t add_file(moe_checkpoint_t *c, const char *name, int *index)
+/* The one file a caller named. */
+static moe_status_t add_single_file(moe_checkpoint_t *c, const char *name)
 {
-    ckpt_file_t *nf;
-
-    for (int i = 0; i < c->num_files; i++)
-        if (!strcmp(c->files[i].name, name)) {
-            *index = i;
-            return MOE_STATUS_SUCCESS;
-        }
-    nf = realloc(c->files, sizeof(*nf) * (size_t)(c->num_files + 1));
-    if (!nf)
+    c->files = calloc(1, sizeof(*c->files));
+    if (!c->files || !(c->files[0].name = strdup(name)))
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "checkpoint: out of memory");
-    c->files = nf;
-    nf[c->num_files].st = NULL;
-    nf[c->num_files].name = strdup(name);
-    if (!nf[c->num_files].name)
-        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "checkpoint: out of memory");
-    *index = c->num_files++;
+    c->num_files = 1;
     return MOE_STATUS_SUCCESS;
 }
 
-static moe_status_t load_index(moe_checkpoint_t *c, const char *path)
+/* A weight_map entry: its shard file name and its position in c->names. */
+typedef struct shard_ref {
+    const char *file;
+    size_t entry;
+} shard_ref_t;
+
+static int cmp_shard_refs(const void *a, const void *b)
+{
+    return strcmp(((const shard_ref_t *)a)->file, ((const shard_ref_t *)b)->file);
+}
+
+/* Shard files get their ids from the sorted shard names (O(n log n), unlike a search of the
+ * files so far per entry); the names are sorted for find_tensor's bsearch. *missing = 1 when
+ * there is no index. */
+static moe_status_t load_index(moe_checkpoint_t *c, const char *path, int *missing)
 {
     const moe_json_t *wm;
-    int missing = 0;
-    size_t n = 0;
+    shard_ref_t *refs = NULL;
+    size_t n = 0, nf = 0;
+    moe_status_t st = MOE_STATUS_SUCCESS;
 
-    MOE_CHECK(parse_json_file(path, MAX_INDEX_BYTES, &c->index_doc, &missing));
+    MOE_CHECK(parse_json_file(path, MAX_INDEX_BYTES, &c->index_doc, missing));
+    if (*missing)
+        return MOE_STATUS_SUCCESS;
     wm = moe_json_get(moe_json_root(c->index_doc), "weight_map");
     if (!wm || wm->type != MOE_JSON_OBJECT)
         return moe_error(MOE_STATUS_FORMAT_ERROR, "%s: no \"weight_map\" object", path);
     c->names = calloc(wm->count ? wm->count : 1, sizeof(*c->names));
-    if (!c->names)
-        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "%s: out of memory", path);
+    refs = calloc(wm->count ? wm->count : 1, sizeof(*refs));
+    if (!c->names || !refs) {
+        st = moe_error(MOE_STATUS_OUT_OF_MEMORY, "%s: out of memory", path);
+        goto out;
+    }
     for (const moe_json_t *m = wm->child; m; m = m->next) {
-        if (m->type != MOE_JSON_STRING || !safe_file_name(m->string))
-            return moe_error(MOE_STATUS_FORMAT_ERROR,
-                             "%s: weight_map[\"%.200s\"] is not a plain file name in the "
-                             "checkpoint folder",
-                             path, m->key);
+        if (m->type != MOE_JSON_STRING || !safe_file_name(m->string)) {
+            st = moe_error(MOE_STATUS_FORMAT_ERROR,
+                           "%s: weight_map[\"%.200s\"] is not a plain file name in the "
+                           "checkpoint folder",
+                           path, m->key);
+            goto out;
+        }
         c->names[n].name = m->key;
-        MOE_CHECK(add_file(c, m->string, &c->names[n].file));
+        refs[n].file = m->string;
+        refs[n].entry = n;
         n++;
+    }
+    qsort(refs, n, sizeof(*refs), cmp_shard_refs);
+    for (size_t i = 0; i < n; i++)
+        nf += i == 0 || strcmp(refs[i].file, refs[i - 1].file) != 0;
+    if (nf > MAX_SHARDS) {
+        st = moe_error(MOE_STATUS_FORMAT_ERROR,
+                       "%s: the weight_map names %zu shard files, more than the limit of %d", path,
+                       nf, MAX_SHARDS);
+        goto out;
+    }
+    c->files = calloc(nf ? nf : 1, sizeof(*c->files));
+    if (!c->files) {
+        st = moe_error(MOE_STATUS_OUT_OF_MEMORY, "%s: out of memory", path);
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (i == 0 || strcmp(refs[i].file, refs[i - 1].file) != 0) {
+            c->files[c->num_files].name = strdup(refs[i].file);
+            if (!c->files[c->num_files].name) {
+                st = moe_error(MOE_STATUS_OUT_OF_MEMORY, "%s: out of memory", path);
+                goto out;
+            }
+            c->num_files++;
+        }
+        c->names[refs[i].entry].file = c->num_files - 1;
     }
     c->num_names = n;
     qsort(c->names, n, sizeof(*c->names), cmp_names);
-    return MOE_STATUS_SUCCESS;
+out:
+    free(refs);
+    return st;
 }
 
 /* Unsharded: open the given files now and map every tensor of their headers. */
@@ -229,54 +266,6 @@ static moe_status_t map_open_files(moe_checkpoint_t *c)
     return MOE_STATUS_SUCCESS;
 }
 
-static int cmp_str(const void *a, const void *b)
-{
-    return strcmp(*(char *const *)a, *(char *const *)b);
-}
-
-/* Every *.safetensors file of the folder, in name order. */
-static moe_status_t list_safetensors(moe_checkpoint_t *c)
-{
-    DIR *d = opendir(c->dir);
-    struct dirent *e;
-    char **names = NULL;
-    size_t n = 0;
-    moe_status_t st = MOE_STATUS_SUCCESS;
-    int idx;
-
-    if (!d)
-        return moe_error(MOE_STATUS_IO_ERROR, "%s: cannot list: %s", c->dir, strerror(errno));
-    while ((e = readdir(d)) != NULL) {
-        size_t len = strlen(e->d_name);
-        char **nn;
-        if (len <= 12 || strcmp(e->d_name + len - 12, ".safetensors"))
-            continue;
-        nn = realloc(names, sizeof(*names) * (n + 1));
-        if (!nn || !(nn[n] = strdup(e->d_name))) {
-            names = nn ? nn : names;
-            st = moe_error(MOE_STATUS_OUT_OF_MEMORY, "checkpoint: out of memory");
-            break;
-        }
-        names = nn;
-        n++;
-    }
-    closedir(d);
-    if (st == MOE_STATUS_SUCCESS && n == 0)
-        st = moe_error(MOE_STATUS_IO_ERROR,
-                       "%s: no model.safetensors.index.json, model.safetensors or other "
-                       "*.safetensors file",
-                       c->dir);
-    if (st == MOE_STATUS_SUCCESS)
-        qsort(names, n, sizeof(*names), cmp_str);
-    for (size_t i = 0; i < n; i++) {
-        if (st == MOE_STATUS_SUCCESS)
-            st = add_file(c, names[i], &idx);
-        free(names[i]);
-    }
-    free(names);
-    return st;
-}
-
 static moe_model_family_t family_of(const char *model_type)
 {
     if (!strcmp(model_type, "mixtral"))
@@ -294,7 +283,7 @@ static moe_status_t open_impl(moe_checkpoint_t *c, const char *path)
 {
     struct stat sb;
     char *p;
-    int missing = 0, idx;
+    int missing = 0;
     const char *mt = NULL;
 
     if (stat(path, &sb) != 0)
@@ -308,7 +297,7 @@ static moe_status_t open_impl(moe_checkpoint_t *c, const char *path)
         c->dir = slash ? strndup(path, (size_t)(slash - path) + (slash == path)) : strdup(".");
         if (!c->dir)
             return moe_error(MOE_STATUS_OUT_OF_MEMORY, "checkpoint: out of memory");
-        MOE_CHECK(add_file(c, slash ? slash + 1 : path, &idx));
+        MOE_CHECK(add_single_file(c, slash ? slash + 1 : path));
     }
 
     p = join(c->dir, "config.json");
@@ -330,16 +319,28 @@ static moe_status_t open_impl(moe_checkpoint_t *c, const char *path)
 
     if (c->num_files) /* one file named by the caller */
         return map_open_files(c);
+    /* transformers' rule: the index when there is one (only the shards it names), else
+     * model.safetensors; other files in the folder (inputs, consolidated.safetensors) are not
+     * part of the model. */
     p = join(c->dir, "model.safetensors.index.json");
     if (!p)
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "checkpoint: out of memory");
-    if (access(p, F_OK) == 0) {
-        moe_status_t st = load_index(c, p);
+    {
+        moe_status_t st = load_index(c, p, &missing);
         free(p);
-        return st;
+        if (st != MOE_STATUS_SUCCESS || !missing)
+            return st;
+    }
+    p = join(c->dir, "model.safetensors");
+    if (!p)
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "checkpoint: out of memory");
+    if (access(p, F_OK) != 0 && errno == ENOENT) {
+        free(p);
+        return moe_error(MOE_STATUS_IO_ERROR,
+                         "%s: no model.safetensors.index.json or model.safetensors", c->dir);
     }
     free(p);
-    MOE_CHECK(list_safetensors(c));
+    MOE_CHECK(add_single_file(c, "model.safetensors"));
     return map_open_files(c);
 }
 
@@ -820,6 +821,7 @@ typedef struct load_ctx {
     moe_checkpoint_t *c;
     moe_layer_t *layer;
     char prefix[96];
+    moe_dtype_t ckpt_dtype; /* weight_dtype config.json gives (FP8_E4M3 with quantization) */
     void *data;
     size_t data_cap;
     float *scale;
@@ -886,6 +888,38 @@ static moe_status_t matrix_shape(const moe_st_tensor_t *t, const char *dir, int6
     return MOE_STATUS_SUCCESS;
 }
 
+/* The expert matrices must be stored as config.json says: F8_E4M3 (with scales) under an fp8
+ * quantization_config, a float dtype otherwise. The router, its bias and the shared-expert
+ * gate stay in a float dtype in both kinds of checkpoint. */
+static moe_status_t check_file_dtype(const load_ctx_t *x, moe_weight_kind_t kind,
+                                     const moe_st_file_t *f, const char *name,
+                                     const moe_st_tensor_t *t)
+{
+    const int fp8_file = t->dtype == MOE_ST_F8_E4M3;
+    const int fp8_config = x->ckpt_dtype == MOE_DTYPE_FP8_E4M3;
+
+    if (kind == MOE_WEIGHT_ROUTER || kind == MOE_WEIGHT_ROUTER_BIAS ||
+        kind == MOE_WEIGHT_SHARED_EXPERT_GATE) {
+        if (fp8_file)
+            return moe_error(MOE_STATUS_FORMAT_ERROR,
+                             "%s: tensor \"%s\" has dtype F8_E4M3, expected a float dtype (it "
+                             "is not quantised in published checkpoints)",
+                             moe_st_file_path(f), name);
+        return MOE_STATUS_SUCCESS;
+    }
+    if (fp8_config && !fp8_file)
+        return moe_error(MOE_STATUS_FORMAT_ERROR,
+                         "%s: tensor \"%s\" has dtype %s but config.json's quantization_config "
+                         "says fp8 (F8_E4M3 weights with weight_scale_inv)",
+                         moe_st_file_path(f), name, moe_st_dtype_name(t->dtype));
+    if (!fp8_config && fp8_file)
+        return moe_error(MOE_STATUS_FORMAT_ERROR,
+                         "%s: tensor \"%s\" has dtype F8_E4M3 but config.json has no fp8 "
+                         "quantization_config",
+                         moe_st_file_path(f), name);
+    return MOE_STATUS_SUCCESS;
+}
+
 /* Reads rows [r0, r1) x cols [c0, c1) of tensor `name` (full shape [R, C] expected) and sets
  * it as `kind` of `expert` (slice shape, or the full matrix when the slice is all of it). */
 static moe_status_t load_matrix(load_ctx_t *x, const char *suffix, moe_weight_kind_t kind,
@@ -916,6 +950,7 @@ static moe_status_t load_matrix(load_ctx_t *x, const char *suffix, moe_weight_ki
                          "%s: tensor \"%s\" has dtype %s, expected F32, BF16, F16, F8_E4M3 or "
                          "F64",
                          moe_st_file_path(f), name, moe_st_dtype_name(t->dtype));
+    MOE_CHECK(check_file_dtype(x, kind, f, name, t));
     es = moe_st_dtype_size(t->dtype);
     MOE_CHECK(grow(&x->data, &x->data_cap, n * es + 1));
     if (t->ndim == 1) /* [n] is one row; the file view is [n, 1] */
@@ -954,6 +989,14 @@ static moe_status_t load_matrix(load_ctx_t *x, const char *suffix, moe_weight_ki
                 (long long)((C + FP8_BLOCK - 1) / FP8_BLOCK), (long long)R, (long long)C);
         MOE_CHECK(grow((void **)&x->scale, &x->scale_cap, sn * sizeof(float) + 1));
         MOE_CHECK(moe_st_read_block(sf, s, sr0, sr1, sc0, sc1, x->scale));
+        if (moe_layer_checks_weight_values(x->layer)) {
+            /* Here, where the scale tensor can be named (and before a dequantisation that
+             * would hide a negative scale). */
+            char origin[512];
+            snprintf(origin, sizeof(origin), "%s: tensor \"%s\"", moe_st_file_path(sf), sname);
+            MOE_CHECK(moe_scales_check(x->scale, sr1 - sr0, sc1 - sc0, origin, sr0 * FP8_BLOCK,
+                                       sc0 * FP8_BLOCK));
+        }
         if (aligned) {
             mt.scale = x->scale;
             mt.scale_rows = sr1 - sr0;
@@ -972,7 +1015,12 @@ static moe_status_t load_matrix(load_ctx_t *x, const char *suffix, moe_weight_ki
             mt.data = x->deq;
         }
     }
-    return moe_layer_set_weight(x->layer, kind, expert, &mt);
+    {
+        char origin[512];
+        snprintf(origin, sizeof(origin), "%s: tensor \"%s\"", moe_st_file_path(f), name);
+        return moe_layer_set_weight_from(x->layer, kind, expert, &mt, origin, t->ndim == 1 ? 0 : r0,
+                                         c0);
+    }
 }
 
 moe_status_t moe_layer_load(moe_layer_t *layer, moe_checkpoint_t *c, int layer_index)
@@ -1013,6 +1061,7 @@ moe_status_t moe_layer_load(moe_layer_t *layer, moe_checkpoint_t *c, int layer_i
     memset(&x, 0, sizeof(x));
     x.c = c;
     x.layer = layer;
+    x.ckpt_dtype = cfg.weight_dtype;
     snprintf(x.prefix, sizeof(x.prefix), nm->prefix, layer_index);
     {
         uint64_t d;

@@ -3,6 +3,7 @@
 #include "json.h"
 
 #include <locale.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,6 +14,8 @@
 #define NODE_CHUNK 1024
 /* Longest number literal accepted (a double needs 24 characters; 1e-300 style is short). */
 #define MAX_NUMBER_CHARS 320
+/* Objects of at most this many members are searched and checked for duplicates linearly. */
+#define SMALL_OBJECT 8
 
 typedef struct node_chunk {
     struct node_chunk *next;
@@ -20,8 +23,15 @@ typedef struct node_chunk {
     moe_json_t nodes[NODE_CHUNK];
 } node_chunk_t;
 
+/* Members of one large object sorted by key (freed with the document). */
+typedef struct member_index {
+    struct member_index *next;
+    const moe_json_t *members[];
+} member_index_t;
+
 struct moe_json_doc {
     node_chunk_t *chunks;
+    member_index_t *indexes;
     char *strings; /* every decoded string and key; decoded text never outgrows its source */
     moe_json_t *root;
 };
@@ -60,6 +70,18 @@ static moe_status_t fail_key(parser_t *p, const char *reason, const char *key)
 {
     char msg[160];
     snprintf(msg, sizeof(msg), "%s \"%.100s\" in object", reason, key);
+    return fail(p, msg);
+}
+
+/* fail() with a formatted reason (one that names a limit). */
+static moe_status_t fail_limit(parser_t *p, const char *fmt, ...) MOE_PRINTF(2, 3);
+static moe_status_t fail_limit(parser_t *p, const char *fmt, ...)
+{
+    char msg[160];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
     return fail(p, msg);
 }
 
@@ -343,53 +365,54 @@ static moe_status_t parse_number(parser_t *p, moe_json_t *n)
 
 static moe_status_t parse_value(parser_t *p, int depth, moe_json_t **out);
 
-static int key_equal(const moe_json_t *a, const moe_json_t *b)
+/* Byte order of keys (shorter first on a common prefix); one order for sorting and lookup. */
+static int key_cmp(const char *a, size_t an, const char *b, size_t bn)
 {
-    return a->key_len == b->key_len && memcmp(a->key, b->key, a->key_len) == 0;
+    int c = memcmp(a, b, an < bn ? an : bn);
+    if (c)
+        return c;
+    return an < bn ? -1 : an > bn;
 }
 
-static uint64_t hash_key(const char *s, size_t n)
+static int member_cmp(const void *x, const void *y)
 {
-    uint64_t h = 1469598103934665603ull; /* FNV-1a */
-    for (size_t i = 0; i < n; i++)
-        h = (h ^ (unsigned char)s[i]) * 1099511628211ull;
-    return h;
+    const moe_json_t *a = *(const moe_json_t *const *)x, *b = *(const moe_json_t *const *)y;
+    return key_cmp(a->key, a->key_len, b->key, b->key_len);
 }
 
-/* Duplicate keys make a header ambiguous: reject them (hash set; pairwise for small objects). */
-static moe_status_t check_duplicates(parser_t *p, const moe_json_t *obj)
+/* Duplicate keys make a header ambiguous: reject them. Small objects compare pairwise; larger
+ * ones sort their members (O(n log n) whatever the keys, unlike a hash set that crafted
+ * colliding keys turn quadratic), compare neighbours, and keep the sorted array for
+ * moe_json_get's binary search. */
+static moe_status_t check_duplicates(parser_t *p, moe_json_t *obj)
 {
     const moe_json_t *a, *b;
-    const moe_json_t **table;
-    size_t cap = 16;
+    member_index_t *ix;
+    size_t i = 0;
 
-    if (obj->count <= 8) {
+    if (obj->count <= SMALL_OBJECT) {
         for (a = obj->child; a; a = a->next)
             for (b = a->next; b; b = b->next)
-                if (key_equal(a, b))
-                    goto dup;
+                if (a->key_len == b->key_len && !memcmp(a->key, b->key, a->key_len))
+                    return fail_key(p, "duplicate key", a->key);
         return MOE_STATUS_SUCCESS;
     }
-    while (cap < obj->count * 2)
-        cap *= 2;
-    table = calloc(cap, sizeof(*table));
-    if (!table)
+    ix = malloc(sizeof(*ix) + obj->count * sizeof(ix->members[0]));
+    if (!ix)
         return p->status = moe_error(MOE_STATUS_OUT_OF_MEMORY, "%s: out of memory", p->what);
-    for (a = obj->child; a; a = a->next) {
-        size_t i = (size_t)hash_key(a->key, a->key_len) & (cap - 1);
-        while (table[i]) {
-            if (key_equal(table[i], a)) {
-                free(table);
-                goto dup;
-            }
-            i = (i + 1) & (cap - 1);
-        }
-        table[i] = a;
+    ix->next = p->doc->indexes;
+    p->doc->indexes = ix;
+    for (a = obj->child; a; a = a->next)
+        ix->members[i++] = a;
+    qsort(ix->members, obj->count, sizeof(ix->members[0]), member_cmp);
+    for (i = 1; i < obj->count; i++) {
+        a = ix->members[i - 1];
+        b = ix->members[i];
+        if (a->key_len == b->key_len && !memcmp(a->key, b->key, a->key_len))
+            return fail_key(p, "duplicate key", a->key);
     }
-    free(table);
+    obj->sorted = ix->members;
     return MOE_STATUS_SUCCESS;
-dup:
-    return fail_key(p, "duplicate key", a->key);
 }
 
 static moe_status_t parse_container(parser_t *p, int depth, moe_json_t *n)
@@ -413,7 +436,13 @@ static moe_status_t parse_container(parser_t *p, int depth, moe_json_t *n)
         if (is_obj) {
             if (peek(p) != '"')
                 return fail(p, "expected a string key in object");
+            if (n->count >= MOE_JSON_MAX_MEMBERS)
+                return fail_limit(p, "object has more members than the limit of %d",
+                                  MOE_JSON_MAX_MEMBERS);
             MOE_CHECK(parse_string(p, &key, &key_len));
+            if (key_len > MOE_JSON_MAX_KEY_BYTES)
+                return fail_limit(p, "object key longer than the limit of %d bytes",
+                                  MOE_JSON_MAX_KEY_BYTES);
             skip_ws(p);
             if (peek(p) != ':')
                 return fail(p, "expected ':' after object key");
@@ -539,6 +568,11 @@ void moe_json_free(moe_json_doc_t *doc)
         next = c->next;
         free(c);
     }
+    while (doc->indexes) {
+        member_index_t *ix = doc->indexes;
+        doc->indexes = ix->next;
+        free(ix);
+    }
     free(doc->strings);
     free(doc);
 }
@@ -555,6 +589,21 @@ const moe_json_t *moe_json_get(const moe_json_t *obj, const char *key)
     if (!obj || obj->type != MOE_JSON_OBJECT || !key)
         return NULL;
     n = strlen(key);
+    if (obj->sorted) {
+        size_t lo = 0, hi = obj->count;
+        while (lo < hi) {
+            size_t mid = lo + (hi - lo) / 2;
+            const moe_json_t *m = obj->sorted[mid];
+            int c = key_cmp(m->key, m->key_len, key, n);
+            if (c == 0)
+                return m;
+            if (c < 0)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        return NULL;
+    }
     for (const moe_json_t *m = obj->child; m; m = m->next)
         if (m->key_len == n && memcmp(m->key, key, n) == 0)
             return m;

@@ -14,6 +14,11 @@ extern "C" {
 
 /* Nesting deeper than this is a format error (config.json nests 3-4 levels). */
 #define MOE_JSON_MAX_DEPTH 64
+/* Bounds on one object: members, and bytes of one key (decoded). Tensor names are under 200
+ * bytes and the largest published index maps about 10^5 tensors. Over either is a format
+ * error naming the limit. */
+#define MOE_JSON_MAX_MEMBERS 1048576
+#define MOE_JSON_MAX_KEY_BYTES 4096
 /* Default bound on the number of values in one document (about 10 per safetensors tensor). */
 #define MOE_JSON_DEFAULT_MAX_NODES (2 * 1024 * 1024)
 
@@ -42,20 +47,25 @@ typedef struct moe_json {
     struct moe_json *child; /* first element/member */
     struct moe_json *next;  /* next sibling */
     size_t count;           /* elements/members */
+    /* objects of more than 8 members: the members sorted by key (moe_json_get searches it) */
+    const struct moe_json *const *sorted;
 } moe_json_t;
 
 typedef struct moe_json_doc moe_json_doc_t;
 
 /* Parses `len` bytes (no NUL needed). On error returns MOE_STATUS_FORMAT_ERROR with a message
  * "<what>: line L column C: <reason>" (or OUT_OF_MEMORY); *doc is NULL then. max_nodes 0 means
- * MOE_JSON_DEFAULT_MAX_NODES. Duplicate keys in one object are an error. */
+ * MOE_JSON_DEFAULT_MAX_NODES. Duplicate keys in one object are an error, and so is an object
+ * over MOE_JSON_MAX_MEMBERS members or a key over MOE_JSON_MAX_KEY_BYTES. Time is
+ * O(len log len) whatever the input. */
 moe_status_t moe_json_parse(const char *text, size_t len, size_t max_nodes, const char *what,
                             moe_json_doc_t **doc);
 /* NULL is fine. */
 void moe_json_free(moe_json_doc_t *doc);
 const moe_json_t *moe_json_root(const moe_json_doc_t *doc);
 
-/* Member `key` of an object, or NULL (also when `obj` is NULL or not an object). */
+/* Member `key` of an object, or NULL (also when `obj` is NULL or not an object). O(log n) for
+ * large objects. */
 const moe_json_t *moe_json_get(const moe_json_t *obj, const char *key);
 /* Element i of an array, or NULL. */
 const moe_json_t *moe_json_at(const moe_json_t *arr, size_t i);

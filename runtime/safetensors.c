@@ -419,6 +419,63 @@ static moe_status_t pread_full(moe_st_file_t *f, void *dst, uint64_t len, uint64
     return MOE_STATUS_SUCCESS;
 }
 
+static const char *file_kind(mode_t mode)
+{
+    if (S_ISDIR(mode))
+        return "a directory";
+    if (S_ISFIFO(mode))
+        return "a FIFO (named pipe)";
+    if (S_ISCHR(mode))
+        return "a character device";
+    if (S_ISBLK(mode))
+        return "a block device";
+    if (S_ISSOCK(mode))
+        return "a socket";
+    if (S_ISLNK(mode))
+        return "a symbolic link";
+    return "not a regular file";
+}
+
+moe_status_t moe_open_regular(const char *path, int *fd, int *missing)
+{
+    struct stat sb;
+    int flags;
+
+    *fd = -1;
+    if (missing)
+        *missing = 0;
+    /* O_NONBLOCK: opening a FIFO without a writer, or some devices, would otherwise wait
+     * forever. A socket cannot be opened at all (ENXIO); say what it is. */
+    *fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (*fd < 0) {
+        int err = errno;
+        if (err == ENOENT && missing) {
+            *missing = 1;
+            return MOE_STATUS_SUCCESS;
+        }
+        if (err == ENXIO && lstat(path, &sb) == 0 && S_ISSOCK(sb.st_mode))
+            return moe_error(MOE_STATUS_IO_ERROR, "%s: is a socket, not a regular file", path);
+        return moe_error(MOE_STATUS_IO_ERROR, "%s: cannot open: %s", path, strerror(err));
+    }
+    if (fstat(*fd, &sb) != 0) {
+        int err = errno;
+        close(*fd);
+        *fd = -1;
+        return moe_error(MOE_STATUS_IO_ERROR, "%s: cannot stat: %s", path, strerror(err));
+    }
+    if (!S_ISREG(sb.st_mode)) {
+        close(*fd);
+        *fd = -1;
+        return moe_error(MOE_STATUS_IO_ERROR, "%s: is %s, not a regular file", path,
+                         file_kind(sb.st_mode));
+    }
+    /* A regular file: reads never block; drop O_NONBLOCK so that nothing else sees it. */
+    flags = fcntl(*fd, F_GETFL);
+    if (flags >= 0)
+        (void)fcntl(*fd, F_SETFL, flags & ~O_NONBLOCK);
+    return MOE_STATUS_SUCCESS;
+}
+
 moe_status_t moe_st_open(const char *path, moe_st_file_t **file)
 {
     moe_st_file_t *f;
@@ -436,17 +493,9 @@ moe_status_t moe_st_open(const char *path, moe_st_file_t **file)
         free(f);
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "%s: out of memory", path);
     }
-    f->fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (f->fd < 0) {
-        st = moe_error(MOE_STATUS_IO_ERROR, "%s: cannot open: %s", path, strerror(errno));
-        goto fail;
-    }
+    MOE_CHECK_GOTO(moe_open_regular(path, &f->fd, NULL), st, fail);
     if (fstat(f->fd, &sb) != 0) {
         st = moe_error(MOE_STATUS_IO_ERROR, "%s: cannot stat: %s", path, strerror(errno));
-        goto fail;
-    }
-    if (!S_ISREG(sb.st_mode)) {
-        st = moe_error(MOE_STATUS_IO_ERROR, "%s: not a regular file", path);
         goto fail;
     }
     f->file_bytes = (uint64_t)sb.st_size;
@@ -621,11 +670,103 @@ static void sb_json_string(strbuf_t *b, const char *s)
     sb_put(b, "\"", 1);
 }
 
-static moe_status_t write_all(FILE *fp, const void *p, uint64_t n, const char *path)
+static moe_status_t write_all(int fd, const void *p, uint64_t n, const char *path)
 {
-    if (n && fwrite(p, 1, (size_t)n, fp) != (size_t)n)
-        return moe_error(MOE_STATUS_IO_ERROR, "%s: write failed: %s", path, strerror(errno));
+    const char *c = p;
+
+    while (n) {
+        size_t chunk = n > MAX_PREAD_BYTES ? MAX_PREAD_BYTES : (size_t)n;
+        ssize_t put = write(fd, c, chunk);
+        if (put < 0 && errno == EINTR)
+            continue;
+        if (put <= 0)
+            return moe_error(MOE_STATUS_IO_ERROR, "%s: write failed: %s", path,
+                             put < 0 ? strerror(errno) : "no progress");
+        c += put;
+        n -= (uint64_t)put;
+    }
     return MOE_STATUS_SUCCESS;
+}
+
+/* The output path may be absent or a regular file (replaced). Anything else is refused: a
+ * device or FIFO would be replaced by a regular file, and a symbolic link is not followed
+ * (the rename would replace the link, not its target; say so rather than guess). */
+static moe_status_t check_output_target(const char *path)
+{
+    struct stat sb;
+
+    if (lstat(path, &sb) != 0) {
+        if (errno == ENOENT)
+            return MOE_STATUS_SUCCESS;
+        return moe_error(MOE_STATUS_IO_ERROR, "%s: cannot stat the output path: %s", path,
+                         strerror(errno));
+    }
+    if (S_ISLNK(sb.st_mode))
+        return moe_error(MOE_STATUS_IO_ERROR,
+                         "%s: the output path is a symbolic link; refusing to replace it (links "
+                         "are not followed: pass the target path itself)",
+                         path);
+    if (!S_ISREG(sb.st_mode))
+        return moe_error(MOE_STATUS_IO_ERROR,
+                         "%s: the output path is %s; refusing to replace it with a regular file",
+                         path, file_kind(sb.st_mode));
+    return MOE_STATUS_SUCCESS;
+}
+
+/* Creates the temporary file beside `path` (same directory, so the rename is atomic):
+ * "PATH.tmp.PID", else "PATH.tmp.PID.N". O_EXCL | O_NOFOLLOW: a file or link already at a
+ * candidate name (planted or left by a crash) is never opened or followed; the next name is
+ * tried. */
+static moe_status_t create_temp(const char *path, char **tmp_out, int *fd_out)
+{
+    const size_t cap = strlen(path) + 48;
+    char *tmp = malloc(cap);
+
+    *tmp_out = NULL;
+    *fd_out = -1;
+    if (!tmp)
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "%s: out of memory", path);
+    for (int attempt = 0; attempt < 100; attempt++) {
+        int fd;
+        if (attempt == 0)
+            snprintf(tmp, cap, "%s.tmp.%ld", path, (long)getpid());
+        else
+            snprintf(tmp, cap, "%s.tmp.%ld.%d", path, (long)getpid(), attempt);
+        fd = open(tmp, O_CREAT | O_EXCL | O_NOFOLLOW | O_WRONLY | O_CLOEXEC, 0644);
+        if (fd >= 0) {
+            *tmp_out = tmp;
+            *fd_out = fd;
+            return MOE_STATUS_SUCCESS;
+        }
+        if (errno != EEXIST && errno != ELOOP) {
+            moe_status_t st =
+                moe_error(MOE_STATUS_IO_ERROR, "%s: cannot create: %s", tmp, strerror(errno));
+            free(tmp);
+            return st;
+        }
+    }
+    free(tmp);
+    return moe_error(MOE_STATUS_IO_ERROR,
+                     "%s: cannot create a temporary file beside it: 100 candidate names "
+                     "(%s.tmp.%ld.*) already exist",
+                     path, path, (long)getpid());
+}
+
+/* Makes the rename durable: fsync of the directory holding `path` (best effort). */
+static void sync_parent_dir(const char *path)
+{
+    const char *slash = strrchr(path, '/');
+    char *dir = slash ? strndup(path, (size_t)(slash - path) + (slash == path)) : strdup(".");
+    int fd;
+
+    if (!dir)
+        return;
+    fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd >= 0) {
+        (void)fsync(fd);
+        close(fd);
+    }
+    free(dir);
 }
 
 moe_status_t moe_st_write(const char *path, const moe_st_entry_t *entries, size_t n,
@@ -635,7 +776,7 @@ moe_status_t moe_st_write(const char *path, const moe_st_entry_t *entries, size_
     uint64_t off = 0, *bytes = NULL;
     unsigned char len8[8];
     char *tmp = NULL, num[64];
-    FILE *fp = NULL;
+    int fd = -1;
     moe_status_t st = MOE_STATUS_SUCCESS;
 
     if (!path || (n && !entries) || (n_metadata && !metadata))
@@ -707,35 +848,33 @@ moe_status_t moe_st_write(const char *path, const moe_st_entry_t *entries, size_
     for (int i = 0; i < 8; i++)
         len8[i] = (unsigned char)((uint64_t)hb.len >> (8 * i));
 
-    tmp = malloc(strlen(path) + 32);
-    if (!tmp) {
-        st = moe_error(MOE_STATUS_OUT_OF_MEMORY, "%s: out of memory", path);
-        goto out;
-    }
-    sprintf(tmp, "%s.tmp.%ld", path, (long)getpid());
-    fp = fopen(tmp, "wb");
-    if (!fp) {
-        st = moe_error(MOE_STATUS_IO_ERROR, "%s: cannot create: %s", tmp, strerror(errno));
-        goto out;
-    }
-    MOE_CHECK_GOTO(write_all(fp, len8, 8, tmp), st, out);
-    MOE_CHECK_GOTO(write_all(fp, hb.p, hb.len, tmp), st, out);
+    MOE_CHECK_GOTO(check_output_target(path), st, out);
+    MOE_CHECK_GOTO(create_temp(path, &tmp, &fd), st, out);
+    MOE_CHECK_GOTO(write_all(fd, len8, 8, tmp), st, out);
+    MOE_CHECK_GOTO(write_all(fd, hb.p, hb.len, tmp), st, out);
     for (size_t i = 0; i < n; i++)
-        MOE_CHECK_GOTO(write_all(fp, entries[i].data, bytes[i], tmp), st, out);
-    if (fclose(fp) != 0) {
-        fp = NULL;
+        MOE_CHECK_GOTO(write_all(fd, entries[i].data, bytes[i], tmp), st, out);
+    if (fsync(fd) != 0) {
+        st = moe_error(MOE_STATUS_IO_ERROR, "%s: fsync failed: %s", tmp, strerror(errno));
+        goto out;
+    }
+    if (close(fd) != 0) {
+        fd = -1;
         st = moe_error(MOE_STATUS_IO_ERROR, "%s: write failed: %s", tmp, strerror(errno));
         goto out;
     }
-    fp = NULL;
-    if (rename(tmp, path) != 0)
+    fd = -1;
+    if (rename(tmp, path) != 0) {
         st = moe_error(MOE_STATUS_IO_ERROR, "%s: cannot rename %s into place: %s", path, tmp,
                        strerror(errno));
+        goto out;
+    }
+    sync_parent_dir(path);
 out:
-    if (fp)
-        fclose(fp);
+    if (fd >= 0)
+        close(fd);
     if (st != MOE_STATUS_SUCCESS && tmp)
-        unlink(tmp);
+        unlink(tmp); /* our own O_EXCL file, never someone else's */
     free(tmp);
     free(hb.p);
     free(bytes);

@@ -86,10 +86,17 @@ const moe_st_tensor_t *moe_st_header_find(const moe_st_header_t *header, const c
 /* A __metadata__ value, or NULL. */
 const char *moe_st_header_metadata(const moe_st_header_t *header, const char *key);
 
+/* Opens `path` read-only for the model, config, index and input readers: O_NONBLOCK so that a
+ * FIFO or device cannot block, then fstat, and anything but a regular file is refused
+ * (IO_ERROR naming the file and what it is: directory, FIFO, device, socket). The returned
+ * descriptor is close-on-exec and blocking again. With `missing` not NULL, a path that does
+ * not exist gives success, *missing = 1 and *fd = -1. */
+moe_status_t moe_open_regular(const char *path, int *fd, int *missing);
+
 /* An open file: the header is read and validated at open, tensor data on demand. */
 typedef struct moe_st_file moe_st_file_t;
 
-/* Opens and validates `path` (regular file, header length within the file and the cap).
+/* Opens (moe_open_regular) and validates `path` (header length within the file and the cap).
  * Errors: MOE_STATUS_IO_ERROR (open/stat/read), MOE_STATUS_FORMAT_ERROR (contents). */
 moe_status_t moe_st_open(const char *path, moe_st_file_t **file);
 void moe_st_close(moe_st_file_t *file);
@@ -117,8 +124,11 @@ typedef struct moe_st_entry {
 } moe_st_entry_t;
 
 /* Writes a safetensors file (header padded to 8 bytes, data in entry order) through a
- * temporary file renamed into place. `metadata` holds n_metadata key/value string pairs
- * (metadata[2i], metadata[2i+1]); may be NULL. Errors: INVALID_ARGUMENT, IO_ERROR. */
+ * temporary file beside it (created with O_EXCL | O_NOFOLLOW, fsynced, renamed into place;
+ * removed on every error). An existing `path` must be a regular file: a symbolic link, device,
+ * FIFO or directory there is refused (IO_ERROR), never replaced or followed. `metadata` holds
+ * n_metadata key/value string pairs (metadata[2i], metadata[2i+1]); may be NULL. Errors:
+ * INVALID_ARGUMENT, IO_ERROR. */
 moe_status_t moe_st_write(const char *path, const moe_st_entry_t *entries, size_t n,
                           const char *const *metadata, size_t n_metadata);
 

@@ -9,6 +9,7 @@
 #include "kernels/numeric.h"
 #include "runtime/diag.h"
 #include "runtime/layer.h"
+#include "runtime/weights.h"
 
 #define BLK 128
 
@@ -192,6 +193,100 @@ static moe_status_t check_tensor(const moe_layer_t *l, moe_weight_kind_t kind, i
     return MOE_STATUS_SUCCESS;
 }
 
+/* Index of the first value of row `p` (n elements of `dt`) that is NaN or +-Inf, or -1. Done
+ * on the bits: no conversion, and the same answer on every compiler and flag. */
+static int64_t first_nonfinite(moe_dtype_t dt, const void *p, int64_t n)
+{
+    int64_t i;
+
+    switch (dt) {
+    case MOE_DTYPE_F32:
+        for (i = 0; i < n; i++) {
+            uint32_t b;
+            memcpy(&b, (const char *)p + 4 * i, 4);
+            if ((b & 0x7F800000u) == 0x7F800000u)
+                return i;
+        }
+        return -1;
+    case MOE_DTYPE_BF16:
+    case MOE_DTYPE_F16: {
+        const uint16_t mask = dt == MOE_DTYPE_BF16 ? 0x7F80u : 0x7C00u;
+        for (i = 0; i < n; i++) {
+            uint16_t b;
+            memcpy(&b, (const char *)p + 2 * i, 2);
+            if ((b & mask) == mask)
+                return i;
+        }
+        return -1;
+    }
+    case MOE_DTYPE_FP8_E4M3: /* e4m3fn: no Inf, NaN is S.1111.111 */
+        for (i = 0; i < n; i++)
+            if ((((const uint8_t *)p)[i] & 0x7F) == 0x7F)
+                return i;
+        return -1;
+    default:
+        return -1;
+    }
+}
+
+static const char *value_name(float v)
+{
+    return isnan(v) ? "NaN" : v > 0 ? "+Inf" : "-Inf";
+}
+
+moe_status_t moe_scales_check(const float *scale, int64_t rows, int64_t cols, const char *what,
+                              int64_t row_off, int64_t col_off)
+{
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) {
+            float v = scale[r * cols + c];
+            if (!isfinite(v) || !(v > 0.0f))
+                return moe_error(MOE_STATUS_NUMERIC_ERROR,
+                                 "%s: scale [%lld, %lld] is %g (FP8 scales must be finite and > "
+                                 "0)",
+                                 what, (long long)(r + row_off / BLK),
+                                 (long long)(c + col_off / BLK), (double)v);
+        }
+    return MOE_STATUS_SUCCESS;
+}
+
+moe_status_t moe_tensor_check_values(const moe_tensor_t *t, moe_scale_kind_t scale_kind, int64_t r0,
+                                     int64_t c0, int64_t rows, int64_t cols, const char *what,
+                                     int64_t row_off, int64_t col_off)
+{
+    const size_t es = moe_dtype_size(t->dtype);
+
+    if (t->dtype == MOE_DTYPE_FP8_E4M3 && t->scale && rows > 0 && cols > 0) {
+        if (scale_kind == MOE_SCALE_BLOCK_128) {
+            /* only the blocks of the slice; scale indices relative to t's scale grid */
+            int64_t br0 = r0 / BLK, br1 = (r0 + rows - 1) / BLK;
+            int64_t bc0 = c0 / BLK, bc1 = (c0 + cols - 1) / BLK;
+            for (int64_t br = br0; br <= br1; br++)
+                MOE_CHECK(moe_scales_check(t->scale + br * t->scale_cols + bc0, 1, bc1 - bc0 + 1,
+                                           what, row_off + br * BLK, col_off + bc0 * BLK));
+        } else {
+            MOE_CHECK(moe_scales_check(t->scale, 1, 1, what, 0, 0));
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const char *row = (const char *)t->data + ((size_t)(r0 + r) * (size_t)t->cols + c0) * es;
+        int64_t c = first_nonfinite(t->dtype, row, cols);
+        float v;
+        if (c < 0)
+            continue;
+        moe_convert_to_f32(t->dtype, row + (size_t)c * es, &v, 1);
+        return moe_error(MOE_STATUS_NUMERIC_ERROR, "%s: element [%lld, %lld] is %s", what,
+                         (long long)(r0 + r + row_off), (long long)(c0 + c + col_off),
+                         value_name(v));
+    }
+    return MOE_STATUS_SUCCESS;
+}
+
+int moe_layer_checks_weight_values(const moe_layer_t *l)
+{
+    return l && !l->cfg.skip_weight_check;
+}
+
 static unsigned char *set_mark(moe_layer_t *l, moe_weight_kind_t kind, int local)
 {
     return &l->weight_set[(size_t)(local + 1) * MOE_WEIGHT_KIND_COUNT + kind];
@@ -226,18 +321,29 @@ static moe_status_t convert_slice(const moe_tensor_t *t, int64_t r0, int64_t c0,
 moe_status_t moe_layer_set_weight(moe_layer_t *l, moe_weight_kind_t kind, int expert,
                                   const moe_tensor_t *t)
 {
+    moe_error_clear();
+    return moe_layer_set_weight_from(l, kind, expert, t, NULL, 0, 0);
+}
+
+moe_status_t moe_layer_set_weight_from(moe_layer_t *l, moe_weight_kind_t kind, int expert,
+                                       const moe_tensor_t *t, const char *origin, int64_t row_off,
+                                       int64_t col_off)
+{
     int64_t rows, cols, frows, fcols, r0, c0;
     moe_matrix_t m = {0};
     moe_status_t st;
-    char what[64];
+    char what[64], where[512];
     int local = -1;
 
-    moe_error_clear();
     MOE_ARG_CHECK(l != NULL, "layer = NULL");
     MOE_CHECK(check_tensor(l, kind, expert, t));
     moe_layer_weight_shape(l, kind, &rows, &cols, &frows, &fcols, &r0, &c0);
     snprintf(what, sizeof(what), per_expert(kind) ? "%s of expert %d" : "%s", kind_names[kind],
              expert);
+    if (origin)
+        snprintf(where, sizeof(where), "%s (%s)", origin, what);
+    else
+        snprintf(where, sizeof(where), "%s", what);
     if (t->rows == frows && t->cols == fcols) {
         /* full tensor: keep the slice at (r0, c0) */
     } else if (t->rows == rows && t->cols == cols) {
@@ -253,6 +359,13 @@ moe_status_t moe_layer_set_weight(moe_layer_t *l, moe_weight_kind_t kind, int ex
         if (l->plan.expert_owner[expert] != l->plan.ep_rank)
             return MOE_STATUS_SUCCESS; /* another rank's expert */
         local = l->plan.expert_local_index[expert];
+    }
+    if (!l->cfg.skip_weight_check) {
+        /* Before anything is kept: a bad weight leaves the layer as it was. */
+        moe_scale_kind_t sk = MOE_SCALE_NONE;
+        if (t->dtype == MOE_DTYPE_FP8_E4M3)
+            MOE_CHECK(fp8_scale_kind(t, what, &sk));
+        MOE_CHECK(moe_tensor_check_values(t, sk, r0, c0, rows, cols, where, row_off, col_off));
     }
     moe_layer_weight_storage(l, kind, &m.dtype, &m.scale_kind);
     m.rows = rows;

@@ -36,12 +36,15 @@ typedef struct moe_checkpoint_info {
 } moe_checkpoint_info_t;
 
 /* Opens a checkpoint: a folder with config.json and either model.safetensors.index.json (a
- * sharded checkpoint: its weight_map names the file of each tensor), model.safetensors, or
- * other *.safetensors files; or one .safetensors file (config.json is then looked for beside
- * it). Reads config.json, the index and the headers it needs (sharded files are opened when
- * a tensor of theirs is first read); no tensor data is read here. Not collective: each rank
- * opens the checkpoint itself. Errors: IO_ERROR (missing/unreadable), FORMAT_ERROR (a
- * malformed config.json, index or header; the message names the file and the problem). */
+ * sharded checkpoint: its weight_map names the file of each tensor; only those files are read)
+ * or else model.safetensors, as transformers reads a folder (other files there, such as
+ * consolidated.safetensors or an input file, are ignored); or one .safetensors file
+ * (config.json is then looked for beside it). Every file must be a regular file: a FIFO,
+ * device, socket or directory is an IO_ERROR naming it, never a hang. Reads config.json, the index
+ * and the headers it needs (sharded files are opened when a tensor of theirs is first read); no
+ * tensor data is read here. Not collective: each rank opens the checkpoint itself. Errors: IO_ERROR
+ * (missing/unreadable), FORMAT_ERROR (a malformed config.json, index or header; the message names
+ * the file and the problem). */
 moe_status_t moe_checkpoint_open(const char *path, moe_checkpoint_t **ckpt);
 
 /* Closes the files. NULL is fine. */

@@ -729,22 +729,29 @@ static void test_bad_index(void **state)
                "{\"weight_map\": {\"model.layers.0.block_sparse_moe.gate.weight\": "
                "\"gone.safetensors\"}}");
     EXPECT_LOAD(f, 0, MOE_STATUS_IO_ERROR, "cannot open");
-    /* without the index: every *.safetensors file; the same tensor in two files */
-    snprintf(path, sizeof(path), "%s/model.safetensors.index.json", f->dir);
-    unlink(path);
-    snprintf(cmd, sizeof(cmd), "cp '%s/model-00001-of-00002.safetensors' '%s/copy.safetensors'",
-             f->dir, f->dir);
+    /* Without the index only model.safetensors is read (transformers' rule): shards or any
+     * other *.safetensors beside it are not part of the model. */
+    fx_delete(f);
+    f = fx_new(MOE_FAMILY_MIXTRAL, 4, 2, 32, 32, 0, 0, 2, 0);
+    fx_write(f);
+    snprintf(cmd, sizeof(cmd), "cd '%s' && mv model.safetensors.index.json index.bak", f->dir);
     assert_int_equal(system(cmd), 0);
-    EXPECT_LOAD(f, 0, MOE_STATUS_FORMAT_ERROR, "is in both");
-    snprintf(path, sizeof(path), "%s/copy.safetensors", f->dir);
-    unlink(path);
-    assert_int_equal(try_load(f, 0), MOE_STATUS_SUCCESS); /* two files, no index: fine */
+    EXPECT_LOAD(f, 0, MOE_STATUS_IO_ERROR, "no model.safetensors.index.json or model.safetensors");
+    snprintf(cmd, sizeof(cmd), "cd '%s' && cp model-00001-of-00002.safetensors model.safetensors",
+             f->dir);
+    assert_int_equal(system(cmd), 0);
+    EXPECT_LOAD(f, 0, MOE_STATUS_FORMAT_ERROR, "not found in the checkpoint");
+    snprintf(cmd, sizeof(cmd),
+             "cd '%s' && rm model.safetensors && mv index.bak model.safetensors.index.json",
+             f->dir);
+    assert_int_equal(system(cmd), 0);
+    assert_int_equal(try_load(f, 0), MOE_STATUS_SUCCESS); /* the index again: fine */
     /* a truncated shard */
     snprintf(cmd, sizeof(cmd), "truncate -s 100 '%s/model-00002-of-00002.safetensors'", f->dir);
     assert_int_equal(system(cmd), 0);
     EXPECT_LOAD(f, 0, MOE_STATUS_FORMAT_ERROR, "model-00002-of-00002.safetensors");
     /* no safetensors at all */
-    snprintf(cmd, sizeof(cmd), "rm -f '%s'/*.safetensors", f->dir);
+    snprintf(cmd, sizeof(cmd), "rm -f '%s'/*.safetensors '%s'/*.index.json", f->dir, f->dir);
     assert_int_equal(system(cmd), 0);
     EXPECT_LOAD(f, 0, MOE_STATUS_IO_ERROR, "no model.safetensors.index.json");
     fx_delete(f);
@@ -843,14 +850,14 @@ static void test_bad_config(void **state)
 /* A layer made with other sizes than the checkpoint's is refused with the tensor's name. */
 static void test_layer_mismatch(void **state)
 {
-    fixture_t *f = fx_new(MOE_FAMILY_MIXTRAL, 4, 2, 32, 32, 0, 0, 1, 0);
+    fixture_t *f;
     moe_checkpoint_t *ck = NULL;
     moe_layer_config_t cfg = MOE_LAYER_CONFIG_INIT;
     moe_layer_t *l = NULL;
 
     if (!one_rank())
-        skip();
-
+        skip(); /* before any allocation: skip() leaves the test function */
+    f = fx_new(MOE_FAMILY_MIXTRAL, 4, 2, 32, 32, 0, 0, 1, 0);
     fx_write(f);
     TU_OK(moe_checkpoint_open(f->dir, &ck));
     cfg.max_tokens_per_rank = 8;
