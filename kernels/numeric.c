@@ -128,6 +128,8 @@ uint8_t moe_f32_to_fp8e4m3(float f)
 void moe_convert_to_f32(moe_dtype_t dtype, const void *src, float *dst, size_t n)
 {
     size_t i;
+    if (n == 0) /* src and dst may be NULL then (a step with no tokens) */
+        return;
     switch (dtype) {
     case MOE_DTYPE_F32:
         memcpy(dst, src, n * sizeof(float));
@@ -152,6 +154,8 @@ void moe_convert_to_f32(moe_dtype_t dtype, const void *src, float *dst, size_t n
 void moe_convert_from_f32(moe_dtype_t dtype, const float *src, void *dst, size_t n)
 {
     size_t i;
+    if (n == 0) /* src and dst may be NULL then (a step with no tokens) */
+        return;
     switch (dtype) {
     case MOE_DTYPE_F32:
         memcpy(dst, src, n * sizeof(float));

@@ -30,6 +30,7 @@ int moe_dispatch_bench_main(int argc, char **argv)
 #include <stdlib.h>
 #include <string.h>
 
+#include "cli.h"
 #include "layer_gen.h"
 #include "moe/moe.h"
 #include "moe/moe_mpi.h"
@@ -111,6 +112,28 @@ static double nccl_a2a_us(ncclComm_t comm, int world, size_t bytes, void *sbuf, 
     return med;
 }
 
+/* --max-tokens T (default: the largest size) checked and agreed among the ranks before the
+ * first collective; nonzero (after one message) on a bad or mismatched option. */
+static int agree_options(int argc, char **argv, int64_t largest, int64_t *tmax)
+{
+    char err[256] = "";
+    int i, bad = 0;
+    moe_cli_field_t f[1] = {{"--max-tokens", 0, 0}};
+
+    *tmax = largest;
+    for (i = 1; i < argc && !bad; i++) {
+        if (!strcmp(argv[i], "--dispatch-only"))
+            continue;
+        if (!strcmp(argv[i], "--max-tokens") && i + 1 < argc)
+            bad = moe_cli_int("--max-tokens", argv[++i], 1, INT64_C(1) << 30, tmax, err,
+                              sizeof(err)) != 0;
+        else
+            bad = snprintf(err, sizeof(err), "--dispatch-only: unknown option %s", argv[i]) > 0;
+    }
+    f[0].value = *tmax;
+    return moe_cli_agree("moe-bench --dispatch-only", bad, err, f, 1);
+}
+
 int moe_dispatch_bench_main(int argc, char **argv)
 {
     static const int64_t sizes[] = {1, 8, 32, 128, 512, 4096};
@@ -126,13 +149,12 @@ int moe_dispatch_bench_main(int argc, char **argv)
     void *sbuf, *rbuf, *dx, *dy;
     moe_runtime_info_t ri;
 
-    for (i = 1; i < argc; i++)
-        if (!strcmp(argv[i], "--max-tokens") && i + 1 < argc)
-            for (tmax = atoll(argv[++i]), max_sizes = 0;
-                 max_sizes < nsizes && sizes[max_sizes] <= tmax; max_sizes++)
-                ;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &world);
+    if (agree_options(argc, argv, sizes[nsizes - 1], &tmax))
+        return 2;
+    for (max_sizes = 0; max_sizes < nsizes && sizes[max_sizes] <= tmax; max_sizes++)
+        ;
     tmax = sizes[max_sizes - 1];
     /* DeepSeek-V3-like routing: 256 experts, top-8, H 7168; small experts (I 256): their GEMMs
      * are not what this measures. */

@@ -9,6 +9,7 @@
 #define _POSIX_C_SOURCE 200809L /* setenv */
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#include <errno.h>
 #include <math.h>
 #include <mpi.h>
 #include <stdint.h>
@@ -17,6 +18,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "cli.h"
 #include "dispatch_bench.h"
 #include "layer_gen.h"
 #include "moe/moe.h"
@@ -32,17 +34,19 @@
         cudaError_t e_ = (call);                                                                   \
         if (e_ != cudaSuccess) {                                                                   \
             fprintf(stderr, "moe-bench: %s failed: %s\n", #call, cudaGetErrorString(e_));          \
-            exit(1);                                                                               \
+            MPI_Abort(MPI_COMM_WORLD, 1);                                                          \
         }                                                                                          \
     } while (0)
 
+/* After the ranks agreed on the options, a failure on one rank can leave the others in a
+ * collective: MPI_Abort ends the job promptly (the library itself never aborts). */
 #define MOE_OK(call)                                                                               \
     do {                                                                                           \
         moe_status_t s_ = (call);                                                                  \
         if (s_ != MOE_STATUS_SUCCESS) {                                                            \
             fprintf(stderr, "moe-bench: %s failed: %s: %s\n", #call, moe_status_string(s_),        \
                     moe_last_error());                                                             \
-            exit(1);                                                                               \
+            MPI_Abort(MPI_COMM_WORLD, 1);                                                          \
         }                                                                                          \
     } while (0)
 
@@ -60,7 +64,16 @@ typedef struct options {
     int num_tokens;
     int64_t graph_max; /* graph-replay steps of at most this many tokens */
     double seconds;    /* time spent per point, roughly */
+    int help;
+    FILE *json_file; /* opened before the run, so a bad path fails before minutes of work */
+    char err[512];   /* why this rank rejected its options */
 } options_t;
+
+/* Bounds: every size stays inside an int (nothing wraps) and every buffer size in int64. */
+#define MAX_DIM (INT64_C(1) << 20)
+#define MAX_M (INT64_C(1) << 30) /* the library's max_tokens_per_rank */
+
+#define REJECT(...) (snprintf(o->err, sizeof(o->err), __VA_ARGS__), 0)
 
 static void usage(void)
 {
@@ -73,76 +86,131 @@ static void usage(void)
            moe_gen_preset_names());
 }
 
+/* A comma-separated list of token counts, each in 1..MAX_M, at most MAX_POINTS of them. */
 static int parse_tokens(const char *s, options_t *o)
 {
-    char *end;
+    char item[32];
+    const char *p = s;
+    int64_t v;
     o->num_tokens = 0;
-    while (*s && o->num_tokens < MAX_POINTS) {
-        long long v = strtoll(s, &end, 10);
-        if (end == s || v < 1)
+    while (1) {
+        size_t n = strcspn(p, ",");
+        if (o->num_tokens == MAX_POINTS)
+            return REJECT("--tokens %s: more than %d token counts", s, MAX_POINTS);
+        if (n == 0 || n >= sizeof(item))
+            return REJECT("--tokens %s: expected counts like 1,8,64", s);
+        memcpy(item, p, n);
+        item[n] = '\0';
+        if (moe_cli_int("--tokens", item, 1, MAX_M, &v, o->err, sizeof(o->err)))
             return 0;
         o->tokens[o->num_tokens++] = v;
-        s = *end == ',' ? end + 1 : end;
+        if (!p[n])
+            return 1;
+        p += n + 1;
     }
-    return o->num_tokens > 0;
 }
 
+static int int_field(options_t *o, const char *a, const char *v, int64_t lo, int64_t hi, int *out)
+{
+    int64_t x;
+    if (moe_cli_int(a, v, lo, hi, &x, o->err, sizeof(o->err)))
+        return 0;
+    *out = (int)x;
+    o->preset = "custom";
+    return 1;
+}
+
+/* The command line into *o; 0 with o->err on the first bad option. */
 static int parse(int argc, char **argv, options_t *o)
 {
     int i;
     moe_layer_config_t init = MOE_LAYER_CONFIG_INIT;
+    memset(o, 0, sizeof(*o));
     o->cfg = init;
     o->preset = "mixtral-8x7b";
-    o->json = NULL;
     o->graph_max = 512;
     o->seconds = 0.3;
     parse_tokens("1,8,64,512,2048,8192", o);
     moe_gen_preset(o->preset, &o->cfg);
+    for (i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h"))
+            return o->help = 1;
     for (i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            usage();
-            exit(0);
-        }
-        if (!v) {
-            fprintf(stderr, "moe-bench: %s needs a value\n", a);
-            return 0;
-        }
+        int ok = 1;
+        if (!v)
+            return REJECT("%s needs a value (or is unknown: see --help)", a);
         i++;
         if (!strcmp(a, "--preset")) {
             o->preset = v;
             o->cfg = init;
-            if (!moe_gen_preset(v, &o->cfg)) {
-                fprintf(stderr, "moe-bench: --preset %s: unknown (%s)\n", v,
-                        moe_gen_preset_names());
-                return 0;
-            }
+            if (!moe_gen_preset(v, &o->cfg))
+                return REJECT("--preset %s: unknown (%s)", v, moe_gen_preset_names());
         } else if (!strcmp(a, "--experts")) {
-            o->cfg.num_experts = atoi(v), o->preset = "custom";
+            ok = int_field(o, a, v, 1, 65536, &o->cfg.num_experts);
         } else if (!strcmp(a, "--top-k")) {
-            o->cfg.top_k = atoi(v), o->preset = "custom";
+            ok = int_field(o, a, v, 1, 64, &o->cfg.top_k);
         } else if (!strcmp(a, "--hidden")) {
-            o->cfg.hidden = atoi(v), o->preset = "custom";
+            ok = int_field(o, a, v, 1, MAX_DIM, &o->cfg.hidden);
         } else if (!strcmp(a, "--intermediate")) {
-            o->cfg.intermediate = atoi(v), o->preset = "custom";
+            ok = int_field(o, a, v, 1, MAX_DIM, &o->cfg.intermediate);
         } else if (!strcmp(a, "--tokens")) {
-            if (!parse_tokens(v, o)) {
-                fprintf(stderr, "moe-bench: --tokens %s: expected 1,8,64,...\n", v);
-                return 0;
-            }
+            ok = parse_tokens(v, o);
         } else if (!strcmp(a, "--graph-max")) {
-            o->graph_max = atoll(v);
+            ok = !moe_cli_int(a, v, 0, MAX_M, &o->graph_max, o->err, sizeof(o->err));
         } else if (!strcmp(a, "--seconds")) {
-            o->seconds = atof(v);
+            ok = !moe_cli_double(a, v, 1e-3, 3600.0, &o->seconds, o->err, sizeof(o->err));
         } else if (!strcmp(a, "--json")) {
             o->json = v;
         } else {
-            fprintf(stderr, "moe-bench: unknown option %s\n", a);
-            usage();
-            return 0;
+            return REJECT("unknown option %s (see --help)", a);
         }
+        if (!ok)
+            return 0;
     }
     return 1;
+}
+
+/* Local checks before any collective: the buffers' sizes, and rank 0's --json file. */
+static int resolve(options_t *o, int rank)
+{
+    int64_t max_m = 0;
+    int i;
+    for (i = 0; i < o->num_tokens; i++)
+        max_m = o->tokens[i] > max_m ? o->tokens[i] : max_m;
+    /* x, y: max_m x hidden bf16; topk ids max_m x top_k; weights up to E x H x 2 bytes */
+    if (max_m * o->cfg.hidden > (INT64_C(1) << 36))
+        return REJECT("--tokens %lld x --hidden %d: %lld values per buffer is too many",
+                      (long long)max_m, o->cfg.hidden, (long long)(max_m * o->cfg.hidden));
+    if (o->json && rank == 0 && !(o->json_file = fopen(o->json, "w")))
+        return REJECT("--json %s: cannot write: %s", o->json, strerror(errno));
+    return 1;
+}
+
+/* FNV-1a over the token counts, so a list enters one field. */
+static uint64_t token_list_hash(const options_t *o, uint64_t h)
+{
+    int i;
+    for (i = 0; i < o->num_tokens; i++)
+        h = (h ^ (uint64_t)o->tokens[i]) * 1099511628211ULL;
+    return h;
+}
+
+/* The options that shape the collectives, the same on every rank (cli.h). 0: go on. */
+static int agree_options(const options_t *o, int bad)
+{
+    uint64_t h = 1469598103934665603ULL;
+    const moe_cli_field_t f[] = {
+        {"--help", o->help, 0},
+        {"--experts", o->cfg.num_experts, 0},
+        {"--top-k", o->cfg.top_k, 0},
+        {"--hidden", o->cfg.hidden, 0},
+        {"--intermediate", o->cfg.intermediate, 0},
+        {"--preset", moe_cli_hash(o->preset), 1},
+        {"--graph-max", o->graph_max, 0},
+        {"--tokens", (int64_t)(token_list_hash(o, h) >> 1), 1},
+    };
+    return moe_cli_agree("moe-bench", bad, o->err, f, (int)(sizeof(f) / sizeof(f[0])));
 }
 
 /* Uniform random bf16 in [-a, a): the top half of an f32 (truncation is fine for a benchmark). */
@@ -336,6 +404,8 @@ static void run_point(moe_layer_t *layer, const options_t *o, moe_forward_args_t
     first = ms * 1e-3;
     n = (int)(o->seconds / (first > 1e-6 ? first : 1e-6));
     n = n < 20 ? 20 : (n > 1000 ? 1000 : n);
+    /* every rank runs the same number of steps (a step is collective over the ranks) */
+    MPI_Allreduce(MPI_IN_PLACE, &n, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
     /* Back to back, an event between steps: the queue never drains, so each interval is the
      * GPU's time for one step (no host launch latency inside it). */
     t = malloc(sizeof(double) * (size_t)n);
@@ -379,16 +449,13 @@ static void run_point(moe_layer_t *layer, const options_t *o, moe_forward_args_t
     cudaEventDestroy(e1);
 }
 
-static void write_json(const options_t *o, const char *gpu, double copy, double blas,
-                       const point_t *p, int n)
+/* Into the file opened at start; nonzero if a write failed. */
+static int write_json(const options_t *o, const char *gpu, double copy, double blas,
+                      const point_t *p, int n)
 {
-    FILE *f = fopen(o->json, "w");
+    FILE *f = o->json_file;
     const moe_layer_config_t *c = &o->cfg;
     int i;
-    if (!f) {
-        fprintf(stderr, "moe-bench: cannot write %s\n", o->json);
-        return;
-    }
     fprintf(f,
             "{\"preset\": \"%s\", \"gpu\": \"%s\", \"experts\": %d, \"top_k\": %d, "
             "\"hidden\": %d, \"intermediate\": %d, \"copy_gbps\": %.1f, "
@@ -408,7 +475,7 @@ static void write_json(const options_t *o, const char *gpu, double copy, double 
                 p[i].phases.route_us, p[i].phases.dispatch_us, p[i].phases.expert_us,
                 p[i].phases.shared_us, p[i].phases.combine_us);
     fprintf(f, "\n]}\n");
-    fclose(f);
+    return (ferror(f) != 0) | (fclose(f) != 0);
 }
 
 int main(int argc, char **argv)
@@ -427,7 +494,7 @@ int main(int argc, char **argv)
     uint64_t st = 777;
     int64_t max_m = 0;
     double copy, blas, score_sum = 0;
-    int i, dev = 0;
+    int i, dev = 0, rank = 0, bad;
     moe_layer_info_t info;
     time_t now = time(NULL);
     char date[32];
@@ -439,9 +506,19 @@ int main(int argc, char **argv)
             MPI_Finalize();
             return rc2;
         }
-    if (!parse(argc, argv, &o)) {
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    bad = !parse(argc, argv, &o) || (!o.help && !resolve(&o, rank));
+    if (agree_options(&o, bad)) { /* a bad option, or ranks started with different ones */
+        if (o.json_file)
+            fclose(o.json_file);
         MPI_Finalize();
         return 2;
+    }
+    if (o.help) {
+        if (rank == 0)
+            usage();
+        MPI_Finalize();
+        return 0;
     }
     for (i = 0; i < o.num_tokens; i++)
         max_m = o.tokens[i] > max_m ? o.tokens[i] : max_m;
@@ -499,8 +576,10 @@ int main(int argc, char **argv)
         score_sum += p->limit_us / p->time_us;
     }
     printf("# avg score: %.3f over %d token counts\n", score_sum / o.num_tokens, o.num_tokens);
-    if (o.json)
-        write_json(&o, prop.name, copy, blas, pts, o.num_tokens);
+    if (o.json_file && write_json(&o, prop.name, copy, blas, pts, o.num_tokens)) {
+        fprintf(stderr, "moe-bench: --json %s: write failed\n", o.json);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
     cudaFree(d_x), cudaFree(d_y), cudaFree(d_ids);
     cudaStreamDestroy(s);
     moe_layer_destroy(layer);

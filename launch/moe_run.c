@@ -2,13 +2,16 @@
 /* moe-run: the main job. Builds one MoE layer (preset, explicit sizes or a checkpoint), runs a
  * global batch of tokens split over the MPI ranks, prints per-phase timing, tokens/s, the
  * rank map, per-expert load and an output checksum (rank 0, stdout; --json FILE too). */
+#include <errno.h>
 #include <math.h>
 #include <mpi.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cli.h"
 #include "layer_gen.h"
 #include "moe/moe.h"
 #include "moe/moe_mpi.h"
@@ -20,19 +23,32 @@
 #include <cuda_runtime.h>
 #endif
 
+enum { NUM_SHAPE = 8 };
+
 typedef struct opts {
     const char *preset, *json, *dispatch, *backend, *dtype, *scoring;
     const char *model, *input, *output;
+    const char *synthetic; /* the first option that shapes a synthetic layer (not --model's) */
     int layer_index;
     moe_layer_config_t cfg;
     int64_t tokens;
     uint64_t seed;
-    int iters, warmup, bind, ep, tp, deterministic, quiet;
-    int tokens_given; /* --tokens on the command line (else --input's row count) */
+    int iters, warmup, bind, ep, tp, deterministic, quiet, help;
+    int tokens_given;     /* --tokens on the command line (else --input's row count) */
+    FILE *json_file;      /* rank 0: --json, opened before the run so a bad path fails first */
+    int shape[NUM_SHAPE]; /* --experts ... --topk-group (shape_opt) */
+    unsigned shape_set;   /* which of them were given */
+    int preset_given;
+    char err[512]; /* why this rank rejected its options */
 } opts_t;
 
 static int rank_g = 0;
+static moe_runtime_t *rt_g;
+static moe_layer_t *layer_g;
 
+/* For failures of this rank alone after the ranks agreed on the options: the others may be in
+ * (or on their way to) a collective this rank never joins, so only MPI_Abort ends the job
+ * promptly. The library itself never aborts; the tool does (docs/RELIABILITY.md). */
 #define DIE(...)                                                                                   \
     do {                                                                                           \
         fprintf(stderr, "moe-run: rank %d: ", rank_g);                                             \
@@ -41,15 +57,38 @@ static int rank_g = 0;
         MPI_Abort(MPI_COMM_WORLD, 2);                                                              \
     } while (0)
 
+/* A failed libmoe call. `agreed`: a collective call whose verdict every rank shares (a bad
+ * config, a peer's error), after which every rank can leave cleanly. Anything else, and any
+ * status that leaves a collective pending (timeout, dead peer, broken object), ends the job
+ * with MPI_Abort: MPI_Finalize would wait for, or crash on, the pending requests. */
+static void fail(moe_status_t s, const char *call, int agreed)
+{
+    int fatal = s == MOE_STATUS_TIMEOUT || s == MOE_STATUS_MPI_ERROR ||
+                s == MOE_STATUS_NCCL_ERROR || s == MOE_STATUS_CUDA_ERROR ||
+                s == MOE_STATUS_INVALID_STATE || s == MOE_STATUS_INTERNAL_ERROR;
+    fprintf(stderr, "moe-run: rank %d: %s: %s (%s)\n", rank_g, call, moe_status_string(s),
+            moe_last_error());
+    fflush(stderr);
+    if (fatal || !agreed)
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    moe_layer_destroy(layer_g);
+    moe_runtime_destroy(rt_g);
+    MPI_Finalize();
+    exit(1);
+}
+
+/* CHECK: a call of this rank alone. CHECK_ALL: a collective call with one verdict for all. */
 #define CHECK(call)                                                                                \
     do {                                                                                           \
         moe_status_t s_ = (call);                                                                  \
-        if (s_ != MOE_STATUS_SUCCESS) {                                                            \
-            fprintf(stderr, "moe-run: rank %d: %s: %s (%s)\n", rank_g, #call,                      \
-                    moe_status_string(s_), moe_last_error());                                      \
-            MPI_Finalize();                                                                        \
-            exit(1);                                                                               \
-        }                                                                                          \
+        if (s_ != MOE_STATUS_SUCCESS)                                                              \
+            fail(s_, #call, 0);                                                                    \
+    } while (0)
+#define CHECK_ALL(call)                                                                            \
+    do {                                                                                           \
+        moe_status_t s_ = (call);                                                                  \
+        if (s_ != MOE_STATUS_SUCCESS)                                                              \
+            fail(s_, #call, 1);                                                                    \
     } while (0)
 
 static void usage(void)
@@ -66,31 +105,82 @@ static void usage(void)
            "  --dispatch auto|all-to-all|all-gather   --deterministic\n"
            "  --backend auto|cpu|cuda   --bind (hwloc)   --iters N --warmup N\n"
            "  --model DIR --layer N [--input FILE] [--output FILE]   a checkpoint's layer\n"
-           "  --json FILE          also write the results as JSON\n",
+           "                       (its sizes come from DIR: no --preset/--experts/... with it)\n"
+           "  --json FILE          also write the results as JSON\n"
+           "Every rank must get the same options (checked before the first collective).\n",
            moe_gen_preset_names());
 }
 
-static int64_t num_arg(const char *v, const char *name)
+/* Largest global batch: its values (tokens x hidden) are gathered into one MPI buffer. */
+#define MAX_TOKENS ((int64_t)INT32_MAX)
+#define MAX_DIM (INT64_C(1) << 20) /* hidden, intermediate: far above any model's */
+
+#define REJECT(...) (snprintf(o->err, sizeof(o->err), __VA_ARGS__), -1)
+
+/* An integer option into an int or int64 field; -1 with o->err on a bad value. */
+static int int_opt(opts_t *o, const char *a, const char *v, int64_t lo, int64_t hi, int64_t *out)
 {
-    char *end = NULL;
-    long long x = strtoll(v, &end, 0);
-    if (!*v || *end)
-        DIE("%s %s: not an integer", name, v);
-    return x;
+    return moe_cli_int(a, v, lo, hi, out, o->err, sizeof(o->err));
 }
 
-static int need_value(const char *v, const char *name)
+static int int_field(opts_t *o, const char *a, const char *v, int64_t lo, int64_t hi, int *out)
 {
-    if (!v)
-        DIE("%s needs a value", name);
-    return 1;
+    int64_t x;
+    if (int_opt(o, a, v, lo, hi, &x))
+        return -1;
+    *out = (int)x;
+    return 0;
 }
 
-static void parse(int argc, char **argv, opts_t *o)
+/* Options that shape the synthetic layer: the int field each sets and its bounds (the library
+ * checks the combinations). The bounds keep every value inside an int, so nothing wraps. */
+static const struct shape_opt {
+    const char *name;
+    size_t off;
+    int64_t lo, hi;
+} shape[NUM_SHAPE] = {
+    {"--experts", offsetof(moe_layer_config_t, num_experts), 1, 65536},
+    {"--top-k", offsetof(moe_layer_config_t, top_k), 1, 64},
+    {"--hidden", offsetof(moe_layer_config_t, hidden), 1, MAX_DIM},
+    {"--intermediate", offsetof(moe_layer_config_t, intermediate), 1, MAX_DIM},
+    {"--shared", offsetof(moe_layer_config_t, num_shared_experts), 0, 65536},
+    {"--shared-intermediate", offsetof(moe_layer_config_t, shared_intermediate), 0, MAX_DIM},
+    {"--n-group", offsetof(moe_layer_config_t, n_group), 0, 65536},
+    {"--topk-group", offsetof(moe_layer_config_t, topk_group), 0, 65536},
+};
+
+/* A shape option's value into o->shape; *handled = 0 if `a` is not one. */
+static int shape_opt(opts_t *o, const char *a, const char *v, int *handled)
+{
+    int i;
+    for (i = 0; i < NUM_SHAPE; i++) {
+        if (strcmp(a, shape[i].name))
+            continue;
+        *handled = 1;
+        if (!o->synthetic)
+            o->synthetic = shape[i].name;
+        o->shape_set |= 1u << i;
+        return int_field(o, a, v, shape[i].lo, shape[i].hi, &o->shape[i]);
+    }
+    *handled = 0;
+    return 0;
+}
+
+/* The synthetic layer: the preset (when named, or when no size is given), then the sizes. */
+static int synthetic_config(opts_t *o)
+{
+    int i;
+    if ((o->preset_given || !(o->shape_set & 0xfu)) && !moe_gen_preset(o->preset, &o->cfg))
+        return REJECT("--preset %s: unknown (known: %s)", o->preset, moe_gen_preset_names());
+    for (i = 0; i < NUM_SHAPE; i++)
+        if (o->shape_set & (1u << i))
+            *(int *)((char *)&o->cfg + shape[i].off) = o->shape[i];
+    return 0;
+}
+
+static void opts_init(opts_t *o)
 {
     moe_layer_config_t dflt = MOE_LAYER_CONFIG_INIT;
-    int i, explicit_sizes = 0;
-
     memset(o, 0, sizeof(*o));
     o->cfg = dflt;
     o->preset = "tiny";
@@ -98,96 +188,122 @@ static void parse(int argc, char **argv, opts_t *o)
     o->seed = 1;
     o->iters = 5;
     o->warmup = 1;
-    o->dtype = "bf16";
     o->layer_index = -1;
-    for (i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-#define OPT(name) (!strcmp(a, name) && need_value(v, name) && ++i)
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            if (rank_g == 0)
-                usage();
-            MPI_Finalize();
-            exit(0);
-        } else if (!strcmp(a, "--deterministic")) {
-            o->deterministic = 1;
-        } else if (!strcmp(a, "--bind")) {
-            o->bind = 1;
-        } else if (!strcmp(a, "--quiet")) {
-            o->quiet = 1;
-        } else if (OPT("--preset")) {
-            o->preset = v;
-        } else if (OPT("--experts")) {
-            o->cfg.num_experts = (int)num_arg(v, a), explicit_sizes = 1;
-        } else if (OPT("--top-k")) {
-            o->cfg.top_k = (int)num_arg(v, a), explicit_sizes = 1;
-        } else if (OPT("--hidden")) {
-            o->cfg.hidden = (int)num_arg(v, a), explicit_sizes = 1;
-        } else if (OPT("--intermediate")) {
-            o->cfg.intermediate = (int)num_arg(v, a), explicit_sizes = 1;
-        } else if (OPT("--shared")) {
-            o->cfg.num_shared_experts = (int)num_arg(v, a);
-        } else if (OPT("--shared-intermediate")) {
-            o->cfg.shared_intermediate = (int)num_arg(v, a);
-        } else if (OPT("--scoring")) {
-            o->scoring = v;
-        } else if (OPT("--n-group")) {
-            o->cfg.n_group = (int)num_arg(v, a);
-        } else if (OPT("--topk-group")) {
-            o->cfg.topk_group = (int)num_arg(v, a);
-        } else if (OPT("--dtype")) {
-            o->dtype = v;
-        } else if (OPT("--tokens")) {
-            o->tokens = num_arg(v, a);
-            o->tokens_given = 1;
-        } else if (OPT("--seed")) {
-            o->seed = (uint64_t)num_arg(v, a);
-        } else if (OPT("--ep")) {
-            o->ep = (int)num_arg(v, a);
-        } else if (OPT("--tp")) {
-            o->tp = (int)num_arg(v, a);
-        } else if (OPT("--dispatch")) {
-            o->dispatch = v;
-        } else if (OPT("--backend")) {
-            o->backend = v;
-        } else if (OPT("--iters")) {
-            o->iters = (int)num_arg(v, a);
-        } else if (OPT("--warmup")) {
-            o->warmup = (int)num_arg(v, a);
-        } else if (OPT("--json")) {
-            o->json = v;
-        } else if (OPT("--model")) {
-            o->model = v;
-        } else if (OPT("--layer")) {
-            o->layer_index = (int)num_arg(v, a);
-        } else if (OPT("--input")) {
-            o->input = v;
-        } else if (OPT("--output")) {
-            o->output = v;
-        } else {
-            DIE("unknown option %s (see --help)", a);
-        }
-#undef OPT
+}
+
+/* One option (and its value); -1 with o->err on a bad one. *used: 1 if the value was taken. */
+static int parse_one(opts_t *o, const char *a, const char *v, int *used)
+{
+    int64_t x;
+    int handled;
+
+    *used = 0;
+    if (!strcmp(a, "--deterministic"))
+        return o->deterministic = 1, 0;
+    if (!strcmp(a, "--bind"))
+        return o->bind = 1, 0;
+    if (!strcmp(a, "--quiet"))
+        return o->quiet = 1, 0;
+    if (strncmp(a, "--", 2))
+        return REJECT("unexpected argument %s (see --help)", a);
+    if (!v)
+        return REJECT("%s needs a value (or is unknown: see --help)", a);
+    *used = 1;
+    if (shape_opt(o, a, v, &handled))
+        return -1;
+    if (handled)
+        return 0;
+    if (!strcmp(a, "--preset")) {
+        o->preset = v;
+        o->preset_given = 1;
+        if (!o->synthetic)
+            o->synthetic = "--preset";
+    } else if (!strcmp(a, "--scoring")) {
+        o->scoring = v;
+        if (!o->synthetic)
+            o->synthetic = "--scoring";
+    } else if (!strcmp(a, "--dtype")) {
+        o->dtype = v;
+        if (!o->synthetic)
+            o->synthetic = "--dtype";
+    } else if (!strcmp(a, "--tokens")) {
+        if (int_opt(o, a, v, 0, MAX_TOKENS, &o->tokens))
+            return -1;
+        o->tokens_given = 1;
+    } else if (!strcmp(a, "--seed")) {
+        if (int_opt(o, a, v, 0, INT64_MAX, &x))
+            return -1;
+        o->seed = (uint64_t)x;
+    } else if (!strcmp(a, "--ep")) {
+        return int_field(o, a, v, 0, 65536, &o->ep);
+    } else if (!strcmp(a, "--tp")) {
+        return int_field(o, a, v, 0, 65536, &o->tp);
+    } else if (!strcmp(a, "--iters")) {
+        return int_field(o, a, v, 1, 1000000, &o->iters);
+    } else if (!strcmp(a, "--warmup")) {
+        return int_field(o, a, v, 0, 1000000, &o->warmup);
+    } else if (!strcmp(a, "--layer")) {
+        return int_field(o, a, v, 0, 1000000, &o->layer_index);
+    } else if (!strcmp(a, "--dispatch")) {
+        o->dispatch = v;
+    } else if (!strcmp(a, "--backend")) {
+        o->backend = v;
+    } else if (!strcmp(a, "--json")) {
+        o->json = v;
+    } else if (!strcmp(a, "--model")) {
+        o->model = v;
+    } else if (!strcmp(a, "--input")) {
+        o->input = v;
+    } else if (!strcmp(a, "--output")) {
+        o->output = v;
+    } else {
+        return REJECT("unknown option %s (see --help)", a);
     }
-    if (!explicit_sizes && !o->model && !moe_gen_preset(o->preset, &o->cfg))
-        DIE("unknown preset %s (known: %s)", o->preset, moe_gen_preset_names());
+    return 0;
+}
+
+/* The command line into *o; -1 with o->err on the first bad option or combination. */
+static int parse(int argc, char **argv, opts_t *o)
+{
+    const char *dtype;
+    int i, used;
+
+    opts_init(o);
+    for (i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help"))
+            return o->help = 1, 0;
+    for (i = 1; i < argc; i++) {
+        if (parse_one(o, argv[i], i + 1 < argc ? argv[i + 1] : NULL, &used))
+            return -1;
+        i += used;
+    }
+    if (o->model && o->synthetic)
+        return REJECT("%s with --model: the layer's shape comes from --model %s (its "
+                      "config.json); drop %s",
+                      o->synthetic, o->model, o->synthetic);
+    if (o->layer_index >= 0 && !o->model)
+        return REJECT("--layer %d needs --model DIR (without --model the layer is synthetic: "
+                      "--preset or --experts ...)",
+                      o->layer_index);
+    if (o->model && o->layer_index < 0)
+        return REJECT("--model needs --layer N");
+    if (!o->model && synthetic_config(o))
+        return -1;
     if (o->scoring && !strcmp(o->scoring, "sigmoid"))
         o->cfg.scoring = MOE_SCORING_SIGMOID;
     else if (o->scoring && strcmp(o->scoring, "softmax"))
-        DIE("--scoring %s: expected softmax or sigmoid", o->scoring);
-    if (!strcmp(o->dtype, "f32"))
+        return REJECT("--scoring %s: expected softmax or sigmoid", o->scoring);
+    dtype = o->dtype ? o->dtype : "bf16";
+    if (!strcmp(dtype, "f32"))
         o->cfg.weight_dtype = MOE_DTYPE_F32;
-    else if (!strcmp(o->dtype, "bf16"))
+    else if (!strcmp(dtype, "bf16"))
         o->cfg.weight_dtype = MOE_DTYPE_BF16;
-    else if (!strcmp(o->dtype, "fp8"))
+    else if (!strcmp(dtype, "fp8"))
         o->cfg.weight_dtype = MOE_DTYPE_FP8_E4M3, o->cfg.scale_kind = MOE_SCALE_BLOCK_128;
     else
-        DIE("--dtype %s: expected f32, bf16 or fp8", o->dtype);
-    if (o->tokens < 0)
-        DIE("--tokens %lld: must be >= 0", (long long)o->tokens);
-    if (o->iters < 1 || o->warmup < 0)
-        DIE("--iters must be >= 1 and --warmup >= 0");
-    if (o->model && o->layer_index < 0)
-        DIE("--model needs --layer N");
+        return REJECT("--dtype %s: expected f32, bf16 or fp8", dtype);
+    o->dtype = dtype;
+    return 0;
 }
 
 static moe_dispatch_t dispatch_of(const char *s)
@@ -309,11 +425,11 @@ static void time_steps(moe_layer_t *layer, const moe_forward_args_t *fa, const o
     if (!ph)
         DIE("out of memory");
     for (i = 0; i < o->warmup; i++)
-        CHECK(moe_layer_forward(layer, fa));
+        CHECK_ALL(moe_layer_forward(layer, fa));
     for (i = 0; i < o->iters; i++) {
         MPI_Barrier(MPI_COMM_WORLD);
         wall0 = MPI_Wtime();
-        CHECK(moe_layer_forward(layer, fa));
+        CHECK_ALL(moe_layer_forward(layer, fa));
         CHECK(moe_layer_synchronize(layer, NULL));
         CHECK(moe_layer_get_stats(layer, &st));
         MPI_Barrier(MPI_COMM_WORLD);
@@ -417,7 +533,7 @@ static void print_load(moe_layer_t *layer, int E)
     free(sum);
 }
 
-static void print_results(const opts_t *o, const results_t *r, const moe_runtime_info_t *ri,
+static void print_results(opts_t *o, const results_t *r, const moe_runtime_info_t *ri,
                           const moe_layer_info_t *li)
 {
     static const char *names[PH_N] = {"route", "dispatch", "expert", "combine", "shared", "total"};
@@ -429,32 +545,108 @@ static void print_results(const opts_t *o, const results_t *r, const moe_runtime
     printf("\ntokens/s %.1f\n", r->tokens_per_s);
     printf("checksum %.6e abs %.6e\n", r->checksum, r->abs_sum);
     printf("output_hash 0x%016llx\n", (unsigned long long)r->hash);
-    if (!o->json)
+    if (!o->json_file)
         return;
-    j = fopen(o->json, "w");
-    if (!j)
-        DIE("cannot write %s", o->json);
+    j = o->json_file;
     fprintf(j,
             "{\n  \"backend\": \"%s\", \"ranks\": %d, \"ep\": %d, \"tp\": %d,\n"
             "  \"experts\": %d, \"top_k\": %d, \"hidden\": %d, \"intermediate\": %d,\n"
             "  \"dtype\": \"%s\", \"tokens\": %lld, \"iters\": %d,\n  \"phase_us\": {",
             moe_backend_name(ri->backend), ri->world_size, li->ep_size, li->tp_size,
-            o->cfg.num_experts, o->cfg.top_k, o->cfg.hidden, o->cfg.intermediate, o->dtype,
-            (long long)o->tokens, o->iters);
+            o->cfg.num_experts, o->cfg.top_k, o->cfg.hidden, o->cfg.intermediate,
+            o->model ? moe_dtype_name(o->cfg.weight_dtype) : o->dtype, (long long)o->tokens,
+            o->iters);
     for (p = 0; p < PH_N; p++)
         fprintf(j, "%s\"%s\": %.3f", p ? ", " : "", names[p], r->phase_us[p]);
     fprintf(j,
             "},\n  \"tokens_per_s\": %.3f,\n  \"checksum\": %.9e,\n  \"abs_sum\": %.9e,\n"
             "  \"output_hash\": \"0x%016llx\"\n}\n",
             r->tokens_per_s, r->checksum, r->abs_sum, (unsigned long long)r->hash);
-    fclose(j);
+    if (fclose(j) != 0)
+        DIE("--json %s: write failed: %s", o->json, strerror(errno));
+}
+
+/* Local work before any collective: the checkpoint's layer config, --input's token count, the
+ * sizes that must fit the run, and rank 0's --json file. -1 with o->err on failure. */
+static int resolve(opts_t *o, int world)
+{
+    int64_t per_rank;
+#ifdef MOE_RUN_HAVE_MODEL
+    moe_status_t st;
+    if (o->model && (st = moe_run_model_config(o->model, o->layer_index, &o->cfg)))
+        return REJECT("--model %s --layer %d: %s (%s)", o->model, o->layer_index,
+                      moe_status_string(st), moe_last_error());
+    if (o->input && !o->tokens_given) { /* the global batch is the file's tokens */
+        moe_dtype_t dt;
+        int64_t cols;
+        st = moe_safetensors_tensor_info(o->input, "hidden_states", &dt, &o->tokens, &cols);
+        if (st != MOE_STATUS_SUCCESS)
+            return REJECT("--input %s: %s (%s)", o->input, moe_status_string(st), moe_last_error());
+        if (o->tokens > MAX_TOKENS)
+            return REJECT("--input %s: %lld tokens: more than %lld", o->input, (long long)o->tokens,
+                          (long long)MAX_TOKENS);
+    }
+#else
+    if (o->model)
+        return REJECT("--model: this build has no checkpoint support");
+    if (o->input || o->output)
+        return REJECT("--%s: this build has no safetensors support", o->input ? "input" : "output");
+#endif
+    per_rank = (o->tokens + world - 1) / world;
+    if (per_rank > (INT64_C(1) << 30))
+        return REJECT("--tokens %lld: %lld per rank over %d rank(s); at most %lld",
+                      (long long)o->tokens, (long long)per_rank, world,
+                      (long long)(INT64_C(1) << 30));
+    /* checksum() and --output gather every value to rank 0 with int counts */
+    if (o->tokens * o->cfg.hidden > INT32_MAX)
+        return REJECT("--tokens %lld x hidden %d = %lld values: more than one MPI gather holds "
+                      "(%d)",
+                      (long long)o->tokens, o->cfg.hidden, (long long)(o->tokens * o->cfg.hidden),
+                      INT32_MAX);
+    if (o->json && rank_g == 0 && !(o->json_file = fopen(o->json, "w")))
+        return REJECT("--json %s: cannot write: %s", o->json, strerror(errno));
+    return 0;
+}
+
+/* Every rank's verdict on its options, and the options that shape the collectives, compared
+ * before the first collective: a rank started with other options would wait in a collective
+ * the others never post. Returns 0 when the run can go on. */
+static int agree_options(const opts_t *o, int bad)
+{
+    const moe_layer_config_t *c = &o->cfg;
+    const moe_cli_field_t f[] = {
+        {"--help", o->help, 0},
+        {"--input (given or not)", o->input != NULL, 0},
+        {"--output (given or not)", o->output != NULL, 0},
+        {"--model (given or not)", o->model != NULL, 0},
+        {"--iters", o->iters, 0},
+        {"--warmup", o->warmup, 0},
+        {"--tokens", o->tokens, 0},
+        {"--layer", o->layer_index, 0},
+        {"--experts", c->num_experts, 0},
+        {"--top-k", c->top_k, 0},
+        {"--hidden", c->hidden, 0},
+        {"--intermediate", c->intermediate, 0},
+        {"--shared", c->num_shared_experts, 0},
+        {"--shared-intermediate", c->shared_intermediate, 0},
+        {"shared expert gate", c->shared_expert_gate, 0},
+        {"--scoring", c->scoring, 0},
+        {"--n-group", c->n_group, 0},
+        {"--topk-group", c->topk_group, 0},
+        {"--dtype", c->weight_dtype, 0},
+        {"--ep", o->ep, 0},
+        {"--tp", o->tp, 0},
+        {"--dispatch", moe_cli_hash(o->dispatch ? o->dispatch : "auto"), 1},
+        {"--backend", moe_cli_hash(o->backend ? o->backend : "auto"), 1},
+        {"--deterministic", o->deterministic, 0},
+        {"--seed", (int64_t)o->seed, 0},
+    };
+    return moe_cli_agree("moe-run", bad, o->err, f, (int)(sizeof(f) / sizeof(f[0])));
 }
 
 int main(int argc, char **argv)
 {
     moe_runtime_config_t rc = MOE_RUNTIME_CONFIG_INIT;
-    moe_runtime_t *rt = NULL;
-    moe_layer_t *layer = NULL;
     moe_runtime_info_t ri;
     moe_layer_info_t li;
     moe_forward_args_t fa = MOE_FORWARD_ARGS_INIT;
@@ -463,40 +655,43 @@ int main(int argc, char **argv)
     io_t io = {0};
     float *x;
     int64_t t0, my_tokens;
-    int world;
+    int world, bad;
 
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &rank_g);
     MPI_Comm_size(MPI_COMM_WORLD, &world);
-    parse(argc, argv, &o);
+    bad = parse(argc, argv, &o);
+    if (!bad && !o.help)
+        bad = resolve(&o, world);
+    if (agree_options(&o, bad)) {
+        if (o.json_file)
+            fclose(o.json_file);
+        MPI_Finalize();
+        return 2;
+    }
+    if (o.help) {
+        if (rank_g == 0)
+            usage();
+        MPI_Finalize();
+        return 0;
+    }
     rc.backend = backend_of(o.backend);
     rc.bind = o.bind;
-    CHECK(moe_runtime_create_mpi(&rc, MPI_COMM_WORLD, &rt));
-    CHECK(moe_runtime_get_info(rt, &ri));
-#ifdef MOE_RUN_HAVE_MODEL
-    if (o.model)
-        CHECK(moe_run_model_config(o.model, o.layer_index, &o.cfg));
-    if (o.input && !o.tokens_given) { /* the global batch is the file's tokens */
-        moe_dtype_t dt;
-        int64_t cols;
-        CHECK(moe_safetensors_tensor_info(o.input, "hidden_states", &dt, &o.tokens, &cols));
-    }
-#else
-    if (o.model)
-        DIE("--model: this build has no checkpoint support");
-#endif
+    CHECK_ALL(moe_runtime_create_mpi(&rc, MPI_COMM_WORLD, &rt_g));
+    CHECK(moe_runtime_get_info(rt_g, &ri));
     o.cfg.ep_size = o.ep;
     o.cfg.tp_size = o.tp;
     o.cfg.dispatch = dispatch_of(o.dispatch);
     o.cfg.deterministic = o.deterministic ? 1 : MOE_AUTO;
-    /* The global batch split evenly: rank r gets tokens [t0, t0 + my_tokens). */
+    /* The global batch split evenly: rank r gets tokens [t0, t0 + my_tokens). No overflow:
+     * tokens < 2^31 and rank < 2^31. */
     t0 = o.tokens * rank_g / world;
     my_tokens = o.tokens * (rank_g + 1) / world - t0;
     o.cfg.max_tokens_per_rank = my_tokens > 0 ? my_tokens : 1;
     MPI_Allreduce(MPI_IN_PLACE, &o.cfg.max_tokens_per_rank, 1, MPI_INT64_T, MPI_MAX,
                   MPI_COMM_WORLD);
-    CHECK(moe_layer_create(rt, &o.cfg, &layer));
-    CHECK(moe_layer_get_info(layer, &li));
+    CHECK_ALL(moe_layer_create(rt_g, &o.cfg, &layer_g));
+    CHECK(moe_layer_get_info(layer_g, &li));
     if (rank_g == 0)
         printf(
             "# libmoe %d.%d.%d moe-run: backend %s%s, %d rank(s), ep %d x tp %d, dispatch %s%s\n"
@@ -515,18 +710,16 @@ int main(int argc, char **argv)
         DIE("out of memory for %lld tokens", (long long)my_tokens);
 #ifdef MOE_RUN_HAVE_MODEL
     if (o.model)
-        CHECK(moe_run_model_load(layer, o.model, o.layer_index));
+        CHECK_ALL(moe_run_model_load(layer_g, o.model, o.layer_index));
     else
-        CHECK(moe_gen_set_weights(layer, &o.cfg, o.seed));
+        CHECK(moe_gen_set_weights(layer_g, &o.cfg, o.seed));
     /* tokens from --input (any layer), else random from --seed */
-    CHECK(moe_run_model_tokens(o.input, o.seed, t0, my_tokens, o.cfg.hidden, x));
+    CHECK_ALL(moe_run_model_tokens(o.input, o.seed, t0, my_tokens, o.cfg.hidden, x));
 #else
-    if (o.input)
-        DIE("--input: this build has no safetensors support");
-    CHECK(moe_gen_set_weights(layer, &o.cfg, o.seed));
+    CHECK(moe_gen_set_weights(layer_g, &o.cfg, o.seed));
     moe_gen_tokens(o.seed, t0, my_tokens, o.cfg.hidden, x);
 #endif
-    CHECK(moe_layer_get_info(layer, &li));
+    CHECK(moe_layer_get_info(layer_g, &li));
     print_rank_map(&ri, &li, my_tokens, world);
     io_setup(&io, ri.backend == MOE_BACKEND_CUDA, x, my_tokens * o.cfg.hidden);
     fa.num_tokens = my_tokens;
@@ -534,21 +727,23 @@ int main(int argc, char **argv)
     fa.x = io.x;
     fa.y = io.y;
     memset(&res, 0, sizeof(res));
-    time_steps(layer, &fa, &o, &res);
+    time_steps(layer_g, &fa, &o, &res);
     io_fetch(&io, my_tokens * o.cfg.hidden);
-    print_load(layer, o.cfg.num_experts);
+    print_load(layer_g, o.cfg.num_experts);
     checksum(&io, my_tokens, o.cfg.hidden, world, &res);
 #ifdef MOE_RUN_HAVE_MODEL
     if (o.output)
-        CHECK(moe_run_model_write_output(o.output, io.hy, my_tokens, o.cfg.hidden));
+        CHECK_ALL(moe_run_model_write_output(o.output, io.hy, my_tokens, o.cfg.hidden));
 #endif
     if (rank_g == 0)
         print_results(&o, &res, &ri, &li);
     fflush(stdout);
     io_free(&io);
     free(x);
-    CHECK(moe_layer_destroy(layer));
-    CHECK(moe_runtime_destroy(rt));
+    CHECK(moe_layer_destroy(layer_g));
+    layer_g = NULL;
+    CHECK(moe_runtime_destroy(rt_g));
+    rt_g = NULL;
     MPI_Finalize();
     return 0;
 }

@@ -1,9 +1,38 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The one place libmoe reads the environment. */
+/* The one place libmoe reads the environment, and the one parser of its integer knobs. */
 #include "diag.h"
 
 #include <errno.h>
 #include <stdlib.h>
+#include <string.h>
+
+/* The integer knobs and their valid ranges. A knob not listed here must fit an int (callers
+ * store it in one); nothing wraps silently. */
+static const struct knob {
+    const char *name;
+    int64_t min, max;
+} knobs[] = {
+    {"MOE_TIMEOUT_MS", 1, 24 * 3600 * 1000}, /* a wait for a peer: 1 ms .. 24 h */
+    {"MOE_DEVICE", -1, 4095},
+    {"MOE_AG_MAX_TOKENS", 0, INT64_C(1) << 30},
+    {"MOE_DETERMINISTIC", 0, 1},
+    {"MOE_BIND", 0, 1},
+    {"MOE_PROFILE", 0, 1},
+    {"MOE_GEMM_PDL", 0, 1},
+};
+
+static void knob_range(const char *name, int64_t *min, int64_t *max)
+{
+    size_t i;
+    for (i = 0; i < sizeof(knobs) / sizeof(knobs[0]); i++)
+        if (!strcmp(knobs[i].name, name)) {
+            *min = knobs[i].min;
+            *max = knobs[i].max;
+            return;
+        }
+    *min = -2147483647 - 1;
+    *max = 2147483647;
+}
 
 const char *moe_env_str(const char *name, const char *dflt)
 {
@@ -11,18 +40,57 @@ const char *moe_env_str(const char *name, const char *dflt)
     return (v && *v) ? v : dflt;
 }
 
+/* Decimal or 0x hex (never octal: "010" is ten), the whole string, inside [min, max]. Returns
+ * NULL and sets *x, or what is wrong with the value. */
+static const char *parse_int(const char *v, int64_t min, int64_t max, int64_t *x)
+{
+    const char *p = v;
+    char *end = NULL;
+    long long r;
+
+    if (*p == '-' || *p == '+')
+        p++;
+    if (*p < '0' || *p > '9')
+        return "not an integer";
+    errno = 0;
+    r = strtoll(v, &end, p[0] == '0' && (p[1] == 'x' || p[1] == 'X') ? 16 : 10);
+    if (end == v || *end)
+        return "not an integer";
+    if (errno == ERANGE || r < min || r > max)
+        return "out of range";
+    *x = (int64_t)r;
+    return NULL;
+}
+
+/* Like moe_env_int, but a bad value is MOE_STATUS_INVALID_ARGUMENT with a message naming the
+ * variable, its value and the valid range (for knobs where guessing is worse than stopping:
+ * MOE_TIMEOUT_MS). The declaration belongs in diag.h beside moe_env_int. */
+moe_status_t moe_env_int_checked(const char *name, int64_t dflt, int64_t *out);
+
+moe_status_t moe_env_int_checked(const char *name, int64_t dflt, int64_t *out)
+{
+    const char *v = getenv(name), *why;
+    int64_t min, max, x = dflt;
+
+    knob_range(name, &min, &max);
+    if (v && *v && (why = parse_int(v, min, max, &x)) != NULL)
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT, "%s=%s: %s (expected %lld..%lld)", name, v,
+                         why, (long long)min, (long long)max);
+    *out = x;
+    return MOE_STATUS_SUCCESS;
+}
+
 int64_t moe_env_int(const char *name, int64_t dflt)
 {
-    const char *v = getenv(name);
-    char *end = NULL;
-    long long x;
+    const char *v = getenv(name), *why;
+    int64_t min, max, x = dflt;
 
     if (!v || !*v)
         return dflt;
-    errno = 0;
-    x = strtoll(v, &end, 0);
-    if (errno || *end) {
-        MOE_LOG_WARN("ENV", "%s=%s is not an integer; using %lld", name, v, (long long)dflt);
+    knob_range(name, &min, &max);
+    if ((why = parse_int(v, min, max, &x)) != NULL) {
+        MOE_LOG_WARN("ENV", "%s=%s: %s (expected %lld..%lld); using %lld", name, v, why,
+                     (long long)min, (long long)max, (long long)dflt);
         return dflt;
     }
     return x;

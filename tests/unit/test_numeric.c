@@ -143,6 +143,20 @@ static void test_bulk_conversions(void **state)
     assert_true(back[0] == 1.0f && back[3] == 448.0f && fabsf(back[4] - 0.1f) < 0.01f);
 }
 
+/* n = 0 with NULL buffers (a forward with no tokens may pass NULL x and y): nothing is touched,
+ * and no memcpy sees a NULL pointer (UBSan's nonnull check). */
+static void test_convert_empty_null(void **state)
+{
+    static const moe_dtype_t dts[] = {MOE_DTYPE_F32, MOE_DTYPE_BF16, MOE_DTYPE_F16,
+                                      MOE_DTYPE_FP8_E4M3};
+    size_t i;
+    (void)state;
+    for (i = 0; i < sizeof(dts) / sizeof(dts[0]); i++) {
+        moe_convert_to_f32(dts[i], NULL, NULL, 0);
+        moe_convert_from_f32(dts[i], NULL, NULL, 0);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -155,6 +169,7 @@ int main(void)
         cmocka_unit_test(test_bf16_rounding),
         cmocka_unit_test(test_f16_all_codes_round_trip),
         cmocka_unit_test(test_bulk_conversions),
+        cmocka_unit_test(test_convert_empty_null),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
