@@ -17,6 +17,7 @@
 #include "kernels/numeric.h"
 #include "runtime/diag.h"
 #include "runtime/json.h"
+#include "runtime/checkpoint.h"
 #include "runtime/safetensors.h"
 #include "runtime/weights.h"
 
@@ -109,6 +110,20 @@ static moe_status_t read_small_file(const char *path, size_t cap, char **out, si
     return MOE_STATUS_SUCCESS;
 }
 
+/* JSON text whose top level must be an object; `what` names it in messages. */
+static moe_status_t parse_json_object(const char *text, size_t len, const char *what,
+                                      moe_json_doc_t **doc)
+{
+    moe_status_t st = moe_json_parse(text, len, 0, what, doc);
+    if (st == MOE_STATUS_SUCCESS && moe_json_root(*doc)->type != MOE_JSON_OBJECT) {
+        st = moe_error(MOE_STATUS_FORMAT_ERROR, "%s: top level is a %s, expected an object", what,
+                       moe_json_type_name(moe_json_root(*doc)->type));
+        moe_json_free(*doc);
+        *doc = NULL;
+    }
+    return st;
+}
+
 static moe_status_t parse_json_file(const char *path, size_t cap, moe_json_doc_t **doc,
                                     int *missing)
 {
@@ -120,14 +135,8 @@ static moe_status_t parse_json_file(const char *path, size_t cap, moe_json_doc_t
     MOE_CHECK(read_small_file(path, cap, &text, &len, missing));
     if (*missing)
         return MOE_STATUS_SUCCESS;
-    st = moe_json_parse(text, len, 0, path, doc);
+    st = parse_json_object(text, len, path, doc);
     free(text);
-    if (st == MOE_STATUS_SUCCESS && moe_json_root(*doc)->type != MOE_JSON_OBJECT) {
-        st = moe_error(MOE_STATUS_FORMAT_ERROR, "%s: top level is a %s, expected an object", path,
-                       moe_json_type_name(moe_json_root(*doc)->type));
-        moe_json_free(*doc);
-        *doc = NULL;
-    }
     return st;
 }
 
@@ -166,16 +175,25 @@ static int cmp_shard_refs(const void *a, const void *b)
 /* Shard files get their ids from the sorted shard names (O(n log n), unlike a search of the
  * files so far per entry); the names are sorted for find_tensor's bsearch. *missing = 1 when
  * there is no index. */
+static moe_status_t map_index(moe_checkpoint_t *c, const char *path);
+
 static moe_status_t load_index(moe_checkpoint_t *c, const char *path, int *missing)
+{
+
+    MOE_CHECK(parse_json_file(path, MAX_INDEX_BYTES, &c->index_doc, missing));
+    if (*missing)
+        return MOE_STATUS_SUCCESS;
+    return map_index(c, path);
+}
+
+/* c->names and c->files from the parsed index's weight_map. */
+static moe_status_t map_index(moe_checkpoint_t *c, const char *path)
 {
     const moe_json_t *wm;
     shard_ref_t *refs = NULL;
     size_t n = 0, nf = 0;
     moe_status_t st = MOE_STATUS_SUCCESS;
 
-    MOE_CHECK(parse_json_file(path, MAX_INDEX_BYTES, &c->index_doc, missing));
-    if (*missing)
-        return MOE_STATUS_SUCCESS;
     wm = moe_json_get(moe_json_root(c->index_doc), "weight_map");
     if (!wm || wm->type != MOE_JSON_OBJECT)
         return moe_error(MOE_STATUS_FORMAT_ERROR, "%s: no \"weight_map\" object", path);
@@ -279,12 +297,28 @@ static moe_model_family_t family_of(const char *model_type)
     return MOE_FAMILY_UNKNOWN;
 }
 
+/* c->config and c->family from the parsed config.json (none: family unknown). */
+static moe_status_t set_config(moe_checkpoint_t *c)
+{
+    const char *mt = NULL;
+    int r;
+
+    c->config = moe_json_root(c->config_doc);
+    if (!c->config)
+        return MOE_STATUS_SUCCESS;
+    r = moe_json_member_string(c->config, "model_type", &mt);
+    if (r < 0)
+        return moe_error(MOE_STATUS_FORMAT_ERROR, "%s/config.json: \"model_type\" is not a string",
+                         c->dir);
+    c->family = r > 0 ? family_of(mt) : MOE_FAMILY_UNKNOWN;
+    return MOE_STATUS_SUCCESS;
+}
+
 static moe_status_t open_impl(moe_checkpoint_t *c, const char *path)
 {
     struct stat sb;
     char *p;
     int missing = 0;
-    const char *mt = NULL;
 
     if (stat(path, &sb) != 0)
         return moe_error(MOE_STATUS_IO_ERROR, "%s: %s", path, strerror(errno));
@@ -308,14 +342,7 @@ static moe_status_t open_impl(moe_checkpoint_t *c, const char *path)
         free(p);
         MOE_CHECK(st);
     }
-    c->config = moe_json_root(c->config_doc);
-    if (c->config) {
-        int r = moe_json_member_string(c->config, "model_type", &mt);
-        if (r < 0)
-            return moe_error(MOE_STATUS_FORMAT_ERROR,
-                             "%s/config.json: \"model_type\" is not a string", c->dir);
-        c->family = r > 0 ? family_of(mt) : MOE_FAMILY_UNKNOWN;
-    }
+    MOE_CHECK(set_config(c));
 
     if (c->num_files) /* one file named by the caller */
         return map_open_files(c);
@@ -1108,6 +1135,96 @@ out:
     free(x.scale);
     free(x.deq);
     return st;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* In-memory entry points (fuzz targets)                                                       */
+/* ------------------------------------------------------------------------------------------ */
+
+moe_status_t moe_checkpoint_from_memory(const char *config, size_t config_len, const char *index,
+                                        size_t index_len, moe_checkpoint_t **ckpt)
+{
+    moe_checkpoint_t *c;
+    moe_status_t st = MOE_STATUS_SUCCESS;
+
+    *ckpt = NULL;
+    c = calloc(1, sizeof(*c));
+    if (!c || !(c->dir = strdup("<memory>"))) {
+        free(c);
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "checkpoint: out of memory");
+    }
+    if (config)
+        MOE_CHECK_GOTO(
+            parse_json_object(config, config_len, "<memory>/config.json", &c->config_doc), st,
+            fail);
+    MOE_CHECK_GOTO(set_config(c), st, fail);
+    if (index) {
+        MOE_CHECK_GOTO(parse_json_object(index, index_len, "<memory>/index.json", &c->index_doc),
+                       st, fail);
+        MOE_CHECK_GOTO(map_index(c, "<memory>/index.json"), st, fail);
+    }
+    *ckpt = c;
+    return MOE_STATUS_SUCCESS;
+fail:
+    moe_checkpoint_close(c);
+    return st;
+}
+
+const char *moe_checkpoint_tensor_file(const moe_checkpoint_t *c, const char *name)
+{
+    ckpt_name_t key = {name, 0}, *hit;
+
+    if (!c || !name || !c->num_names)
+        return NULL;
+    hit = bsearch(&key, c->names, c->num_names, sizeof(key), cmp_names);
+    return hit ? c->files[hit->file].name : NULL;
+}
+
+moe_status_t moe_checkpoint_tensor_name(const moe_checkpoint_t *c, int layer_index,
+                                        moe_weight_kind_t kind, int expert, char *out, size_t n)
+{
+    const name_map_t *nm;
+    const char *suffix = NULL;
+    char prefix[96];
+    int len;
+
+    MOE_ARG_CHECK(c != NULL && out != NULL && n > 0, "checkpoint_tensor_name: NULL argument");
+    MOE_ARG_CHECK(c->family != MOE_FAMILY_UNKNOWN, "%s: unknown model family", c->dir);
+    nm = &name_maps[c->family];
+    switch (kind) {
+    case MOE_WEIGHT_ROUTER:
+        suffix = nm->router;
+        break;
+    case MOE_WEIGHT_ROUTER_BIAS:
+        suffix = nm->bias;
+        break;
+    case MOE_WEIGHT_GATE_PROJ:
+    case MOE_WEIGHT_UP_PROJ:
+    case MOE_WEIGHT_DOWN_PROJ:
+        suffix = nm->expert[kind - MOE_WEIGHT_GATE_PROJ];
+        break;
+    case MOE_WEIGHT_SHARED_GATE_PROJ:
+    case MOE_WEIGHT_SHARED_UP_PROJ:
+    case MOE_WEIGHT_SHARED_DOWN_PROJ:
+        suffix = nm->shared[kind - MOE_WEIGHT_SHARED_GATE_PROJ];
+        break;
+    case MOE_WEIGHT_SHARED_EXPERT_GATE:
+        suffix = nm->shared_gate;
+        break;
+    default:
+        break;
+    }
+    MOE_ARG_CHECK(suffix != NULL, "kind = %d: no tensor of that kind in this family", (int)kind);
+    snprintf(prefix, sizeof(prefix), nm->prefix, layer_index);
+    len = snprintf(out, n, "%s.", prefix);
+    if (len < 0 || (size_t)len >= n)
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT, "checkpoint_tensor_name: %zu bytes is short",
+                         n);
+    len = snprintf(out + len, n - (size_t)len, suffix, expert);
+    if (len < 0 || (size_t)len >= n - strlen(prefix) - 1)
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT, "checkpoint_tensor_name: %zu bytes is short",
+                         n);
+    return MOE_STATUS_SUCCESS;
 }
 
 /* ------------------------------------------------------------------------------------------ */
