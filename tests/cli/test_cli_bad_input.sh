@@ -110,6 +110,39 @@ expect mpmd-bad-on-one 2 "rank 1: --tokens x: not an integer" \
 expect np2-json-unwritable 2 "rank 0: --json /proc/none/r.json: cannot write" \
     "${mpirun[@]}" -np 2 "$moe_run" --json /proc/none/r.json
 
+# ---- a peer dies mid-run: the survivor reports libmoe's status and ends the job at once --------
+# (--enable-recovery: mpirun leaves the survivor running; it must not wait in MPI_Finalize or a
+# later collective, so it calls MPI_Abort.) The job must end well inside `timeout`.
+MOE_TIMEOUT_MS=3000 timeout 120 mpirun --oversubscribe --bind-to none --enable-recovery \
+    -x MOE_TIMEOUT_MS -np 2 "$moe_run" --backend cpu --iters 1000000 --warmup 0 --tokens 8 \
+    >"$tmp/out" 2>&1 &
+tpid=$!
+sleep 8 # the ranks are in their steps by now (a kill during setup gives a status too)
+mp=$(pgrep -P "$tpid" | head -1)
+victim=$(pgrep -P "${mp:-0}" | tail -1)
+if [ -n "$victim" ]; then
+    kill -9 "$victim"
+    wait "$tpid"
+    rc=$?
+    if [ $rc -eq 124 ] || [ $rc -ge 128 ]; then
+        echo "FAIL: peer-killed: the survivor did not end (exit $rc)"
+        tail -20 "$tmp/out"
+        fail=$((fail + 1))
+    elif grep -qE "moe-run: rank [0-9]: .*MOE_STATUS_(TIMEOUT|MPI_ERROR)" "$tmp/out"; then
+        echo "ok: peer-killed (the survivor reported the status and the job ended)"
+        pass=$((pass + 1))
+    else
+        echo "FAIL: peer-killed: the survivor reported no libmoe status"
+        tail -20 "$tmp/out"
+        fail=$((fail + 1))
+    fi
+else
+    wait "$tpid"
+    echo "FAIL: peer-killed: no rank to kill (did moe-run start?)"
+    tail -20 "$tmp/out"
+    fail=$((fail + 1))
+fi
+
 # ---- moe-bench (parsed before any GPU work: these run without a GPU) ---------------------------
 if [ -n "$moe_bench" ]; then
     b() { timeout 60 "$moe_bench" "$@"; }
