@@ -35,6 +35,13 @@ static const model_t models[] = {
     {"mixtral", 8, 2, 4096, 14336},
     {"qwen3", 128, 8, 2048, 768},
     {"dsv3_ep8", 32, 8, 7168, 2048},
+    /* tails (issue 11): each odd shape next to its nearest aligned one */
+    {"qwen3_tp8_i96", 128, 8, 2048, 96},
+    {"qwen3_al_i128", 128, 8, 2048, 128},
+    {"qwen2_tp8_i176", 60, 4, 2048, 176},
+    {"qwen2_al_i192", 60, 4, 2048, 192},
+    {"gptoss_h2880", 32, 4, 2880, 2880},
+    {"gptoss_al_h3072", 32, 4, 3072, 3072},
 };
 
 typedef struct bench_case {

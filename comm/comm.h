@@ -36,7 +36,6 @@ const void *moe_comm_mpi_handle(const moe_comm_t *comm);
 moe_status_t moe_comm_barrier(moe_comm_t *comm);
 moe_status_t moe_comm_bcast(moe_comm_t *comm, void *buf, size_t bytes, int root);
 moe_status_t moe_comm_allreduce_i64(moe_comm_t *comm, int64_t *vals, int n, moe_reduce_op_t op);
-moe_status_t moe_comm_allreduce_f64(moe_comm_t *comm, double *vals, int n, moe_reduce_op_t op);
 /* send[i] to rank i, recv[i] from rank i (one int64 each). */
 moe_status_t moe_comm_alltoall_i64(moe_comm_t *comm, const int64_t *send, int64_t *recv);
 /* Element counts and displacements (in elements of elem_bytes each) per rank. */

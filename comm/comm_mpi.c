@@ -47,13 +47,6 @@ static moe_status_t mpi_error(int rc, const char *what)
             return mpi_error(moe_rc_, what);                                                       \
     } while (0)
 
-static double now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
-}
-
 /* Keeps a failed request's staging memory (*mem, then set to NULL) until destroy finds the
  * request complete, or for good. A request that ended with an error is already freed by MPI,
  * but the parts of its schedule still posted may write later, so its memory is just leaked;
@@ -79,7 +72,7 @@ static void park(moe_comm_t *c, MPI_Request *req, void **mem)
  * the request's staging memory (*mem, may be NULL) is parked and *mem set to NULL. */
 static moe_status_t wait_bounded(moe_comm_t *c, MPI_Request *req, void **mem, const char *what)
 {
-    const double deadline = now_ms() + c->timeout_ms;
+    const double deadline = moe_now_ms() + c->timeout_ms;
     long spins = 0;
     int done = 0;
 
@@ -94,7 +87,7 @@ static moe_status_t wait_bounded(moe_comm_t *c, MPI_Request *req, void **mem, co
         if (++spins > 1000) {
             struct timespec ts = {0, spins > 20000 ? 1000000L : 50000L};
             nanosleep(&ts, NULL);
-            if (now_ms() > deadline)
+            if (moe_now_ms() > deadline)
                 break;
         }
     }
@@ -298,11 +291,6 @@ static moe_status_t allreduce(moe_comm_t *c, void *vals, int n, size_t elem_byte
 moe_status_t moe_comm_allreduce_i64(moe_comm_t *c, int64_t *vals, int n, moe_reduce_op_t op)
 {
     return allreduce(c, vals, n, sizeof(int64_t), MPI_INT64_T, op);
-}
-
-moe_status_t moe_comm_allreduce_f64(moe_comm_t *c, double *vals, int n, moe_reduce_op_t op)
-{
-    return allreduce(c, vals, n, sizeof(double), MPI_DOUBLE, op);
 }
 
 moe_status_t moe_comm_alltoall_i64(moe_comm_t *c, const int64_t *send, int64_t *recv)

@@ -15,7 +15,7 @@ extern "C" {
  *        (+ g_t * shared_out[t]),  g_t = sigmoid(shared_gate_logit[t]) or 1 when that is NULL.
  * f32 accumulation; slots with row -1 are skipped; every element of y is written. */
 typedef struct moe_combine_args {
-    const void *expert_out;         /* device bf16 [rows, hidden] (GEMM2 output) */
+    const void *expert_out;         /* device bf16 (f32: expert_out_f32) [rows, hidden] */
     const int32_t *row_of_slot;     /* device [num_tokens * top_k] */
     const float *topk_weights;      /* device [num_tokens * top_k] */
     const void *shared_out;         /* optional device bf16 [num_tokens, hidden] */
@@ -24,6 +24,7 @@ typedef struct moe_combine_args {
     moe_dtype_t y_dtype;            /* F32 or BF16 */
     int64_t num_tokens;
     int hidden, top_k;
+    int expert_out_f32; /* 1: expert_out holds f32 rows (the EP return's sums) */
 } moe_combine_args_t;
 
 moe_status_t moe_combine_launch(const moe_combine_args_t *args, void *stream);

@@ -13,12 +13,18 @@ extern "C" {
 #endif
 
 /* out[i] = in[i] - first if first <= in[i] < first + count, else -1 (remote expert or a
- * padding slot, which holds -1 already). n = tokens * top_k. */
+ * padding slot, which holds -1 already). n = tokens * top_k.
+ * The step's verdict: flags[r] (r < world) is rank r's status code for this step (0: fine).
+ * If any is nonzero every out[i] is -1, so no rank computes a routed row, and `sticky` (when
+ * not NULL and still 0) records the first failing rank as (rank << 8) | code. */
 typedef struct moe_ep_local_ids_args {
     const int32_t *in;
     int32_t *out;
     int64_t n;
     int first, count;
+    const int32_t *flags; /* device [world], or NULL */
+    int world;
+    int32_t *sticky; /* device scalar, or NULL */
 } moe_ep_local_ids_args_t;
 
 moe_status_t moe_ep_local_ids_launch(const moe_ep_local_ids_args_t *args, void *stream);
@@ -35,6 +41,14 @@ typedef struct moe_ep_scatter_args {
 } moe_ep_scatter_args_t;
 
 moe_status_t moe_ep_scatter_launch(const moe_ep_scatter_args_t *args, void *stream);
+
+/* *flag = value, stream-ordered (a step's local status code before the exchange). */
+moe_status_t moe_step_flag_set_launch(int32_t *flag, int32_t value, void *stream);
+
+/* check_inputs on the device: if any of the n values of x (F32 or BF16) is NaN or +-Inf,
+ * *flag = code (else *flag is left alone). No host synchronisation. */
+moe_status_t moe_scan_finite_launch(const void *x, moe_dtype_t dtype, int64_t n, int32_t *flag,
+                                    int32_t code, void *stream);
 
 #ifdef __cplusplus
 }

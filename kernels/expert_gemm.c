@@ -5,6 +5,13 @@
 #include <stddef.h>
 #include <string.h>
 
+#include "runtime/diag.h"
+
+#ifdef MOE_HAVE_CUDA
+#include "kernels/expert_gemm_simple.h"
+#include "kernels/prepare.h"
+#endif
+
 #ifdef MOE_HAVE_CUDA
 #include "kernels/cuda/expert_gemm_launch.h"
 
@@ -34,6 +41,59 @@ const moe_gemm_variant_t *moe_gemm_variants(int *count)
     if (count)
         *count = NUM_VARIANTS;
     return variants;
+}
+
+int moe_gemm_variant_runs_on(const moe_gemm_variant_t *v, int arch)
+{
+    /* sm_90a code runs on compute capability 9.0 alone; the sm_80 family carries PTX that
+     * the driver compiles for any newer device. */
+    if (!v)
+        return 0;
+    return v->min_arch == 90 ? arch == 90 : arch >= v->min_arch;
+}
+
+#ifdef MOE_HAVE_CUDA
+static moe_status_t prepare_variant(const moe_gemm_variant_t *v)
+{
+    /* Never dereferenced: max_blocks = 0 returns before any operand is read. */
+    static _Alignas(16) char dummy[16];
+    moe_gemm_args_t g;
+    int epi;
+    memset(&g, 0, sizeof(g));
+    g.a = g.b = g.c = dummy;
+    g.block_expert = g.num_blocks = (const int32_t *)dummy;
+    g.c = dummy;
+    g.num_experts = 1;
+    g.n = g.k = 64;
+    g.ab_dtype = v->ab_dtype;
+    g.scale_kind = v->scale_kind;
+    for (epi = MOE_GEMM_EPI_STORE; epi <= MOE_GEMM_EPI_GELU_MUL; epi++) {
+        g.epilogue = (moe_gemm_epilogue_t)epi;
+        MOE_CHECK(v->launch(&g, NULL));
+    }
+    return MOE_STATUS_SUCCESS;
+}
+
+moe_status_t moe_gemm_prepare(int arch)
+{
+    for (int i = 0; i < NUM_VARIANTS; i++)
+        if (moe_gemm_variant_runs_on(&variants[i], arch))
+            MOE_CHECK(prepare_variant(&variants[i]));
+    return prepare_variant(moe_gemm_simple_variant());
+}
+#endif
+
+moe_status_t moe_gemm_check_shape(const char *what, int n, int k, moe_gemm_epilogue_t epilogue)
+{
+    const int mul = epilogue != MOE_GEMM_EPI_STORE;
+    if (k <= 0 || k % MOE_GEMM_ALIGN)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                         "%s: k = %d is not a multiple of %d (rows of whole 16-byte units)", what,
+                         k, MOE_GEMM_ALIGN);
+    if (n <= 0 || n % MOE_GEMM_ALIGN || (mul && (n / 2) % MOE_GEMM_ALIGN))
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: n = %d: n%s must be a multiple of %d", what,
+                         n, mul ? "/2" : "", MOE_GEMM_ALIGN);
+    return MOE_STATUS_SUCCESS;
 }
 
 const moe_gemm_variant_t *moe_gemm_variant_by_name(const char *name)
@@ -78,7 +138,7 @@ const moe_gemm_variant_t *moe_gemm_select(int arch, moe_dtype_t dtype, moe_scale
 {
     if (dtype != MOE_DTYPE_BF16 || scale != MOE_SCALE_NONE)
         return NULL; /* FP8 variants: not built yet */
-    if (arch >= 90)
+    if (arch == 90)
         return pick(sm90_buckets, (int)(sizeof(sm90_buckets) / sizeof(sm90_buckets[0])),
                     rows_per_expert);
     if (arch >= 80)

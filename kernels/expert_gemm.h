@@ -54,6 +54,18 @@ typedef struct moe_gemm_variant {
 /* All compiled variants (static table). */
 const moe_gemm_variant_t *moe_gemm_variants(int *count);
 const moe_gemm_variant_t *moe_gemm_variant_by_name(const char *name);
+/* 1 if the variant has an image that runs on a device of compute capability `arch` (90, 100,
+ * ...): sm_90a variants on 90 only, sm_80 ones (SASS + PTX) on 80 and newer. */
+int moe_gemm_variant_runs_on(const moe_gemm_variant_t *v, int arch);
+
+/* The shapes every bf16 variant runs at every row count: rows of whole 16-byte units
+ * (k % 8, TMA's stride unit), n % 8 and, for the gate|up epilogues, n/2 % 8. Tails past a tile
+ * are handled inside the kernels (zero fill along k, masked stores along n). */
+#define MOE_GEMM_ALIGN 8
+
+/* MOE_STATUS_SUCCESS if (n, k, epilogue) is in every variant's coverage, else
+ * MOE_STATUS_NOT_SUPPORTED with a message naming `what` and the dimension. */
+moe_status_t moe_gemm_check_shape(const char *what, int n, int k, moe_gemm_epilogue_t epilogue);
 
 /* The default choice for a device arch (e.g. 90), dtype, scale kind and the expected rows per
  * expert (host-known: num_tokens * top_k / num_experts). Never NULL for bf16 on sm_80+. */

@@ -15,14 +15,13 @@ extern "C" {
 
 /* Visible CUDA devices; 0 on any error (no driver, no device). Never sets an error. */
 int moe_gpu_device_count(void);
+/* *count = the visible devices; 0 with success only when the driver reports no device
+ * (cudaErrorNoDevice). Any other failure (driver too old, broken install) is an error. */
+moe_status_t moe_gpu_probe(int *count);
 moe_status_t moe_gpu_set_device(int device);
 moe_status_t moe_gpu_get_device(int *device);
 /* Compute capability as major * 10 + minor (90 for H100/H200). */
 moe_status_t moe_gpu_arch(int device, int *arch);
-/* Number of multiprocessors of a device. */
-moe_status_t moe_gpu_sm_count(int device, int *sms);
-moe_status_t moe_gpu_name(int device, char *name, size_t len);
-moe_status_t moe_gpu_mem_info(size_t *free_bytes, size_t *total_bytes);
 moe_status_t moe_gpu_device_synchronize(void);
 
 /* Device memory. moe_gpu_free(NULL) is fine. */
@@ -32,11 +31,9 @@ moe_status_t moe_gpu_free(void *ptr);
 /* Synchronous copies (h2d, d2h, d2d) and memset. */
 moe_status_t moe_gpu_memcpy_h2d(void *dst, const void *src, size_t bytes);
 moe_status_t moe_gpu_memcpy_d2h(void *dst, const void *src, size_t bytes);
-moe_status_t moe_gpu_memcpy_d2d(void *dst, const void *src, size_t bytes);
 moe_status_t moe_gpu_memset(void *dst, int value, size_t bytes);
 
 /* Stream-ordered copies and memset (capturable; host memory should be pinned for overlap). */
-moe_status_t moe_gpu_memcpy_h2d_async(void *dst, const void *src, size_t bytes, void *stream);
 moe_status_t moe_gpu_memcpy_d2h_async(void *dst, const void *src, size_t bytes, void *stream);
 moe_status_t moe_gpu_memcpy_d2d_async(void *dst, const void *src, size_t bytes, void *stream);
 moe_status_t moe_gpu_memset_async(void *dst, int value, size_t bytes, void *stream);
@@ -54,8 +51,6 @@ moe_status_t moe_gpu_event_destroy(void *event);
 moe_status_t moe_gpu_event_record(void *event, void *stream);
 moe_status_t moe_gpu_event_synchronize(void *event);
 moe_status_t moe_gpu_event_elapsed_ms(void *start, void *stop, float *ms);
-/* Makes `stream` wait for `event` (cross-stream ordering, capturable). */
-moe_status_t moe_gpu_stream_wait_event(void *stream, void *event);
 
 /* Graphs: capture the work queued on `stream` between begin and end (thread-local mode),
  * instantiate once, launch many times. */
@@ -66,7 +61,8 @@ moe_status_t moe_gpu_graph_launch(void *graph_exec, void *stream);
 moe_status_t moe_gpu_graph_destroy(void *graph);
 moe_status_t moe_gpu_graph_exec_destroy(void *graph_exec);
 
-/* Pinned host memory for fast and asynchronous copies. */
+/* Pinned host memory for fast and asynchronous copies; with unified addressing the device can
+ * read and write it too (the step verdict word). */
 moe_status_t moe_gpu_host_alloc(void **ptr, size_t bytes);
 moe_status_t moe_gpu_host_free(void *ptr);
 

@@ -5,6 +5,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #define MOE_ERROR_LEN 1024
@@ -140,4 +141,11 @@ const char *moe_backend_name(moe_backend_t backend)
     default:
         return "auto";
     }
+}
+
+double moe_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }

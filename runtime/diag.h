@@ -44,6 +44,13 @@ void moe_log_set_identity(int rank, int device);
 /* Environment parameters (getenv lives in env.c only). Each parameter is declared next to
  * its use with the default; an unparsable value is a warning and the default is used. */
 int64_t moe_env_int(const char *name, int64_t dflt);
+
+/* Milliseconds from a monotonic clock (deadlines, timings): the one clock of the library. */
+double moe_now_ms(void);
+static inline double moe_now_us(void)
+{
+    return 1e3 * moe_now_ms();
+}
 const char *moe_env_str(const char *name, const char *dflt);
 
 /* The only control flow hidden in macros. */

@@ -19,6 +19,10 @@ struct moe_runtime {
     int timeout_ms; /* resolved */
     int num_gpus;   /* visible CUDA devices (0 without the CUDA backend) */
     void *gpu_ctx;  /* CUDA backend: stream, NCCL communicators (opaque here) */
+    /* CUDA backend: the one device workspace its layers share (they run one at a time); grows
+     * to the largest layer's need at create */
+    void *gpu_ws;
+    size_t gpu_ws_bytes;
 };
 
 /* Where each expert lives and which slice of its intermediate dimension this rank keeps.
@@ -103,9 +107,6 @@ size_t moe_matrix_scale_count(moe_scale_kind_t kind, int64_t rows, int64_t cols)
 
 /* Whether every weight this rank needs has been set; else an INVALID_STATE naming one. */
 moe_status_t moe_layer_check_weights(const struct moe_layer *layer, int need_router);
-
-/* Microseconds from a monotonic clock. */
-double moe_now_us(void);
 
 #ifdef __cplusplus
 }

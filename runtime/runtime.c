@@ -15,13 +15,6 @@
 #include "comm/nccl_comm.h"
 #endif
 
-double moe_now_us(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
-}
-
 /* MOE_BACKEND=cpu|cuda overrides AUTO; CUDA where built and a device is visible. */
 static moe_status_t resolve_backend(moe_runtime_t *rt)
 {
@@ -155,6 +148,9 @@ static void runtime_free(moe_runtime_t *rt)
 #ifdef MOE_HAVE_NCCL
     moe_nccl_destroy(rt->gpu_ctx); /* made by the first multi-GPU layer */
 #endif
+#ifdef MOE_HAVE_CUDA
+    moe_gpu_free(rt->gpu_ws);
+#endif
     moe_comm_destroy(rt->comm);
     free(rt);
     moe_comm_finalize_mpi(owns);
@@ -174,5 +170,6 @@ moe_status_t moe_runtime_get_info(const moe_runtime_t *rt, moe_runtime_info_t *i
     MOE_ARG_CHECK(rt != NULL, "runtime = NULL");
     MOE_ARG_CHECK(info != NULL, "info = NULL");
     *info = rt->info;
+    info->workspace_bytes = rt->gpu_ws_bytes;
     return MOE_STATUS_SUCCESS;
 }

@@ -132,6 +132,10 @@ typedef struct moe_runtime_info {
     int numa_node;              /* -1 if unknown or not bound */
     char hostname[64];
     char cpuset[64]; /* cores bound to, "" if not bound */
+    /* CUDA backend: bytes of the one device workspace that all layers of this runtime share
+     * (the largest layer's need; 0 before the first layer). Total device memory for a model is
+     * the layers' weight_bytes plus this. */
+    size_t workspace_bytes;
 } moe_runtime_info_t;
 
 /* Collective over `mpi_comm`, which points to an MPI_Comm (NULL: MPI_COMM_WORLD). If MPI is not
@@ -202,8 +206,10 @@ typedef struct moe_layer_info {
     int shared_begin, shared_end;              /* this rank's slice of the shared MLP's I */
     moe_dispatch_t dispatch;                   /* as configured (AUTO resolves per step) */
     int deterministic;
-    size_t weight_bytes;    /* expert + shared + router weights held by this rank */
-    size_t workspace_bytes; /* buffers planned at create */
+    size_t weight_bytes; /* expert + shared + router weights held by this rank */
+    /* Scratch this layer needs per step. CUDA backend: taken from the runtime's one shared
+     * workspace (moe_runtime_info_t.workspace_bytes), not held per layer. */
+    size_t workspace_bytes;
 } moe_layer_info_t;
 
 /* Collective over the runtime's communicator: every rank must call it with the same config.
@@ -256,14 +262,28 @@ typedef struct moe_forward_args {
 
 /* Collective: every rank calls it once per step (num_tokens may be 0 on any rank). Pointers
  * are host memory for the CPU backend, device memory for the CUDA backend (stream-ordered on
- * `stream`; the call returns without waiting for the GPU in the steady state). */
+ * `stream`; the call returns without waiting for the GPU in the steady state).
+ *
+ * One verdict on every rank: a rank whose arguments fail (NULL args or x, num_tokens over
+ * max_tokens_per_rank, ...) returns that status at once but still takes part in the step, and
+ * the step fails on every rank. CPU backend: every rank's forward returns the first failing
+ * rank's status. CUDA backend (the GPU work is asynchronous): the other ranks' forward returns
+ * success, the step skips its routed compute on every rank, and every rank's
+ * moe_layer_synchronize returns the first failing rank's status; y is unspecified for that
+ * step. The same holds for check_inputs (NaN/Inf in x or the router logits: the CUDA backend
+ * scans on the device, MOE_STATUS_NUMERIC_ERROR at synchronize). The next step is unaffected.
+ *
+ * The layers of one runtime share its workspace: their forwards must run one at a time (on one
+ * stream, or ordered by events), and the runtime's layers should all be created before a CUDA
+ * graph captures a forward (a later, larger layer moves the workspace). */
 moe_status_t moe_layer_forward(moe_layer_t *layer, const moe_forward_args_t *args);
 
 /* Waits until the work of the forward calls queued on `stream` has finished on this rank,
  * bounded by the runtime's timeout: a peer that died or hangs gives MOE_STATUS_TIMEOUT (the
  * NCCL communicators are then aborted and the layer is unusable) instead of a hang in
- * cudaStreamSynchronize. Not collective. CPU backend: returns at once (forward is
- * synchronous there). */
+ * cudaStreamSynchronize. Then returns the verdict of the steps since the last synchronize (see
+ * moe_layer_forward): a step that failed on any rank fails here on every rank. Not collective.
+ * CPU backend: returns at once (forward is synchronous there). */
 moe_status_t moe_layer_synchronize(moe_layer_t *layer, void *stream);
 
 /* Wall-clock time of the last forward's phases on this rank (CPU backend; CUDA backend when

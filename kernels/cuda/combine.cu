@@ -3,6 +3,7 @@
 #include "kernels/combine.h"
 
 #include <cuda_bf16.h>
+#include "kernels/cuda/aligned.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/pdl.cuh"
 
@@ -20,6 +21,28 @@ __device__ __forceinline__ void unpack8(uint4 u, float *v)
         v[2 * i] = f.x;
         v[2 * i + 1] = f.y;
     }
+}
+
+__device__ __forceinline__ void load8(const __nv_bfloat16 *src, float *v)
+{
+    unpack8(*reinterpret_cast<const uint4 *>(src), v);
+}
+
+__device__ __forceinline__ void load8(const float *src, float *v)
+{
+    const float4 a = reinterpret_cast<const float4 *>(src)[0];
+    const float4 b = reinterpret_cast<const float4 *>(src)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+    v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
+__device__ __forceinline__ float load1(const __nv_bfloat16 *src)
+{
+    return __bfloat162float(*src);
+}
+__device__ __forceinline__ float load1(const float *src)
+{
+    return *src;
 }
 
 __device__ __forceinline__ void store8(float *y, const float *v)
@@ -53,9 +76,9 @@ __device__ __forceinline__ void store1(__nv_bfloat16 *y, float v)
 }
 
 /* One thread per 8 columns of a token (VEC), or per column. */
-template <typename TY, bool VEC>
+template <typename TY, typename TO, bool VEC>
 __global__ void __launch_bounds__(COMBINE_THREADS)
-    combine_kernel(const __nv_bfloat16 *__restrict__ out, const int32_t *__restrict__ row_of_slot,
+    combine_kernel(const TO *__restrict__ out, const int32_t *__restrict__ row_of_slot,
                    const float *__restrict__ topk_weights, const __nv_bfloat16 *__restrict__ shared,
                    const float *__restrict__ gate_logit, TY *__restrict__ y, int num_tokens,
                    int hidden, int top_k)
@@ -76,12 +99,12 @@ __global__ void __launch_bounds__(COMBINE_THREADS)
         if (row < 0)
             continue;
         const float w = topk_weights[(size_t)t * top_k + j];
-        const __nv_bfloat16 *src = out + (size_t)row * hidden + c;
+        const TO *src = out + (size_t)row * hidden + c;
         float v[V];
         if (VEC)
-            unpack8(*reinterpret_cast<const uint4 *>(src), v);
+            load8(src, v);
         else
-            v[0] = __bfloat162float(src[0]);
+            v[0] = load1(src);
 #pragma unroll
         for (int i = 0; i < V; i++)
             acc[i] += w * v[i];
@@ -104,30 +127,49 @@ __global__ void __launch_bounds__(COMBINE_THREADS)
         store1(y + (size_t)t * hidden + c, acc[0]);
 }
 
-template <typename TY> moe_status_t launch(const moe_combine_args_t *a, bool vec, cudaStream_t s)
+template <typename TY, typename TO>
+moe_status_t launch(const moe_combine_args_t *a, bool vec, cudaStream_t s)
 {
     const int64_t threads = a->num_tokens * (vec ? a->hidden / 8 : a->hidden);
     const unsigned grid = (unsigned)((threads + COMBINE_THREADS - 1) / COMBINE_THREADS);
-    const __nv_bfloat16 *out = (const __nv_bfloat16 *)a->expert_out;
+    const TO *out = (const TO *)a->expert_out;
     const __nv_bfloat16 *sh = (const __nv_bfloat16 *)a->shared_out;
     if (vec)
-        MOE_CUDA_CHECK(moe_launch((combine_kernel<TY, true>), dim3(grid), dim3(COMBINE_THREADS), 0,
-                                  s, out, a->row_of_slot, a->topk_weights, sh, a->shared_gate_logit,
-                                  (TY *)a->y, (int)a->num_tokens, a->hidden, a->top_k));
+        MOE_CUDA_CHECK(moe_launch((combine_kernel<TY, TO, true>), dim3(grid), dim3(COMBINE_THREADS),
+                                  0, s, out, a->row_of_slot, a->topk_weights, sh,
+                                  a->shared_gate_logit, (TY *)a->y, (int)a->num_tokens, a->hidden,
+                                  a->top_k));
     else
-        MOE_CUDA_CHECK(moe_launch((combine_kernel<TY, false>), dim3(grid), dim3(COMBINE_THREADS), 0,
-                                  s, out, a->row_of_slot, a->topk_weights, sh, a->shared_gate_logit,
-                                  (TY *)a->y, (int)a->num_tokens, a->hidden, a->top_k));
+        MOE_CUDA_CHECK(moe_launch((combine_kernel<TY, TO, false>), dim3(grid),
+                                  dim3(COMBINE_THREADS), 0, s, out, a->row_of_slot, a->topk_weights,
+                                  sh, a->shared_gate_logit, (TY *)a->y, (int)a->num_tokens,
+                                  a->hidden, a->top_k));
     MOE_CUDA_CHECK_LAUNCH("combine_kernel");
     return MOE_STATUS_SUCCESS;
 }
 
-bool aligned16(const void *p)
+template <typename TY>
+moe_status_t launch_out(const moe_combine_args_t *a, bool vec, cudaStream_t s)
 {
-    return ((uintptr_t)p & 15u) == 0;
+    return a->expert_out_f32 ? launch<TY, float>(a, vec, s) : launch<TY, __nv_bfloat16>(a, vec, s);
 }
 
 } /* namespace */
+
+template <typename TY, typename TO> moe_status_t prepare_combine()
+{
+    MOE_CUDA_PREPARE((combine_kernel<TY, TO, true>));
+    MOE_CUDA_PREPARE((combine_kernel<TY, TO, false>));
+    return MOE_STATUS_SUCCESS;
+}
+
+extern "C" moe_status_t moe_combine_prepare(void)
+{
+    MOE_CHECK((prepare_combine<float, float>()));
+    MOE_CHECK((prepare_combine<float, __nv_bfloat16>()));
+    MOE_CHECK((prepare_combine<__nv_bfloat16, float>()));
+    return prepare_combine<__nv_bfloat16, __nv_bfloat16>();
+}
 
 extern "C" moe_status_t moe_combine_launch(const moe_combine_args_t *a, void *stream)
 {
@@ -138,13 +180,13 @@ extern "C" moe_status_t moe_combine_launch(const moe_combine_args_t *a, void *st
                   a->top_k);
     if (a->num_tokens == 0)
         return MOE_STATUS_SUCCESS;
-    vec = a->hidden % 8 == 0 && aligned16(a->y) && aligned16(a->expert_out) &&
-          (!a->shared_out || aligned16(a->shared_out));
+    vec = a->hidden % 8 == 0 && moe_aligned16(a->y) && moe_aligned16(a->expert_out) &&
+          (!a->shared_out || moe_aligned16(a->shared_out));
     switch (a->y_dtype) {
     case MOE_DTYPE_F32:
-        return launch<float>(a, vec, (cudaStream_t)stream);
+        return launch_out<float>(a, vec, (cudaStream_t)stream);
     case MOE_DTYPE_BF16:
-        return launch<__nv_bfloat16>(a, vec, (cudaStream_t)stream);
+        return launch_out<__nv_bfloat16>(a, vec, (cudaStream_t)stream);
     default:
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "combine: y dtype %s (F32 or BF16)",
                          moe_dtype_name(a->y_dtype));

@@ -24,4 +24,12 @@
                              kernel_name, cudaGetErrorString(moe_ce_), __FILE__, __LINE__);        \
     } while (0)
 
+/* Loads a kernel now (with lazy module loading the first launch would): create-time prepare
+ * functions call it on every instantiation a step can launch. */
+#define MOE_CUDA_PREPARE(kernel)                                                                   \
+    do {                                                                                           \
+        cudaFuncAttributes moe_fa_;                                                                \
+        MOE_CUDA_CHECK(cudaFuncGetAttributes(&moe_fa_, (const void *)(kernel)));                   \
+    } while (0)
+
 #endif /* MOE_CUDA_CHECK_H */

@@ -12,13 +12,41 @@ namespace
 constexpr int EP_THREADS = 256;
 
 __global__ void local_ids_kernel(const int32_t *__restrict__ in, int32_t *__restrict__ out,
-                                 int64_t n, int first, int count)
+                                 int64_t n, int first, int count, const int32_t *flags, int world,
+                                 int32_t *sticky)
 {
     const int64_t i = (int64_t)blockIdx.x * EP_THREADS + threadIdx.x;
+    int bad = -1;
+    for (int r = 0; flags && r < world && bad < 0; r++)
+        if (flags[r])
+            bad = r;
+    if (i == 0 && bad >= 0 && sticky && *sticky == 0)
+        *sticky = (bad << 8) | (flags[bad] & 0xff);
     if (i >= n)
         return;
     const int32_t e = in[i];
-    out[i] = (e >= first && e < first + count) ? e - first : -1;
+    out[i] = (bad < 0 && e >= first && e < first + count) ? e - first : -1;
+}
+
+__global__ void flag_set_kernel(int32_t *flag, int32_t value)
+{
+    *flag = value;
+}
+
+template <typename T> __device__ __forceinline__ bool finite_val(T v)
+{
+    return isfinite((float)v);
+}
+
+template <typename T>
+__global__ void scan_finite_kernel(const T *__restrict__ x, int64_t n, int32_t *flag, int32_t code)
+{
+    bool bad = false;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        bad |= !finite_val(x[i]);
+    if (__syncthreads_or(bad) && threadIdx.x == 0)
+        *flag = code;
 }
 
 // One block per row; 16-byte copies when hidden % 8 == 0 (the layer requires it for bf16).
@@ -41,10 +69,11 @@ __global__ void scatter_kernel(const uint4 *__restrict__ rows,
 
 extern "C" moe_status_t moe_ep_local_ids_launch(const moe_ep_local_ids_args_t *a, void *stream)
 {
-    if (a->n <= 0)
+    if (a->n <= 0 && !a->sticky)
         return MOE_STATUS_SUCCESS;
-    local_ids_kernel<<<(unsigned)((a->n + EP_THREADS - 1) / EP_THREADS), EP_THREADS, 0,
-                       (cudaStream_t)stream>>>(a->in, a->out, a->n, a->first, a->count);
+    local_ids_kernel<<<(unsigned)((a->n + EP_THREADS) / EP_THREADS), EP_THREADS, 0,
+                       (cudaStream_t)stream>>>(a->in, a->out, a->n, a->first, a->count, a->flags,
+                                               a->world, a->sticky);
     MOE_CUDA_CHECK_LAUNCH("ep local ids");
     return MOE_STATUS_SUCCESS;
 }
@@ -61,5 +90,41 @@ extern "C" moe_status_t moe_ep_scatter_launch(const moe_ep_scatter_args_t *a, vo
                                                            a->num_blocks, a->block_rows,
                                                            a->hidden / 8, (uint4 *)a->dense);
     MOE_CUDA_CHECK_LAUNCH("ep scatter");
+    return MOE_STATUS_SUCCESS;
+}
+
+extern "C" moe_status_t moe_step_flag_set_launch(int32_t *flag, int32_t value, void *stream)
+{
+    flag_set_kernel<<<1, 1, 0, (cudaStream_t)stream>>>(flag, value);
+    MOE_CUDA_CHECK_LAUNCH("step flag");
+    return MOE_STATUS_SUCCESS;
+}
+
+extern "C" moe_status_t moe_scan_finite_launch(const void *x, moe_dtype_t dtype, int64_t n,
+                                               int32_t *flag, int32_t code, void *stream)
+{
+    const unsigned grid =
+        (unsigned)(n / (EP_THREADS * 8) + 1 < 1024 ? n / (EP_THREADS * 8) + 1 : 1024);
+    cudaStream_t s = (cudaStream_t)stream;
+    if (n <= 0)
+        return MOE_STATUS_SUCCESS;
+    if (dtype == MOE_DTYPE_F32)
+        scan_finite_kernel<float><<<grid, EP_THREADS, 0, s>>>((const float *)x, n, flag, code);
+    else if (dtype == MOE_DTYPE_BF16)
+        scan_finite_kernel<__nv_bfloat16>
+            <<<grid, EP_THREADS, 0, s>>>((const __nv_bfloat16 *)x, n, flag, code);
+    else
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "finite scan: dtype %s", moe_dtype_name(dtype));
+    MOE_CUDA_CHECK_LAUNCH("finite scan");
+    return MOE_STATUS_SUCCESS;
+}
+
+extern "C" moe_status_t moe_ep_prepare(void)
+{
+    MOE_CUDA_PREPARE(local_ids_kernel);
+    MOE_CUDA_PREPARE(scatter_kernel);
+    MOE_CUDA_PREPARE(flag_set_kernel);
+    MOE_CUDA_PREPARE(scan_finite_kernel<float>);
+    MOE_CUDA_PREPARE(scan_finite_kernel<__nv_bfloat16>);
     return MOE_STATUS_SUCCESS;
 }

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "kernels/cuda/device_cache.cuh"
 #include "kernels/expert_gemm.h"
 #include "runtime/diag.h"
 
@@ -67,20 +68,26 @@ __device__ __forceinline__ float moe_gemm_row_scale(const moe_gemm_kparams &p, i
     return p.row_scale ? __ldg(p.row_scale + row) : 1.0f;
 }
 
-/* Stores one output element (bf16 or f32 output), already scaled. */
+/* Stores one output element (bf16 or f32 output), already scaled. Columns past n_out (the
+ * N tail of the last weight tile, computed from zero-filled or neighbouring rows) are dropped. */
 __device__ __forceinline__ void moe_gemm_put1(const moe_gemm_kparams &p, int64_t row, int col,
                                               float v)
 {
+    if (col >= p.n_out)
+        return;
     if (p.c_f32)
         ((float *)p.c)[row * p.n_out + col] = v;
     else
         ((__nv_bfloat16 *)p.c)[row * p.n_out + col] = __float2bfloat16_rn(v);
 }
 
-/* Stores two adjacent output elements (col even), already scaled. */
+/* Stores two adjacent output elements (col even, n_out even: both or neither), already
+ * scaled; dropped past n_out like moe_gemm_put1. */
 __device__ __forceinline__ void moe_gemm_put2(const moe_gemm_kparams &p, int64_t row, int col,
                                               float v0, float v1)
 {
+    if (col >= p.n_out)
+        return;
     if (p.c_f32)
         *(float2 *)((float *)p.c + row * p.n_out + col) = make_float2(v0, v1);
     else
@@ -88,10 +95,8 @@ __device__ __forceinline__ void moe_gemm_put2(const moe_gemm_kparams &p, int64_t
             __floats2bfloat162_rn(v0, v1);
 }
 
-/* Checks what every variant needs. `n_store`: n must be a multiple of this for STORE;
- * `n_half`: n/2 must be a multiple of this for the *_MUL epilogues; k a multiple of `k_mult`. */
-static inline moe_status_t moe_gemm_check_common(const moe_gemm_args_t *a, const char *name,
-                                                 int n_store, int n_half, int k_mult)
+/* Checks what every tuned variant needs (the shape rule: moe_gemm_check_shape). */
+static inline moe_status_t moe_gemm_check_common(const moe_gemm_args_t *a, const char *name)
 {
     if (!a)
         return moe_error(MOE_STATUS_INVALID_ARGUMENT, "%s: args is NULL", name);
@@ -114,63 +119,46 @@ static inline moe_status_t moe_gemm_check_common(const moe_gemm_args_t *a, const
     MOE_ARG_CHECK(((uintptr_t)a->a % 16) == 0 && ((uintptr_t)a->b % 16) == 0 &&
                       ((uintptr_t)a->c % 16) == 0,
                   "%s: a, b and c must be 16-byte aligned", name);
-    if (a->k % k_mult)
-        return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: k = %d is not a multiple of %d", name, a->k,
-                         k_mult);
-    if (a->epilogue == MOE_GEMM_EPI_STORE) {
-        if (a->n % n_store)
-            return moe_error(MOE_STATUS_NOT_SUPPORTED,
-                             "%s: n = %d is not a multiple of %d (STORE epilogue)", name, a->n,
-                             n_store);
-    } else if (a->n % 2 || (a->n / 2) % n_half) {
-        return moe_error(MOE_STATUS_NOT_SUPPORTED,
-                         "%s: n = %d: n/2 must be a multiple of %d (gate|up epilogue)", name, a->n,
-                         n_half);
-    }
+    MOE_CHECK(moe_gemm_check_shape(name, a->n, a->k, a->epilogue));
     if ((int64_t)a->num_experts * a->n >= ((int64_t)1 << 31))
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: num_experts * n = %lld too large", name,
                          (long long)a->num_experts * a->n);
     return MOE_STATUS_SUCCESS;
 }
 
-#define MOE_GEMM_MAX_DEVICES 64
-
 /* Multiprocessor count of the current device, cached per device. */
 static inline moe_status_t moe_gemm_device_sms(const char *name, int *dev_out, int *sms_out)
 {
-    static int sms_cache[MOE_GEMM_MAX_DEVICES];
+    static int sms_cache[MOE_MAX_DEVICES];
     int dev = 0;
     cudaError_t e = cudaGetDevice(&dev);
     if (e != cudaSuccess)
         return moe_error(MOE_STATUS_CUDA_ERROR, "%s: cudaGetDevice: %s", name,
                          cudaGetErrorString(e));
-    int sms = dev < MOE_GEMM_MAX_DEVICES ? __atomic_load_n(&sms_cache[dev], __ATOMIC_RELAXED) : 0;
-    if (sms <= 0) {
-        e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-        if (e != cudaSuccess)
-            return moe_error(MOE_STATUS_CUDA_ERROR, "%s: multiprocessor count: %s", name,
-                             cudaGetErrorString(e));
-        if (dev < MOE_GEMM_MAX_DEVICES)
-            __atomic_store_n(&sms_cache[dev], sms, __ATOMIC_RELAXED);
-    }
+    int sms = moe_device_cached(sms_cache, dev, [](int d) {
+        int n = 0;
+        return cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, d) == cudaSuccess ? n : 0;
+    });
+    if (sms <= 0)
+        return moe_error(MOE_STATUS_CUDA_ERROR, "%s: multiprocessor count of device %d", name, dev);
     *dev_out = dev;
     *sms_out = sms;
     return MOE_STATUS_SUCCESS;
 }
 
-/* Raises a kernel's dynamic shared-memory limit once per device. `done` is a per-kernel
- * bitmask of devices (racing threads may both set the attribute: harmless). */
+/* Raises a kernel's dynamic shared-memory limit once per device; `done` is the kernel's
+ * per-device cache (moe_device_cached). */
 static inline moe_status_t moe_gemm_smem_once(const char *name, const void *kernel, int smem,
-                                              int dev, unsigned long long *done)
+                                              int dev, int *done)
 {
-    unsigned long long bit = dev < MOE_GEMM_MAX_DEVICES ? 1ull << dev : 0;
-    if (bit && (__atomic_load_n(done, __ATOMIC_ACQUIRE) & bit))
-        return MOE_STATUS_SUCCESS;
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess)
+    cudaError_t err = cudaSuccess;
+    int ok = moe_device_cached(done, dev, [&](int) {
+        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        return err == cudaSuccess ? 1 : 0;
+    });
+    if (ok <= 0)
         return moe_error(MOE_STATUS_CUDA_ERROR, "%s: cudaFuncSetAttribute(smem %d): %s", name, smem,
-                         cudaGetErrorString(e));
-    __atomic_fetch_or(done, bit, __ATOMIC_RELEASE);
+                         cudaGetErrorString(err));
     return MOE_STATUS_SUCCESS;
 }
 

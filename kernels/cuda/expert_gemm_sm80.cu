@@ -34,6 +34,14 @@ static __device__ __forceinline__ void cp_async16(void *dst, const void *src)
         "l"(src)
         : "memory");
 }
+/* As cp_async16, but copies `src_bytes` (0 or 16) and zero-fills the rest: the k and n tails. */
+static __device__ __forceinline__ void cp_async16_zfill(void *dst, const void *src, int src_bytes)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(
+                     (uint32_t)__cvta_generic_to_shared(dst)),
+                 "l"(src), "r"(src_bytes)
+                 : "memory");
+}
 static __device__ __forceinline__ void cp_async_commit()
 {
     asm volatile("cp.async.commit_group;" ::: "memory");
@@ -79,7 +87,7 @@ __global__ void __launch_bounds__(128)
     const int wm = warp / C::WN_WARPS, wn = warp % C::WN_WARPS;
     const int nb = min(__ldg(p.num_blocks), p.max_blocks);
     const int total = nb * p.n_tiles;
-    const int kt_count = p.k / S80_BK;
+    const int kt_count = (p.k + S80_BK - 1) / S80_BK; /* the k tail: zero fill */
 
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
         int b, jt;
@@ -88,21 +96,36 @@ __global__ void __launch_bounds__(128)
         if (e < 0 || e >= p.num_experts)
             continue;
 
-        /* Loads k-step kt into stage st: 16-byte chunks, 8 per 64-element row. */
+        /* Loads k-step kt into stage st: 16-byte chunks, 8 per 64-element row. Chunks past k
+         * and weight rows past the expert's n (or n/2 per half) are zero-filled, never read. */
         auto load = [&](int kt, int st) {
             __nv_bfloat16 *dst = sm + st * C::STAGE_ELEMS;
             for (int c = threadIdx.x; c < C::ROWS * 8; c += 128) {
                 int r = c >> 3, ch = c & 7;
+                int kc = kt * S80_BK + ch * 8;
+                bool ok = kc < p.k;
                 const __nv_bfloat16 *src;
                 if (r < BM) {
                     src = A + ((int64_t)b * BM + r) * p.k;
                 } else {
                     int wr = r - BM, h = wr >> 6, rr = wr & 63;
-                    int grow = EPI == MOE_GEMM_EPI_STORE ? jt * 128 + h * 64 + rr
-                                                         : h * (p.n / 2) + jt * 64 + rr;
+                    int grow, lim;
+                    if (EPI == MOE_GEMM_EPI_STORE) {
+                        grow = jt * 128 + h * 64 + rr;
+                        lim = p.n;
+                    } else {
+                        grow = jt * 64 + rr;
+                        lim = p.n / 2;
+                    }
+                    ok = ok && grow < lim;
+                    if (EPI != MOE_GEMM_EPI_STORE)
+                        grow += h * (p.n / 2);
                     src = B + ((int64_t)e * p.n + grow) * p.k;
                 }
-                cp_async16(dst + r * S80_LD + ch * 8, src + kt * S80_BK + ch * 8);
+                if (ok)
+                    cp_async16(dst + r * S80_LD + ch * 8, src + kc);
+                else
+                    cp_async16_zfill(dst + r * S80_LD + ch * 8, A, 0);
             }
         };
 
@@ -202,14 +225,14 @@ template <int BM, int EPI>
 static moe_status_t launch_one80(const moe_gemm_args_t *a, cudaStream_t stream, const char *name)
 {
     using C = sm80_cfg<BM>;
-    static unsigned long long smem_done;
+    static int smem_done[MOE_MAX_DEVICES];
     auto kernel = moe_gemm_sm80_kernel<BM, EPI>;
     int dev, sms;
     MOE_CHECK(moe_gemm_device_sms(name, &dev, &sms));
-    MOE_CHECK(moe_gemm_smem_once(name, (const void *)kernel, C::SMEM, dev, &smem_done));
+    MOE_CHECK(moe_gemm_smem_once(name, (const void *)kernel, C::SMEM, dev, smem_done));
     moe_gemm_kparams p = moe_gemm_base_params(a);
     p.n_out = EPI == MOE_GEMM_EPI_STORE ? a->n : a->n / 2;
-    p.n_tiles = EPI == MOE_GEMM_EPI_STORE ? a->n / 128 : a->n / 2 / 64;
+    p.n_tiles = EPI == MOE_GEMM_EPI_STORE ? (a->n + 127) / 128 : (a->n / 2 + 63) / 64;
     int64_t items = (int64_t)a->max_blocks * p.n_tiles;
     if (items == 0)
         return MOE_STATUS_SUCCESS;
@@ -223,7 +246,7 @@ static moe_status_t launch_one80(const moe_gemm_args_t *a, cudaStream_t stream, 
 template <int BM>
 static moe_status_t launch80(const moe_gemm_args_t *a, void *stream, const char *name)
 {
-    MOE_CHECK(moe_gemm_check_common(a, name, 128, 64, S80_BK));
+    MOE_CHECK(moe_gemm_check_common(a, name));
     if ((int64_t)a->max_blocks * BM >= ((int64_t)1 << 31))
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: max_blocks = %d too large", name,
                          a->max_blocks);

@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>::T
 
     const int nb = min(__ldg(p.num_blocks), p.max_blocks);
     const int total = nb * p.n_tiles;
-    const int kt_count = p.k / BK;
+    const int kt_count = (p.k + BK - 1) / BK; /* the k tail: TMA zero fill */
 
     if (wg == C::NWG) { /* producer */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
@@ -386,19 +386,19 @@ template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB = 1
 static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, const char *name)
 {
     using C = sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>;
-    static unsigned long long smem_done;
+    static int smem_done[MOE_MAX_DEVICES];
     auto kernel = moe_gemm_sm90_kernel<SWAP, TOK, WR, HALVES, EPI, STAGES, KB>;
     int dev, sms;
     MOE_CHECK(moe_gemm_device_sms(name, &dev, &sms));
-    MOE_CHECK(moe_gemm_smem_once(name, (const void *)kernel, C::SMEM, dev, &smem_done));
+    MOE_CHECK(moe_gemm_smem_once(name, (const void *)kernel, C::SMEM, dev, smem_done));
 
     moe_gemm_kparams p = moe_gemm_base_params(a);
     if (EPI == MOE_GEMM_EPI_STORE) {
         p.n_out = a->n;
-        p.n_tiles = a->n / (HALVES * WR);
+        p.n_tiles = (a->n + HALVES * WR - 1) / (HALVES * WR);
     } else {
         p.n_out = a->n / 2;
-        p.n_tiles = a->n / 2 / WR;
+        p.n_tiles = (a->n / 2 + WR - 1) / WR; /* the n tail: masked stores */
     }
     int64_t items = (int64_t)a->max_blocks * p.n_tiles;
     if (items == 0)
@@ -440,7 +440,7 @@ static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const 
     if ((int64_t)a->max_blocks * TOK >= ((int64_t)1 << 31))
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: max_blocks = %d too large", name,
                          a->max_blocks);
-    MOE_CHECK(moe_gemm_check_common(a, name, 2 * WR, WR, BK));
+    MOE_CHECK(moe_gemm_check_common(a, name));
     cudaStream_t s = (cudaStream_t)stream;
     switch (a->epilogue) {
     case MOE_GEMM_EPI_STORE:
@@ -465,7 +465,7 @@ static moe_status_t launch_swap(const moe_gemm_args_t *a, void *stream, const ch
     if ((int64_t)a->max_blocks * TOK >= ((int64_t)1 << 31))
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: max_blocks = %d too large", name,
                          a->max_blocks);
-    MOE_CHECK(moe_gemm_check_common(a, name, 64 * WM, 32 * WM, BK));
+    MOE_CHECK(moe_gemm_check_common(a, name));
     cudaStream_t s = (cudaStream_t)stream;
     switch (a->epilogue) {
     case MOE_GEMM_EPI_STORE:

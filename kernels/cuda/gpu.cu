@@ -3,6 +3,7 @@
 #include "kernels/gpu.h"
 
 #include <string.h>
+#include <unistd.h>
 #include "kernels/cuda/cuda_check.h"
 
 extern "C" {
@@ -15,6 +16,27 @@ int moe_gpu_device_count(void)
         return 0;
     }
     return n;
+}
+
+moe_status_t moe_gpu_probe(int *count)
+{
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    *count = 0;
+    /* No device: the driver says so, or there is no driver at all (no /dev/nvidiactl; cudart
+     * then reports an insufficient driver). A driver that is there but too old is an error. */
+    if (e == cudaErrorNoDevice ||
+        (e == cudaErrorInsufficientDriver && access("/dev/nvidiactl", F_OK) != 0)) {
+        (void)cudaGetLastError();
+        return MOE_STATUS_SUCCESS;
+    }
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return moe_error(MOE_STATUS_CUDA_ERROR, "cudaGetDeviceCount: %s (%s)", cudaGetErrorName(e),
+                         cudaGetErrorString(e));
+    }
+    *count = n;
+    return MOE_STATUS_SUCCESS;
 }
 
 moe_status_t moe_gpu_set_device(int device)
@@ -35,29 +57,6 @@ moe_status_t moe_gpu_arch(int device, int *arch)
     MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     MOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
     *arch = major * 10 + minor;
-    return MOE_STATUS_SUCCESS;
-}
-
-moe_status_t moe_gpu_sm_count(int device, int *sms)
-{
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device));
-    return MOE_STATUS_SUCCESS;
-}
-
-moe_status_t moe_gpu_name(int device, char *name, size_t len)
-{
-    cudaDeviceProp prop;
-    MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-    if (len > 0) {
-        strncpy(name, prop.name, len - 1);
-        name[len - 1] = '\0';
-    }
-    return MOE_STATUS_SUCCESS;
-}
-
-moe_status_t moe_gpu_mem_info(size_t *free_bytes, size_t *total_bytes)
-{
-    MOE_CUDA_CHECK(cudaMemGetInfo(free_bytes, total_bytes));
     return MOE_STATUS_SUCCESS;
 }
 
@@ -104,25 +103,10 @@ moe_status_t moe_gpu_memcpy_d2h(void *dst, const void *src, size_t bytes)
     return MOE_STATUS_SUCCESS;
 }
 
-moe_status_t moe_gpu_memcpy_d2d(void *dst, const void *src, size_t bytes)
-{
-    if (bytes)
-        MOE_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice));
-    return MOE_STATUS_SUCCESS;
-}
-
 moe_status_t moe_gpu_memset(void *dst, int value, size_t bytes)
 {
     if (bytes)
         MOE_CUDA_CHECK(cudaMemset(dst, value, bytes));
-    return MOE_STATUS_SUCCESS;
-}
-
-moe_status_t moe_gpu_memcpy_h2d_async(void *dst, const void *src, size_t bytes, void *stream)
-{
-    if (bytes)
-        MOE_CUDA_CHECK(
-            cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, (cudaStream_t)stream));
     return MOE_STATUS_SUCCESS;
 }
 
@@ -208,12 +192,6 @@ moe_status_t moe_gpu_event_synchronize(void *event)
 moe_status_t moe_gpu_event_elapsed_ms(void *start, void *stop, float *ms)
 {
     MOE_CUDA_CHECK(cudaEventElapsedTime(ms, (cudaEvent_t)start, (cudaEvent_t)stop));
-    return MOE_STATUS_SUCCESS;
-}
-
-moe_status_t moe_gpu_stream_wait_event(void *stream, void *event)
-{
-    MOE_CUDA_CHECK(cudaStreamWaitEvent((cudaStream_t)stream, (cudaEvent_t)event, 0));
     return MOE_STATUS_SUCCESS;
 }
 

@@ -5,6 +5,7 @@
 #define MOE_PDL_CUH
 
 #include <cuda_runtime.h>
+#include "kernels/cuda/device_cache.cuh"
 #include "runtime/diag.h"
 
 /* First statement of every kernel launched through moe_launch: nothing is read or written
@@ -21,19 +22,23 @@ __device__ __forceinline__ void moe_pdl_wait()
  * is used on sm_90+ only. */
 static inline bool moe_pdl_enabled()
 {
-    static int cached[64];
+    static int cached[MOE_MAX_DEVICES]; /* 1: sm_90+, 2: older */
     static int env = -1;
-    int dev = 0, major = 0;
-    if (env < 0)
-        env = moe_env_int("MOE_PDL", 1) != 0;
-    if (!env || cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64)
-        return false;
-    if (!cached[dev]) {
-        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
-            return false;
-        cached[dev] = major >= 9 ? 1 : 2;
+    int dev = 0;
+    int e = __atomic_load_n(&env, __ATOMIC_RELAXED);
+    if (e < 0) {
+        e = moe_env_int("MOE_PDL", 1) != 0;
+        __atomic_store_n(&env, e, __ATOMIC_RELAXED);
     }
-    return cached[dev] == 1;
+    if (!e || cudaGetDevice(&dev) != cudaSuccess)
+        return false;
+    return moe_device_cached(cached, dev, [](int d) {
+               int major = 0;
+               if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) !=
+                   cudaSuccess)
+                   return 0;
+               return major >= 9 ? 1 : 2;
+           }) == 1;
 }
 
 /* kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute where enabled. */

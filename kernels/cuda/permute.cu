@@ -4,6 +4,7 @@
 #include "kernels/permute.h"
 
 #include <cuda_bf16.h>
+#include "kernels/cuda/aligned.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/pdl.cuh"
 
@@ -228,15 +229,10 @@ int row_threads(int hidden, bool vec)
     return units >= 256 ? 256 : (units >= 128 ? 128 : 64);
 }
 
-bool aligned16(const void *p)
-{
-    return ((uintptr_t)p & 15u) == 0;
-}
-
 template <typename T>
 moe_status_t launch_gather(const moe_gather_args_t *g, unsigned rows, cudaStream_t s)
 {
-    const bool vec = g->hidden % 8 == 0 && aligned16(g->x) && aligned16(g->a);
+    const bool vec = g->hidden % 8 == 0 && moe_aligned16(g->x) && moe_aligned16(g->a);
     const int th = row_threads(g->hidden, vec);
     if (vec)
         MOE_CUDA_CHECK(moe_launch((gather_kernel<T, true>), dim3(rows), dim3(th), 0, s,
@@ -253,7 +249,7 @@ moe_status_t launch_gather(const moe_gather_args_t *g, unsigned rows, cudaStream
 template <typename T>
 moe_status_t launch_rows(const moe_rows_args_t *r, unsigned rows, cudaStream_t s)
 {
-    const bool vec = r->hidden % 8 == 0 && aligned16(r->x) && aligned16(r->a);
+    const bool vec = r->hidden % 8 == 0 && moe_aligned16(r->x) && moe_aligned16(r->a);
     const int th = row_threads(r->hidden, vec);
     if (vec)
         MOE_CUDA_CHECK(moe_launch((rows_kernel<T, true>), dim3(rows), dim3(th), 0, s,
@@ -290,6 +286,22 @@ moe_status_t raise_smem_limit()
 }
 
 } /* namespace */
+
+template <typename T> moe_status_t prepare_rows()
+{
+    MOE_CUDA_PREPARE((gather_kernel<T, true>));
+    MOE_CUDA_PREPARE((gather_kernel<T, false>));
+    MOE_CUDA_PREPARE((rows_kernel<T, true>));
+    MOE_CUDA_PREPARE((rows_kernel<T, false>));
+    return MOE_STATUS_SUCCESS;
+}
+
+extern "C" moe_status_t moe_permute_prepare(void)
+{
+    MOE_CUDA_PREPARE(permute_meta_kernel);
+    MOE_CHECK(prepare_rows<float>());
+    return prepare_rows<__nv_bfloat16>();
+}
 
 extern "C" moe_status_t moe_permute_launch(const moe_permute_args_t *a, void *stream)
 {

@@ -4,6 +4,7 @@
 
 #include <cuda_bf16.h>
 #include <math.h>
+#include "kernels/cuda/aligned.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/pdl.cuh"
 
@@ -208,16 +209,11 @@ __global__ void __launch_bounds__(BLK_WARPS * 32)
     }
 }
 
-bool aligned16(const void *p)
-{
-    return ((uintptr_t)p & 15u) == 0;
-}
-
 template <typename T> moe_status_t launch_logits(const moe_route_logits_args_t *a, cudaStream_t s)
 {
     const T *x = (const T *)a->x;
     const int nt = (int)a->num_tokens;
-    if (a->hidden % 8 == 0 && aligned16(a->x) && aligned16(a->w)) {
+    if (a->hidden % 8 == 0 && moe_aligned16(a->x) && moe_aligned16(a->w)) {
         dim3 grid((nt + BLK_TOK - 1) / BLK_TOK, (a->num_rows + BLK_ROWS - 1) / BLK_ROWS);
         MOE_CUDA_CHECK(moe_launch((logits_blk_kernel<T>), grid, dim3(BLK_WARPS * 32), 0, s, x, a->w,
                                   a->logits, nt, a->num_rows, a->hidden));
@@ -444,6 +440,26 @@ extern "C" moe_status_t moe_route_logits_launch(const moe_route_logits_args_t *a
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "route logits: x dtype %s (F32 or BF16)",
                          moe_dtype_name(a->x_dtype));
     }
+}
+
+template <typename T> moe_status_t prepare_logits()
+{
+    MOE_CUDA_PREPARE(logits_gemv_kernel<T>);
+    MOE_CUDA_PREPARE(logits_tiled_kernel<T>);
+    MOE_CUDA_PREPARE(logits_blk_kernel<T>);
+    return MOE_STATUS_SUCCESS;
+}
+
+extern "C" moe_status_t moe_route_prepare(void)
+{
+    MOE_CHECK(prepare_logits<float>());
+    MOE_CHECK(prepare_logits<__nv_bfloat16>());
+    MOE_CUDA_PREPARE(route_topk_kernel<1>);
+    MOE_CUDA_PREPARE(route_topk_kernel<2>);
+    MOE_CUDA_PREPARE(route_topk_kernel<4>);
+    MOE_CUDA_PREPARE(route_topk_kernel<8>);
+    MOE_CUDA_PREPARE(route_topk_kernel<16>);
+    return MOE_STATUS_SUCCESS;
 }
 
 extern "C" moe_status_t moe_route_launch(const moe_route_args_t *a, void *stream)

@@ -15,6 +15,7 @@
 
 #include <cmocka.h>
 
+#include "gpu_skip.h"
 #include "kernels/gpu.h"
 #include "kernels/numeric.h"
 #include "runtime/diag.h"
@@ -30,11 +31,12 @@ static const int64_t gt_token_counts[] = {0, 1, 3, 17, 64, 255, 1024, 8192};
 
 static uint64_t gt_rng_state;
 
-/* Fresh inputs each run; MOE_TEST_SEED=<n> replays one. */
+/* A fixed seed, printed (the same inputs on every run); MOE_TEST_SEED=<n> picks another. */
+#define GT_DEFAULT_SEED 20261130ull
 static inline void gt_seed(void)
 {
     const char *env = getenv("MOE_TEST_SEED");
-    gt_rng_state = env ? strtoull(env, NULL, 0) : (uint64_t)time(NULL) * 2654435761u;
+    gt_rng_state = env ? strtoull(env, NULL, 0) : GT_DEFAULT_SEED;
     if (!gt_rng_state)
         gt_rng_state = 1;
     fprintf(stderr, "MOE_TEST_SEED=%llu\n", (unsigned long long)gt_rng_state);
@@ -161,14 +163,13 @@ static inline int gt_all_finite(const float *a, size_t n)
     return 1;
 }
 
-/* main(): skip (77) without a device, else run the group. */
+/* main(): skip (77) only without a device (gt_gpu_gate), else run the group. */
 #define GT_MAIN(tests)                                                                             \
     int main(void)                                                                                 \
     {                                                                                              \
-        if (moe_gpu_device_count() == 0) {                                                         \
-            fprintf(stderr, "no CUDA device: skipped\n");                                          \
-            return 77;                                                                             \
-        }                                                                                          \
+        int gate_ = gt_gpu_gate(1);                                                                \
+        if (gate_)                                                                                 \
+            return gate_;                                                                          \
         gt_seed();                                                                                 \
         return cmocka_run_group_tests(tests, NULL, NULL);                                          \
     }

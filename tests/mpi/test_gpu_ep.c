@@ -2,6 +2,7 @@
 /* Multi-GPU (one rank per GPU, NCCL): EP and TP layouts of the CUDA backend against the CPU
  * backend on the same global tokens, uneven tokens per rank (one rank with none), every token
  * to one rank's experts, and deterministic mode bitwise equal across EP sizes. */
+#include "gpu_skip.h"
 #include "testutil.h"
 
 #include <cuda_runtime.h>
@@ -203,15 +204,14 @@ int main(int argc, char **argv)
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &world);
-    if (cudaGetDeviceCount(&gpus) != cudaSuccess)
-        gpus = 0;
-    enough = gpus >= world; /* one GPU per rank on this single-node test */
-    MPI_Allreduce(MPI_IN_PLACE, &enough, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-    if (!enough) {
-        if (rank == 0)
-            fprintf(stderr, "skip: %d ranks need %d GPUs, %d visible\n", world, world, gpus);
+    /* one GPU per rank on this single-node test; every rank takes the same exit */
+    enough = gt_gpu_gate(world); /* a failure over a skip on any rank */
+    enough = enough == GT_SKIP ? 1 : enough == 0 ? 0 : 2;
+    MPI_Allreduce(MPI_IN_PLACE, &enough, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    (void)gpus;
+    if (enough) {
         MPI_Finalize();
-        return 77;
+        return enough == 1 ? GT_SKIP : 1;
     }
     cudaSetDevice(rank);
     if (rank != 0)

@@ -1,0 +1,13 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* moe_kernels_prepare: every kernel family loaded on the current device (see prepare.h). */
+#include "kernels/prepare.h"
+#include "runtime/diag.h"
+
+extern "C" moe_status_t moe_kernels_prepare(int arch)
+{
+    MOE_CHECK(moe_route_prepare());
+    MOE_CHECK(moe_permute_prepare());
+    MOE_CHECK(moe_combine_prepare());
+    MOE_CHECK(moe_ep_prepare());
+    return moe_gemm_prepare(arch);
+}

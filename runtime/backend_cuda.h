@@ -1,0 +1,110 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The CUDA backend's private state and the pieces its one-GPU part (backend_cuda.c) and its
+ * expert-parallel part (backend_cuda_ep.c) share. */
+#ifndef MOE_BACKEND_CUDA_H
+#define MOE_BACKEND_CUDA_H
+
+#include "comm/nccl_comm.h"
+#include "kernels/expert_gemm.h"
+#include "runtime/layer.h"
+
+/* Events of a profiled forward (MOE_PROFILE=1): the boundaries of its phases. */
+enum { EV_START, EV_ROUTE, EV_PERMUTE, EV_EXPERT, EV_SHARED, EV_COMBINE, EV_COUNT };
+
+typedef struct cuda_layer {
+    int device, arch;
+    int E, k, H; /* E: experts on this rank */
+    int E_total; /* experts of the layer: the router's rows */
+    int64_t is, ss, max_tokens;
+    moe_activation_t act;
+    const moe_gemm_variant_t *forced; /* MOE_GEMM_VARIANT, else NULL (oracle per step) */
+
+    /* weights and the layer's persistent device data (one allocation) */
+    void *wmem;
+    void *w13;       /* bf16 [E][2 is][H]: gate rows then up rows */
+    void *w2;        /* bf16 [E][H][is] */
+    float *router;   /* f32 [E][H] */
+    float *bias;     /* f32 [E] */
+    void *sw13;      /* bf16 [2 ss][H] */
+    void *sw2;       /* bf16 [H][ss] */
+    float *sgate;    /* f32 [H] */
+    int32_t *iota;   /* EP: [tm k], row of slot (t, j) in `mine` */
+    float *ones;     /* EP: [tm] */
+    int32_t *sticky; /* host-mapped pinned scalar: the first failed step's (rank << 8) | status
+                      * since the last synchronize, written by the device (0: none) */
+
+    /* Workspace: carved at each forward out of the runtime's one shared buffer (layers of a
+     * runtime run one at a time), sized for max_tokens and every selectable variant. */
+    size_t ws_bytes;                    /* this layer's need */
+    void *ws_base;                      /* the runtime buffer the pointers below were carved from */
+    int max_blocks, s_max_blocks;       /* caps over the variants */
+    float *logits;                      /* [Tm][E] */
+    int32_t *ids;                       /* [Tm][k] */
+    float *weights;                     /* [Tm][k] */
+    int32_t *counts, *offsets;          /* [E], [E + 1] */
+    int32_t *block_expert, *num_blocks; /* [max_blocks], [1] */
+    int32_t *row_of_slot;               /* [Tm k] */
+    int32_t *slot_of_row;               /* [max_rows] */
+    void *a, *h, *o;                    /* bf16 [max_rows][H], [max_rows][is], [max_rows][H] */
+    void *sa, *sh, *so;                 /* bf16 [s_rows][H], [s_rows][ss], [s_rows][H] */
+    int32_t *s_block_expert, *s_num_blocks;
+    float *s_gate_logit; /* [Tm] */
+
+    /* expert parallelism over NCCL (world > 1): every rank sees every token (all-gather of
+     * tm = max_tokens_per_rank padded rows), computes its experts' rows; the rows return
+     * summed per rank in f32 by reduce-scatter, or (deterministic) in a dense (token, slot)
+     * array with one contributor per entry */
+    moe_nccl_t *nccl; /* the runtime's (not owned) */
+    int world, first_local;
+    int deterministic;
+    int64_t tm;                  /* max tokens per rank */
+    void *xsend, *xall;          /* bf16 [tm][H], [world tm][H] */
+    int32_t *ids_all, *lids;     /* [world tm k] global, local expert ids (-1: not here) */
+    void *dense, *mine;          /* summed: f32 [world tm][H], [tm][H];
+                                  * deterministic: bf16 [world tm k][H], [tm k][H] */
+    void *smine;                 /* bf16 [tm][H]: this rank's tokens' shared output */
+    float *w_all;                /* [world tm k] routing weights of every rank's slots */
+    int32_t *one_block;          /* [2]: block table of the padded send rows */
+    int32_t *flag;               /* [1]: this rank's status code for the step (0: fine) */
+    int32_t *flags_all;          /* [world]: every rank's */
+    double last_rows_per_expert; /* the hint routed_experts got this step (same variant) */
+    void *last_stream;           /* a step with no arguments (args = NULL) runs here */
+
+    int profile;
+    void *ev[EV_COUNT];
+    int32_t *host_counts; /* [E], profiling only */
+} cuda_layer_t;
+
+/* Carves consecutive 256-byte-aligned pieces out of one allocation (base NULL: sizing pass). */
+typedef struct carve {
+    char *base;
+    size_t off;
+} carve_t;
+
+void *moe_cuda_take(carve_t *c, size_t bytes);
+
+/* The EP part's buffers in the workspace / persistent allocation. */
+void moe_cuda_ep_plan_workspace(cuda_layer_t *s, carve_t *c);
+void moe_cuda_ep_plan_persistent(cuda_layer_t *s, carve_t *c);
+moe_status_t moe_cuda_ep_init(moe_layer_t *l, cuda_layer_t *s);
+/* One step across the ranks. `local` is this rank's argument verdict: on failure the rank
+ * still joins every collective (with no tokens), its flag makes every rank skip the routed
+ * compute, and every rank's synchronize returns the status. */
+moe_status_t moe_cuda_ep_forward(moe_layer_t *l, const moe_forward_args_t *a, moe_status_t local);
+
+/* Shared steps (backend_cuda.c). */
+const moe_gemm_variant_t *moe_cuda_variant_for(const cuda_layer_t *s, double rows_per_expert);
+moe_status_t moe_cuda_record(const cuda_layer_t *s, int ev, void *stream);
+moe_status_t moe_cuda_route(moe_layer_t *l, const moe_forward_args_t *a, int32_t *ids, float *w);
+moe_status_t moe_cuda_routed_experts(cuda_layer_t *s, const void *x, moe_dtype_t x_dtype, int64_t T,
+                                     const int32_t *ids, double rows_per_expert, void *stream);
+moe_status_t moe_cuda_shared_experts(cuda_layer_t *s, const void *x, moe_dtype_t x_dtype, int64_t T,
+                                     void *stream);
+moe_status_t moe_cuda_shared_gate(moe_layer_t *l, const moe_forward_args_t *a);
+moe_status_t moe_cuda_combine(moe_layer_t *l, const moe_forward_args_t *a, const void *rows,
+                              const int32_t *row_of_slot, const float *w, const void *shared);
+moe_status_t moe_cuda_finish_profile(moe_layer_t *l, void *stream);
+/* check_inputs: NaN/Inf in x or the given router logits sets *flag = NUMERIC_ERROR. */
+moe_status_t moe_cuda_scan_inputs(moe_layer_t *l, const moe_forward_args_t *a, int32_t *flag);
+
+#endif /* MOE_BACKEND_CUDA_H */
