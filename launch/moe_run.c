@@ -39,6 +39,7 @@ typedef struct opts {
     int shape[NUM_SHAPE]; /* --experts ... --topk-group (shape_opt) */
     unsigned shape_set;   /* which of them were given */
     int preset_given;
+    moe_backend_t backend_kind;
     char err[512]; /* why this rank rejected its options */
 } opts_t;
 
@@ -262,6 +263,29 @@ static int parse_one(opts_t *o, const char *a, const char *v, int *used)
     return 0;
 }
 
+/* --dispatch and --backend into the config; -1 with o->err on an unknown name. */
+static int modes(opts_t *o)
+{
+    const char *d = o->dispatch ? o->dispatch : "auto", *b = o->backend ? o->backend : "auto";
+    if (!strcmp(d, "auto"))
+        o->cfg.dispatch = MOE_DISPATCH_AUTO;
+    else if (!strcmp(d, "all-to-all") || !strcmp(d, "a2a"))
+        o->cfg.dispatch = MOE_DISPATCH_ALL_TO_ALL;
+    else if (!strcmp(d, "all-gather") || !strcmp(d, "ag"))
+        o->cfg.dispatch = MOE_DISPATCH_ALL_GATHER;
+    else
+        return REJECT("--dispatch %s: expected auto, all-to-all or all-gather", d);
+    if (!strcmp(b, "auto"))
+        o->backend_kind = MOE_BACKEND_AUTO;
+    else if (!strcmp(b, "cpu"))
+        o->backend_kind = MOE_BACKEND_CPU;
+    else if (!strcmp(b, "cuda"))
+        o->backend_kind = MOE_BACKEND_CUDA;
+    else
+        return REJECT("--backend %s: expected auto, cpu or cuda", b);
+    return 0;
+}
+
 /* The command line into *o; -1 with o->err on the first bad option or combination. */
 static int parse(int argc, char **argv, opts_t *o)
 {
@@ -303,31 +327,7 @@ static int parse(int argc, char **argv, opts_t *o)
     else
         return REJECT("--dtype %s: expected f32, bf16 or fp8", dtype);
     o->dtype = dtype;
-    return 0;
-}
-
-static moe_dispatch_t dispatch_of(const char *s)
-{
-    if (!s || !strcmp(s, "auto"))
-        return MOE_DISPATCH_AUTO;
-    if (!strcmp(s, "all-to-all") || !strcmp(s, "a2a"))
-        return MOE_DISPATCH_ALL_TO_ALL;
-    if (!strcmp(s, "all-gather") || !strcmp(s, "ag"))
-        return MOE_DISPATCH_ALL_GATHER;
-    DIE("--dispatch %s: expected auto, all-to-all or all-gather", s);
-    return MOE_DISPATCH_AUTO;
-}
-
-static moe_backend_t backend_of(const char *s)
-{
-    if (!s || !strcmp(s, "auto"))
-        return MOE_BACKEND_AUTO;
-    if (!strcmp(s, "cpu"))
-        return MOE_BACKEND_CPU;
-    if (!strcmp(s, "cuda"))
-        return MOE_BACKEND_CUDA;
-    DIE("--backend %s: expected auto, cpu or cuda", s);
-    return MOE_BACKEND_AUTO;
+    return modes(o);
 }
 
 /* Buffers the layer reads and writes: host memory, or device memory for the CUDA backend. */
@@ -636,8 +636,8 @@ static int agree_options(const opts_t *o, int bad)
         {"--dtype", c->weight_dtype, 0},
         {"--ep", o->ep, 0},
         {"--tp", o->tp, 0},
-        {"--dispatch", moe_cli_hash(o->dispatch ? o->dispatch : "auto"), 1},
-        {"--backend", moe_cli_hash(o->backend ? o->backend : "auto"), 1},
+        {"--dispatch", c->dispatch, 0},
+        {"--backend", o->backend_kind, 0},
         {"--deterministic", o->deterministic, 0},
         {"--seed", (int64_t)o->seed, 0},
     };
@@ -675,13 +675,12 @@ int main(int argc, char **argv)
         MPI_Finalize();
         return 0;
     }
-    rc.backend = backend_of(o.backend);
+    rc.backend = o.backend_kind;
     rc.bind = o.bind;
     CHECK_ALL(moe_runtime_create_mpi(&rc, MPI_COMM_WORLD, &rt_g));
     CHECK(moe_runtime_get_info(rt_g, &ri));
     o.cfg.ep_size = o.ep;
     o.cfg.tp_size = o.tp;
-    o.cfg.dispatch = dispatch_of(o.dispatch);
     o.cfg.deterministic = o.deterministic ? 1 : MOE_AUTO;
     /* The global batch split evenly: rank r gets tokens [t0, t0 + my_tokens). No overflow:
      * tokens < 2^31 and rank < 2^31. */

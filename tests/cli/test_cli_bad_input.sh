@@ -71,6 +71,9 @@ expect preset-with-model 2 "--preset with --model" run1 --preset tiny --model "$
 expect json-unwritable-run 2 "--json $tmp/no/such/dir/r.json: cannot write" \
     run1 --json "$tmp/no/such/dir/r.json"
 expect unknown-option 2 "unknown option --frobnicate" run1 --frobnicate 1
+expect dispatch-unknown 2 "--dispatch nope: expected auto, all-to-all or all-gather" \
+    run1 --dispatch nope
+expect backend-unknown 2 "--backend gpu: expected auto, cpu or cuda" run1 --backend gpu
 
 # ---- MOE_TIMEOUT_MS: an error naming it, never a crash (the library rejects it) ----------------
 # Until runtime.c calls moe_env_int_checked for it (docs/RELIABILITY.md), the library warns and
