@@ -30,11 +30,15 @@ typedef struct opts {
     const char *model, *input, *output;
     const char *synthetic; /* the first option that shapes a synthetic layer (not --model's) */
     int layer_index;
+    int num_layers; /* --layers: layers created and run in turn (memory per rank reported) */
     moe_layer_config_t cfg;
+    moe_dtype_t dtype_kind; /* --dtype (synthetic layers; with --model: converted at load) */
+    moe_scale_kind_t dtype_scale;
     int64_t tokens;
     uint64_t seed;
     int iters, warmup, bind, ep, tp, deterministic, quiet, help;
     int tokens_given;     /* --tokens on the command line (else --input's row count) */
+    int dtype_given;      /* --dtype on the command line */
     FILE *json_file;      /* rank 0: --json, opened before the run so a bad path fails first */
     int shape[NUM_SHAPE]; /* --experts ... --topk-group (shape_opt) */
     unsigned shape_set;   /* which of them were given */
@@ -43,9 +47,18 @@ typedef struct opts {
     char err[512]; /* why this rank rejected its options */
 } opts_t;
 
+#define MAX_LAYERS 1024
+
 static int rank_g = 0;
 static moe_runtime_t *rt_g;
-static moe_layer_t *layer_g;
+static moe_layer_t *layers_g[MAX_LAYERS];
+static int num_layers_g;
+
+static void destroy_layers(void)
+{
+    while (num_layers_g > 0)
+        moe_layer_destroy(layers_g[--num_layers_g]);
+}
 
 /* For failures of this rank alone after the ranks agreed on the options: the others may be in
  * (or on their way to) a collective this rank never joins, so only MPI_Abort ends the job
@@ -72,7 +85,7 @@ static void fail(moe_status_t s, const char *call, int agreed)
     fflush(stderr);
     if (fatal || !agreed)
         MPI_Abort(MPI_COMM_WORLD, 1);
-    moe_layer_destroy(layer_g);
+    destroy_layers();
     moe_runtime_destroy(rt_g);
     MPI_Finalize();
     exit(1);
@@ -106,7 +119,10 @@ static void usage(void)
            "  --dispatch auto|all-to-all|all-gather   --deterministic\n"
            "  --backend auto|cpu|cuda   --bind (hwloc)   --iters N --warmup N\n"
            "  --model DIR --layer N [--input FILE] [--output FILE]   a checkpoint's layer\n"
-           "                       (its sizes come from DIR: no --preset/--experts/... with it)\n"
+           "                       (its sizes come from DIR: no --preset/--experts/... with it;\n"
+           "                       --dtype f32|bf16 converts its weights at load)\n"
+           "  --layers N           N layers (a model's worth), run in turn each step; reports\n"
+           "                       the memory per rank (weights + the one shared workspace)\n"
            "  --json FILE          also write the results as JSON\n"
            "Every rank must get the same options (checked before the first collective).\n",
            moe_gen_preset_names());
@@ -225,8 +241,8 @@ static int parse_one(opts_t *o, const char *a, const char *v, int *used)
             o->synthetic = "--scoring";
     } else if (!strcmp(a, "--dtype")) {
         o->dtype = v;
-        if (!o->synthetic)
-            o->synthetic = "--dtype";
+    } else if (!strcmp(a, "--layers")) {
+        return int_field(o, a, v, 1, MAX_LAYERS, &o->num_layers);
     } else if (!strcmp(a, "--tokens")) {
         if (int_opt(o, a, v, 0, MAX_TOKENS, &o->tokens))
             return -1;
@@ -293,6 +309,7 @@ static int parse(int argc, char **argv, opts_t *o)
     int i, used;
 
     opts_init(o);
+    o->num_layers = 1;
     for (i = 1; i < argc; i++)
         if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help"))
             return o->help = 1, 0;
@@ -301,6 +318,7 @@ static int parse(int argc, char **argv, opts_t *o)
             return -1;
         i += used;
     }
+    o->dtype_given = o->dtype != NULL;
     if (o->model && o->synthetic)
         return REJECT("%s with --model: the layer's shape comes from --model %s (its "
                       "config.json); drop %s",
@@ -318,14 +336,22 @@ static int parse(int argc, char **argv, opts_t *o)
     else if (o->scoring && strcmp(o->scoring, "softmax"))
         return REJECT("--scoring %s: expected softmax or sigmoid", o->scoring);
     dtype = o->dtype ? o->dtype : "bf16";
+    o->dtype_scale = MOE_SCALE_NONE;
     if (!strcmp(dtype, "f32"))
-        o->cfg.weight_dtype = MOE_DTYPE_F32;
+        o->dtype_kind = MOE_DTYPE_F32;
     else if (!strcmp(dtype, "bf16"))
-        o->cfg.weight_dtype = MOE_DTYPE_BF16;
+        o->dtype_kind = MOE_DTYPE_BF16;
     else if (!strcmp(dtype, "fp8"))
-        o->cfg.weight_dtype = MOE_DTYPE_FP8_E4M3, o->cfg.scale_kind = MOE_SCALE_BLOCK_128;
+        o->dtype_kind = MOE_DTYPE_FP8_E4M3, o->dtype_scale = MOE_SCALE_BLOCK_128;
     else
         return REJECT("--dtype %s: expected f32, bf16 or fp8", dtype);
+    if (o->model && o->dtype && o->dtype_kind == MOE_DTYPE_FP8_E4M3)
+        return REJECT("--dtype fp8 with --model: a checkpoint's weights convert to f32 or bf16 "
+                      "(an FP8 checkpoint loads as FP8 without --dtype)");
+    if (!o->model) {
+        o->cfg.weight_dtype = o->dtype_kind;
+        o->cfg.scale_kind = o->dtype_scale;
+    }
     o->dtype = dtype;
     return modes(o);
 }
@@ -415,23 +441,30 @@ typedef struct results {
     double tokens_per_s;
 } results_t;
 
-static void time_steps(moe_layer_t *layer, const moe_forward_args_t *fa, const opts_t *o,
+/* One step = every layer's forward in turn on the same tokens (layers of one runtime run one
+ * at a time: they share its workspace); phases are the last layer's. */
+static void time_steps(moe_layer_t **layers, int nl, const moe_forward_args_t *fa, const opts_t *o,
                        results_t *res)
 {
     double *ph = calloc((size_t)o->iters * PH_N, sizeof(double)), med[PH_N], wall0, wall = 0;
     moe_layer_stats_t st;
-    int i, p;
+    int i, p, l;
 
     if (!ph)
         DIE("out of memory");
     for (i = 0; i < o->warmup; i++)
-        CHECK_ALL(moe_layer_forward(layer, fa));
+        for (l = 0; l < nl; l++)
+            CHECK_ALL(moe_layer_forward(layers[l], fa));
+    if (o->warmup)
+        CHECK(moe_layer_synchronize(layers[nl - 1], NULL));
     for (i = 0; i < o->iters; i++) {
         MPI_Barrier(MPI_COMM_WORLD);
         wall0 = MPI_Wtime();
-        CHECK_ALL(moe_layer_forward(layer, fa));
-        CHECK(moe_layer_synchronize(layer, NULL));
-        CHECK(moe_layer_get_stats(layer, &st));
+        for (l = 0; l < nl; l++)
+            CHECK_ALL(moe_layer_forward(layers[l], fa));
+        for (l = 0; l < nl; l++) /* each layer's verdict (one stream: the first waits) */
+            CHECK(moe_layer_synchronize(layers[l], NULL));
+        CHECK(moe_layer_get_stats(layers[nl - 1], &st));
         MPI_Barrier(MPI_COMM_WORLD);
         wall += MPI_Wtime() - wall0;
         ph[PH_ROUTE * o->iters + i] = st.route_us;
@@ -446,6 +479,47 @@ static void time_steps(moe_layer_t *layer, const moe_forward_args_t *fa, const o
     MPI_Reduce(med, res->phase_us, PH_N, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
     res->tokens_per_s = wall > 0 ? (double)o->tokens * o->iters / wall : 0;
     free(ph);
+}
+
+/* Device memory in use now (CUDA backend), for the memory report; 0 elsewhere. */
+static double device_used_mib(int cuda)
+{
+#ifdef MOE_HAVE_CUDA
+    size_t free_b = 0, total_b = 0;
+    if (cuda && cudaMemGetInfo(&free_b, &total_b) == cudaSuccess)
+        return (double)(total_b - free_b) / 1048576.0;
+#else
+    (void)cuda;
+#endif
+    return 0.0;
+}
+
+/* Weights and workspace per rank over every layer, max over ranks (rank 0 prints). With the
+ * CUDA backend the layers share the runtime's one workspace. */
+static void print_memory(const moe_runtime_info_t *ri, int nl, double dev_before)
+{
+    double v[5] = {0, 0, 0, 0, 0}, mx[5];
+    moe_runtime_info_t now;
+    moe_layer_info_t li;
+    int l, cuda = ri->backend == MOE_BACKEND_CUDA;
+    CHECK(moe_runtime_get_info(rt_g, &now));
+    for (l = 0; l < nl; l++) {
+        CHECK(moe_layer_get_info(layers_g[l], &li));
+        v[0] += li.weight_bytes / 1048576.0;
+        v[1] = li.workspace_bytes / 1048576.0 > v[1] ? li.workspace_bytes / 1048576.0 : v[1];
+        v[2] += li.workspace_bytes / 1048576.0;
+    }
+    v[3] = cuda ? now.workspace_bytes / 1048576.0 : v[2];
+    v[4] = cuda ? device_used_mib(1) - dev_before : 0.0;
+    MPI_Reduce(v, mx, 5, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
+    if (rank_g == 0)
+        printf("# memory per rank (max over ranks): %d layer(s): weights %.1f MiB + workspace "
+               "%.1f MiB (%s; largest layer's %.1f MiB, sum of the layers' %.1f MiB) = %.1f MiB"
+               "%s",
+               nl, mx[0], mx[3], cuda ? "one per runtime" : "per layer", mx[1], mx[2],
+               mx[0] + mx[3], cuda ? "" : "\n");
+    if (rank_g == 0 && cuda)
+        printf("; device memory taken since the runtime's creation %.1f MiB\n", mx[4]);
 }
 
 static void checksum(const io_t *io, int64_t my_tokens, int hidden, int world, results_t *res)
@@ -576,6 +650,10 @@ static int resolve(opts_t *o, int world)
     if (o->model && (st = moe_run_model_config(o->model, o->layer_index, &o->cfg)))
         return REJECT("--model %s --layer %d: %s (%s)", o->model, o->layer_index,
                       moe_status_string(st), moe_last_error());
+    if (o->model && o->dtype_given) { /* the weights are converted as they load */
+        o->cfg.weight_dtype = o->dtype_kind;
+        o->cfg.scale_kind = o->dtype_scale;
+    }
     if (o->input && !o->tokens_given) { /* the global batch is the file's tokens */
         moe_dtype_t dt;
         int64_t cols;
@@ -623,6 +701,7 @@ static int agree_options(const opts_t *o, int bad)
         {"--warmup", o->warmup, 0},
         {"--tokens", o->tokens, 0},
         {"--layer", o->layer_index, 0},
+        {"--layers", o->num_layers, 0},
         {"--experts", c->num_experts, 0},
         {"--top-k", c->top_k, 0},
         {"--hidden", c->hidden, 0},
@@ -655,7 +734,8 @@ int main(int argc, char **argv)
     io_t io = {0};
     float *x;
     int64_t t0, my_tokens;
-    int world, bad;
+    double dev_before;
+    int world, bad, l;
 
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &rank_g);
@@ -677,6 +757,7 @@ int main(int argc, char **argv)
     }
     rc.backend = o.backend_kind;
     rc.bind = o.bind;
+    dev_before = device_used_mib(o.backend_kind != MOE_BACKEND_CPU);
     CHECK_ALL(moe_runtime_create_mpi(&rc, MPI_COMM_WORLD, &rt_g));
     CHECK(moe_runtime_get_info(rt_g, &ri));
     o.cfg.ep_size = o.ep;
@@ -689,8 +770,11 @@ int main(int argc, char **argv)
     o.cfg.max_tokens_per_rank = my_tokens > 0 ? my_tokens : 1;
     MPI_Allreduce(MPI_IN_PLACE, &o.cfg.max_tokens_per_rank, 1, MPI_INT64_T, MPI_MAX,
                   MPI_COMM_WORLD);
-    CHECK_ALL(moe_layer_create(rt_g, &o.cfg, &layer_g));
-    CHECK(moe_layer_get_info(layer_g, &li));
+    for (l = 0; l < o.num_layers; l++) {
+        CHECK_ALL(moe_layer_create(rt_g, &o.cfg, &layers_g[l]));
+        num_layers_g = l + 1;
+    }
+    CHECK(moe_layer_get_info(layers_g[0], &li));
     if (rank_g == 0)
         printf(
             "# libmoe %d.%d.%d moe-run: backend %s%s, %d rank(s), ep %d x tp %d, dispatch %s%s\n"
@@ -707,28 +791,35 @@ int main(int argc, char **argv)
     x = malloc(sizeof(float) * (size_t)(my_tokens * o.cfg.hidden + 1));
     if (!x)
         DIE("out of memory for %lld tokens", (long long)my_tokens);
+    /* layer l of --layers: the same weights (--model's layer, or --seed's) in every copy */
+    for (l = 0; l < o.num_layers; l++) {
 #ifdef MOE_RUN_HAVE_MODEL
-    if (o.model)
-        CHECK_ALL(moe_run_model_load(layer_g, o.model, o.layer_index));
-    else
-        CHECK(moe_gen_set_weights(layer_g, &o.cfg, o.seed));
+        if (o.model)
+            CHECK_ALL(moe_run_model_load(layers_g[l], o.model, o.layer_index));
+        else
+            CHECK(moe_gen_set_weights(layers_g[l], &o.cfg, o.seed));
+#else
+        CHECK(moe_gen_set_weights(layers_g[l], &o.cfg, o.seed));
+#endif
+    }
+#ifdef MOE_RUN_HAVE_MODEL
     /* tokens from --input (any layer), else random from --seed */
     CHECK_ALL(moe_run_model_tokens(o.input, o.seed, t0, my_tokens, o.cfg.hidden, x));
 #else
-    CHECK(moe_gen_set_weights(layer_g, &o.cfg, o.seed));
     moe_gen_tokens(o.seed, t0, my_tokens, o.cfg.hidden, x);
 #endif
-    CHECK(moe_layer_get_info(layer_g, &li));
+    CHECK(moe_layer_get_info(layers_g[0], &li));
     print_rank_map(&ri, &li, my_tokens, world);
+    print_memory(&ri, o.num_layers, dev_before);
     io_setup(&io, ri.backend == MOE_BACKEND_CUDA, x, my_tokens * o.cfg.hidden);
     fa.num_tokens = my_tokens;
     fa.dtype = MOE_DTYPE_F32;
     fa.x = io.x;
     fa.y = io.y;
     memset(&res, 0, sizeof(res));
-    time_steps(layer_g, &fa, &o, &res);
+    time_steps(layers_g, o.num_layers, &fa, &o, &res);
     io_fetch(&io, my_tokens * o.cfg.hidden);
-    print_load(layer_g, o.cfg.num_experts);
+    print_load(layers_g[o.num_layers - 1], o.cfg.num_experts);
     checksum(&io, my_tokens, o.cfg.hidden, world, &res);
 #ifdef MOE_RUN_HAVE_MODEL
     if (o.output)
@@ -739,8 +830,7 @@ int main(int argc, char **argv)
     fflush(stdout);
     io_free(&io);
     free(x);
-    CHECK(moe_layer_destroy(layer_g));
-    layer_g = NULL;
+    destroy_layers();
     CHECK(moe_runtime_destroy(rt_g));
     rt_g = NULL;
     MPI_Finalize();

@@ -57,6 +57,7 @@ typedef struct cuda_layer {
     moe_nccl_t *nccl; /* the runtime's (not owned) */
     int world, first_local;
     int deterministic;
+    int shared_local;            /* the whole shared MLP here, run on this rank's tokens */
     int64_t tm;                  /* max tokens per rank */
     void *xsend, *xall;          /* bf16 [tm][H], [world tm][H] */
     int32_t *ids_all, *lids;     /* [world tm k] global, local expert ids (-1: not here) */

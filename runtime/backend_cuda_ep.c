@@ -75,6 +75,8 @@ static moe_status_t ep_fill_iota(cuda_layer_t *s)
 
 moe_status_t moe_cuda_ep_init(moe_layer_t *l, cuda_layer_t *s)
 {
+    /* see make_plan: deterministic EP keeps the whole shared MLP on every rank */
+    s->shared_local = s->deterministic && s->ss > 0 && s->ss == l->plan.shared_intermediate;
     MOE_CHECK(ep_connect(l, s));
     if (l->cfg.dispatch == MOE_DISPATCH_ALL_TO_ALL)
         MOE_LOG_WARN("CUDA", "dispatch = all-to-all is not built for the CUDA backend yet: this "
@@ -181,14 +183,16 @@ static moe_status_t ep_return_dense(moe_layer_t *l, const moe_forward_args_t *a,
     MOE_CHECK(moe_ep_scatter_launch(&sc, stream));
     MOE_CHECK(moe_nccl_reduce_scatter(s->nccl, s->dense, s->mine, (size_t)(tm * k * H),
                                       MOE_DTYPE_BF16, stream));
-    if (s->ss > 0)
+    if (s->ss > 0 && !s->shared_local)
         MOE_CHECK(moe_nccl_reduce_scatter(s->nccl, s->so, s->smine, (size_t)(tm * H),
                                           MOE_DTYPE_BF16, stream));
     if (!a || a->num_tokens == 0)
         return MOE_STATUS_SUCCESS;
+    if (s->ss > 0 && s->shared_local) /* as one GPU runs it: bitwise the same for any EP size */
+        MOE_CHECK(moe_cuda_shared_experts(s, a->x, a->dtype, a->num_tokens, stream));
     if (s->ss > 0)
         MOE_CHECK(moe_cuda_shared_gate(l, a));
-    return moe_cuda_combine(l, a, s->mine, s->iota, s->weights, s->smine);
+    return moe_cuda_combine(l, a, s->mine, s->iota, s->weights, s->shared_local ? s->so : s->smine);
 }
 
 static moe_status_t copy_topk(const cuda_layer_t *s, const moe_forward_args_t *a)
@@ -232,7 +236,7 @@ moe_status_t moe_cuda_ep_forward(moe_layer_t *l, const moe_forward_args_t *a, mo
     MOE_CHECK(moe_cuda_routed_experts(s, s->xall, MOE_DTYPE_BF16, W * tm, s->lids,
                                       s->last_rows_per_expert, stream));
     MOE_CHECK(moe_cuda_record(s, EV_EXPERT, stream));
-    if (s->ss > 0)
+    if (s->ss > 0 && !s->shared_local)
         MOE_CHECK(moe_cuda_shared_experts(s, s->xall, MOE_DTYPE_BF16, W * tm, stream));
     MOE_CHECK(moe_cuda_record(s, EV_SHARED, stream));
     if (!s->deterministic)

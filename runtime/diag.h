@@ -52,6 +52,10 @@ static inline double moe_now_us(void)
     return 1e3 * moe_now_ms();
 }
 const char *moe_env_str(const char *name, const char *dflt);
+/* Like moe_env_int, but a bad value is MOE_STATUS_INVALID_ARGUMENT with a message naming the
+ * variable, its value and the valid range (for knobs where guessing is worse than stopping:
+ * MOE_TIMEOUT_MS). */
+moe_status_t moe_env_int_checked(const char *name, int64_t dflt, int64_t *out);
 
 /* The only control flow hidden in macros. */
 #define MOE_CHECK(expr)                                                                            \

@@ -62,11 +62,6 @@ static const char *parse_int(const char *v, int64_t min, int64_t max, int64_t *x
     return NULL;
 }
 
-/* Like moe_env_int, but a bad value is MOE_STATUS_INVALID_ARGUMENT with a message naming the
- * variable, its value and the valid range (for knobs where guessing is worse than stopping:
- * MOE_TIMEOUT_MS). The declaration belongs in diag.h beside moe_env_int. */
-moe_status_t moe_env_int_checked(const char *name, int64_t dflt, int64_t *out);
-
 moe_status_t moe_env_int_checked(const char *name, int64_t dflt, int64_t *out)
 {
     const char *v = getenv(name), *why;

@@ -99,6 +99,7 @@ moe_status_t moe_runtime_create(const moe_runtime_config_t *config, const void *
     moe_runtime_config_t dflt = MOE_RUNTIME_CONFIG_INIT;
     moe_runtime_t *rt;
     moe_status_t st, local;
+    int64_t timeout_ms = 0;
 
     moe_error_clear();
     MOE_ARG_CHECK(runtime != NULL, "runtime = NULL: need a place for the handle");
@@ -109,13 +110,15 @@ moe_status_t moe_runtime_create(const moe_runtime_config_t *config, const void *
                   "backend = %d: not a moe_backend_t", (int)config->backend);
     MOE_ARG_CHECK(config->timeout_ms >= 0, "timeout_ms = %d: must be >= 0", config->timeout_ms);
     MOE_ARG_CHECK(config->device >= -1, "device = %d: must be >= -1", config->device);
+    /* MOE_TIMEOUT_MS: bound on every wait for a peer (default 5 minutes); a bad value is an
+     * error naming it, never a silent default */
+    if (!config->timeout_ms)
+        MOE_CHECK(moe_env_int_checked("MOE_TIMEOUT_MS", 300000, &timeout_ms));
     rt = calloc(1, sizeof(*rt));
     if (!rt)
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "runtime");
     rt->config = *config;
-    /* MOE_TIMEOUT_MS: bound on every wait for a peer (default 5 minutes). */
-    rt->timeout_ms =
-        config->timeout_ms ? config->timeout_ms : (int)moe_env_int("MOE_TIMEOUT_MS", 300000);
+    rt->timeout_ms = config->timeout_ms ? config->timeout_ms : (int)timeout_ms;
     st = moe_comm_create(mpi_comm, rt->timeout_ms, &rt->comm, &rt->owns_mpi);
     if (st != MOE_STATUS_SUCCESS) {
         moe_comm_finalize_mpi(rt->owns_mpi);

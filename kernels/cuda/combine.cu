@@ -6,35 +6,12 @@
 #include "kernels/cuda/aligned.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/vec8.cuh"
 
 namespace
 {
 
 constexpr int COMBINE_THREADS = 256;
-
-__device__ __forceinline__ void unpack8(uint4 u, float *v)
-{
-    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const float2 f = __bfloat1622float2(h[i]);
-        v[2 * i] = f.x;
-        v[2 * i + 1] = f.y;
-    }
-}
-
-__device__ __forceinline__ void load8(const __nv_bfloat16 *src, float *v)
-{
-    unpack8(*reinterpret_cast<const uint4 *>(src), v);
-}
-
-__device__ __forceinline__ void load8(const float *src, float *v)
-{
-    const float4 a = reinterpret_cast<const float4 *>(src)[0];
-    const float4 b = reinterpret_cast<const float4 *>(src)[1];
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
-    v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-}
 
 __device__ __forceinline__ float load1(const __nv_bfloat16 *src)
 {
@@ -43,27 +20,6 @@ __device__ __forceinline__ float load1(const __nv_bfloat16 *src)
 __device__ __forceinline__ float load1(const float *src)
 {
     return *src;
-}
-
-__device__ __forceinline__ void store8(float *y, const float *v)
-{
-    float4 *d = reinterpret_cast<float4 *>(y);
-    d[0] = make_float4(v[0], v[1], v[2], v[3]);
-    d[1] = make_float4(v[4], v[5], v[6], v[7]);
-}
-
-__device__ __forceinline__ void store8(__nv_bfloat16 *y, const float *v)
-{
-    uint4 r;
-    __nv_bfloat162 h[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-        h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-    r.x = *reinterpret_cast<unsigned *>(&h[0]);
-    r.y = *reinterpret_cast<unsigned *>(&h[1]);
-    r.z = *reinterpret_cast<unsigned *>(&h[2]);
-    r.w = *reinterpret_cast<unsigned *>(&h[3]);
-    *reinterpret_cast<uint4 *>(y) = r;
 }
 
 __device__ __forceinline__ void store1(float *y, float v)
@@ -102,7 +58,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS)
         const TO *src = out + (size_t)row * hidden + c;
         float v[V];
         if (VEC)
-            load8(src, v);
+            moe_load8(src, v);
         else
             v[0] = load1(src);
 #pragma unroll
@@ -114,7 +70,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS)
         const __nv_bfloat16 *src = shared + (size_t)t * hidden + c;
         float v[V];
         if (VEC)
-            unpack8(*reinterpret_cast<const uint4 *>(src), v);
+            moe_load8(src, v);
         else
             v[0] = __bfloat162float(src[0]);
 #pragma unroll
@@ -122,7 +78,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS)
             acc[i] += g * v[i];
     }
     if (VEC)
-        store8(y + (size_t)t * hidden + c, acc);
+        moe_store8(y + (size_t)t * hidden + c, acc);
     else
         store1(y + (size_t)t * hidden + c, acc[0]);
 }

@@ -7,6 +7,7 @@
 #include "kernels/cuda/aligned.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/vec8.cuh"
 
 namespace
 {
@@ -145,20 +146,6 @@ __global__ void __launch_bounds__(META_THREADS)
     }
 }
 
-__device__ __forceinline__ uint4 pack8(const float *v)
-{
-    uint4 r;
-    __nv_bfloat162 h[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-        h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-    r.x = *reinterpret_cast<unsigned *>(&h[0]);
-    r.y = *reinterpret_cast<unsigned *>(&h[1]);
-    r.z = *reinterpret_cast<unsigned *>(&h[2]);
-    r.w = *reinterpret_cast<unsigned *>(&h[3]);
-    return r;
-}
-
 /* Copies one row of hidden values into bf16 dst (8 per 16-byte store when VEC), or zeroes it. */
 template <typename T, bool VEC>
 __device__ __forceinline__ void copy_row(const T *src, __nv_bfloat16 *dst, int hidden)
@@ -171,12 +158,9 @@ __device__ __forceinline__ void copy_row(const T *src, __nv_bfloat16 *dst, int h
             } else if (sizeof(T) == 2) {
                 d[c] = reinterpret_cast<const uint4 *>(src)[c];
             } else {
-                const float4 *s = reinterpret_cast<const float4 *>(src) + 2 * c;
                 float v[8];
-                const float4 p = s[0], q = s[1];
-                v[0] = p.x, v[1] = p.y, v[2] = p.z, v[3] = p.w;
-                v[4] = q.x, v[5] = q.y, v[6] = q.z, v[7] = q.w;
-                d[c] = pack8(v);
+                moe_load8(reinterpret_cast<const float *>(src) + 8 * c, v);
+                d[c] = moe_pack8(v);
             }
         }
     } else {

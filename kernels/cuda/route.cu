@@ -7,6 +7,7 @@
 #include "kernels/cuda/aligned.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/vec8.cuh"
 
 namespace
 {
@@ -123,26 +124,6 @@ __global__ void __launch_bounds__(256)
  * shuffle tree, then over warps in order: the same order at every token count. */
 constexpr int BLK_ROWS = 8, BLK_TOK = 8, BLK_WARPS = 8;
 
-__device__ __forceinline__ void load8(const float *p, float *v)
-{
-    const float4 a = reinterpret_cast<const float4 *>(p)[0];
-    const float4 b = reinterpret_cast<const float4 *>(p)[1];
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
-    v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-}
-
-__device__ __forceinline__ void load8(const __nv_bfloat16 *p, float *v)
-{
-    const uint4 u = *reinterpret_cast<const uint4 *>(p);
-    const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const float2 f = __bfloat1622float2(h[i]);
-        v[2 * i] = f.x;
-        v[2 * i + 1] = f.y;
-    }
-}
-
 template <typename T>
 __global__ void __launch_bounds__(BLK_WARPS * 32)
     logits_blk_kernel(const T *__restrict__ x, const float *__restrict__ w,
@@ -165,7 +146,7 @@ __global__ void __launch_bounds__(BLK_WARPS * 32)
 #pragma unroll
         for (int j = 0; j < BLK_TOK; j++) {
             if (j < ntk) {
-                load8(x + (size_t)(t0 + j) * hidden + base, xv[j]);
+                moe_load8(x + (size_t)(t0 + j) * hidden + base, xv[j]);
             } else {
 #pragma unroll
                 for (int q = 0; q < 8; q++)
@@ -176,7 +157,7 @@ __global__ void __launch_bounds__(BLK_WARPS * 32)
         for (int i = 0; i < BLK_ROWS; i++) {
             if (i < nr) {
                 float wv[8];
-                load8(w + (size_t)(r0 + i) * hidden + base, wv);
+                moe_load8(w + (size_t)(r0 + i) * hidden + base, wv);
 #pragma unroll
                 for (int j = 0; j < BLK_TOK; j++)
 #pragma unroll

@@ -172,15 +172,15 @@ static void test_hot_rank(void **state)
     free(logits);
 }
 
-/* The same tokens on one GPU and on EP = world GPUs: bitwise equal outputs. */
-static void test_deterministic_across_ep(void **state)
+/* The same tokens on one GPU and on EP = world GPUs: bitwise equal outputs, without and with
+ * a shared expert (and DeepSeek's grouped sigmoid routing). */
+static void deterministic_across_ep(int deepseek)
 {
     const uint64_t seed = tu_seed("gpu_det");
-    moe_layer_config_t c = shape(0);
+    moe_layer_config_t c = shape(deepseek);
     const int64_t n = 40;
     float *x = malloc(sizeof(float) * n * 1024), *y1 = malloc(sizeof(float) * n * 1024);
     float *yn = malloc(sizeof(float) * n * 1024);
-    (void)state;
     c.deterministic = 1;
     moe_gen_tokens(seed, rank * n, n, c.hidden, x);
     run(rt_gpu_self, c, seed, x, n, NULL, y1);
@@ -191,6 +191,18 @@ static void test_deterministic_across_ep(void **state)
     free(yn);
 }
 
+static void test_deterministic_across_ep(void **state)
+{
+    (void)state;
+    deterministic_across_ep(0);
+}
+
+static void test_deterministic_shared_across_ep(void **state)
+{
+    (void)state;
+    deterministic_across_ep(1);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -199,6 +211,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_tp),
         cmocka_unit_test(test_hot_rank),
         cmocka_unit_test(test_deterministic_across_ep),
+        cmocka_unit_test(test_deterministic_shared_across_ep),
     };
     int rc, gpus = 0, enough;
     MPI_Init(&argc, &argv);

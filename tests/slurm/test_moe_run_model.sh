@@ -42,6 +42,23 @@ for m in mixtral qwen2_moe qwen3_moe deepseek_v3_fp8; do
     run 2 "$tmp/$m.in" "${args[@]}" --input "$tmp/$m.np1" && echo "ok: $m: --input"
 done
 
+# --dtype with --model converts the checkpoint's weights as they load.
+if timeout 120 mpirun -np 2 "$moe_run" --model "$tmp/mixtral" --layer 1 --dtype f32 --tokens 16 \
+    --iters 1 --warmup 0 --backend cpu >"$tmp/f32.log" 2>&1 && grep -q 'dtype f32' "$tmp/f32.log"; then
+    echo "ok: --dtype f32 with --model"
+else
+    echo "FAIL: --dtype f32 with --model"; cat "$tmp/f32.log"; fail=1
+fi
+
+# --layers N: N layers, and a memory line whose weights are N times one layer's.
+if timeout 120 mpirun -np 2 "$moe_run" --model "$tmp/mixtral" --layer 1 --layers 3 --tokens 16 \
+    --iters 1 --warmup 0 --backend cpu >"$tmp/layers.log" 2>&1 &&
+    grep -q '^# memory per rank (max over ranks): 3 layer(s): weights' "$tmp/layers.log"; then
+    echo "ok: --layers 3: $(grep '^# memory' "$tmp/layers.log")"
+else
+    echo "FAIL: --layers 3"; cat "$tmp/layers.log"; fail=1
+fi
+
 # Each of 2 EP ranks reads about half of the checkpoint's bytes (its experts), not all of it.
 log=$(MOE_DEBUG=INFO timeout 120 mpirun -x MOE_DEBUG -np 2 "$moe_run" --model "$tmp/mixtral" \
     --layer 1 --tokens 64 --iters 1 --warmup 0 --backend cpu 2>&1 | grep '\[CKPT\]' || true)
