@@ -2,7 +2,7 @@
 /* Multi-GPU (one rank per GPU, NCCL): EP and TP layouts of the CUDA backend against the CPU
  * backend on the same global tokens, uneven tokens per rank (one rank with none), every token
  * to one rank's experts, and deterministic mode bitwise equal across EP sizes. */
-#include "gpu_skip.h"
+#include "gpu_mpi.h"
 #include "testutil.h"
 
 #include <cuda_runtime.h>
@@ -15,34 +15,7 @@
 #include "kernels/numeric.h"
 #include "launch/layer_gen.h"
 
-static moe_runtime_t *rt_gpu, *rt_gpu_self, *rt_cpu_self;
 static int rank, world;
-
-static int setup(void **state)
-{
-    moe_runtime_config_t rc = MOE_RUNTIME_CONFIG_INIT;
-    MPI_Comm self = MPI_COMM_SELF;
-    (void)state;
-    rc.timeout_ms = 120000;
-    rc.backend = MOE_BACKEND_CUDA;
-    if (moe_runtime_create(&rc, NULL, &rt_gpu))
-        return -1;
-    rc.device = rank; /* the one-rank runtime on this rank's own GPU (single node) */
-    if (moe_runtime_create(&rc, &self, &rt_gpu_self))
-        return -1;
-    rc.device = -1;
-    rc.backend = MOE_BACKEND_CPU;
-    return moe_runtime_create(&rc, &self, &rt_cpu_self) ? -1 : 0;
-}
-
-static int teardown(void **state)
-{
-    (void)state;
-    moe_runtime_destroy(rt_cpu_self);
-    moe_runtime_destroy(rt_gpu_self);
-    moe_runtime_destroy(rt_gpu);
-    return 0;
-}
 
 static moe_layer_config_t shape(int deepseek)
 {
@@ -125,10 +98,10 @@ static void compare_layout(int deepseek, int tp, const float *logits_for_hot)
     ref = malloc(sizeof(float) * (size_t)(n * c.hidden + 1));
     assert_true(x && y && ref);
     moe_gen_tokens(seed, t0, n, c.hidden, x);
-    run(rt_cpu_self, c, seed, x, n, logits_for_hot, ref);
+    run(gt_rts.cpu_self, c, seed, x, n, logits_for_hot, ref);
     c.tp_size = tp;
     c.ep_size = world / tp;
-    run(rt_gpu, c, seed, x, n, logits_for_hot, y);
+    run(gt_rts.gpu, c, seed, x, n, logits_for_hot, y);
     assert_int_equal(tu_count_nan(y, n * c.hidden), 0);
     err = n ? tu_rel_err(y, ref, n * c.hidden) : 0.0;
     print_message("rank %d: %s ep %d tp %d, %lld tokens: rel err %.3g\n", rank,
@@ -183,8 +156,8 @@ static void deterministic_across_ep(int deepseek)
     float *yn = malloc(sizeof(float) * n * 1024);
     c.deterministic = 1;
     moe_gen_tokens(seed, rank * n, n, c.hidden, x);
-    run(rt_gpu_self, c, seed, x, n, NULL, y1);
-    run(rt_gpu, c, seed, x, n, NULL, yn);
+    run(gt_rts.gpu_self, c, seed, x, n, NULL, y1);
+    run(gt_rts.gpu, c, seed, x, n, NULL, yn);
     assert_memory_equal(y1, yn, sizeof(float) * n * 1024);
     free(x);
     free(y1);
@@ -203,34 +176,13 @@ static void test_deterministic_shared_across_ep(void **state)
     deterministic_across_ep(1);
 }
 
-int main(int argc, char **argv)
-{
-    const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_ep_mixtral),
-        cmocka_unit_test(test_ep_deepseek_shared),
-        cmocka_unit_test(test_tp),
-        cmocka_unit_test(test_hot_rank),
-        cmocka_unit_test(test_deterministic_across_ep),
-        cmocka_unit_test(test_deterministic_shared_across_ep),
-    };
-    int rc, gpus = 0, enough;
-    MPI_Init(&argc, &argv);
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &world);
-    /* one GPU per rank on this single-node test; every rank takes the same exit */
-    enough = gt_gpu_gate(world); /* a failure over a skip on any rank */
-    enough = enough == GT_SKIP ? 1 : enough == 0 ? 0 : 2;
-    MPI_Allreduce(MPI_IN_PLACE, &enough, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    (void)gpus;
-    if (enough) {
-        MPI_Finalize();
-        return enough == 1 ? GT_SKIP : 1;
-    }
-    cudaSetDevice(rank);
-    if (rank != 0)
-        cmocka_set_message_output(CM_OUTPUT_SUBUNIT);
-    rc = cmocka_run_group_tests(tests, setup, teardown);
-    MPI_Allreduce(MPI_IN_PLACE, &rc, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    MPI_Finalize();
-    return rc ? 1 : 0;
-}
+static const struct CMUnitTest tests[] = {
+    cmocka_unit_test(test_ep_mixtral),
+    cmocka_unit_test(test_ep_deepseek_shared),
+    cmocka_unit_test(test_tp),
+    cmocka_unit_test(test_hot_rank),
+    cmocka_unit_test(test_deterministic_across_ep),
+    cmocka_unit_test(test_deterministic_shared_across_ep),
+};
+
+GT_MPI_MAIN(tests, gt_group_setup, gt_group_teardown, rank, world)

@@ -5,7 +5,7 @@
  * later steps. Rank 0 then wakes the stopped rank (SIGCONT), whose step returns (any status:
  * its peers' halves may have landed before they aborted), and every rank cleans up and exits
  * normally: MPI itself is unaffected, so the job ends with exit code 0. */
-#include "gpu_skip.h"
+#include "gpu_mpi.h"
 #include "testutil.h"
 
 #include <cuda_runtime.h>
@@ -111,12 +111,10 @@ int main(int argc, char **argv)
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &world);
-    gate = world < 2 ? GT_SKIP : gt_gpu_gate(world);
-    gate = gate == GT_SKIP ? 1 : gate == 0 ? 0 : 2;
-    MPI_Allreduce(MPI_IN_PLACE, &gate, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    gate = world < 2 ? GT_SKIP : gt_mpi_gpu_gate(world);
     if (gate) {
         MPI_Finalize();
-        return gate == 1 ? GT_SKIP : 1;
+        return gate;
     }
     cudaSetDevice(rank);
     rc = run();

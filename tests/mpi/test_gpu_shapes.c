@@ -7,7 +7,7 @@
  * CPU reference and the weights stay affordable: the GEMM coverage depends on hidden and the
  * intermediate slice, not on the number of experts. Output row t depends on token t alone, so the
  * CPU reference computes the first rows only. */
-#include "gpu_skip.h"
+#include "gpu_mpi.h"
 #include "testutil.h"
 
 #include <cuda_runtime.h>
@@ -19,7 +19,6 @@
 
 #include "launch/layer_gen.h"
 
-static moe_runtime_t *rt_gpu, *rt_gpu_self, *rt_cpu_self;
 static int rank, world;
 
 #define REF_ROWS 12 /* rows checked against the CPU backend per step */
@@ -53,32 +52,6 @@ static const model_shape_t shapes[] = {
     {"hf-tiny f32", 8, 2, 64, 96, 0, 1, 1},
 };
 #define NUM_SHAPES ((int)(sizeof(shapes) / sizeof(shapes[0])))
-
-static int setup(void **state)
-{
-    moe_runtime_config_t rc = MOE_RUNTIME_CONFIG_INIT;
-    MPI_Comm self = MPI_COMM_SELF;
-    (void)state;
-    rc.timeout_ms = 120000;
-    rc.backend = MOE_BACKEND_CUDA;
-    if (moe_runtime_create(&rc, NULL, &rt_gpu))
-        return -1;
-    rc.device = rank;
-    if (moe_runtime_create(&rc, &self, &rt_gpu_self))
-        return -1;
-    rc.device = -1;
-    rc.backend = MOE_BACKEND_CPU;
-    return moe_runtime_create(&rc, &self, &rt_cpu_self) ? -1 : 0;
-}
-
-static int teardown(void **state)
-{
-    (void)state;
-    moe_runtime_destroy(rt_cpu_self);
-    moe_runtime_destroy(rt_gpu_self);
-    moe_runtime_destroy(rt_gpu);
-    return 0;
-}
 
 /* ep x tp: the layout (1 x 1 on one GPU's own runtime, world x 1, 1 x world). */
 static moe_layer_config_t config_of(const model_shape_t *s, int ep, int tp, int64_t max_tokens)
@@ -151,7 +124,7 @@ static void cpu_reference(const model_shape_t *s, uint64_t seed, const float *x,
     moe_layer_config_t c = config_of(s, 1, 1, REF_ROWS);
     moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
     moe_layer_t *l = NULL;
-    TU_OK(moe_layer_create(rt_cpu_self, &c, &l));
+    TU_OK(moe_layer_create(gt_rts.cpu_self, &c, &l));
     TU_OK(moe_gen_set_weights(l, &c, seed));
     a.num_tokens = REF_ROWS;
     a.x = x;
@@ -210,9 +183,9 @@ static void test_model_shapes(void **state)
         /* each rank its own tokens; the reference is its first REF_ROWS */
         moe_gen_tokens(seed, (int64_t)rank * tmax, tmax, s->hidden, x);
         cpu_reference(s, seed, x, ref);
-        e1 = run_layout(s, rt_gpu_self, 1, 1, seed, x, ref);
-        eep = s->experts % world == 0 ? run_layout(s, rt_gpu, world, 1, seed, x, ref) : 0.0;
-        etp = run_layout(s, rt_gpu, 1, world, seed, x, ref);
+        e1 = run_layout(s, gt_rts.gpu_self, 1, 1, seed, x, ref);
+        eep = s->experts % world == 0 ? run_layout(s, gt_rts.gpu, world, 1, seed, x, ref) : 0.0;
+        etp = run_layout(s, gt_rts.gpu, 1, world, seed, x, ref);
         if (rank == 0)
             print_message("%-22s H%-5d I%-5d E%-3d k%d%s: rel err one GPU %.2e, EP%d %.2e, TP%d "
                           "%.2e\n",
@@ -243,7 +216,7 @@ static void test_one_verdict(void **state)
     assert_true(x && ref && out);
     moe_gen_tokens(seed, (int64_t)rank * 64, 64, s->hidden, x);
     cpu_reference(s, seed, x, ref);
-    TU_OK(moe_layer_create(rt_gpu, &c, &l));
+    TU_OK(moe_layer_create(gt_rts.gpu, &c, &l));
     TU_OK(moe_gen_set_weights(l, &c, seed));
     bufs_init(&b, x, 64, s->hidden);
     for (int kind = 0; kind < 3; kind++) {
@@ -292,7 +265,7 @@ static void test_check_inputs(void **state)
     moe_gen_tokens(seed, 0, 16, s->hidden, x);
     if (rank == 0)
         x[5 * s->hidden + 3] = NAN;
-    TU_OK(moe_layer_create(rt_gpu, &c, &l));
+    TU_OK(moe_layer_create(gt_rts.gpu, &c, &l));
     TU_OK(moe_gen_set_weights(l, &c, seed));
     bufs_init(&b, x, 16, s->hidden);
     assert_int_equal(gpu_step(l, &b, 16, s->hidden, NULL, 0), MOE_STATUS_NUMERIC_ERROR);
@@ -353,31 +326,11 @@ static void test_one_workspace(void **state)
     free(out);
 }
 
-int main(int argc, char **argv)
-{
-    const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_one_verdict),
-        cmocka_unit_test(test_check_inputs),
-        cmocka_unit_test(test_one_workspace),
-        cmocka_unit_test(test_model_shapes),
-    };
-    int rc, gate;
-    MPI_Init(&argc, &argv);
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &world);
-    /* one GPU per rank; every rank takes the same exit, a failure over a skip */
-    gate = gt_gpu_gate(world);
-    gate = gate == GT_SKIP ? 1 : gate == 0 ? 0 : 2;
-    MPI_Allreduce(MPI_IN_PLACE, &gate, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    if (gate) {
-        MPI_Finalize();
-        return gate == 1 ? GT_SKIP : 1;
-    }
-    cudaSetDevice(rank);
-    if (rank != 0)
-        cmocka_set_message_output(CM_OUTPUT_SUBUNIT);
-    rc = cmocka_run_group_tests(tests, setup, teardown);
-    MPI_Allreduce(MPI_IN_PLACE, &rc, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    MPI_Finalize();
-    return rc ? 1 : 0;
-}
+static const struct CMUnitTest tests[] = {
+    cmocka_unit_test(test_one_verdict),
+    cmocka_unit_test(test_check_inputs),
+    cmocka_unit_test(test_one_workspace),
+    cmocka_unit_test(test_model_shapes),
+};
+
+GT_MPI_MAIN(tests, gt_group_setup, gt_group_teardown, rank, world)

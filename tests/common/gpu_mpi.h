@@ -1,0 +1,89 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Multi-GPU test helpers (one rank per GPU): the one skip/fail verdict for all ranks, and the
+ * three runtimes the comparisons use (CUDA over the world, CUDA on this rank alone, CPU on this
+ * rank alone). */
+#ifndef MOE_GPU_MPI_H
+#define MOE_GPU_MPI_H
+
+#include <mpi.h>
+
+#include "gpu_skip.h"
+#include "moe/moe.h"
+
+/* 0 to run (a GPU per rank on every rank), else the exit code every rank returns after
+ * MPI_Finalize: GT_SKIP only when some rank has too few devices and none failed. */
+static inline int gt_mpi_gpu_gate(int world)
+{
+    int g = gt_gpu_gate(world);
+    g = g == GT_SKIP ? 1 : g == 0 ? 0 : 2; /* a failure wins over a skip */
+    MPI_Allreduce(MPI_IN_PLACE, &g, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    return g == 0 ? 0 : g == 1 ? GT_SKIP : 1;
+}
+
+typedef struct gt_runtimes {
+    moe_runtime_t *gpu, *gpu_self, *cpu_self;
+} gt_runtimes_t;
+
+static inline int gt_runtimes_create(gt_runtimes_t *r, int rank, int timeout_ms)
+{
+    moe_runtime_config_t rc = MOE_RUNTIME_CONFIG_INIT;
+    MPI_Comm self = MPI_COMM_SELF;
+    rc.timeout_ms = timeout_ms;
+    rc.backend = MOE_BACKEND_CUDA;
+    if (moe_runtime_create(&rc, NULL, &r->gpu))
+        return -1;
+    rc.device = rank; /* the one-rank runtime on this rank's own GPU (single node) */
+    if (moe_runtime_create(&rc, &self, &r->gpu_self))
+        return -1;
+    rc.device = -1;
+    rc.backend = MOE_BACKEND_CPU;
+    return moe_runtime_create(&rc, &self, &r->cpu_self) ? -1 : 0;
+}
+
+static inline void gt_runtimes_destroy(gt_runtimes_t *r)
+{
+    moe_runtime_destroy(r->cpu_self);
+    moe_runtime_destroy(r->gpu_self);
+    moe_runtime_destroy(r->gpu);
+}
+
+/* The runtimes of a multi-GPU cmocka group (its setup and teardown; peers time out at 120 s). */
+static gt_runtimes_t gt_rts;
+
+static inline int gt_group_setup(void **state)
+{
+    int rank = 0;
+    (void)state;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    return gt_runtimes_create(&gt_rts, rank, 120000);
+}
+
+static inline int gt_group_teardown(void **state)
+{
+    (void)state;
+    gt_runtimes_destroy(&gt_rts);
+    return 0;
+}
+
+/* main() of a multi-GPU cmocka test: MPI up, the gate, rank r on GPU r (single node), the
+ * group run on every rank (rank 0 prints), one exit code for all. Needs cmocka.h first. */
+#define GT_MPI_MAIN(tests, setup, teardown, rank_var, world_var)                                   \
+    int main(int argc, char **argv)                                                                \
+    {                                                                                              \
+        int rc_;                                                                                   \
+        MPI_Init(&argc, &argv);                                                                    \
+        MPI_Comm_rank(MPI_COMM_WORLD, &rank_var);                                                  \
+        MPI_Comm_size(MPI_COMM_WORLD, &world_var);                                                 \
+        rc_ = gt_mpi_gpu_gate(world_var);                                                          \
+        if (rc_ == 0) {                                                                            \
+            moe_gpu_set_device(rank_var);                                                          \
+            if (rank_var != 0)                                                                     \
+                cmocka_set_message_output(CM_OUTPUT_SUBUNIT);                                      \
+            rc_ = cmocka_run_group_tests(tests, setup, teardown) ? 1 : 0;                          \
+            MPI_Allreduce(MPI_IN_PLACE, &rc_, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);                \
+        }                                                                                          \
+        MPI_Finalize();                                                                            \
+        return rc_;                                                                                \
+    }
+
+#endif /* MOE_GPU_MPI_H */
