@@ -112,26 +112,41 @@ static double nccl_a2a_us(ncclComm_t comm, int world, size_t bytes, void *sbuf, 
     return med;
 }
 
-/* --max-tokens T (default: the largest size) checked and agreed among the ranks before the
- * first collective; nonzero (after one message) on a bad or mismatched option. */
-static int agree_options(int argc, char **argv, int64_t largest, int64_t *tmax)
+/* --max-tokens T (default: the largest size), --capacity C (max_tokens_per_rank of every
+ * point's layer, as a serving engine sets it; default: the point's own token count) and
+ * --told (pass max_tokens_across_ranks = the point's tokens), checked and agreed among the
+ * ranks before the first collective; nonzero (after one message) on a bad or mismatched one. */
+static int agree_options(int argc, char **argv, int64_t largest, int64_t *tmax, int64_t *cap,
+                         int *told)
 {
     char err[256] = "";
     int i, bad = 0;
-    moe_cli_field_t f[1] = {{"--max-tokens", 0, 0}};
+    moe_cli_field_t f[3] = {{"--max-tokens", 0, 0}, {"--capacity", 0, 0}, {"--told", 0, 0}};
 
     *tmax = largest;
+    *cap = 0;
+    *told = 0;
     for (i = 1; i < argc && !bad; i++) {
         if (!strcmp(argv[i], "--dispatch-only"))
             continue;
-        if (!strcmp(argv[i], "--max-tokens") && i + 1 < argc)
+        if (!strcmp(argv[i], "--told"))
+            *told = 1;
+        else if (!strcmp(argv[i], "--max-tokens") && i + 1 < argc)
             bad = moe_cli_int("--max-tokens", argv[++i], 1, INT64_C(1) << 30, tmax, err,
+                              sizeof(err)) != 0;
+        else if (!strcmp(argv[i], "--capacity") && i + 1 < argc)
+            bad = moe_cli_int("--capacity", argv[++i], 1, INT64_C(1) << 20, cap, err,
                               sizeof(err)) != 0;
         else
             bad = snprintf(err, sizeof(err), "--dispatch-only: unknown option %s", argv[i]) > 0;
     }
+    if (!bad && *cap && *cap < *tmax && *tmax != largest)
+        bad = snprintf(err, sizeof(err), "--capacity %lld is below --max-tokens %lld",
+                       (long long)*cap, (long long)*tmax) > 0;
     f[0].value = *tmax;
-    return moe_cli_agree("moe-bench --dispatch-only", bad, err, f, 1);
+    f[1].value = *cap;
+    f[2].value = *told;
+    return moe_cli_agree("moe-bench --dispatch-only", bad, err, f, 3);
 }
 
 int moe_dispatch_bench_main(int argc, char **argv)
@@ -141,8 +156,8 @@ int moe_dispatch_bench_main(int argc, char **argv)
     moe_runtime_config_t rc = MOE_RUNTIME_CONFIG_INIT;
     moe_layer_config_t cfg = MOE_LAYER_CONFIG_INIT;
     moe_runtime_t *rt = NULL;
-    int rank, world, i, it, iters = 20, max_sizes = nsizes;
-    int64_t tmax;
+    int rank, world, i, it, iters = 20, max_sizes = nsizes, told;
+    int64_t tmax, cap;
     ncclUniqueId id;
     ncclComm_t comm;
     cudaStream_t s;
@@ -151,8 +166,10 @@ int moe_dispatch_bench_main(int argc, char **argv)
 
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &world);
-    if (agree_options(argc, argv, sizes[nsizes - 1], &tmax))
+    if (agree_options(argc, argv, sizes[nsizes - 1], &tmax, &cap, &told))
         return 2;
+    if (cap && cap < tmax)
+        tmax = cap; /* no point above the capacity */
     for (max_sizes = 0; max_sizes < nsizes && sizes[max_sizes] <= tmax; max_sizes++)
         ;
     tmax = sizes[max_sizes - 1];
@@ -167,7 +184,7 @@ int moe_dispatch_bench_main(int argc, char **argv)
     cfg.n_group = 8;
     cfg.topk_group = 4;
     cfg.routed_scaling_factor = 2.5f;
-    cfg.max_tokens_per_rank = tmax;
+    cfg.max_tokens_per_rank = cap ? cap : tmax;
     rc.backend = MOE_BACKEND_CUDA;
     MK(moe_runtime_create_mpi(&rc, MPI_COMM_WORLD, &rt));
     MK(moe_runtime_get_info(rt, &ri));
@@ -188,12 +205,19 @@ int moe_dispatch_bench_main(int argc, char **argv)
     if (rank == 0) {
         int v = 0;
         ncclGetVersion(&v);
-        printf("# moe-bench --dispatch-only: %d ranks (GPUs), E%d top-%d H%d bf16, NCCL %d\n"
-               "# dispatch/combine: the layer's phases (events, median of %d steps, max over "
-               "ranks); nccl a2a: grouped send/recv of the same payload (tokens x k x H x 2 B), "
-               "graph-replayed\n#\n# %9s %12s %12s %12s %12s %9s %11s %10s\n",
-               world, cfg.num_experts, cfg.top_k, cfg.hidden, v, iters, "tok/rank", "payload(MB)",
-               "dispatch(us)", "combine(us)", "nccl_a2a(us)", "ratio", "busbw(GB/s)", "ours(GB/s)");
+        printf(
+            "# moe-bench --dispatch-only: %d ranks (GPUs), E%d top-%d H%d bf16, NCCL %d\n"
+            "# dispatch/combine: the layer's phases (events, median of %d steps, max over "
+            "ranks); nccl a2a: grouped send/recv of the same payload (tokens x k x H x 2 B), "
+            "graph-replayed; step: the layer's whole GPU step\n# capacity (max_tokens_per_rank): "
+            "%s; max_tokens_across_ranks: %s\n#\n# %9s %12s %12s %12s %12s %9s %11s %10s %9s\n",
+            world, cfg.num_experts, cfg.top_k, cfg.hidden, v, iters,
+            cap ? "fixed (--capacity)" : "each point's tokens",
+            told ? "the point's tokens (--told)" : "not given", "tok/rank", "payload(MB)",
+            "dispatch(us)", "combine(us)", "nccl_a2a(us)", "ratio", "busbw(GB/s)", "ours(GB/s)",
+            "step(us)");
+        if (cap)
+            printf("# capacity %lld tokens per rank\n", (long long)cap);
     }
     for (i = 0; i < max_sizes; i++) {
         const int64_t T = sizes[i];
@@ -201,13 +225,14 @@ int moe_dispatch_bench_main(int argc, char **argv)
         moe_layer_t *layer = NULL;
         moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
         moe_layer_stats_t st;
-        double *d = malloc(sizeof(double) * iters), *c = malloc(sizeof(double) * iters), v[2];
+        double *d = malloc(sizeof(double) * iters), *c = malloc(sizeof(double) * iters), v[3];
+        double *tot = malloc(sizeof(double) * iters);
         double a2a;
         uint16_t *hx = malloc(2 * (size_t)T * cfg.hidden);
         float *fx = malloc(4 * (size_t)T * cfg.hidden);
         int64_t j;
 
-        cfg.max_tokens_per_rank = T;
+        cfg.max_tokens_per_rank = cap ? cap : T;
         MK(moe_layer_create(rt, &cfg, &layer));
         MK(moe_gen_set_weights(layer, &cfg, 7));
         moe_gen_tokens(7, (int64_t)rank * T, T, cfg.hidden, fx);
@@ -222,6 +247,7 @@ int moe_dispatch_bench_main(int argc, char **argv)
         a.x = dx;
         a.y = dy;
         a.stream = s;
+        a.max_tokens_across_ranks = told ? T : 0;
         setenv("MOE_PROFILE", "1", 1);
         for (it = 0; it < 3; it++)
             MK(moe_layer_forward(layer, &a));
@@ -232,25 +258,29 @@ int moe_dispatch_bench_main(int argc, char **argv)
             MK(moe_layer_get_stats(layer, &st));
             d[it] = st.dispatch_us;
             c[it] = st.combine_us;
+            tot[it] = st.total_us;
         }
         setenv("MOE_PROFILE", "0", 1);
         qsort(d, (size_t)iters, sizeof(double), cmpd);
         qsort(c, (size_t)iters, sizeof(double), cmpd);
+        qsort(tot, (size_t)iters, sizeof(double), cmpd);
         v[0] = d[iters / 2];
         v[1] = c[iters / 2];
-        MPI_Allreduce(MPI_IN_PLACE, v, 2, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+        v[2] = tot[iters / 2];
+        MPI_Allreduce(MPI_IN_PLACE, v, 3, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
         a2a = nccl_a2a_us(comm, world, bytes, sbuf, rbuf, s, iters);
         MPI_Allreduce(MPI_IN_PLACE, &a2a, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
         if (rank == 0)
-            printf("  %9lld %12.3f %12.1f %12.1f %12.1f %9.2f %11.1f %10.1f\n", (long long)T,
+            printf("  %9lld %12.3f %12.1f %12.1f %12.1f %9.2f %11.1f %10.1f %9.1f\n", (long long)T,
                    bytes / 1e6, v[0], v[1], a2a, (v[0] + v[1]) / (2 * a2a),
                    /* nccl-tests busbw for alltoall: bytes * (n-1)/n / time */
                    bytes * (world - 1.0) / world / a2a / 1e3,
-                   2.0 * bytes * (world - 1.0) / world / (v[0] + v[1]) / 1e3);
+                   2.0 * bytes * (world - 1.0) / world / (v[0] + v[1]) / 1e3, v[2]);
         fflush(stdout);
         MK(moe_layer_destroy(layer));
         free(d);
         free(c);
+        free(tot);
         free(hx);
         free(fx);
     }

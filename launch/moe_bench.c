@@ -80,8 +80,11 @@ static void usage(void)
     printf("usage: moe-bench [--preset NAME] [--experts E --top-k K --hidden H --intermediate I]\n"
            "                 [--tokens 1,8,64,512,2048,8192] [--graph-max M] [--seconds S]\n"
            "                 [--json FILE]\n"
-           "       mpirun -np N moe-bench --dispatch-only [--max-tokens T]\n"
-           "         (expert-parallel dispatch/combine next to NCCL all-to-all)\n"
+           "       mpirun -np N moe-bench --dispatch-only [--max-tokens T] [--capacity C] "
+           "[--told]\n"
+           "         (expert-parallel dispatch/combine next to NCCL all-to-all; --capacity: a\n"
+           "         serving engine's max_tokens_per_rank for every point; --told: pass\n"
+           "         max_tokens_across_ranks = the point's tokens)\n"
            "presets: %s\n",
            moe_gen_preset_names());
 }

@@ -59,6 +59,7 @@ typedef struct cuda_layer {
     int deterministic;
     int shared_local;            /* the whole shared MLP here, run on this rank's tokens */
     int64_t tm;                  /* max tokens per rank */
+    int64_t m;                   /* rows per rank this step (max_tokens_across_ranks or tm) */
     void *xsend, *xall;          /* bf16 [tm][H], [world tm][H] */
     int32_t *ids_all, *lids;     /* [world tm k] global, local expert ids (-1: not here) */
     void *dense, *mine;          /* summed: f32 [world tm][H], [tm][H];

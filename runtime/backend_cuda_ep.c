@@ -91,7 +91,7 @@ static moe_status_t ep_dispatch(moe_layer_t *l, const void *x, moe_dtype_t dtype
                                 void *stream)
 {
     cuda_layer_t *s = l->state;
-    const int64_t tm = s->tm, k = s->k, H = s->H;
+    const int64_t tm = s->m, k = s->k, H = s->H;
     moe_rows_args_t r = {x, dtype, T, s->H, (int)tm, 1, s->xsend, s->one_block, s->one_block + 1};
     moe_ep_local_ids_args_t li = {s->ids_all, s->lids,      s->world * tm * k, s->first_local,
                                   s->E,       s->flags_all, s->world,          s->sticky};
@@ -125,7 +125,7 @@ static moe_status_t ep_dispatch(moe_layer_t *l, const void *x, moe_dtype_t dtype
 static moe_status_t ep_return_summed(moe_layer_t *l, const moe_forward_args_t *a, void *stream)
 {
     cuda_layer_t *s = l->state;
-    const int64_t tm = s->tm, W = s->world, H = s->H;
+    const int64_t tm = s->m, W = s->world, H = s->H;
     moe_combine_args_t c;
 
     if (s->ss > 0 && l->cfg.shared_expert_gate) { /* the gate of every token */
@@ -168,7 +168,7 @@ static moe_status_t ep_return_summed(moe_layer_t *l, const moe_forward_args_t *a
 static moe_status_t ep_return_dense(moe_layer_t *l, const moe_forward_args_t *a, void *stream)
 {
     cuda_layer_t *s = l->state;
-    const int64_t tm = s->tm, k = s->k, H = s->H, W = s->world;
+    const int64_t tm = s->m, k = s->k, H = s->H, W = s->world;
     const moe_gemm_variant_t *v = moe_cuda_variant_for(s, s->last_rows_per_expert);
     moe_ep_scatter_args_t sc;
 
@@ -216,10 +216,19 @@ static moe_status_t copy_topk(const cuda_layer_t *s, const moe_forward_args_t *a
 moe_status_t moe_cuda_ep_forward(moe_layer_t *l, const moe_forward_args_t *a, moe_status_t local)
 {
     cuda_layer_t *s = l->state;
-    const int64_t W = s->world, tm = s->tm;
+    const int64_t W = s->world;
     const moe_forward_args_t *ok = local == MOE_STATUS_SUCCESS ? a : NULL; /* NULL: failed */
     void *stream = ok ? a->stream : s->last_stream;
     const int64_t T = ok ? a->num_tokens : 0;
+    int64_t tm;
+
+    /* Rows per rank this step: max_tokens_across_ranks (the same on every rank) where given,
+     * so a decode step moves and computes its tokens, not the capacity. A rank whose other
+     * arguments failed still uses a valid value of it (the collectives' sizes must match). */
+    s->m = s->tm;
+    if (a && a->max_tokens_across_ranks > 0 && a->max_tokens_across_ranks <= s->tm)
+        s->m = a->max_tokens_across_ranks;
+    tm = s->m;
 
     MOE_CHECK(moe_nccl_check(s->nccl));
     s->last_stream = stream;

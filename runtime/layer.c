@@ -398,6 +398,13 @@ static moe_status_t check_forward_args(const moe_layer_t *l, const moe_forward_a
     MOE_ARG_CHECK(a->num_tokens >= 0 && a->num_tokens <= l->cfg.max_tokens_per_rank,
                   "num_tokens = %lld: must be in 0..max_tokens_per_rank (%lld)",
                   (long long)a->num_tokens, (long long)l->cfg.max_tokens_per_rank);
+    MOE_ARG_CHECK(a->max_tokens_across_ranks >= 0 &&
+                      a->max_tokens_across_ranks <= l->cfg.max_tokens_per_rank,
+                  "max_tokens_across_ranks = %lld: must be in 0..max_tokens_per_rank (%lld)",
+                  (long long)a->max_tokens_across_ranks, (long long)l->cfg.max_tokens_per_rank);
+    MOE_ARG_CHECK(a->max_tokens_across_ranks == 0 || a->num_tokens <= a->max_tokens_across_ranks,
+                  "num_tokens = %lld exceeds max_tokens_across_ranks = %lld",
+                  (long long)a->num_tokens, (long long)a->max_tokens_across_ranks);
     MOE_ARG_CHECK(a->dtype == MOE_DTYPE_F32 || a->dtype == MOE_DTYPE_BF16,
                   "dtype = %d (%s): x and y must be F32 or BF16", (int)a->dtype,
                   moe_dtype_name(a->dtype));

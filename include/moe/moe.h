@@ -253,11 +253,17 @@ typedef struct moe_forward_args {
     int32_t *topk_ids;          /* optional out [num_tokens, top_k] */
     float *topk_weights;        /* optional out [num_tokens, top_k] */
     void *stream;               /* CUDA backend: cudaStream_t (NULL: legacy default stream) */
+    /* Optional (0: max_tokens_per_rank): the largest num_tokens of any rank in this step, the
+     * same value on every rank (a serving engine knows it from its batch metadata). With
+     * expert parallelism on the CUDA backend the step then moves and computes this many rows
+     * per rank instead of the configured capacity. A value that differs among ranks is
+     * undefined behaviour of the collectives (bounded by the runtime's timeout). */
+    int64_t max_tokens_across_ranks;
 } moe_forward_args_t;
 
 #define MOE_FORWARD_ARGS_INIT                                                                      \
     {                                                                                              \
-        0, MOE_DTYPE_F32, NULL, NULL, NULL, NULL, NULL, NULL                                       \
+        0, MOE_DTYPE_F32, NULL, NULL, NULL, NULL, NULL, NULL, 0                                    \
     }
 
 /* Collective: every rank calls it once per step (num_tokens may be 0 on any rank). Pointers

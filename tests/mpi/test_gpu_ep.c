@@ -16,6 +16,7 @@
 #include "launch/layer_gen.h"
 
 static int rank, world;
+static int64_t told_m; /* max_tokens_across_ranks run() passes (0: not given) */
 
 static moe_layer_config_t shape(int deepseek)
 {
@@ -51,6 +52,7 @@ static void run(moe_runtime_t *rt, moe_layer_config_t c, uint64_t seed, const fl
     TU_OK(moe_layer_create(rt, &c, &l));
     TU_OK(moe_gen_set_weights(l, &c, seed));
     a.num_tokens = n;
+    a.max_tokens_across_ranks = told_m;
     if (ri.backend == MOE_BACKEND_CUDA) {
         assert_int_equal(cudaMalloc(&dx, bytes), cudaSuccess);
         assert_int_equal(cudaMalloc(&dy, bytes), cudaSuccess);
@@ -164,6 +166,43 @@ static void deterministic_across_ep(int deepseek)
     free(yn);
 }
 
+/* max_tokens_across_ranks: a step that moves max(num_tokens) rows per rank instead of the
+ * capacity gives bitwise the output of the capacity step, in both return modes. */
+static void told_max(int deterministic)
+{
+    const uint64_t seed = tu_seed("gpu_told");
+    moe_layer_config_t c = shape(1);
+    int64_t t0, n, m;
+    float *x, *y0, *y1;
+    c.deterministic = deterministic;
+    tu_uneven_share(60, rank, world, &t0, &n); /* capacity 320, at most ~40 rows per rank */
+    m = n;
+    MPI_Allreduce(MPI_IN_PLACE, &m, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+    x = malloc(sizeof(float) * (size_t)(n * c.hidden + 1));
+    y0 = malloc(sizeof(float) * (size_t)(n * c.hidden + 1));
+    y1 = malloc(sizeof(float) * (size_t)(n * c.hidden + 1));
+    assert_true(x && y0 && y1);
+    moe_gen_tokens(seed, t0, n, c.hidden, x);
+    told_m = 0;
+    run(gt_rts.gpu, c, seed, x, n, NULL, y0);
+    told_m = m;
+    run(gt_rts.gpu, c, seed, x, n, NULL, y1);
+    told_m = 0;
+    print_message("rank %d: %lld tokens, max_tokens_across_ranks %lld of capacity %lld\n", rank,
+                  (long long)n, (long long)m, (long long)c.max_tokens_per_rank);
+    assert_memory_equal(y0, y1, sizeof(float) * (size_t)(n * c.hidden));
+    free(x);
+    free(y0);
+    free(y1);
+}
+
+static void test_told_max_tokens(void **state)
+{
+    (void)state;
+    told_max(0);
+    told_max(1);
+}
+
 static void test_deterministic_across_ep(void **state)
 {
     (void)state;
@@ -183,6 +222,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_hot_rank),
     cmocka_unit_test(test_deterministic_across_ep),
     cmocka_unit_test(test_deterministic_shared_across_ep),
+    cmocka_unit_test(test_told_max_tokens),
 };
 
 GT_MPI_MAIN(tests, gt_group_setup, gt_group_teardown, rank, world)
