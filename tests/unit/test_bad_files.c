@@ -91,7 +91,7 @@ typedef struct ckpt_opts {
 
 typedef struct st_buf {
     moe_st_entry_t e[16];
-    char names[16][96];
+    char names[16][128];
     void *data[16];
     int n;
 } st_buf_t;
