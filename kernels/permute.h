@@ -19,7 +19,25 @@ static inline int64_t moe_permute_max_blocks(int64_t rows, int num_experts, int 
     return (rows + block_rows - 1) / block_rows + hit;
 }
 
-/* Metadata pass, one launch. Rows are (t, j) pairs in order t * top_k + j; within an expert
+/* Rows per CTA of the multi-CTA metadata pass; fewer rows than this use one CTA (one launch),
+ * more use ceil(rows / chunk) CTAs (at most MOE_PERMUTE_MAX_CHUNKS) in three launches. */
+#define MOE_PERMUTE_CHUNK_ROWS 4096
+#define MOE_PERMUTE_MAX_CHUNKS 512
+
+static inline int moe_permute_chunks(int64_t rows)
+{
+    const int64_t g = (rows + MOE_PERMUTE_CHUNK_ROWS - 1) / MOE_PERMUTE_CHUNK_ROWS;
+    return g < 1 ? 1 : g > MOE_PERMUTE_MAX_CHUNKS ? MOE_PERMUTE_MAX_CHUNKS : (int)g;
+}
+
+/* int32 scratch the metadata pass needs for `rows` rows (0: one CTA does it all). */
+static inline int64_t moe_permute_scratch_count(int64_t rows, int num_experts)
+{
+    const int g = moe_permute_chunks(rows);
+    return g > 1 ? (int64_t)g * num_experts : 0;
+}
+
+/* Metadata pass. Rows are (t, j) pairs in order t * top_k + j; within an expert
  * they keep that order (stable). Ids outside [0, num_experts) are skipped (row_of_slot -1):
  * expert parallelism passes local ids and marks remote experts that way. */
 typedef struct moe_permute_args {
@@ -35,6 +53,9 @@ typedef struct moe_permute_args {
     int32_t *row_of_slot;    /* out [num_tokens * top_k]: row of (t, j) in A, -1 if skipped */
     int32_t *slot_of_row;    /* out [max_blocks * block_rows]: t * top_k + j, -1 for padding
                                 (written for rows < num_blocks * block_rows) */
+    int32_t *scratch;        /* device [scratch_count] (moe_permute_scratch_count), or NULL:
+                                one CTA whatever the rows (slow past a few thousand rows) */
+    int64_t scratch_count;
 } moe_permute_args_t;
 
 #define MOE_PERMUTE_MAX_EXPERTS 1024

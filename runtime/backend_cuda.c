@@ -85,6 +85,8 @@ static void plan_workspace(cuda_layer_t *s, carve_t *c)
     s->num_blocks = moe_cuda_take(c, sizeof(int32_t));
     s->row_of_slot = moe_cuda_take(c, sizeof(int32_t) * (size_t)rows);
     s->slot_of_row = moe_cuda_take(c, sizeof(int32_t) * (size_t)max_rows);
+    s->perm_scratch_count = moe_permute_scratch_count(rows, s->E);
+    s->perm_scratch = moe_cuda_take(c, sizeof(int32_t) * (size_t)s->perm_scratch_count);
     s->a = moe_cuda_take(c, 2 * (size_t)max_rows * (size_t)s->H);
     s->h = moe_cuda_take(c, 2 * (size_t)max_rows * (size_t)s->is);
     s->o = moe_cuda_take(c, 2 * (size_t)max_rows * (size_t)s->H);
@@ -524,7 +526,9 @@ moe_status_t moe_cuda_routed_experts(cuda_layer_t *s, const void *x, moe_dtype_t
                             s->block_expert,
                             s->num_blocks,
                             s->row_of_slot,
-                            s->slot_of_row};
+                            s->slot_of_row,
+                            s->perm_scratch,
+                            s->perm_scratch_count};
     moe_gather_args_t g = {x, x_dtype, s->H, s->k, s->slot_of_row, s->num_blocks, br, mb, s->a};
 
     if (mb > s->max_blocks)

@@ -45,8 +45,10 @@ typedef struct cuda_layer {
     int32_t *block_expert, *num_blocks; /* [max_blocks], [1] */
     int32_t *row_of_slot;               /* [Tm k] */
     int32_t *slot_of_row;               /* [max_rows] */
-    void *a, *h, *o;                    /* bf16 [max_rows][H], [max_rows][is], [max_rows][H] */
-    void *sa, *sh, *so;                 /* bf16 [s_rows][H], [s_rows][ss], [s_rows][H] */
+    int32_t *perm_scratch;              /* the multi-CTA permute's [chunks][E] */
+    int64_t perm_scratch_count;
+    void *a, *h, *o;    /* bf16 [max_rows][H], [max_rows][is], [max_rows][H] */
+    void *sa, *sh, *so; /* bf16 [s_rows][H], [s_rows][ss], [s_rows][H] */
     int32_t *s_block_expert, *s_num_blocks;
     float *s_gate_logit; /* [Tm] */
 

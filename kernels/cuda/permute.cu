@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include "kernels/cuda/aligned.cuh"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device_cache.cuh"
 #include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/vec8.cuh"
 
@@ -31,26 +32,13 @@ __device__ __forceinline__ void load_ids(const int32_t *__restrict__ ids, int i0
     }
 }
 
-/* One block. Each warp owns a contiguous chunk of the rows, so counting per (warp, expert) and
- * a prefix over warps gives every row its stable place with no atomics (deterministic). */
-__global__ void __launch_bounds__(META_THREADS)
-    permute_meta_kernel(const int32_t *__restrict__ ids, int n, int E, int br, int max_blocks,
-                        int32_t *__restrict__ expert_counts, int32_t *__restrict__ expert_offsets,
-                        int32_t *__restrict__ block_expert, int32_t *__restrict__ num_blocks,
-                        int32_t *__restrict__ row_of_slot, int32_t *__restrict__ slot_of_row)
+/* Counts of a warp's ids [begin, end) per expert into wc[e] (a row of the CTA's [warp][E]
+ * table, zeroed here). */
+__device__ __forceinline__ void warp_count(const int32_t *__restrict__ ids, int begin, int end,
+                                           int E, int lane, int *wc)
 {
-    moe_pdl_wait();
-    extern __shared__ int smem[];
-    int *wcnt = smem;                 /* [META_WARPS][E]: count, then exclusive prefix */
-    int *cnt = wcnt + META_WARPS * E; /* [E] */
-    int *offs = cnt + E;              /* [E + 1] padded offsets */
-    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-    const int chunk = (n + META_WARPS - 1) / META_WARPS;
-    const int begin = min(w * chunk, n), end = min(begin + chunk, n);
-    const unsigned lt = (1u << lane) - 1u;
-
     for (int e = lane; e < E; e += 32)
-        wcnt[w * E + e] = 0;
+        wc[e] = 0;
     __syncwarp();
     for (int i0 = begin; i0 < end; i0 += 32 * PREFETCH) {
         int ev[PREFETCH];
@@ -60,21 +48,71 @@ __global__ void __launch_bounds__(META_THREADS)
             const int e = ev[u];
             const unsigned peers = __match_any_sync(0xffffffffu, e);
             if (e >= 0 && lane == __ffs(peers) - 1)
-                wcnt[w * E + e] += __popc(peers);
+                wc[e] += __popc(peers);
             __syncwarp();
         }
     }
-    __syncthreads();
-    for (int e = tid; e < E; e += META_THREADS) {
+}
+
+/* Exclusive prefix over the CTA's warps per expert, in place; tot[e] = the CTA's count. */
+__device__ __forceinline__ void warps_prefix(int *wcnt, int *tot, int E)
+{
+    for (int e = threadIdx.x; e < E; e += META_THREADS) {
         int run = 0;
         for (int v = 0; v < META_WARPS; v++) {
             const int c = wcnt[v * E + e];
             wcnt[v * E + e] = run;
             run += c;
         }
-        cnt[e] = run;
-        expert_counts[e] = run;
-        offs[e] = (run + br - 1) / br * br;
+        tot[e] = run;
+    }
+}
+
+/* Places a warp's ids [begin, end): row = base[e] + the warp's prefix wc[e] + the lanes before
+ * it with the same expert (stable: ascending i within each expert). */
+__device__ __forceinline__ void warp_place(const int32_t *__restrict__ ids, int begin, int end,
+                                           int E, int lane, int *wc, const int *base,
+                                           int32_t *__restrict__ row_of_slot,
+                                           int32_t *__restrict__ slot_of_row)
+{
+    const unsigned lt = (1u << lane) - 1u;
+    for (int i0 = begin; i0 < end; i0 += 32 * PREFETCH) {
+        int ev[PREFETCH];
+        load_ids(ids, i0, end, E, lane, ev);
+#pragma unroll
+        for (int u = 0; u < PREFETCH; u++) {
+            const int i = i0 + u * 32 + lane, e = ev[u];
+            const unsigned peers = __match_any_sync(0xffffffffu, e);
+            int row = -1;
+            if (e >= 0)
+                row = base[e] + wc[e] + __popc(peers & lt);
+            __syncwarp();
+            if (e >= 0 && lane == __ffs(peers) - 1)
+                wc[e] += __popc(peers);
+            __syncwarp();
+            if (i < end) {
+                row_of_slot[i] = row;
+                if (row >= 0)
+                    slot_of_row[row] = i;
+            }
+        }
+    }
+}
+
+/* From the per-expert counts cnt[E] (shared): padded offsets offs[E + 1] (shared, exclusive
+ * scan of the padded sizes), the counts, offsets, block table and block count in global
+ * memory, and -1 in the padding rows of slot_of_row. One CTA of META_THREADS. */
+__device__ __forceinline__ void block_table(const int *cnt, int *offs, int E, int br,
+                                            int max_blocks, int32_t *__restrict__ expert_counts,
+                                            int32_t *__restrict__ expert_offsets,
+                                            int32_t *__restrict__ block_expert,
+                                            int32_t *__restrict__ num_blocks,
+                                            int32_t *__restrict__ slot_of_row)
+{
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    for (int e = tid; e < E; e += META_THREADS) {
+        expert_counts[e] = cnt[e];
+        offs[e] = (cnt[e] + br - 1) / br * br;
     }
     __syncthreads();
     if (w == 0) { /* exclusive scan of the padded sizes: lane-contiguous runs, then a warp scan */
@@ -123,27 +161,107 @@ __global__ void __launch_bounds__(META_THREADS)
     for (int e = tid; e < E; e += META_THREADS)
         for (int r = offs[e] + cnt[e]; r < offs[e + 1]; r++)
             slot_of_row[r] = -1;
-    for (int i0 = begin; i0 < end; i0 += 32 * PREFETCH) {
-        int ev[PREFETCH];
-        load_ids(ids, i0, end, E, lane, ev);
-#pragma unroll
-        for (int u = 0; u < PREFETCH; u++) {
-            const int i = i0 + u * 32 + lane, e = ev[u];
-            const unsigned peers = __match_any_sync(0xffffffffu, e);
-            int row = -1;
-            if (e >= 0)
-                row = offs[e] + wcnt[w * E + e] + __popc(peers & lt);
-            __syncwarp();
-            if (e >= 0 && lane == __ffs(peers) - 1)
-                wcnt[w * E + e] += __popc(peers);
-            __syncwarp();
-            if (i < end) {
-                row_of_slot[i] = row;
-                if (row >= 0)
-                    slot_of_row[row] = i;
-            }
+}
+
+/* The warp range [begin, end) of this CTA's rows [c0, c1). */
+__device__ __forceinline__ void warp_range(int c0, int c1, int *begin, int *end)
+{
+    const int chunk = (c1 - c0 + META_WARPS - 1) / META_WARPS, w = threadIdx.x >> 5;
+    *begin = min(c0 + w * chunk, c1);
+    *end = min(*begin + chunk, c1);
+}
+
+/* Few rows: everything in one CTA. Each warp owns a contiguous chunk of the rows, so counting
+ * per (warp, expert) and a prefix over warps gives every row its stable place with no atomics
+ * (deterministic). */
+__global__ void __launch_bounds__(META_THREADS)
+    permute_meta_kernel(const int32_t *__restrict__ ids, int n, int E, int br, int max_blocks,
+                        int32_t *__restrict__ expert_counts, int32_t *__restrict__ expert_offsets,
+                        int32_t *__restrict__ block_expert, int32_t *__restrict__ num_blocks,
+                        int32_t *__restrict__ row_of_slot, int32_t *__restrict__ slot_of_row)
+{
+    moe_pdl_wait();
+    extern __shared__ int smem[];
+    int *wcnt = smem;                 /* [META_WARPS][E]: count, then exclusive prefix */
+    int *cnt = wcnt + META_WARPS * E; /* [E] */
+    int *offs = cnt + E;              /* [E + 1] padded offsets */
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    int begin, end;
+    warp_range(0, n, &begin, &end);
+    warp_count(ids, begin, end, E, lane, wcnt + w * E);
+    __syncthreads();
+    warps_prefix(wcnt, cnt, E);
+    __syncthreads();
+    block_table(cnt, offs, E, br, max_blocks, expert_counts, expert_offsets, block_expert,
+                num_blocks, slot_of_row);
+    warp_place(ids, begin, end, E, lane, wcnt + w * E, offs, row_of_slot, slot_of_row);
+}
+
+/* Many rows, pass 1 of 3 (one CTA per chunk of `chunk` rows): the chunk's count per expert
+ * into part[g][e]. */
+__global__ void __launch_bounds__(META_THREADS)
+    permute_count_kernel(const int32_t *__restrict__ ids, int n, int E, int chunk,
+                         int32_t *__restrict__ part)
+{
+    moe_pdl_wait();
+    extern __shared__ int smem[];
+    int *wcnt = smem;
+    const int g = blockIdx.x, c0 = min(g * chunk, n), c1 = min(c0 + chunk, n);
+    int begin, end;
+    warp_range(c0, c1, &begin, &end);
+    warp_count(ids, begin, end, E, threadIdx.x & 31, wcnt + (threadIdx.x >> 5) * E);
+    __syncthreads();
+    warps_prefix(wcnt, part + (size_t)g * E, E);
+}
+
+/* Pass 2 (one CTA): part[g][e] becomes the chunk's first row within expert e (exclusive prefix
+ * over the chunks, in chunk order: stable), and the block table from the totals. */
+__global__ void __launch_bounds__(META_THREADS)
+    permute_scan_kernel(int G, int E, int br, int max_blocks, int32_t *__restrict__ part,
+                        int32_t *__restrict__ expert_counts, int32_t *__restrict__ expert_offsets,
+                        int32_t *__restrict__ block_expert, int32_t *__restrict__ num_blocks,
+                        int32_t *__restrict__ slot_of_row)
+{
+    moe_pdl_wait();
+    extern __shared__ int smem[];
+    int *cnt = smem, *offs = cnt + E;
+    for (int e = threadIdx.x; e < E; e += META_THREADS) {
+        int run = 0;
+        for (int g = 0; g < G; g++) {
+            const int c = part[(size_t)g * E + e];
+            part[(size_t)g * E + e] = run;
+            run += c;
         }
+        cnt[e] = run;
     }
+    __syncthreads();
+    block_table(cnt, offs, E, br, max_blocks, expert_counts, expert_offsets, block_expert,
+                num_blocks, slot_of_row);
+}
+
+/* Pass 3 (one CTA per chunk): every row's place, from the expert's padded offset, the chunk's
+ * first row within the expert and the warps before it in the chunk. */
+__global__ void __launch_bounds__(META_THREADS)
+    permute_place_kernel(const int32_t *__restrict__ ids, int n, int E, int chunk,
+                         const int32_t *__restrict__ part,
+                         const int32_t *__restrict__ expert_offsets,
+                         int32_t *__restrict__ row_of_slot, int32_t *__restrict__ slot_of_row)
+{
+    moe_pdl_wait();
+    extern __shared__ int smem[];
+    int *wcnt = smem, *base = wcnt + META_WARPS * E;
+    const int g = blockIdx.x, c0 = min(g * chunk, n), c1 = min(c0 + chunk, n);
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    int begin, end;
+    warp_range(c0, c1, &begin, &end);
+    warp_count(ids, begin, end, E, lane, wcnt + w * E);
+    __syncthreads();
+    warps_prefix(wcnt, base, E); /* base is overwritten next: only the prefix is kept */
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += META_THREADS)
+        base[e] = __ldg(expert_offsets + e) + __ldg(part + (size_t)g * E + e);
+    __syncthreads();
+    warp_place(ids, begin, end, E, lane, wcnt + w * E, base, row_of_slot, slot_of_row);
 }
 
 /* Copies one row of hidden values into bf16 dst (8 per 16-byte store when VEC), or zeroes it. */
@@ -251,21 +369,29 @@ moe_status_t launch_rows(const moe_rows_args_t *r, unsigned rows, cudaStream_t s
 
 /* Opts the metadata kernel into the largest dynamic shared memory it can need (E = 1024), once
  * per device, so that no attribute call happens while a stream is being captured later. */
+/* Dynamic shared memory of the meta kernels (the [warp][E] table and two [E + 1] arrays),
+ * raised once per device to what MOE_PERMUTE_MAX_EXPERTS needs. */
 moe_status_t raise_smem_limit()
 {
-    static int done[64];
+    static int done[MOE_MAX_DEVICES];
     const int need = (int)(sizeof(int) * ((size_t)META_WARPS * MOE_PERMUTE_MAX_EXPERTS +
-                                          2 * (size_t)MOE_PERMUTE_MAX_EXPERTS + 1));
-    int dev = 0, optin = 0;
+                                          2 * (size_t)MOE_PERMUTE_MAX_EXPERTS + 2));
+    cudaError_t err = cudaSuccess;
+    int dev = 0;
     MOE_CUDA_CHECK(cudaGetDevice(&dev));
-    if (dev >= 0 && dev < 64 && done[dev])
-        return MOE_STATUS_SUCCESS;
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    MOE_CUDA_CHECK(cudaFuncSetAttribute(permute_meta_kernel,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        need < optin ? need : optin));
-    if (dev >= 0 && dev < 64)
-        done[dev] = 1;
+    if (moe_device_cached(done, dev, [&](int d) {
+            int optin = 0;
+            const void *k[4] = {
+                (const void *)permute_meta_kernel, (const void *)permute_count_kernel,
+                (const void *)permute_scan_kernel, (const void *)permute_place_kernel};
+            err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, d);
+            for (int i = 0; i < 4 && err == cudaSuccess; i++)
+                err = cudaFuncSetAttribute(k[i], cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           need < optin ? need : optin);
+            return err == cudaSuccess ? 1 : 0;
+        }) <= 0)
+        return moe_error(MOE_STATUS_CUDA_ERROR, "permute: shared memory attribute: %s",
+                         cudaGetErrorString(err));
     return MOE_STATUS_SUCCESS;
 }
 
@@ -282,7 +408,7 @@ template <typename T> moe_status_t prepare_rows()
 
 extern "C" moe_status_t moe_permute_prepare(void)
 {
-    MOE_CUDA_PREPARE(permute_meta_kernel);
+    MOE_CHECK(raise_smem_limit()); /* loads the four meta kernels */
     MOE_CHECK(prepare_rows<float>());
     return prepare_rows<__nv_bfloat16>();
 }
@@ -302,13 +428,35 @@ extern "C" moe_status_t moe_permute_launch(const moe_permute_args_t *a, void *st
     if (a->num_experts < 1 || a->num_experts > MOE_PERMUTE_MAX_EXPERTS)
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "permute: num_experts = %d (1..%d)",
                          a->num_experts, MOE_PERMUTE_MAX_EXPERTS);
-    smem = sizeof(int) * ((size_t)META_WARPS * a->num_experts + 2 * (size_t)a->num_experts + 1);
+    smem = sizeof(int) * ((size_t)META_WARPS * a->num_experts + 2 * (size_t)a->num_experts + 2);
     MOE_CHECK(raise_smem_limit());
-    MOE_CUDA_CHECK(moe_launch((permute_meta_kernel), dim3(1), dim3(META_THREADS), smem,
-                              (cudaStream_t)stream, a->topk_ids, (int)n, a->num_experts,
-                              a->block_rows, a->max_blocks, a->expert_counts, a->expert_offsets,
-                              a->block_expert, a->num_blocks, a->row_of_slot, a->slot_of_row));
-    MOE_CUDA_CHECK_LAUNCH("permute_meta_kernel");
+    const int G = moe_permute_chunks(n);
+    cudaStream_t s = (cudaStream_t)stream;
+    if (G <= 1 || !a->scratch) {
+        MOE_CUDA_CHECK(moe_launch((permute_meta_kernel), dim3(1), dim3(META_THREADS), smem, s,
+                                  a->topk_ids, (int)n, a->num_experts, a->block_rows, a->max_blocks,
+                                  a->expert_counts, a->expert_offsets, a->block_expert,
+                                  a->num_blocks, a->row_of_slot, a->slot_of_row));
+        MOE_CUDA_CHECK_LAUNCH("permute_meta_kernel");
+        return MOE_STATUS_SUCCESS;
+    }
+    MOE_ARG_CHECK(a->scratch_count >= (int64_t)G * a->num_experts,
+                  "permute: scratch of %lld ints < %lld needed", (long long)a->scratch_count,
+                  (long long)G * a->num_experts);
+    {
+        const int chunk = (int)((n + G - 1) / G);
+        MOE_CUDA_CHECK(moe_launch((permute_count_kernel), dim3(G), dim3(META_THREADS), smem, s,
+                                  a->topk_ids, (int)n, a->num_experts, chunk, a->scratch));
+        MOE_CUDA_CHECK(moe_launch((permute_scan_kernel), dim3(1), dim3(META_THREADS), smem, s, G,
+                                  a->num_experts, a->block_rows, a->max_blocks, a->scratch,
+                                  a->expert_counts, a->expert_offsets, a->block_expert,
+                                  a->num_blocks, a->slot_of_row));
+        MOE_CUDA_CHECK(moe_launch((permute_place_kernel), dim3(G), dim3(META_THREADS), smem, s,
+                                  a->topk_ids, (int)n, a->num_experts, chunk,
+                                  (const int32_t *)a->scratch, (const int32_t *)a->expert_offsets,
+                                  a->row_of_slot, a->slot_of_row));
+    }
+    MOE_CUDA_CHECK_LAUNCH("permute count/scan/place");
     return MOE_STATUS_SUCCESS;
 }
 

@@ -42,7 +42,9 @@ typedef struct dev_perm {
     int32_t *counts, *offsets, *block_expert, *num_blocks, *row_of_slot, *slot_of_row;
 } dev_perm_t;
 
-static void check_case(const perm_case_t *c, int64_t T, moe_dtype_t xt)
+/* multi: give the permute its scratch (the multi-CTA pass past MOE_PERMUTE_CHUNK_ROWS rows);
+ * 0: none (one CTA whatever the rows). Both must give the same stable grouping. */
+static void check_case(const perm_case_t *c, int64_t T, moe_dtype_t xt, int multi)
 {
     const int E = c->E, k = c->k, br = c->block_rows, H = 72; /* 72: 9 vectors of 8 */
     const int64_t n = T * k;
@@ -65,6 +67,11 @@ static void check_case(const perm_case_t *c, int64_t T, moe_dtype_t xt)
     int32_t *d_ids;
     void *d_x, *d_a;
 
+    const int64_t scratch_count = multi ? moe_permute_scratch_count(n, E) : 0;
+    int32_t *scratch =
+        scratch_count ? gt_dalloc(sizeof(int32_t) * (size_t)scratch_count) : (int32_t *)NULL;
+    if (scratch)
+        gt_poison(scratch, GT_POISON_INT, sizeof(int32_t) * (size_t)scratch_count);
     random_ids(ids, T, E, k, c->skip_percent);
     gt_fill_bf16(x, xb, (size_t)(T * H), 3.0f);
     d_ids = gt_dup(ids, sizeof(int32_t) * (size_t)(n + 1));
@@ -96,7 +103,9 @@ static void check_case(const perm_case_t *c, int64_t T, moe_dtype_t xt)
                                 d.block_expert,
                                 d.num_blocks,
                                 d.row_of_slot,
-                                d.slot_of_row};
+                                d.slot_of_row,
+                                scratch,
+                                scratch_count};
         moe_gather_args_t g = {d_x, xt, H, k, d.slot_of_row, d.num_blocks, br, mb, d_a};
         gt_ok(moe_permute_launch(&p, NULL), "permute");
         gt_ok(moe_gather_launch(&g, NULL), "gather");
@@ -157,6 +166,7 @@ static void check_case(const perm_case_t *c, int64_t T, moe_dtype_t xt)
     moe_gpu_free(d_ids), moe_gpu_free(d_x), moe_gpu_free(d_a);
     moe_gpu_free(d.counts), moe_gpu_free(d.offsets), moe_gpu_free(d.block_expert);
     moe_gpu_free(d.num_blocks), moe_gpu_free(d.row_of_slot), moe_gpu_free(d.slot_of_row);
+    moe_gpu_free(scratch);
 }
 
 static void test_permute_gather(void **state)
@@ -165,8 +175,11 @@ static void test_permute_gather(void **state)
     int t;
     (void)state;
     for (c = 0; c < sizeof(cases) / sizeof(cases[0]); c++)
-        for (t = 0; t < GT_NUM_TOKEN_COUNTS; t++)
-            check_case(&cases[c], gt_token_counts[t], (t & 1) ? MOE_DTYPE_BF16 : MOE_DTYPE_F32);
+        for (t = 0; t < GT_NUM_TOKEN_COUNTS; t++) {
+            check_case(&cases[c], gt_token_counts[t], (t & 1) ? MOE_DTYPE_BF16 : MOE_DTYPE_F32, 1);
+            if (gt_token_counts[t] * cases[c].k > MOE_PERMUTE_CHUNK_ROWS) /* the one-CTA path */
+                check_case(&cases[c], gt_token_counts[t], MOE_DTYPE_BF16, 0);
+        }
 }
 
 /* The shared-MLP rows: x in bf16, zero padding, one-group block table. */
