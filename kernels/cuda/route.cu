@@ -6,6 +6,7 @@
 #include <math.h>
 #include "kernels/cuda/aligned.cuh"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device_cache.cuh"
 #include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/vec8.cuh"
 
@@ -122,71 +123,81 @@ __global__ void __launch_bounds__(256)
  * per block; the block's warps split hidden into 256-wide chunks (32 lanes x 8 values, 16-byte
  * loads, a dozen in flight per lane). Each output is summed lane-sequentially, then by a fixed
  * shuffle tree, then over warps in order: the same order at every token count. */
-constexpr int BLK_ROWS = 8, BLK_TOK = 8, BLK_WARPS = 8;
+constexpr int BLK_ROWS = 8, BLK_TOK = 8, BLK_WARPS = 8, BLK_MAX_GROUPS = 8;
 
 template <typename T>
 __global__ void __launch_bounds__(BLK_WARPS * 32)
     logits_blk_kernel(const T *__restrict__ x, const float *__restrict__ w,
-                      float *__restrict__ logits, int num_tokens, int num_rows, int hidden)
+                      float *__restrict__ logits, int num_tokens, int num_rows, int hidden,
+                      int groups)
 {
     moe_pdl_wait();
     __shared__ float red[BLK_WARPS][BLK_ROWS * BLK_TOK];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int t0 = blockIdx.x * BLK_TOK, r0 = blockIdx.y * BLK_ROWS;
-    const int ntk = min(BLK_TOK, num_tokens - t0), nr = min(BLK_ROWS, num_rows - r0);
-    float acc[BLK_ROWS][BLK_TOK];
+    const int r0 = blockIdx.y * BLK_ROWS, nr = min(BLK_ROWS, num_rows - r0);
+    /* `groups` groups of BLK_TOK tokens per block, one after another: the block's weight rows
+     * come from L1 after the first group instead of from L2 per group. The order of every sum
+     * is the group's own, so the result does not depend on the grouping. */
+    for (int g = 0; g < groups; g++) {
+        const int t0 = (blockIdx.x * groups + g) * BLK_TOK;
+        if (t0 >= num_tokens)
+            break;
+        const int ntk = min(BLK_TOK, num_tokens - t0);
+        float acc[BLK_ROWS][BLK_TOK];
 #pragma unroll
-    for (int i = 0; i < BLK_ROWS; i++)
+        for (int i = 0; i < BLK_ROWS; i++)
 #pragma unroll
-        for (int j = 0; j < BLK_TOK; j++)
-            acc[i][j] = 0.0f;
+            for (int j = 0; j < BLK_TOK; j++)
+                acc[i][j] = 0.0f;
 
-    for (int base = (warp * 32 + lane) * 8; base < hidden; base += BLK_WARPS * 256) {
-        float xv[BLK_TOK][8];
+        for (int base = (warp * 32 + lane) * 8; base < hidden; base += BLK_WARPS * 256) {
+            float xv[BLK_TOK][8];
 #pragma unroll
-        for (int j = 0; j < BLK_TOK; j++) {
-            if (j < ntk) {
-                moe_load8(x + (size_t)(t0 + j) * hidden + base, xv[j]);
-            } else {
-#pragma unroll
-                for (int q = 0; q < 8; q++)
-                    xv[j][q] = 0.0f;
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < BLK_ROWS; i++) {
-            if (i < nr) {
-                float wv[8];
-                moe_load8(w + (size_t)(r0 + i) * hidden + base, wv);
-#pragma unroll
-                for (int j = 0; j < BLK_TOK; j++)
+            for (int j = 0; j < BLK_TOK; j++) {
+                if (j < ntk) {
+                    moe_load8(x + (size_t)(t0 + j) * hidden + base, xv[j]);
+                } else {
 #pragma unroll
                     for (int q = 0; q < 8; q++)
-                        acc[i][j] += wv[q] * xv[j][q];
+                        xv[j][q] = 0.0f;
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < BLK_ROWS; i++) {
+                if (i < nr) {
+                    float wv[8];
+                    moe_load8(w + (size_t)(r0 + i) * hidden + base, wv);
+#pragma unroll
+                    for (int j = 0; j < BLK_TOK; j++)
+#pragma unroll
+                        for (int q = 0; q < 8; q++)
+                            acc[i][j] += wv[q] * xv[j][q];
+                }
             }
         }
-    }
 #pragma unroll
-    for (int i = 0; i < BLK_ROWS; i++)
+        for (int i = 0; i < BLK_ROWS; i++)
 #pragma unroll
-        for (int j = 0; j < BLK_TOK; j++) {
-            float v = acc[i][j];
+            for (int j = 0; j < BLK_TOK; j++) {
+                float v = acc[i][j];
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1)
-                v += __shfl_xor_sync(0xffffffffu, v, o);
-            if (lane == 0)
-                red[warp][i * BLK_TOK + j] = v;
+                for (int o = 16; o > 0; o >>= 1)
+                    v += __shfl_xor_sync(0xffffffffu, v, o);
+                if (lane == 0)
+                    red[warp][i * BLK_TOK + j] = v;
+            }
+        __syncthreads();
+        if (threadIdx.x < BLK_ROWS * BLK_TOK) {
+            const int i = threadIdx.x / BLK_TOK, j = threadIdx.x % BLK_TOK;
+            if (i < nr && j < ntk) {
+                float v = 0.0f;
+#pragma unroll
+                for (int k = 0; k < BLK_WARPS; k++)
+                    v += red[k][threadIdx.x];
+                logits[(size_t)(t0 + j) * num_rows + r0 + i] = v;
+            }
         }
-    __syncthreads();
-    if (threadIdx.x < BLK_ROWS * BLK_TOK) {
-        const int i = threadIdx.x / BLK_TOK, j = threadIdx.x % BLK_TOK;
-        if (i < nr && j < ntk) {
-            float v = 0.0f;
-#pragma unroll
-            for (int k = 0; k < BLK_WARPS; k++)
-                v += red[k][threadIdx.x];
-            logits[(size_t)(t0 + j) * num_rows + r0 + i] = v;
-        }
+        __syncthreads(); /* red is reused by the next group */
     }
 }
 
@@ -195,9 +206,24 @@ template <typename T> moe_status_t launch_logits(const moe_route_logits_args_t *
     const T *x = (const T *)a->x;
     const int nt = (int)a->num_tokens;
     if (a->hidden % 8 == 0 && moe_aligned16(a->x) && moe_aligned16(a->w)) {
-        dim3 grid((nt + BLK_TOK - 1) / BLK_TOK, (a->num_rows + BLK_ROWS - 1) / BLK_ROWS);
+        /* token groups per block: enough blocks for about two waves of 8 per SM, no more */
+        static int sms_cache[MOE_MAX_DEVICES];
+        int dev = 0;
+        MOE_CUDA_CHECK(cudaGetDevice(&dev));
+        const int sms = moe_device_cached(sms_cache, dev, [](int d) {
+            int n = 0;
+            return cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, d) == cudaSuccess ? n
+                                                                                                : 0;
+        });
+        const int64_t row_blocks = (a->num_rows + BLK_ROWS - 1) / BLK_ROWS;
+        const int64_t blocks1 = (int64_t)((nt + BLK_TOK - 1) / BLK_TOK) * row_blocks;
+        const int64_t want = 16 * (int64_t)(sms > 0 ? sms : 132);
+        const int groups = (int)(blocks1 / want < 1                ? 1
+                                 : blocks1 / want > BLK_MAX_GROUPS ? BLK_MAX_GROUPS
+                                                                   : blocks1 / want);
+        dim3 grid((nt + BLK_TOK * groups - 1) / (BLK_TOK * groups), (unsigned)row_blocks);
         MOE_CUDA_CHECK(moe_launch((logits_blk_kernel<T>), grid, dim3(BLK_WARPS * 32), 0, s, x, a->w,
-                                  a->logits, nt, a->num_rows, a->hidden));
+                                  a->logits, nt, a->num_rows, a->hidden, groups));
         MOE_CUDA_CHECK_LAUNCH("logits_blk_kernel");
     } else if (nt <= GEMV_MAX_TOKENS) {
         dim3 grid((a->num_rows + GEMV_WARPS - 1) / GEMV_WARPS);
