@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "kernels/combine.h"
+#include "kernels/cpu/moe_cpu.h"
 #include "kernels/ep.h"
 #include "kernels/expert_gemm_simple.h"
 #include "kernels/gpu.h"
@@ -203,11 +204,11 @@ static moe_status_t check_supported(const moe_layer_t *l)
                          "one rank or MOE_BACKEND=cpu",
                          l->plan.world);
 #endif
-    if (c->weight_dtype != MOE_DTYPE_BF16 && c->weight_dtype != MOE_DTYPE_F32)
+    if (c->weight_dtype != MOE_DTYPE_BF16 && c->weight_dtype != MOE_DTYPE_F32 &&
+        c->weight_dtype != MOE_DTYPE_FP8_E4M3)
         return moe_error(MOE_STATUS_NOT_SUPPORTED,
-                         "CUDA backend: weight_dtype = %s; BF16 expert weights are built (F32 is "
-                         "converted to BF16 at load; FP8 kernels come later); use BF16 or "
-                         "MOE_BACKEND=cpu",
+                         "CUDA backend: weight_dtype = %s; use BF16, F32 or FP8_E4M3 "
+                         "(converted to BF16 at load) or MOE_BACKEND=cpu",
                          moe_dtype_name(c->weight_dtype));
     if (c->num_experts > MOE_ROUTE_MAX_EXPERTS || c->top_k > MOE_ROUTE_MAX_TOP_K)
         return moe_error(MOE_STATUS_NOT_SUPPORTED,
@@ -286,6 +287,10 @@ static moe_status_t cuda_init(moe_layer_t *l)
         s->forced = moe_gemm_simple_variant(); /* no tuned variant for this arch */
     /* Every kernel a step can launch is loaded now, never inside a step. */
     MOE_CHECK_GOTO(moe_kernels_prepare(s->arch), st, fail);
+    if (l->cfg.weight_dtype == MOE_DTYPE_FP8_E4M3)
+        MOE_LOG_WARN("CUDA", "FP8 layer: the CUDA backend has no FP8 kernels yet; its weights "
+                             "are dequantised to BF16 at load (W8A16: the CPU backend's numbers, "
+                             "twice the FP8 memory and bandwidth)");
 
     plan_weights(s, &c);
     l->weight_bytes = c.off;
@@ -342,24 +347,43 @@ static moe_status_t store_f32(float *dst, const moe_matrix_t *m)
     return st;
 }
 
-/* Copies a host bf16 matrix, or an f32 one converted to bf16 (round to nearest even). */
+/* Copies a host bf16 matrix, or converts it to bf16 first (round to nearest even): f32, or
+ * FP8 e4m3 dequantised with its per-tensor or 128x128 block scales exactly as the CPU reference
+ * reads it (moe_cpu_matrix_row). FP8 layers compute in bf16 on the GPU until FP8 kernels are
+ * built: W8A16, the same numbers as the CPU backend, not yet the FP8 bandwidth. */
 static moe_status_t store_bf16(void *dst, const moe_matrix_t *m)
 {
     const size_t n = (size_t)m->rows * (size_t)m->cols;
     uint16_t *tmp;
+    float *row = NULL;
     moe_status_t st;
     if (m->dtype == MOE_DTYPE_BF16)
         return moe_gpu_memcpy_h2d(dst, m->data, 2 * n);
-    if (m->dtype != MOE_DTYPE_F32)
+    if (m->dtype != MOE_DTYPE_F32 && m->dtype != MOE_DTYPE_FP8_E4M3)
         return moe_error(MOE_STATUS_NOT_SUPPORTED,
-                         "CUDA backend: expert weights in %s (BF16, or F32 converted at load)",
+                         "CUDA backend: expert weights in %s (BF16, or F32/FP8 converted at load)",
                          moe_dtype_name(m->dtype));
     tmp = malloc(2 * (n ? n : 1));
-    if (!tmp)
+    if (m->dtype == MOE_DTYPE_FP8_E4M3)
+        row = malloc(sizeof(float) * (size_t)(m->cols ? m->cols : 1));
+    if (!tmp || (m->dtype == MOE_DTYPE_FP8_E4M3 && !row)) {
+        free(tmp);
+        free(row);
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "weight conversion: %zu values", n);
-    moe_convert_from_f32(MOE_DTYPE_BF16, m->data, tmp, n);
+    }
+    if (m->dtype == MOE_DTYPE_F32) {
+        moe_convert_from_f32(MOE_DTYPE_BF16, m->data, tmp, n);
+    } else {
+        const moe_cpu_matrix_t cm = {m->dtype, m->scale_kind, m->rows, m->cols, m->data, m->scale};
+        for (int64_t r = 0; r < m->rows; r++) {
+            moe_cpu_matrix_row(&cm, r, row);
+            moe_convert_from_f32(MOE_DTYPE_BF16, row, tmp + (size_t)r * (size_t)m->cols,
+                                 (size_t)m->cols);
+        }
+    }
     st = moe_gpu_memcpy_h2d(dst, tmp, 2 * n);
     free(tmp);
+    free(row);
     return st;
 }
 

@@ -32,24 +32,27 @@ typedef struct model_shape {
     int shared;                               /* shared_intermediate (0: none) */
     int deepseek_routing;
     int f32_weights; /* float32 weights (converted to bf16 as the CUDA backend loads them) */
+    int fp8;         /* FP8 e4m3 weights: 1 per-tensor scales, 2 128x128 blocks (W8A16 on GPU) */
 } model_shape_t;
 
 static const model_shape_t shapes[] = {
-    {"qwen3-30b-a3b i768", 16, 8, 2048, 768, 0, 0, 0},
-    {"qwen3-30b-a3b i384", 16, 8, 2048, 384, 0, 0, 0},
-    {"qwen3-30b-a3b i192", 16, 8, 2048, 192, 0, 0, 0},
-    {"qwen3-30b-a3b i96", 16, 8, 2048, 96, 0, 0, 0},
-    {"qwen2-moe i1408", 8, 4, 2048, 1408, 5632, 0, 0},
-    {"qwen2-moe i704", 8, 4, 2048, 704, 5632, 0, 0},
-    {"qwen2-moe i352", 8, 4, 2048, 352, 5632, 0, 0},
-    {"qwen2-moe i176", 8, 4, 2048, 176, 5632, 0, 0},
-    {"mixtral-8x22b", 2, 2, 6144, 16384, 0, 0, 0},
-    {"gpt-oss-like", 8, 4, 2880, 2880, 0, 0, 0},
-    {"deepseek-v2-lite", 8, 6, 2048, 1408, 2816, 0, 0},
-    {"qwen3-235b-a22b", 16, 8, 4096, 1536, 0, 0, 0},
-    {"llama-4-scout-like", 4, 1, 5120, 8192, 8192, 0, 0},
-    {"hf-tiny", 8, 2, 64, 96, 0, 1, 0},
-    {"hf-tiny f32", 8, 2, 64, 96, 0, 1, 1},
+    {"qwen3-30b-a3b i768", 16, 8, 2048, 768, 0, 0, 0, 0},
+    {"qwen3-30b-a3b i384", 16, 8, 2048, 384, 0, 0, 0, 0},
+    {"qwen3-30b-a3b i192", 16, 8, 2048, 192, 0, 0, 0, 0},
+    {"qwen3-30b-a3b i96", 16, 8, 2048, 96, 0, 0, 0, 0},
+    {"qwen2-moe i1408", 8, 4, 2048, 1408, 5632, 0, 0, 0},
+    {"qwen2-moe i704", 8, 4, 2048, 704, 5632, 0, 0, 0},
+    {"qwen2-moe i352", 8, 4, 2048, 352, 5632, 0, 0, 0},
+    {"qwen2-moe i176", 8, 4, 2048, 176, 5632, 0, 0, 0},
+    {"mixtral-8x22b", 2, 2, 6144, 16384, 0, 0, 0, 0},
+    {"gpt-oss-like", 8, 4, 2880, 2880, 0, 0, 0, 0},
+    {"deepseek-v2-lite", 8, 6, 2048, 1408, 2816, 0, 0, 0},
+    {"qwen3-235b-a22b", 16, 8, 4096, 1536, 0, 0, 0, 0},
+    {"llama-4-scout-like", 4, 1, 5120, 8192, 8192, 0, 0, 0},
+    {"hf-tiny", 8, 2, 64, 96, 0, 1, 0, 0},
+    {"hf-tiny f32", 8, 2, 64, 96, 0, 1, 1, 0},
+    {"dsv3-like fp8 block", 8, 4, 2048, 512, 1024, 1, 0, 2},
+    {"mixtral-like fp8 tensor", 8, 2, 1024, 1024, 0, 0, 0, 1},
 };
 #define NUM_SHAPES ((int)(sizeof(shapes) / sizeof(shapes[0])))
 
@@ -70,6 +73,10 @@ static moe_layer_config_t config_of(const model_shape_t *s, int ep, int tp, int6
     }
     if (s->f32_weights)
         c.weight_dtype = MOE_DTYPE_F32;
+    if (s->fp8) {
+        c.weight_dtype = MOE_DTYPE_FP8_E4M3;
+        c.scale_kind = s->fp8 == 2 ? MOE_SCALE_BLOCK_128 : MOE_SCALE_PER_TENSOR;
+    }
     if (s->deepseek_routing) {
         c.scoring = MOE_SCORING_SIGMOID;
         c.use_score_bias = 1;
@@ -254,7 +261,7 @@ static void test_one_verdict(void **state)
 static void test_check_inputs(void **state)
 {
     const uint64_t seed = tu_seed("gpu_check_inputs");
-    const model_shape_t *s = &shapes[NUM_SHAPES - 2];
+    const model_shape_t *s = &shapes[NUM_SHAPES - 4]; /* hf-tiny */
     moe_layer_config_t c = config_of(s, world, 1, 16);
     float *x = malloc(sizeof(float) * 16 * (size_t)s->hidden);
     moe_layer_t *l = NULL;
