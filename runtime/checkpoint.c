@@ -427,6 +427,13 @@ moe_status_t moe_checkpoint_get_info(const moe_checkpoint_t *c, moe_checkpoint_i
     return MOE_STATUS_SUCCESS;
 }
 
+/* Whether the checkpoint names tensor `name` (no error set). */
+static int has_tensor(const moe_checkpoint_t *c, const char *name)
+{
+    ckpt_name_t key = {name, 0};
+    return c->num_names && bsearch(&key, c->names, c->num_names, sizeof(key), cmp_names) != NULL;
+}
+
 /* The file and header entry of tensor `name`; FORMAT_ERROR naming it when absent. */
 static moe_status_t find_tensor(moe_checkpoint_t *c, const char *name, moe_st_file_t **file,
                                 const moe_st_tensor_t **t)
@@ -618,20 +625,27 @@ static moe_status_t config_dtype(const cfg_reader_t *r, moe_layer_config_t *cfg)
         if (strcmp(method, "fp8"))
             return moe_error(MOE_STATUS_NOT_SUPPORTED,
                              "%s/config.json: quantization_config.quant_method \"%.40s\" is not "
-                             "supported (only \"fp8\" with 128x128 blocks)",
+                             "supported (only \"fp8\": 128x128 blocks or one scale per matrix)",
                              r->dir, method);
-        if (strcmp(act, "dynamic"))
+        /* "static" (AutoFP8 and common exporters) adds an input_scale per matrix: read and
+         * checked, not used yet (activations are not quantised: W8A16, docs/SEMANTICS.md). */
+        if (strcmp(act, "dynamic") && strcmp(act, "static"))
             return moe_error(MOE_STATUS_NOT_SUPPORTED,
                              "%s/config.json: activation_scheme \"%.40s\" is not supported "
-                             "(only \"dynamic\")",
+                             "(\"dynamic\" or \"static\")",
                              r->dir, act);
-        if (!bs || bs->type != MOE_JSON_ARRAY || bs->count != 2 ||
+        if (!bs || bs->type == MOE_JSON_NULL) { /* one scale per matrix: weight_scale */
+            cfg->weight_dtype = MOE_DTYPE_FP8_E4M3;
+            cfg->scale_kind = MOE_SCALE_PER_TENSOR;
+            return MOE_STATUS_SUCCESS;
+        }
+        if (bs->type != MOE_JSON_ARRAY || bs->count != 2 ||
             moe_json_at(bs, 0)->type != MOE_JSON_NUMBER ||
             moe_json_at(bs, 1)->type != MOE_JSON_NUMBER ||
             moe_json_at(bs, 0)->number != FP8_BLOCK || moe_json_at(bs, 1)->number != FP8_BLOCK)
             return moe_error(MOE_STATUS_NOT_SUPPORTED,
                              "%s/config.json: quantization_config.weight_block_size must be "
-                             "[128, 128]",
+                             "[128, 128] (or absent: one scale per matrix)",
                              r->dir);
         cfg->weight_dtype = MOE_DTYPE_FP8_E4M3;
         cfg->scale_kind = MOE_SCALE_BLOCK_128;
@@ -848,7 +862,8 @@ typedef struct load_ctx {
     moe_checkpoint_t *c;
     moe_layer_t *layer;
     char prefix[96];
-    moe_dtype_t ckpt_dtype; /* weight_dtype config.json gives (FP8_E4M3 with quantization) */
+    moe_dtype_t ckpt_dtype;      /* weight_dtype config.json gives (FP8_E4M3 with quantization) */
+    moe_scale_kind_t ckpt_scale; /* its FP8 scale kind: 128x128 blocks or one per matrix */
     void *data;
     size_t data_cap;
     float *scale;
@@ -937,13 +952,48 @@ static moe_status_t check_file_dtype(const load_ctx_t *x, moe_weight_kind_t kind
     if (fp8_config && !fp8_file)
         return moe_error(MOE_STATUS_FORMAT_ERROR,
                          "%s: tensor \"%s\" has dtype %s but config.json's quantization_config "
-                         "says fp8 (F8_E4M3 weights with weight_scale_inv)",
+                         "says fp8 (F8_E4M3 weights with their scales)",
                          moe_st_file_path(f), name, moe_st_dtype_name(t->dtype));
     if (!fp8_config && fp8_file)
         return moe_error(MOE_STATUS_FORMAT_ERROR,
                          "%s: tensor \"%s\" has dtype F8_E4M3 but config.json has no fp8 "
                          "quantization_config",
                          moe_st_file_path(f), name);
+    return MOE_STATUS_SUCCESS;
+}
+
+/* The one-value scale tensor of matrix `weight` ("<m>.weight"): which = "weight_scale" reads
+ * "<m>.weight_scale" into x->scale[0] (required); "input_scale" checks "<m>.input_scale" when
+ * the file has it (a static activation scale: finite and > 0, else an error naming it). */
+static moe_status_t load_tensor_scale(load_ctx_t *x, const char *weight, const char *which,
+                                      int required)
+{
+    char sname[300];
+    const size_t stem = strlen(weight) >= 6 && !strcmp(weight + strlen(weight) - 6, "weight")
+                            ? strlen(weight) - 6
+                            : strlen(weight);
+    moe_st_file_t *sf;
+    const moe_st_tensor_t *s;
+    float v = 0.0f;
+    snprintf(sname, sizeof(sname), "%.*s%s", (int)stem, weight, which);
+    if (!required && !has_tensor(x->c, sname))
+        return MOE_STATUS_SUCCESS;
+    MOE_CHECK(find_tensor(x->c, sname, &sf, &s));
+    if (s->dtype != MOE_ST_F32 || s->rows * s->cols != 1)
+        return moe_error(MOE_STATUS_FORMAT_ERROR,
+                         "%s: scale tensor \"%s\" is %s with %lld values, expected one F32 "
+                         "(one scale per matrix)",
+                         moe_st_file_path(sf), sname, moe_st_dtype_name(s->dtype),
+                         (long long)(s->rows * s->cols));
+    MOE_CHECK(grow((void **)&x->scale, &x->scale_cap, 2 * sizeof(float)));
+    MOE_CHECK(moe_st_read_block(sf, s, 0, 1, 0, 1, &v));
+    if (moe_layer_checks_weight_values(x->layer)) {
+        char origin[512];
+        snprintf(origin, sizeof(origin), "%s: tensor \"%s\"", moe_st_file_path(sf), sname);
+        MOE_CHECK(moe_scales_check(&v, 1, 1, origin, 0, 0));
+    }
+    if (required)
+        x->scale[0] = v;
     return MOE_STATUS_SUCCESS;
 }
 
@@ -995,7 +1045,13 @@ static moe_status_t load_matrix(load_ctx_t *x, const char *suffix, moe_weight_ki
         mt.data = x->deq;
     }
 
-    if (dt == MOE_DTYPE_FP8_E4M3) {
+    if (dt == MOE_DTYPE_FP8_E4M3 && x->ckpt_scale == MOE_SCALE_PER_TENSOR) {
+        MOE_CHECK(load_tensor_scale(x, name, "weight_scale", 1));
+        MOE_CHECK(load_tensor_scale(x, name, "input_scale", 0));
+        mt.scale = x->scale;
+        mt.scale_rows = 1;
+        mt.scale_cols = 1;
+    } else if (dt == MOE_DTYPE_FP8_E4M3) {
         int64_t sr0 = r0 / FP8_BLOCK, sr1 = (r1 + FP8_BLOCK - 1) / FP8_BLOCK;
         int64_t sc0 = c0 / FP8_BLOCK, sc1 = (c1 + FP8_BLOCK - 1) / FP8_BLOCK;
         int64_t str = 0, stc = 0;
@@ -1089,6 +1145,7 @@ moe_status_t moe_layer_load(moe_layer_t *layer, moe_checkpoint_t *c, int layer_i
     x.c = c;
     x.layer = layer;
     x.ckpt_dtype = cfg.weight_dtype;
+    x.ckpt_scale = cfg.scale_kind;
     snprintf(x.prefix, sizeof(x.prefix), nm->prefix, layer_index);
     {
         uint64_t d;

@@ -73,7 +73,9 @@ static fx_tensor_t *fx_add(fixture_t *f, const char *name, moe_st_dtype_t dt, in
     return t;
 }
 
-/* A matrix of random values in the checkpoint's dtype; fp8 ones get a _scale_inv tensor. */
+/* A matrix of random values in the checkpoint's dtype. fp8 1: a _scale_inv tensor of 128x128
+ * block scales (DeepSeek-V3); fp8 2: one scale per matrix in a 0-dimensional _scale tensor and
+ * a static input_scale beside it (AutoFP8 / common FP8 exporters). */
 static void fx_matrix(fixture_t *f, const char *name, int64_t R, int64_t C, int kind, int expert,
                       int fp8, float a)
 {
@@ -85,6 +87,26 @@ static void fx_matrix(fixture_t *f, const char *name, int64_t R, int64_t C, int 
     if (!fp8) {
         t = fx_add(f, name, MOE_ST_BF16, 2, R, C, kind, expert);
         moe_convert_from_f32(MOE_DTYPE_BF16, v, t->data, (size_t)(R * C));
+    } else if (fp8 == 2) {
+        char sname[200];
+        fx_tensor_t *s;
+        float amax = 0, sc;
+        size_t nl = strlen(name) - strlen("weight");
+        t = fx_add(f, name, MOE_ST_F8_E4M3, 2, R, C, kind, expert);
+        snprintf(sname, sizeof(sname), "%s_scale", name);
+        s = fx_add(f, sname, MOE_ST_F32, 0, 1, 1, -1, -1);
+        for (int64_t i = 0; i < R * C; i++)
+            amax = fmaxf(amax, fabsf(v[i]));
+        sc = amax > 0 ? amax / 448.0f : 1.0f;
+        ((float *)s->data)[0] = sc;
+        for (int64_t i = 0; i < R * C; i++)
+            ((uint8_t *)t->data)[i] = moe_f32_to_fp8e4m3(v[i] / sc);
+        t->scale = s->data;
+        t->srows = 1;
+        t->scols = 1;
+        snprintf(sname, sizeof(sname), "%.*sinput_scale", (int)nl, name);
+        s = fx_add(f, sname, MOE_ST_F32, 0, 1, 1, -1, -1);
+        ((float *)s->data)[0] = 0.02f;
     } else {
         int64_t sr = (R + 127) / 128, sc = (C + 127) / 128;
         char sname[200];
@@ -246,12 +268,16 @@ static void fx_write_config(const fixture_t *f)
         kv(f, cfg, n, "routed_scaling_factor", "2.5");
         kv(f, cfg, n, "scoring_func", "\"sigmoid\"");
         kv(f, cfg, n, "topk_method", "\"noaux_tc\"");
-        if (f->fp8)
+        if (f->fp8 == 1)
             kv(f, cfg, n, "quantization_config",
                "{\"activation_scheme\": \"dynamic\", \"fmt\": \"e4m3\", "
                "\"quant_method\": \"fp8\", \"weight_block_size\": [128, 128]}");
         break;
     }
+    if (f->fp8 == 2)
+        kv(f, cfg, n, "quantization_config",
+           "{\"activation_scheme\": \"static\", \"quant_method\": \"fp8\", "
+           "\"ignored_layers\": [\"lm_head\"]}");
     snprintf(cfg + strlen(cfg), n - strlen(cfg), "%s\n}\n", f->extra_config);
     write_text(f->dir, "config.json", cfg);
 }
@@ -320,7 +346,9 @@ static moe_layer_config_t fx_config(const fixture_t *f)
     c.max_tokens_per_rank = 32;
     c.tp_size = g_tp;
     c.weight_dtype = f->fp8 ? MOE_DTYPE_FP8_E4M3 : MOE_DTYPE_BF16;
-    c.scale_kind = f->fp8 ? MOE_SCALE_BLOCK_128 : MOE_SCALE_NONE;
+    c.scale_kind = f->fp8 == 2 ? MOE_SCALE_PER_TENSOR
+                   : f->fp8    ? MOE_SCALE_BLOCK_128
+                               : MOE_SCALE_NONE;
     switch (f->fam) {
     case MOE_FAMILY_MIXTRAL:
         c.renormalize = 1;
@@ -518,6 +546,17 @@ static void test_deepseek_v3_bf16(void **state)
 static void test_deepseek_v3_fp8_sharded(void **state)
 {
     fixture_t *f = fx_new(MOE_FAMILY_DEEPSEEK_V3, 8, 2, 320, 256, 256, 1, 3, 2);
+    fx_write(f);
+    check_fixture(f);
+    fx_delete(f);
+}
+
+/* FP8 e4m3 with one scale per matrix and static input scales (AutoFP8's format, as Mixtral and
+ * Qwen FP8 checkpoints ship): sharded, under the world's TP. */
+static void test_mixtral_fp8_per_tensor(void **state)
+{
+    fixture_t *f = fx_new(MOE_FAMILY_MIXTRAL, 8, 2, 128, 256, 0, 2, 2, 1);
+    (void)state;
     fx_write(f);
     check_fixture(f);
     fx_delete(f);
@@ -901,6 +940,37 @@ static int teardown(void **state)
     return system(cmd) == 0 ? 0 : -1;
 }
 
+/* Per-tensor FP8: a negative weight_scale, a NaN static input_scale, a scale with two values;
+ * each named by its tensor. */
+static void test_bad_per_tensor_scales(void **state)
+{
+    fixture_t *f;
+    (void)state;
+    if (!one_rank())
+        return;
+    f = fx_new(MOE_FAMILY_MIXTRAL, 8, 2, 128, 256, 0, 2, 1, 1);
+    ((float *)fx_find(f, "experts.1.w2.weight_scale")->data)[0] = -0.25f;
+    fx_write(f);
+    EXPECT_LOAD(f, 1, MOE_STATUS_NUMERIC_ERROR, "experts.1.w2.weight_scale\": scale");
+    fx_delete(f);
+    f = fx_new(MOE_FAMILY_MIXTRAL, 8, 2, 128, 256, 0, 2, 1, 1);
+    ((float *)fx_find(f, "experts.3.w1.input_scale")->data)[0] = NAN;
+    fx_write(f);
+    EXPECT_LOAD(f, 1, MOE_STATUS_NUMERIC_ERROR, "experts.3.w1.input_scale\": scale");
+    fx_delete(f);
+    f = fx_new(MOE_FAMILY_MIXTRAL, 8, 2, 128, 256, 0, 2, 1, 1);
+    {
+        fx_tensor_t *t = fx_find(f, "experts.0.w3.weight_scale");
+        t->ndim = 1;
+        t->shape[0] = 2; /* two values where one scale per matrix is expected */
+        free(t->data);
+        t->data = calloc(2, sizeof(float));
+    }
+    fx_write(f);
+    EXPECT_LOAD(f, 1, MOE_STATUS_FORMAT_ERROR, "expected one F32 (one scale per matrix)");
+    fx_delete(f);
+}
+
 /* test_checkpoint --write-fixtures DIR: writes one checkpoint per family into DIR/<name> for
  * the moe-run --model test under mpirun (tests/slurm/test_moe_run_model.sh); no MPI. */
 static int write_fixtures(const char *dir)
@@ -940,6 +1010,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_qwen3_moe),
         cmocka_unit_test(test_deepseek_v3_bf16),
         cmocka_unit_test(test_deepseek_v3_fp8_sharded),
+        cmocka_unit_test(test_mixtral_fp8_per_tensor),
+        cmocka_unit_test(test_bad_per_tensor_scales),
         cmocka_unit_test(test_fp8_checkpoint_bf16_layer),
         cmocka_unit_test(test_public_tensor_files),
         cmocka_unit_test(test_bad_tensors),
