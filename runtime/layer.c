@@ -79,9 +79,11 @@ static moe_status_t validate_dtype(const moe_layer_config_t *c)
                   "weight_dtype = %d (%s): must be F32, BF16 or FP8_E4M3", (int)c->weight_dtype,
                   moe_dtype_name(c->weight_dtype));
     if (c->weight_dtype == MOE_DTYPE_FP8_E4M3)
-        MOE_ARG_CHECK(c->scale_kind == MOE_SCALE_PER_TENSOR || c->scale_kind == MOE_SCALE_BLOCK_128,
-                      "scale_kind = %d: FP8_E4M3 weights need MOE_SCALE_PER_TENSOR or "
-                      "MOE_SCALE_BLOCK_128",
+        MOE_ARG_CHECK(c->scale_kind == MOE_SCALE_PER_TENSOR ||
+                          c->scale_kind == MOE_SCALE_BLOCK_128 ||
+                          c->scale_kind == MOE_SCALE_PER_CHANNEL,
+                      "scale_kind = %d: FP8_E4M3 weights need MOE_SCALE_PER_TENSOR, "
+                      "MOE_SCALE_PER_CHANNEL or MOE_SCALE_BLOCK_128",
                       (int)c->scale_kind);
     else
         MOE_ARG_CHECK(c->scale_kind == MOE_SCALE_NONE,

@@ -77,6 +77,8 @@ size_t moe_matrix_scale_count(moe_scale_kind_t kind, int64_t rows, int64_t cols)
         return 1;
     if (kind == MOE_SCALE_BLOCK_128)
         return (size_t)((rows + BLK - 1) / BLK) * (size_t)((cols + BLK - 1) / BLK);
+    if (kind == MOE_SCALE_PER_CHANNEL)
+        return (size_t)rows;
     return 0;
 }
 
@@ -94,10 +96,13 @@ static moe_status_t fp8_scale_kind(const moe_tensor_t *t, const char *what, moe_
         *k = MOE_SCALE_BLOCK_128; /* also right for one block: both readings agree */
     else if (t->scale_rows * t->scale_cols == 1)
         *k = MOE_SCALE_PER_TENSOR;
+    else if (t->scale_rows == t->rows && t->scale_cols == 1)
+        *k = MOE_SCALE_PER_CHANNEL;
     else
         return moe_error(MOE_STATUS_INVALID_ARGUMENT,
-                         "%s: scale shape [%lld, %lld] fits neither per-tensor [1, 1] nor "
-                         "128x128 blocks [%lld, %lld] of a [%lld, %lld] weight",
+                         "%s: scale shape [%lld, %lld] fits neither per-tensor [1, 1], "
+                         "per-channel [rows, 1] nor 128x128 blocks [%lld, %lld] of a [%lld, %lld] "
+                         "weight",
                          what, (long long)t->scale_rows, (long long)t->scale_cols,
                          (long long)ceil_blk(t->rows), (long long)ceil_blk(t->cols),
                          (long long)t->rows, (long long)t->cols);
@@ -108,6 +113,8 @@ static float scale_at(const moe_tensor_t *t, moe_scale_kind_t k, int64_t r, int6
 {
     if (k == MOE_SCALE_BLOCK_128)
         return t->scale[(r / BLK) * t->scale_cols + c / BLK];
+    if (k == MOE_SCALE_PER_CHANNEL)
+        return t->scale[r];
     return t->scale[0];
 }
 
@@ -126,28 +133,35 @@ static void extract_f32(const moe_tensor_t *t, moe_scale_kind_t sk, int64_t r0, 
     }
 }
 
-/* Quantises f32 [rows, cols] to FP8 with per-tensor or 128x128 block scales (amax / 448). */
+/* Index of element (r, c)'s scale in a [rows, cols] matrix's scale array of kind k. */
+static int64_t scale_index(moe_scale_kind_t k, int64_t cols, int64_t r, int64_t c)
+{
+    if (k == MOE_SCALE_BLOCK_128)
+        return (r / BLK) * ceil_blk(cols) + c / BLK;
+    return k == MOE_SCALE_PER_CHANNEL ? r : 0;
+}
+
+/* Quantises f32 [rows, cols] to FP8 with per-tensor, per-channel or 128x128 block scales
+ * (amax / 448). */
 static void quantize_fp8(const float *in, int64_t rows, int64_t cols, moe_scale_kind_t k,
                          uint8_t *out, float *scale)
 {
-    const int64_t sc = ceil_blk(cols);
     int64_t r, c, n = (int64_t)moe_matrix_scale_count(k, rows, cols), i;
     float *amax = scale;
     for (i = 0; i < n; i++)
         amax[i] = 0.0f;
     for (r = 0; r < rows; r++)
         for (c = 0; c < cols; c++) {
-            float *a = k == MOE_SCALE_BLOCK_128 ? &amax[(r / BLK) * sc + c / BLK] : &amax[0];
+            float *a = &amax[scale_index(k, cols, r, c)];
             float v = fabsf(in[r * cols + c]);
             *a = v > *a ? v : *a;
         }
     for (i = 0; i < n; i++)
         scale[i] = amax[i] > 0.0f ? amax[i] / MOE_FP8_E4M3_MAX : 1.0f;
     for (r = 0; r < rows; r++)
-        for (c = 0; c < cols; c++) {
-            float s = k == MOE_SCALE_BLOCK_128 ? scale[(r / BLK) * sc + c / BLK] : scale[0];
-            out[r * cols + c] = moe_f32_to_fp8e4m3(in[r * cols + c] / s);
-        }
+        for (c = 0; c < cols; c++)
+            out[r * cols + c] =
+                moe_f32_to_fp8e4m3(in[r * cols + c] / scale[scale_index(k, cols, r, c)]);
 }
 
 /* FP8 in, same scale kind stored: copy the bytes and the scales of the slice. */
@@ -160,6 +174,11 @@ static void copy_fp8(const moe_tensor_t *t, moe_scale_kind_t sk, int64_t r0, int
                (size_t)m->cols);
     if (sk == MOE_SCALE_PER_TENSOR) {
         m->scale[0] = t->scale[0];
+        return;
+    }
+    if (sk == MOE_SCALE_PER_CHANNEL) { /* the slice's rows; a column slice keeps its row's */
+        for (r = 0; r < m->rows; r++)
+            m->scale[r] = t->scale[r0 + r];
         return;
     }
     for (r = 0; r < ceil_blk(m->rows); r++)
@@ -264,6 +283,8 @@ moe_status_t moe_tensor_check_values(const moe_tensor_t *t, moe_scale_kind_t sca
             for (int64_t br = br0; br <= br1; br++)
                 MOE_CHECK(moe_scales_check(t->scale + br * t->scale_cols + bc0, 1, bc1 - bc0 + 1,
                                            what, row_off + br * BLK, col_off + bc0 * BLK));
+        } else if (scale_kind == MOE_SCALE_PER_CHANNEL) {
+            MOE_CHECK(moe_scales_check(t->scale + r0, rows, 1, what, row_off + r0, 0));
         } else {
             MOE_CHECK(moe_scales_check(t->scale, 1, 1, what, 0, 0));
         }

@@ -67,7 +67,8 @@ typedef enum moe_dtype {
 typedef enum moe_scale_kind {
     MOE_SCALE_NONE = 0,       /* unquantised dtypes */
     MOE_SCALE_PER_TENSOR = 1, /* one float per weight matrix */
-    MOE_SCALE_BLOCK_128 = 2   /* one float per 128x128 block: [ceil(rows/128), ceil(cols/128)] */
+    MOE_SCALE_BLOCK_128 = 2,  /* one float per 128x128 block: [ceil(rows/128), ceil(cols/128)] */
+    MOE_SCALE_PER_CHANNEL = 3 /* one float per output channel (row): [rows, 1] */
 } moe_scale_kind_t;
 
 typedef enum moe_backend {
@@ -224,7 +225,8 @@ moe_status_t moe_layer_destroy(moe_layer_t *layer);
 moe_status_t moe_layer_get_info(const moe_layer_t *layer, moe_layer_info_t *info);
 
 /* A host tensor, row-major and contiguous. FP8 tensors carry their scales: one float for
- * MOE_SCALE_PER_TENSOR, [ceil(rows/128), ceil(cols/128)] for MOE_SCALE_BLOCK_128. */
+ * MOE_SCALE_PER_TENSOR, [ceil(rows/128), ceil(cols/128)] for MOE_SCALE_BLOCK_128, [rows, 1]
+ * for MOE_SCALE_PER_CHANNEL (the scale kind is read from this shape). */
 typedef struct moe_tensor {
     moe_dtype_t dtype;
     int64_t rows, cols;

@@ -23,6 +23,8 @@ void moe_cpu_matrix_row(const moe_cpu_matrix_t *m, int64_t r, float *out)
                 s = m->scale[0];
             else if (m->scale_kind == MOE_SCALE_BLOCK_128)
                 s = m->scale[(r / MOE_BLOCK) * scale_cols + c / MOE_BLOCK];
+            else if (m->scale_kind == MOE_SCALE_PER_CHANNEL)
+                s = m->scale[r];
             out[c] = moe_fp8e4m3_to_f32(row[c]) * s;
         }
         break;

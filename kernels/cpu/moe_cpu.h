@@ -22,7 +22,7 @@ typedef struct moe_cpu_matrix {
     moe_scale_kind_t scale_kind;
     int64_t rows, cols;
     const void *data;
-    const float *scale; /* FP8: 1 float, or [ceil(rows/128), ceil(cols/128)] */
+    const float *scale; /* FP8: 1 float, [rows] per channel, or [ceil(rows/128), ceil(cols/128)] */
 } moe_cpu_matrix_t;
 
 /* sum_i a[i] * b[i] in f32, in a fixed order: eight interleaved partial sums (vectorisable)

@@ -125,18 +125,21 @@ static void as_stored(const moe_layer_config_t *cfg, float *m, int64_t rows, int
         for (i = 0; i < n; i++)
             m[i] = moe_bf16_to_f32(moe_f32_to_bf16(m[i]));
     } else if (cfg->weight_dtype == MOE_DTYPE_FP8_E4M3) {
-        const int64_t B =
-            cfg->scale_kind == MOE_SCALE_BLOCK_128 ? 128 : (rows > cols ? rows : cols);
+        /* scale blocks of BR rows x BC cols: 128 x 128, 1 x cols (per channel) or all */
+        const int64_t BR = cfg->scale_kind == MOE_SCALE_BLOCK_128     ? 128
+                           : cfg->scale_kind == MOE_SCALE_PER_CHANNEL ? 1
+                                                                      : rows;
+        const int64_t BC = cfg->scale_kind == MOE_SCALE_BLOCK_128 ? 128 : cols;
         int64_t br, bc, r, c;
-        for (br = 0; br < rows; br += B)
-            for (bc = 0; bc < cols; bc += B) {
+        for (br = 0; br < rows; br += BR)
+            for (bc = 0; bc < cols; bc += BC) {
                 float amax = 0, s;
-                for (r = br; r < br + B && r < rows; r++)
-                    for (c = bc; c < bc + B && c < cols; c++)
+                for (r = br; r < br + BR && r < rows; r++)
+                    for (c = bc; c < bc + BC && c < cols; c++)
                         amax = fmaxf(amax, fabsf(m[r * cols + c]));
                 s = amax > 0 ? amax / MOE_FP8_E4M3_MAX : 1.0f;
-                for (r = br; r < br + B && r < rows; r++)
-                    for (c = bc; c < bc + B && c < cols; c++)
+                for (r = br; r < br + BR && r < rows; r++)
+                    for (c = bc; c < bc + BC && c < cols; c++)
                         m[r * cols + c] =
                             moe_fp8e4m3_to_f32(moe_f32_to_fp8e4m3(m[r * cols + c] / s)) * s;
             }

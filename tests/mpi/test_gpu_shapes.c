@@ -32,7 +32,8 @@ typedef struct model_shape {
     int shared;                               /* shared_intermediate (0: none) */
     int deepseek_routing;
     int f32_weights; /* float32 weights (converted to bf16 as the CUDA backend loads them) */
-    int fp8;         /* FP8 e4m3 weights: 1 per-tensor scales, 2 128x128 blocks (W8A16 on GPU) */
+    int fp8; /* FP8 e4m3 weights: 1 per-tensor, 2 128x128 block, 3 per-channel scales (W8A16 on
+              * the GPU for now) */
 } model_shape_t;
 
 static const model_shape_t shapes[] = {
@@ -53,6 +54,7 @@ static const model_shape_t shapes[] = {
     {"hf-tiny f32", 8, 2, 64, 96, 0, 1, 1, 0},
     {"dsv3-like fp8 block", 8, 4, 2048, 512, 1024, 1, 0, 2},
     {"mixtral-like fp8 tensor", 8, 2, 1024, 1024, 0, 0, 0, 1},
+    {"qwen-like fp8 channel", 16, 4, 1024, 384, 0, 0, 0, 3},
 };
 #define NUM_SHAPES ((int)(sizeof(shapes) / sizeof(shapes[0])))
 
@@ -75,7 +77,9 @@ static moe_layer_config_t config_of(const model_shape_t *s, int ep, int tp, int6
         c.weight_dtype = MOE_DTYPE_F32;
     if (s->fp8) {
         c.weight_dtype = MOE_DTYPE_FP8_E4M3;
-        c.scale_kind = s->fp8 == 2 ? MOE_SCALE_BLOCK_128 : MOE_SCALE_PER_TENSOR;
+        c.scale_kind = s->fp8 == 2   ? MOE_SCALE_BLOCK_128
+                       : s->fp8 == 3 ? MOE_SCALE_PER_CHANNEL
+                                     : MOE_SCALE_PER_TENSOR;
     }
     if (s->deepseek_routing) {
         c.scoring = MOE_SCORING_SIGMOID;
@@ -261,7 +265,7 @@ static void test_one_verdict(void **state)
 static void test_check_inputs(void **state)
 {
     const uint64_t seed = tu_seed("gpu_check_inputs");
-    const model_shape_t *s = &shapes[NUM_SHAPES - 4]; /* hf-tiny */
+    const model_shape_t *s = &shapes[NUM_SHAPES - 5]; /* hf-tiny */
     moe_layer_config_t c = config_of(s, world, 1, 16);
     float *x = malloc(sizeof(float) * 16 * (size_t)s->hidden);
     moe_layer_t *l = NULL;

@@ -573,6 +573,21 @@ static void test_bad_weight_values(void **state)
     s = 0.5f;
     TU_OK(moe_layer_set_weight(l, MOE_WEIGHT_DOWN_PROJ, 0, &t));
 
+    /* per-channel scales [rows, 1]: row 5's is negative, then all fine */
+    {
+        float *sc = malloc(sizeof(float) * (size_t)I);
+        assert_non_null(sc);
+        for (int i = 0; i < I; i++)
+            sc[i] = 0.25f;
+        sc[5] = -2.0f;
+        t = (moe_tensor_t){MOE_DTYPE_FP8_E4M3, I, H, q, sc, I, 1};
+        EXPECT(moe_layer_set_weight(l, MOE_WEIGHT_UP_PROJ, 0, &t), MOE_STATUS_NUMERIC_ERROR,
+               "UP_PROJ of expert 0: scale [5, 0] is -2");
+        sc[5] = 0.25f;
+        TU_OK(moe_layer_set_weight(l, MOE_WEIGHT_UP_PROJ, 0, &t));
+        free(sc);
+    }
+
     moe_layer_destroy(l);
     moe_layer_destroy(quiet);
 }

@@ -156,6 +156,8 @@ static void test_fp8_block_and_per_tensor(void **state)
     assert_true(run_vs_naive(c, 9, MOE_DTYPE_F32, seed) < 1e-5);
     c.scale_kind = MOE_SCALE_PER_TENSOR;
     assert_true(run_vs_naive(c, 9, MOE_DTYPE_F32, seed) < 1e-5);
+    c.scale_kind = MOE_SCALE_PER_CHANNEL;
+    assert_true(run_vs_naive(c, 9, MOE_DTYPE_F32, seed) < 1e-5);
 }
 
 static void test_zero_and_one_token(void **state)
