@@ -3,6 +3,7 @@
 #include "kernels/expert_gemm.h"
 
 #include <stddef.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "runtime/diag.h"
@@ -133,16 +134,51 @@ static const moe_gemm_variant_t *pick(const moe_gemm_bucket_t *b, int count, dou
     return NULL;
 }
 
+/* The bucket table of an arch (NULL: none built for it). */
+static const moe_gemm_bucket_t *buckets_for(int arch, int *count)
+{
+    if (arch == 90) {
+        *count = (int)(sizeof(sm90_buckets) / sizeof(sm90_buckets[0]));
+        return sm90_buckets;
+    }
+    if (arch >= 80) {
+        *count = (int)(sizeof(sm80_buckets) / sizeof(sm80_buckets[0]));
+        return sm80_buckets;
+    }
+    *count = 0;
+    return NULL;
+}
+
+void moe_gemm_explain(int arch, double rows_per_expert, char *text, size_t len)
+{
+    int count = 0, i;
+    const moe_gemm_bucket_t *b = buckets_for(arch, &count);
+    double lo = 0.0;
+    if (!text || !len)
+        return;
+    for (i = 0; b && i < count; i++) {
+        if (rows_per_expert <= b[i].max_rows_per_expert) {
+            if (b[i].max_rows_per_expert >= 1e300)
+                snprintf(text, len, "%s (built-in table for sm_%d: rows/expert %.3g > %g)",
+                         b[i].name, arch, rows_per_expert, lo);
+            else
+                snprintf(text, len, "%s (built-in table for sm_%d: rows/expert %.3g in (%g, %g])",
+                         b[i].name, arch, rows_per_expert, lo, b[i].max_rows_per_expert);
+            return;
+        }
+        lo = b[i].max_rows_per_expert;
+    }
+    snprintf(text, len, "simt_ref (no tuned variant for sm_%d)", arch);
+}
+
 const moe_gemm_variant_t *moe_gemm_select(int arch, moe_dtype_t dtype, moe_scale_kind_t scale,
                                           double rows_per_expert)
 {
     if (dtype != MOE_DTYPE_BF16 || scale != MOE_SCALE_NONE)
         return NULL; /* FP8 variants: not built yet */
-    if (arch == 90)
-        return pick(sm90_buckets, (int)(sizeof(sm90_buckets) / sizeof(sm90_buckets[0])),
-                    rows_per_expert);
-    if (arch >= 80)
-        return pick(sm80_buckets, (int)(sizeof(sm80_buckets) / sizeof(sm80_buckets[0])),
-                    rows_per_expert);
-    return NULL;
+    {
+        int count = 0;
+        const moe_gemm_bucket_t *b = buckets_for(arch, &count);
+        return b ? pick(b, count, rows_per_expert) : NULL;
+    }
 }

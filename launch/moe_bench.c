@@ -65,6 +65,7 @@ typedef struct options {
     int64_t graph_max; /* graph-replay steps of at most this many tokens */
     double seconds;    /* time spent per point, roughly */
     int help;
+    int explain;     /* --explain: per point, what the layer runs and why */
     FILE *json_file; /* opened before the run, so a bad path fails before minutes of work */
     char err[512];   /* why this rank rejected its options */
 } options_t;
@@ -79,7 +80,7 @@ static void usage(void)
 {
     printf("usage: moe-bench [--preset NAME] [--experts E --top-k K --hidden H --intermediate I]\n"
            "                 [--tokens 1,8,64,512,2048,8192] [--graph-max M] [--seconds S]\n"
-           "                 [--json FILE]\n"
+           "                 [--json FILE] [--explain]\n"
            "       mpirun -np N moe-bench --dispatch-only [--max-tokens T] [--capacity C] "
            "[--told]\n"
            "         (expert-parallel dispatch/combine next to NCCL all-to-all; --capacity: a\n"
@@ -141,6 +142,10 @@ static int parse(int argc, char **argv, options_t *o)
     for (i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         int ok = 1;
+        if (!strcmp(a, "--explain")) {
+            o->explain = 1;
+            continue;
+        }
         if (!v)
             return REJECT("%s needs a value (or is unknown: see --help)", a);
         i++;
@@ -205,6 +210,7 @@ static int agree_options(const options_t *o, int bad)
     uint64_t h = 1469598103934665603ULL;
     const moe_cli_field_t f[] = {
         {"--help", o->help, 0},
+        {"--explain", o->explain, 0},
         {"--experts", o->cfg.num_experts, 0},
         {"--top-k", o->cfg.top_k, 0},
         {"--hidden", o->cfg.hidden, 0},
@@ -575,6 +581,11 @@ int main(int argc, char **argv)
                "experts %.1f  shared %.1f  combine %.1f\n",
                "", p->phases.route_us, p->phases.dispatch_us, p->phases.expert_us,
                p->phases.shared_us, p->phases.combine_us);
+        if (o.explain) {
+            char why[512];
+            MOE_OK(moe_layer_explain(layer, p->m, why, sizeof(why)));
+            printf("  %8s explain: %s\n", "", why);
+        }
         fflush(stdout);
         score_sum += p->limit_us / p->time_us;
     }

@@ -749,4 +749,4 @@ out:
 }
 
 const moe_backend_ops_t moe_backend_cpu = {"cpu",       cpu_init, cpu_fini, cpu_store_weight,
-                                           cpu_forward, NULL};
+                                           cpu_forward, NULL,     NULL};

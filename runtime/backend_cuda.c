@@ -5,6 +5,7 @@
  *
  * Routing weights are applied in combine (f32), not in GEMM2's row_scale epilogue: GEMM2
  * writes each expert row unweighted in bf16 and combine sums w_tj * row in a fixed j order. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -732,5 +733,42 @@ static moe_status_t cuda_synchronize(moe_layer_t *l, void *stream)
                      v >> 8, moe_status_string((moe_status_t)(v & 0xff)));
 }
 
+/* The variant a GEMM of this layer gets at rows_per_expert, and why. */
+static void explain_gemm(const cuda_layer_t *s, double rows_per_expert, char *text, size_t len)
+{
+    if (s->forced) {
+        snprintf(text, len, "%s (%s)", s->forced->name,
+                 s->forced == moe_gemm_simple_variant() && !moe_env_str("MOE_GEMM_VARIANT", NULL)
+                     ? "no tuned variant for this GPU"
+                     : "forced by MOE_GEMM_VARIANT");
+        return;
+    }
+    /* deterministic mode pins the variant of one row per expert: see moe_cuda_variant_for */
+    moe_gemm_explain(s->arch, s->deterministic ? 1.0 : rows_per_expert, text, len);
+    if (s->deterministic && strlen(text) + 1 < len)
+        snprintf(text + strlen(text), len - strlen(text), ", pinned by deterministic mode");
+}
+
+static void cuda_explain(const moe_layer_t *l, int64_t T, char *text, size_t len)
+{
+    const cuda_layer_t *s = l->state;
+    char routed[192], shared[192] = "";
+    /* the hint the forward uses: with EP, as if every rank brought as many tokens */
+    const double rpe =
+        s->world > 1 ? (double)T * s->world * s->k / l->cfg.num_experts : (double)T * s->k / s->E;
+    explain_gemm(s, rpe, routed, sizeof(routed));
+    if (s->ss > 0)
+        explain_gemm(s, s->world > 1 && !s->shared_local ? (double)T * s->world : (double)T, shared,
+                     sizeof(shared));
+    snprintf(text, len,
+             "cuda backend (sm_%d): %lld tokens, %.3g rows/expert: routed GEMMs %s%s%s; %s",
+             s->arch, (long long)T, rpe, routed, s->ss > 0 ? "; shared GEMMs " : "", shared,
+             s->world == 1 ? "one GPU"
+             : s->deterministic
+                 ? "EP: all-gather of the tokens, dense exact return (deterministic)"
+                 : "EP: all-gather of the tokens (max_tokens_across_ranks rows per rank when "
+                   "given, else the capacity), f32 reduce-scatter return");
+}
+
 const moe_backend_ops_t moe_backend_cuda = {
-    "cuda", cuda_init, cuda_fini, cuda_store_weight, cuda_forward, cuda_synchronize};
+    "cuda", cuda_init, cuda_fini, cuda_store_weight, cuda_forward, cuda_synchronize, cuda_explain};

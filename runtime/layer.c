@@ -2,6 +2,7 @@
 /* Layer objects: config validation, the sharding plan, cross-rank agreement, weight setting
  * (slice + convert + quantise), and the collective forward entry. */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -433,6 +434,30 @@ moe_status_t moe_layer_forward(moe_layer_t *l, const moe_forward_args_t *args)
     if (st == MOE_STATUS_TIMEOUT || st == MOE_STATUS_MPI_ERROR || st == MOE_STATUS_NCCL_ERROR)
         l->broken = 1;
     return st;
+}
+
+moe_status_t moe_layer_explain(const moe_layer_t *l, int64_t num_tokens, char *text, size_t len)
+{
+    moe_error_clear();
+    MOE_ARG_CHECK(l != NULL, "layer = NULL");
+    MOE_ARG_CHECK(text != NULL && len > 0, "text = %p, len = %zu: need a buffer", (void *)text,
+                  len);
+    MOE_ARG_CHECK(num_tokens >= 0 && num_tokens <= l->cfg.max_tokens_per_rank,
+                  "num_tokens = %lld: must be in 0..max_tokens_per_rank (%lld)",
+                  (long long)num_tokens, (long long)l->cfg.max_tokens_per_rank);
+    if (l->ops->explain)
+        l->ops->explain(l, num_tokens, text, len);
+    else
+        snprintf(text, len,
+                 "%s backend: reference kernels, f32 accumulation; %d rank(s), ep %d x tp %d, "
+                 "rows exchanged by %s",
+                 l->ops->name, l->plan.world, l->plan.ep_size, l->plan.tp_size,
+                 l->plan.world == 1                           ? "nobody (one rank)"
+                 : l->cfg.dispatch == MOE_DISPATCH_ALL_GATHER ? "all-gather"
+                 : l->cfg.dispatch == MOE_DISPATCH_ALL_TO_ALL ? "all-to-all"
+                                                              : "all-to-all or all-gather "
+                                                                "(AUTO, per step)");
+    return MOE_STATUS_SUCCESS;
 }
 
 moe_status_t moe_layer_synchronize(moe_layer_t *l, void *stream)

@@ -68,6 +68,9 @@ typedef struct moe_backend_ops {
     moe_status_t (*forward)(struct moe_layer *layer, const moe_forward_args_t *args);
     /* Bounded wait for the forwards queued on `stream`; NULL: forward is synchronous. */
     moe_status_t (*synchronize)(struct moe_layer *layer, void *stream);
+    /* One line on what a step of num_tokens tokens on this rank runs and why; NULL: the
+     * layer writes a generic line. */
+    void (*explain)(const struct moe_layer *layer, int64_t num_tokens, char *text, size_t len);
 } moe_backend_ops_t;
 
 extern const moe_backend_ops_t moe_backend_cpu;

@@ -294,6 +294,14 @@ moe_status_t moe_layer_forward(moe_layer_t *layer, const moe_forward_args_t *arg
  * CPU backend: returns at once (forward is synchronous there). */
 moe_status_t moe_layer_synchronize(moe_layer_t *layer, void *stream);
 
+/* One line of text on what a step of `num_tokens` tokens on this rank would run and why: the
+ * backend, the grouped-GEMM variant of the routed and shared experts with the reason (the
+ * built-in table's bucket of rows per expert, MOE_GEMM_VARIANT, deterministic mode), and the
+ * expert-parallel exchange. Not collective; runs nothing. `text` gets at most `len` bytes,
+ * NUL-terminated. */
+moe_status_t moe_layer_explain(const moe_layer_t *layer, int64_t num_tokens, char *text,
+                               size_t len);
+
 /* Wall-clock time of the last forward's phases on this rank (CPU backend; CUDA backend when
  * MOE_PROFILE=1, synchronising), in microseconds. */
 typedef struct moe_layer_stats {

@@ -317,6 +317,13 @@ static void test_one_workspace(void **state)
     cpu_reference(s, seed, x, ref);
     TU_OK(moe_layer_create(rt, &small, &a));
     TU_OK(moe_gen_set_weights(a, &small, seed));
+    {
+        char why[512];
+        TU_OK(moe_layer_explain(a, 16, why, sizeof(why)));
+        print_message("rank %d: explain: %s\n", rank, why);
+        assert_non_null(strstr(why, "cuda backend"));
+        assert_non_null(strstr(why, "routed GEMMs"));
+    }
     bufs_init(&b, x, 16, s->hidden);
     TU_OK(gpu_step(a, &b, 16, s->hidden, out, REF_ROWS));
     assert_true(tu_rel_err(out, ref, (int64_t)REF_ROWS * s->hidden) <= 1e-2);

@@ -160,6 +160,26 @@ static void test_fp8_block_and_per_tensor(void **state)
     assert_true(run_vs_naive(c, 9, MOE_DTYPE_F32, seed) < 1e-5);
 }
 
+/* moe_layer_explain: one line naming the backend; bad arguments named. */
+static void test_explain(void **state)
+{
+    moe_layer_config_t c = small();
+    moe_layer_t *l = NULL;
+    char text[256];
+    (void)state;
+    TU_OK(moe_layer_create(tu_rt, &c, &l));
+    TU_OK(moe_layer_explain(l, 7, text, sizeof(text)));
+    assert_non_null(strstr(text, "backend"));
+    assert_int_equal(moe_layer_explain(l, c.max_tokens_per_rank + 1, text, sizeof(text)),
+                     MOE_STATUS_INVALID_ARGUMENT);
+    assert_non_null(strstr(moe_last_error(), "num_tokens"));
+    assert_int_equal(moe_layer_explain(l, 1, NULL, 8), MOE_STATUS_INVALID_ARGUMENT);
+    assert_int_equal(moe_layer_explain(NULL, 1, text, sizeof(text)), MOE_STATUS_INVALID_ARGUMENT);
+    TU_OK(moe_layer_explain(l, 1, text, 4)); /* truncated, still terminated */
+    assert_true(strlen(text) <= 3);
+    TU_OK(moe_layer_destroy(l));
+}
+
 static void test_zero_and_one_token(void **state)
 {
     uint64_t seed = tu_seed("zero_one");
@@ -331,6 +351,7 @@ int main(void)
         cmocka_unit_test(test_deepseek_grouped_sigmoid),
         cmocka_unit_test(test_gelu_activation),
         cmocka_unit_test(test_fp8_block_and_per_tensor),
+        cmocka_unit_test(test_explain),
         cmocka_unit_test(test_zero_and_one_token),
         cmocka_unit_test(test_all_tokens_to_one_expert),
         cmocka_unit_test(test_batch_invariance),
