@@ -54,13 +54,22 @@ void moe_gen_tokens(uint64_t seed, int64_t t0, int64_t n, int hidden, float *x)
             x[t * hidden + h] = unit(key(seed, 99, 0, t0 + t, h));
 }
 
+/* Sets rows [r0, r0 + rows) x cols [c0, c0 + cols) of a [full_rows, full_cols] matrix: the
+ * slice, or (`whole`) the whole matrix, which the layer slices itself. FP8 layers with one
+ * scale per matrix or per row get the whole matrix, so that a TP slice is quantised with the
+ * scales one rank holding everything would use. */
 static moe_status_t set_one(moe_layer_t *layer, uint64_t seed, moe_weight_kind_t kind, int expert,
-                            int64_t r0, int64_t rows, int64_t c0, int64_t cols, int64_t full_cols,
-                            float *buf)
+                            int64_t r0, int64_t rows, int64_t c0, int64_t cols, int64_t full_rows,
+                            int64_t full_cols, int whole, float *buf)
 {
     moe_tensor_t t = {MOE_DTYPE_F32, rows, cols, buf, NULL, 0, 0};
     if (rows <= 0 || cols <= 0)
         return MOE_STATUS_SUCCESS; /* an empty slice (more ranks than columns) */
+    if (whole) {
+        r0 = c0 = 0;
+        t.rows = rows = full_rows;
+        t.cols = cols = full_cols;
+    }
     moe_gen_matrix(seed, kind, expert, r0, rows, c0, cols, full_cols, buf);
     return moe_layer_set_weight(layer, kind, expert, &t);
 }
@@ -72,7 +81,7 @@ moe_status_t moe_gen_set_weights(moe_layer_t *layer, const moe_layer_config_t *c
     moe_status_t st;
     int64_t is, S, ss, big;
     float *buf;
-    int e;
+    int e, whole;
 
     if ((st = moe_layer_get_info(layer, &info)) != MOE_STATUS_SUCCESS)
         return st;
@@ -82,11 +91,13 @@ moe_status_t moe_gen_set_weights(moe_layer_t *layer, const moe_layer_config_t *c
             ? (cfg->shared_intermediate ? cfg->shared_intermediate
                                         : (int64_t)cfg->num_shared_experts * I)
             : 0;
+    whole = cfg->weight_dtype == MOE_DTYPE_FP8_E4M3 &&
+            (cfg->scale_kind == MOE_SCALE_PER_TENSOR || cfg->scale_kind == MOE_SCALE_PER_CHANNEL);
     big = E * H;
-    if (is * H > big)
-        big = is * H;
-    if (ss * H > big)
-        big = ss * H;
+    if ((whole ? I : is) * H > big)
+        big = (whole ? I : is) * H;
+    if ((whole ? S : ss) * H > big)
+        big = (whole ? S : ss) * H;
     buf = malloc(sizeof(float) * (size_t)(big + 1));
     if (!buf)
         return MOE_STATUS_OUT_OF_MEMORY;
@@ -95,21 +106,21 @@ moe_status_t moe_gen_set_weights(moe_layer_t *layer, const moe_layer_config_t *c
         if ((st = set_one(layer, seed, __VA_ARGS__, buf)) != MOE_STATUS_SUCCESS)                   \
             goto out;                                                                              \
     } while (0)
-    SET(MOE_WEIGHT_ROUTER, -1, 0, E, 0, H, H);
+    SET(MOE_WEIGHT_ROUTER, -1, 0, E, 0, H, E, H, 0);
     if (cfg->use_score_bias)
-        SET(MOE_WEIGHT_ROUTER_BIAS, -1, 0, 1, 0, E, E);
+        SET(MOE_WEIGHT_ROUTER_BIAS, -1, 0, 1, 0, E, 1, E, 0);
     for (e = info.first_local_expert; e < info.first_local_expert + info.num_local_experts; e++) {
-        SET(MOE_WEIGHT_GATE_PROJ, e, info.intermediate_begin, is, 0, H, H);
-        SET(MOE_WEIGHT_UP_PROJ, e, info.intermediate_begin, is, 0, H, H);
-        SET(MOE_WEIGHT_DOWN_PROJ, e, 0, H, info.intermediate_begin, is, I);
+        SET(MOE_WEIGHT_GATE_PROJ, e, info.intermediate_begin, is, 0, H, I, H, whole);
+        SET(MOE_WEIGHT_UP_PROJ, e, info.intermediate_begin, is, 0, H, I, H, whole);
+        SET(MOE_WEIGHT_DOWN_PROJ, e, 0, H, info.intermediate_begin, is, H, I, whole);
     }
     if (S > 0) {
-        SET(MOE_WEIGHT_SHARED_GATE_PROJ, -1, info.shared_begin, ss, 0, H, H);
-        SET(MOE_WEIGHT_SHARED_UP_PROJ, -1, info.shared_begin, ss, 0, H, H);
-        SET(MOE_WEIGHT_SHARED_DOWN_PROJ, -1, 0, H, info.shared_begin, ss, S);
+        SET(MOE_WEIGHT_SHARED_GATE_PROJ, -1, info.shared_begin, ss, 0, H, S, H, whole);
+        SET(MOE_WEIGHT_SHARED_UP_PROJ, -1, info.shared_begin, ss, 0, H, S, H, whole);
+        SET(MOE_WEIGHT_SHARED_DOWN_PROJ, -1, 0, H, info.shared_begin, ss, H, S, whole);
     }
     if (cfg->shared_expert_gate)
-        SET(MOE_WEIGHT_SHARED_EXPERT_GATE, -1, 0, 1, 0, H, H);
+        SET(MOE_WEIGHT_SHARED_EXPERT_GATE, -1, 0, 1, 0, H, 1, H, 0);
 #undef SET
 out:
     free(buf);

@@ -142,26 +142,59 @@ static int64_t scale_index(moe_scale_kind_t k, int64_t cols, int64_t r, int64_t 
 }
 
 /* Quantises f32 [rows, cols] to FP8 with per-tensor, per-channel or 128x128 block scales
- * (amax / 448). */
+ * (amax / 448). `given`: the scales are already in `scale` (from the whole matrix). */
 static void quantize_fp8(const float *in, int64_t rows, int64_t cols, moe_scale_kind_t k,
-                         uint8_t *out, float *scale)
+                         uint8_t *out, float *scale, int given)
 {
     int64_t r, c, n = (int64_t)moe_matrix_scale_count(k, rows, cols), i;
     float *amax = scale;
-    for (i = 0; i < n; i++)
-        amax[i] = 0.0f;
-    for (r = 0; r < rows; r++)
-        for (c = 0; c < cols; c++) {
-            float *a = &amax[scale_index(k, cols, r, c)];
-            float v = fabsf(in[r * cols + c]);
-            *a = v > *a ? v : *a;
-        }
-    for (i = 0; i < n; i++)
-        scale[i] = amax[i] > 0.0f ? amax[i] / MOE_FP8_E4M3_MAX : 1.0f;
+    if (!given) {
+        for (i = 0; i < n; i++)
+            amax[i] = 0.0f;
+        for (r = 0; r < rows; r++)
+            for (c = 0; c < cols; c++) {
+                float *a = &amax[scale_index(k, cols, r, c)];
+                float v = fabsf(in[r * cols + c]);
+                *a = v > *a ? v : *a;
+            }
+        for (i = 0; i < n; i++)
+            scale[i] = amax[i] > 0.0f ? amax[i] / MOE_FP8_E4M3_MAX : 1.0f;
+    }
     for (r = 0; r < rows; r++)
         for (c = 0; c < cols; c++)
             out[r * cols + c] =
                 moe_f32_to_fp8e4m3(in[r * cols + c] / scale[scale_index(k, cols, r, c)]);
+}
+
+/* Per-tensor and per-channel scales of a slice [r0, r0 + m->rows) x [c0, ...) from the whole
+ * tensor t (all of it, or each whole row), so that a TP slice is quantised exactly as one rank
+ * holding the whole matrix would quantise it. Block scales need not: TP slices are 128-aligned.
+ * Returns 0 (nothing given) for block scales. */
+static int whole_matrix_scales(const moe_tensor_t *t, moe_scale_kind_t sk, int64_t r0,
+                               moe_matrix_t *m, float *row)
+{
+    int64_t r, c, rr;
+    if (m->scale_kind == MOE_SCALE_PER_TENSOR) {
+        float amax = 0.0f;
+        for (r = 0; r < t->rows; r++) {
+            extract_f32(t, sk, r, 0, 1, t->cols, row);
+            for (c = 0; c < t->cols; c++) /* other ranks check their parts: skip non-finite */
+                amax = isfinite(row[c]) && fabsf(row[c]) > amax ? fabsf(row[c]) : amax;
+        }
+        m->scale[0] = amax > 0.0f ? amax / MOE_FP8_E4M3_MAX : 1.0f;
+        return 1;
+    }
+    if (m->scale_kind == MOE_SCALE_PER_CHANNEL) {
+        for (rr = 0; rr < m->rows; rr++) {
+            float amax = 0.0f;
+            extract_f32(t, sk, r0 + rr, 0, 1, t->cols, row);
+            for (c = 0; c < t->cols; c++)
+                amax = isfinite(row[c]) && fabsf(row[c]) > amax ? fabsf(row[c]) : amax;
+            m->scale[rr] = amax > 0.0f ? amax / MOE_FP8_E4M3_MAX : 1.0f;
+        }
+        return 1;
+    }
+    return 0;
 }
 
 /* FP8 in, same scale kind stored: copy the bytes and the scales of the slice. */
@@ -331,10 +364,20 @@ static moe_status_t convert_slice(const moe_tensor_t *t, int64_t r0, int64_t c0,
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "%s: staging [%lld, %lld]", what,
                          (long long)m->rows, (long long)m->cols);
     extract_f32(t, sk, r0, c0, m->rows, m->cols, tmp);
-    if (m->dtype == MOE_DTYPE_FP8_E4M3)
-        quantize_fp8(tmp, m->rows, m->cols, m->scale_kind, m->data, m->scale);
-    else
+    if (m->dtype == MOE_DTYPE_FP8_E4M3) {
+        float *row = malloc(sizeof(float) * (size_t)(t->cols > 0 ? t->cols : 1));
+        int given;
+        if (!row) {
+            free(tmp);
+            return moe_error(MOE_STATUS_OUT_OF_MEMORY, "%s: staging a row of %lld", what,
+                             (long long)t->cols);
+        }
+        given = whole_matrix_scales(t, sk, r0, m, row);
+        quantize_fp8(tmp, m->rows, m->cols, m->scale_kind, m->data, m->scale, given);
+        free(row);
+    } else {
         moe_convert_from_f32(m->dtype, tmp, m->data, (size_t)m->rows * (size_t)m->cols);
+    }
     free(tmp);
     return MOE_STATUS_SUCCESS;
 }

@@ -139,6 +139,43 @@ static void test_layouts_modes_families(void **state)
 }
 
 /* Every token chooses experts 0 and 1, which live on rank 0 (EP over all ranks). */
+/* FP8 layers quantise at set time: a TP slice gets the scales of the whole matrix (per tensor,
+ * per output row, or its 128x128 blocks), so every layout gives one rank's output. */
+static void test_fp8_scales_under_tp(void **state)
+{
+    const uint64_t seed = tu_seed("fp8_tp");
+    const moe_scale_kind_t kinds[3] = {MOE_SCALE_PER_TENSOR, MOE_SCALE_PER_CHANNEL,
+                                       MOE_SCALE_BLOCK_128};
+    int64_t t0, n;
+    (void)state;
+    tu_uneven_share(33, rank, world, &t0, &n);
+    for (int k = 0; k < 3; k++) {
+        moe_layer_config_t c = family(FAM_MIXTRAL);
+        float *x, *ref, *y;
+        double err;
+        c.hidden = 128;
+        c.intermediate = 128 * (world > 1 ? world : 1) * 2;
+        c.weight_dtype = MOE_DTYPE_FP8_E4M3;
+        c.scale_kind = kinds[k];
+        x = malloc(sizeof(float) * (size_t)(n * c.hidden + 1));
+        ref = malloc(sizeof(float) * (size_t)(n * c.hidden + 1));
+        y = malloc(sizeof(float) * (size_t)(n * c.hidden + 1));
+        assert_true(x && ref && y);
+        moe_gen_tokens(seed, t0, n, c.hidden, x);
+        run(rt_self, c, seed, x, n, NULL, ref);
+        c.tp_size = world;
+        c.ep_size = 1;
+        run(rt_world, c, seed, x, n, NULL, y);
+        err = tu_rel_err(y, ref, n * c.hidden);
+        if (err > 1e-5)
+            fail_msg("scale kind %d, tp %d: rel err %.3g against one rank", (int)kinds[k], world,
+                     err);
+        free(x);
+        free(ref);
+        free(y);
+    }
+}
+
 static void test_hot_expert(void **state)
 {
     const uint64_t seed = tu_seed("hot");
@@ -249,9 +286,13 @@ static void test_node_local_rank(void **state)
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_node_local_rank),   cmocka_unit_test(test_layouts_modes_families),
-        cmocka_unit_test(test_hot_expert),        cmocka_unit_test(test_deterministic_batch_sizes),
-        cmocka_unit_test(test_mismatched_config), cmocka_unit_test(test_bad_forward_on_one_rank),
+        cmocka_unit_test(test_node_local_rank),
+        cmocka_unit_test(test_layouts_modes_families),
+        cmocka_unit_test(test_fp8_scales_under_tp),
+        cmocka_unit_test(test_hot_expert),
+        cmocka_unit_test(test_deterministic_batch_sizes),
+        cmocka_unit_test(test_mismatched_config),
+        cmocka_unit_test(test_bad_forward_on_one_rank),
     };
     int rc, r;
     MPI_Init(&argc, &argv);
