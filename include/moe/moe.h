@@ -239,8 +239,10 @@ typedef struct moe_tensor {
  * per-expert kinds and ignored (-1) otherwise. A rank that does not own the expert returns
  * success and keeps nothing. The tensor may be the full matrix (each rank keeps its TP slice)
  * or this rank's slice only (shape of the slice). Data in F32/BF16/F16 is converted to the
- * layer's weight dtype; FP8 layers quantise it with scales of the layer's scale kind. Unless the
- * layer has skip_weight_check, the part this rank keeps is scanned first: a NaN/Inf value, or
+ * layer's weight dtype; FP8 layers quantise it with scales of the layer's scale kind (per-tensor
+ * and per-channel scales taken over the whole matrix or row when the full matrix is given, so
+ * a TP slice is quantised as one rank holding everything would; from the slice otherwise). Unless
+ * the layer has skip_weight_check, the part this rank keeps is scanned first: a NaN/Inf value, or
  * an FP8 scale that is not finite and > 0, gives MOE_STATUS_NUMERIC_ERROR naming the kind and
  * the first bad element, and nothing is kept. */
 moe_status_t moe_layer_set_weight(moe_layer_t *layer, moe_weight_kind_t kind, int expert,
