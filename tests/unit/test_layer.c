@@ -160,6 +160,38 @@ static void test_fp8_block_and_per_tensor(void **state)
     assert_true(run_vs_naive(c, 9, MOE_DTYPE_F32, seed) < 1e-5);
 }
 
+/* max_tokens_across_ranks: 0 or in num_tokens..max_tokens_per_rank; else the value is named. */
+static void test_max_tokens_across_ranks(void **state)
+{
+    moe_layer_config_t c = small();
+    moe_layer_t *l = NULL;
+    moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
+    float *x = calloc((size_t)(8 * c.hidden), sizeof(float));
+    float *y = calloc((size_t)(8 * c.hidden), sizeof(float));
+    (void)state;
+    assert_true(x && y);
+    TU_OK(moe_layer_create(tu_rt, &c, &l));
+    TU_OK(moe_gen_set_weights(l, &c, 5));
+    a.num_tokens = 8;
+    a.x = x;
+    a.y = y;
+    a.max_tokens_across_ranks = 8;
+    TU_OK(moe_layer_forward(l, &a));
+    a.max_tokens_across_ranks = 7;
+    assert_int_equal(moe_layer_forward(l, &a), MOE_STATUS_INVALID_ARGUMENT);
+    assert_non_null(strstr(moe_last_error(), "exceeds max_tokens_across_ranks = 7"));
+    a.max_tokens_across_ranks = c.max_tokens_per_rank + 1;
+    assert_int_equal(moe_layer_forward(l, &a), MOE_STATUS_INVALID_ARGUMENT);
+    assert_non_null(strstr(moe_last_error(), "max_tokens_across_ranks = 65"));
+    a.max_tokens_across_ranks = -1;
+    assert_int_equal(moe_layer_forward(l, &a), MOE_STATUS_INVALID_ARGUMENT);
+    a.max_tokens_across_ranks = 0; /* the capacity, as before */
+    TU_OK(moe_layer_forward(l, &a));
+    TU_OK(moe_layer_destroy(l));
+    free(x);
+    free(y);
+}
+
 /* moe_layer_explain: one line naming the backend; bad arguments named. */
 static void test_explain(void **state)
 {
@@ -352,6 +384,7 @@ int main(void)
         cmocka_unit_test(test_gelu_activation),
         cmocka_unit_test(test_fp8_block_and_per_tensor),
         cmocka_unit_test(test_explain),
+        cmocka_unit_test(test_max_tokens_across_ranks),
         cmocka_unit_test(test_zero_and_one_token),
         cmocka_unit_test(test_all_tokens_to_one_expert),
         cmocka_unit_test(test_batch_invariance),
