@@ -54,6 +54,7 @@ typedef struct point {
     int64_t m;
     int distinct, graph, iters;
     double time_us, min_us, flops, bytes, limit_us;
+    double limit_exp_us;      /* the limit from the expected experts touched, E (1 - (1 - k/E)^M) */
     moe_layer_stats_t phases; /* one step run with MOE_PROFILE=1 */
 } point_t;
 
@@ -449,6 +450,14 @@ static void run_point(moe_layer_t *layer, const options_t *o, moe_forward_args_t
     p->flops = 2.0 * (double)a.num_tokens * c->top_k * 3.0 * c->hidden * c->intermediate;
     p->bytes = (double)p->distinct * 3.0 * c->hidden * c->intermediate * 2.0;
     p->limit_us = fmax(p->bytes / HBM_BYTES_PER_S, p->flops / BF16_FLOPS_PER_S) * 1e6;
+    {
+        /* uniform routing: each expert is missed by a token with probability 1 - k/E */
+        const double E = c->num_experts, k = c->top_k;
+        const double touched = E * (1.0 - pow(1.0 - k / E, (double)a.num_tokens));
+        p->limit_exp_us = fmax(touched * 3.0 * c->hidden * c->intermediate * 2.0 / HBM_BYTES_PER_S,
+                               p->flops / BF16_FLOPS_PER_S) *
+                          1e6;
+    }
     free(t);
     if (exec)
         cudaGraphExecDestroy(exec);
@@ -476,13 +485,14 @@ static int write_json(const options_t *o, const char *gpu, double copy, double b
         fprintf(f,
                 "%s\n  {\"m\": %lld, \"distinct_experts\": %d, \"graph\": %d, \"iters\": %d, "
                 "\"time_us\": %.2f, \"min_us\": %.2f, \"tflops\": %.2f, \"weight_gbps\": %.1f, "
-                "\"limit_us\": %.2f, \"score\": %.3f, \"phases_us\": {\"route\": %.1f, "
+                "\"limit_us\": %.2f, \"limit_expected_us\": %.2f, \"score\": %.3f, "
+                "\"phases_us\": {\"route\": %.1f, "
                 "\"permute\": %.1f, \"experts\": %.1f, \"shared\": %.1f, \"combine\": %.1f}}",
                 i ? "," : "", (long long)p[i].m, p[i].distinct, p[i].graph, p[i].iters,
                 p[i].time_us, p[i].min_us, p[i].flops / p[i].time_us / 1e6,
-                p[i].bytes / p[i].time_us / 1e3, p[i].limit_us, p[i].limit_us / p[i].time_us,
-                p[i].phases.route_us, p[i].phases.dispatch_us, p[i].phases.expert_us,
-                p[i].phases.shared_us, p[i].phases.combine_us);
+                p[i].bytes / p[i].time_us / 1e3, p[i].limit_us, p[i].limit_exp_us,
+                p[i].limit_us / p[i].time_us, p[i].phases.route_us, p[i].phases.dispatch_us,
+                p[i].phases.expert_us, p[i].phases.shared_us, p[i].phases.combine_us);
     fprintf(f, "\n]}\n");
     return (ferror(f) != 0) | (fclose(f) != 0);
 }
@@ -563,8 +573,10 @@ int main(int argc, char **argv)
     printf("# limit = max(touched expert bytes / %.1f TB/s, flops / %.0f TFLOP/s); "
            "score = limit / time\n",
            HBM_BYTES_PER_S / 1e12, BF16_FLOPS_PER_S / 1e12);
-    printf("#\n# %8s %8s %6s %6s %10s %10s %9s %9s %10s %7s\n", "tokens", "experts", "mode",
-           "iters", "time(us)", "min(us)", "TFLOP/s", "GB/s", "limit(us)", "score");
+    printf("# limit_exp = the same with the experts a uniform routing would touch, "
+           "E (1 - (1 - k/E)^M)\n");
+    printf("#\n# %8s %8s %6s %6s %10s %10s %9s %9s %10s %10s %7s\n", "tokens", "experts", "mode",
+           "iters", "time(us)", "min(us)", "TFLOP/s", "GB/s", "limit(us)", "limit_exp", "score");
     a.dtype = MOE_DTYPE_BF16;
     a.x = d_x;
     a.y = d_y;
@@ -573,10 +585,10 @@ int main(int argc, char **argv)
         point_t *p = &pts[i];
         a.num_tokens = o.tokens[i];
         run_point(layer, &o, a, d_ids, s, p);
-        printf("  %8lld %8d %6s %6d %10.1f %10.1f %9.1f %9.0f %10.1f %7.3f\n", (long long)p->m,
-               p->distinct, p->graph ? "graph" : "stream", p->iters, p->time_us, p->min_us,
-               p->flops / p->time_us / 1e6, p->bytes / p->time_us / 1e3, p->limit_us,
-               p->limit_us / p->time_us);
+        printf("  %8lld %8d %6s %6d %10.1f %10.1f %9.1f %9.0f %10.1f %10.1f %7.3f\n",
+               (long long)p->m, p->distinct, p->graph ? "graph" : "stream", p->iters, p->time_us,
+               p->min_us, p->flops / p->time_us / 1e6, p->bytes / p->time_us / 1e3, p->limit_us,
+               p->limit_exp_us, p->limit_us / p->time_us);
         printf("  %8s phases (one profiled step, us): route %.1f  permute+gather %.1f  "
                "experts %.1f  shared %.1f  combine %.1f\n",
                "", p->phases.route_us, p->phases.dispatch_us, p->phases.expert_us,
