@@ -282,6 +282,18 @@ moe_status_t moe_nccl_all_gather(moe_nccl_t *n, const void *send, void *recv, si
                   "ncclAllGather");
 }
 
+moe_status_t moe_nccl_send(moe_nccl_t *n, const void *buf, size_t bytes, int peer, void *stream)
+{
+    MOE_CHECK(usable(n, "send"));
+    return issued(ncclSend(buf, bytes, ncclUint8, peer, n->comm, (cudaStream_t)stream), "ncclSend");
+}
+
+moe_status_t moe_nccl_recv(moe_nccl_t *n, void *buf, size_t bytes, int peer, void *stream)
+{
+    MOE_CHECK(usable(n, "recv"));
+    return issued(ncclRecv(buf, bytes, ncclUint8, peer, n->comm, (cudaStream_t)stream), "ncclRecv");
+}
+
 moe_status_t moe_nccl_reduce_scatter(moe_nccl_t *n, const void *send, void *recv, size_t count,
                                      moe_dtype_t dtype, void *stream)
 {

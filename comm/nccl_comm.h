@@ -32,6 +32,10 @@ moe_status_t moe_nccl_all_gather(moe_nccl_t *nccl, const void *send, void *recv,
 moe_status_t moe_nccl_reduce_scatter(moe_nccl_t *nccl, const void *send, void *recv, size_t count,
                                      moe_dtype_t dtype, void *stream);
 
+/* Point to point, inside a group with the matching calls of the peer. */
+moe_status_t moe_nccl_send(moe_nccl_t *nccl, const void *buf, size_t bytes, int peer, void *stream);
+moe_status_t moe_nccl_recv(moe_nccl_t *nccl, void *buf, size_t bytes, int peer, void *stream);
+
 /* Brackets several calls above into one NCCL group (one launch). */
 moe_status_t moe_nccl_group_start(void);
 moe_status_t moe_nccl_group_end(moe_nccl_t *nccl);

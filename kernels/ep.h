@@ -25,6 +25,11 @@ typedef struct moe_ep_local_ids_args {
     const int32_t *flags; /* device [world], or NULL */
     int world;
     int32_t *sticky; /* device scalar, or NULL */
+    /* All-to-all receive layout (or NULL): slots in regions of region_slots = m * k, region s
+     * holding region_counts[s] rows; slots of rows past the count are -1 as well. */
+    const int32_t *region_counts;
+    int64_t region_slots;
+    int top_k;
 } moe_ep_local_ids_args_t;
 
 moe_status_t moe_ep_local_ids_launch(const moe_ep_local_ids_args_t *args, void *stream);
@@ -42,8 +47,9 @@ typedef struct moe_ep_scatter_args {
 
 moe_status_t moe_ep_scatter_launch(const moe_ep_scatter_args_t *args, void *stream);
 
-/* *flag = value, stream-ordered (a step's local status code before the exchange). */
-moe_status_t moe_step_flag_set_launch(int32_t *flag, int32_t value, void *stream);
+/* *flag = value, stream-ordered (a step's local status code before the exchange); and
+ * *seq += 1 when seq is not NULL (the all-to-all's step sequence number). */
+moe_status_t moe_step_flag_set_launch(int32_t *flag, int32_t value, uint32_t *seq, void *stream);
 
 /* check_inputs on the device: if any of the n values of x (F32 or BF16) is NaN or +-Inf,
  * *flag = code (else *flag is left alone). No host synchronisation. */

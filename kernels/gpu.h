@@ -66,6 +66,18 @@ moe_status_t moe_gpu_graph_exec_destroy(void *graph_exec);
 moe_status_t moe_gpu_host_alloc(void **ptr, size_t bytes);
 moe_status_t moe_gpu_host_free(void *ptr);
 
+/* CUDA IPC of device memory between processes of one host (the all-to-all's symmetric
+ * buffer). A handle is MOE_GPU_IPC_HANDLE_BYTES opaque bytes. */
+#define MOE_GPU_IPC_HANDLE_BYTES 64
+moe_status_t moe_gpu_ipc_handle(void *ptr, void *handle);
+/* Maps a peer's buffer into this process (and enables peer access to its device). */
+moe_status_t moe_gpu_ipc_open(const void *handle, void **ptr);
+moe_status_t moe_gpu_ipc_close(void *ptr);
+/* Multiprocessors of `device`. */
+moe_status_t moe_gpu_sm_count(int device, int *sms);
+/* 1 when this device can load/store the memory of `peer_device` directly (NVLink or PCIe P2P). */
+int moe_gpu_can_access_peer(int device, int peer_device);
+
 #ifdef __cplusplus
 }
 #endif

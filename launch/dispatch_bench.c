@@ -116,22 +116,35 @@ static double nccl_a2a_us(ncclComm_t comm, int world, size_t bytes, void *sbuf, 
  * point's layer, as a serving engine sets it; default: the point's own token count) and
  * --told (pass max_tokens_across_ranks = the point's tokens), checked and agreed among the
  * ranks before the first collective; nonzero (after one message) on a bad or mismatched one. */
+static const char *const transport_names[] = {"allgather", "lsa", "p2p"};
+
 static int agree_options(int argc, char **argv, int64_t largest, int64_t *tmax, int64_t *cap,
-                         int *told)
+                         int *told, int *transport)
 {
     char err[256] = "";
-    int i, bad = 0;
-    moe_cli_field_t f[3] = {{"--max-tokens", 0, 0}, {"--capacity", 0, 0}, {"--told", 0, 0}};
+    int i, j, bad = 0;
+    moe_cli_field_t f[4] = {
+        {"--max-tokens", 0, 0}, {"--capacity", 0, 0}, {"--told", 0, 0}, {"--transport", 0, 0}};
 
     *tmax = largest;
     *cap = 0;
     *told = 0;
+    *transport = -1; /* all */
     for (i = 1; i < argc && !bad; i++) {
         if (!strcmp(argv[i], "--dispatch-only"))
             continue;
         if (!strcmp(argv[i], "--told"))
             *told = 1;
-        else if (!strcmp(argv[i], "--max-tokens") && i + 1 < argc)
+        else if (!strcmp(argv[i], "--transport") && i + 1 < argc) {
+            const char *v = argv[++i];
+            for (j = 0; j < 3 && strcmp(v, transport_names[j]); j++)
+                ;
+            if (j < 3)
+                *transport = j;
+            else if (strcmp(v, "all"))
+                bad = snprintf(err, sizeof(err),
+                               "--transport %s: expected all, allgather, lsa or p2p", v) > 0;
+        } else if (!strcmp(argv[i], "--max-tokens") && i + 1 < argc)
             bad = moe_cli_int("--max-tokens", argv[++i], 1, INT64_C(1) << 30, tmax, err,
                               sizeof(err)) != 0;
         else if (!strcmp(argv[i], "--capacity") && i + 1 < argc)
@@ -146,7 +159,78 @@ static int agree_options(int argc, char **argv, int64_t largest, int64_t *tmax, 
     f[0].value = *tmax;
     f[1].value = *cap;
     f[2].value = *told;
-    return moe_cli_agree("moe-bench --dispatch-only", bad, err, f, 3);
+    f[3].value = *transport;
+    return moe_cli_agree("moe-bench --dispatch-only", bad, err, f, 4);
+}
+
+/* One point: the layer's dispatch, combine and step (median over steps, max over ranks) and
+ * the payload this rank sent (max over ranks). */
+typedef struct point {
+    double dispatch, combine, step;
+    int64_t bytes;
+} point_t;
+
+static point_t run_point(moe_runtime_t *rt, moe_layer_config_t cfg, int64_t T, int told, void *dx,
+                         void *dy, cudaStream_t s, int iters, int rank)
+{
+    moe_layer_t *layer = NULL;
+    moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
+    moe_layer_stats_t st;
+    double *d = malloc(sizeof(double) * iters), *c = malloc(sizeof(double) * iters), v[3];
+    double *tot = malloc(sizeof(double) * iters);
+    uint16_t *hx = malloc(2 * (size_t)T * cfg.hidden);
+    float *fx = malloc(4 * (size_t)T * cfg.hidden);
+    int64_t j, bytes = 0;
+    point_t p;
+    int it;
+    MK(moe_layer_create(rt, &cfg, &layer));
+    MK(moe_gen_set_weights(layer, &cfg, 7));
+    moe_gen_tokens(7, (int64_t)rank * T, T, cfg.hidden, fx);
+    for (j = 0; j < T * cfg.hidden; j++) { /* f32 -> bf16 by truncation is fine here */
+        uint32_t u;
+        memcpy(&u, &fx[j], 4);
+        hx[j] = (uint16_t)(u >> 16);
+    }
+    CK(cudaMemcpy(dx, hx, 2 * (size_t)T * cfg.hidden, cudaMemcpyHostToDevice));
+    a.num_tokens = T;
+    a.dtype = MOE_DTYPE_BF16;
+    a.x = dx;
+    a.y = dy;
+    a.stream = s;
+    a.max_tokens_across_ranks = told ? T : 0;
+    setenv("MOE_PROFILE", "1", 1);
+    for (it = 0; it < 3; it++)
+        MK(moe_layer_forward(layer, &a));
+    for (it = 0; it < iters; it++) {
+        MPI_Barrier(MPI_COMM_WORLD);
+        MK(moe_layer_forward(layer, &a));
+        MK(moe_layer_synchronize(layer, s));
+        MK(moe_layer_get_stats(layer, &st));
+        d[it] = st.dispatch_us;
+        c[it] = st.combine_us;
+        tot[it] = st.total_us;
+        bytes = st.bytes_sent;
+    }
+    setenv("MOE_PROFILE", "0", 1);
+    qsort(d, (size_t)iters, sizeof(double), cmpd);
+    qsort(c, (size_t)iters, sizeof(double), cmpd);
+    qsort(tot, (size_t)iters, sizeof(double), cmpd);
+    v[0] = d[iters / 2];
+    v[1] = c[iters / 2];
+    v[2] = tot[iters / 2];
+    MPI_Allreduce(MPI_IN_PLACE, v, 3, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    MPI_Allreduce(MPI_IN_PLACE, &bytes, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+    p.dispatch = v[0];
+    p.combine = v[1];
+    p.step = v[2];
+    p.bytes = bytes;
+    MK(moe_layer_destroy(layer));
+    free(d);
+    free(c);
+    free(tot);
+    free(hx);
+    free(fx);
+    return p;
 }
 
 int moe_dispatch_bench_main(int argc, char **argv)
@@ -156,17 +240,16 @@ int moe_dispatch_bench_main(int argc, char **argv)
     moe_runtime_config_t rc = MOE_RUNTIME_CONFIG_INIT;
     moe_layer_config_t cfg = MOE_LAYER_CONFIG_INIT;
     moe_runtime_t *rt = NULL;
-    int rank, world, i, it, iters = 20, max_sizes = nsizes, told;
+    int rank, world, i, q, iters = 20, max_sizes = nsizes, told, transport;
     int64_t tmax, cap;
     ncclUniqueId id;
     ncclComm_t comm;
     cudaStream_t s;
     void *sbuf, *rbuf, *dx, *dy;
-    moe_runtime_info_t ri;
-
+    size_t maxb;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &world);
-    if (agree_options(argc, argv, sizes[nsizes - 1], &tmax, &cap, &told))
+    if (agree_options(argc, argv, sizes[nsizes - 1], &tmax, &cap, &told, &transport))
         return 2;
     if (cap && cap < tmax)
         tmax = cap; /* no point above the capacity */
@@ -184,108 +267,67 @@ int moe_dispatch_bench_main(int argc, char **argv)
     cfg.n_group = 8;
     cfg.topk_group = 4;
     cfg.routed_scaling_factor = 2.5f;
-    cfg.max_tokens_per_rank = cap ? cap : tmax;
     rc.backend = MOE_BACKEND_CUDA;
     MK(moe_runtime_create_mpi(&rc, MPI_COMM_WORLD, &rt));
-    MK(moe_runtime_get_info(rt, &ri));
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-
     if (rank == 0)
         NK(ncclGetUniqueId(&id));
     MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD);
     NK(ncclCommInitRank(&comm, world, id, rank));
-    {
-        const size_t maxb = (size_t)tmax * cfg.top_k * cfg.hidden * 2;
-        CK(cudaMalloc(&sbuf, maxb));
-        CK(cudaMalloc(&rbuf, maxb));
-        CK(cudaMemset(sbuf, 1, maxb));
-        CK(cudaMalloc(&dx, 2 * (size_t)tmax * cfg.hidden));
-        CK(cudaMalloc(&dy, 2 * (size_t)tmax * cfg.hidden));
-    }
+    /* the largest payload: every token to every rank, rows out and f32 partials back */
+    maxb = (size_t)tmax * world * (cfg.hidden * 6 + 64 * cfg.top_k + 64) + 4096;
+    CK(cudaMalloc(&sbuf, maxb));
+    CK(cudaMalloc(&rbuf, maxb));
+    CK(cudaMemset(sbuf, 1, maxb));
+    CK(cudaMalloc(&dx, 2 * (size_t)tmax * cfg.hidden));
+    CK(cudaMalloc(&dy, 2 * (size_t)tmax * cfg.hidden));
     if (rank == 0) {
         int v = 0;
         ncclGetVersion(&v);
-        printf(
-            "# moe-bench --dispatch-only: %d ranks (GPUs), E%d top-%d H%d bf16, NCCL %d\n"
-            "# dispatch/combine: the layer's phases (events, median of %d steps, max over "
-            "ranks); nccl a2a: grouped send/recv of the same payload (tokens x k x H x 2 B), "
-            "graph-replayed; step: the layer's whole GPU step\n# capacity (max_tokens_per_rank): "
-            "%s; max_tokens_across_ranks: %s\n#\n# %9s %12s %12s %12s %12s %9s %11s %10s %9s\n",
-            world, cfg.num_experts, cfg.top_k, cfg.hidden, v, iters,
-            cap ? "fixed (--capacity)" : "each point's tokens",
-            told ? "the point's tokens (--told)" : "not given", "tok/rank", "payload(MB)",
-            "dispatch(us)", "combine(us)", "nccl_a2a(us)", "ratio", "busbw(GB/s)", "ours(GB/s)",
-            "step(us)");
+        printf("# moe-bench --dispatch-only: %d ranks (GPUs), E%d top-%d H%d bf16, NCCL %d, "
+               "DeepSeek-V3 grouped routing\n"
+               "# dispatch: routing done -> expert rows gathered (transport, counts, permute); "
+               "combine: expert rows -> y (return and sum); events, median of %d steps, max "
+               "over ranks\n"
+               "# sent: payload bytes a rank sent to the others (max over ranks); nccl: two "
+               "grouped ncclSend/ncclRecv all-to-alls of half that payload each, graph-replayed; "
+               "ratio = (dispatch + combine) / nccl\n"
+               "# capacity (max_tokens_per_rank): %s; max_tokens_across_ranks: %s\n#\n"
+               "# %9s %10s %12s %12s %10s %10s %8s %9s\n",
+               world, cfg.num_experts, cfg.top_k, cfg.hidden, v, iters,
+               cap ? "fixed (--capacity)" : "each point's tokens",
+               told ? "the point's tokens (--told)" : "not given", "tok/rank", "transport",
+               "dispatch(us)", "combine(us)", "sent(MB)", "nccl(us)", "ratio", "step(us)");
         if (cap)
             printf("# capacity %lld tokens per rank\n", (long long)cap);
     }
     for (i = 0; i < max_sizes; i++) {
         const int64_t T = sizes[i];
-        const size_t bytes = (size_t)T * cfg.top_k * cfg.hidden * 2;
-        moe_layer_t *layer = NULL;
-        moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
-        moe_layer_stats_t st;
-        double *d = malloc(sizeof(double) * iters), *c = malloc(sizeof(double) * iters), v[3];
-        double *tot = malloc(sizeof(double) * iters);
-        double a2a;
-        uint16_t *hx = malloc(2 * (size_t)T * cfg.hidden);
-        float *fx = malloc(4 * (size_t)T * cfg.hidden);
-        int64_t j;
-
         cfg.max_tokens_per_rank = cap ? cap : T;
-        MK(moe_layer_create(rt, &cfg, &layer));
-        MK(moe_gen_set_weights(layer, &cfg, 7));
-        moe_gen_tokens(7, (int64_t)rank * T, T, cfg.hidden, fx);
-        for (j = 0; j < T * cfg.hidden; j++) { /* f32 -> bf16 by truncation is fine here */
-            uint32_t u;
-            memcpy(&u, &fx[j], 4);
-            hx[j] = (uint16_t)(u >> 16);
+        for (q = 0; q < 3; q++) {
+            point_t p;
+            double a2a;
+            size_t half;
+            if (transport >= 0 && q != transport)
+                continue;
+            setenv("MOE_EP_TRANSPORT", transport_names[q], 1);
+            p = run_point(rt, cfg, T, told, dx, dy, s, iters, rank);
+            half = (size_t)(p.bytes / 2) + 16;
+            if (half > maxb / 2)
+                half = maxb / 2;
+            a2a = 2 * nccl_a2a_us(comm, world, half * world / (world > 1 ? world - 1 : 1), sbuf,
+                                  rbuf, s, iters);
+            MPI_Allreduce(MPI_IN_PLACE, &a2a, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+            if (rank == 0)
+                printf("  %9lld %10s %12.1f %12.1f %10.3f %10.1f %8.2f %9.1f\n", (long long)T,
+                       transport_names[q], p.dispatch, p.combine, p.bytes / 1e6, a2a,
+                       (p.dispatch + p.combine) / a2a, p.step);
+            fflush(stdout);
         }
-        CK(cudaMemcpy(dx, hx, 2 * (size_t)T * cfg.hidden, cudaMemcpyHostToDevice));
-        a.num_tokens = T;
-        a.dtype = MOE_DTYPE_BF16;
-        a.x = dx;
-        a.y = dy;
-        a.stream = s;
-        a.max_tokens_across_ranks = told ? T : 0;
-        setenv("MOE_PROFILE", "1", 1);
-        for (it = 0; it < 3; it++)
-            MK(moe_layer_forward(layer, &a));
-        for (it = 0; it < iters; it++) {
-            MPI_Barrier(MPI_COMM_WORLD);
-            MK(moe_layer_forward(layer, &a));
-            MK(moe_layer_synchronize(layer, s));
-            MK(moe_layer_get_stats(layer, &st));
-            d[it] = st.dispatch_us;
-            c[it] = st.combine_us;
-            tot[it] = st.total_us;
-        }
-        setenv("MOE_PROFILE", "0", 1);
-        qsort(d, (size_t)iters, sizeof(double), cmpd);
-        qsort(c, (size_t)iters, sizeof(double), cmpd);
-        qsort(tot, (size_t)iters, sizeof(double), cmpd);
-        v[0] = d[iters / 2];
-        v[1] = c[iters / 2];
-        v[2] = tot[iters / 2];
-        MPI_Allreduce(MPI_IN_PLACE, v, 3, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-        a2a = nccl_a2a_us(comm, world, bytes, sbuf, rbuf, s, iters);
-        MPI_Allreduce(MPI_IN_PLACE, &a2a, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-        if (rank == 0)
-            printf("  %9lld %12.3f %12.1f %12.1f %12.1f %9.2f %11.1f %10.1f %9.1f\n", (long long)T,
-                   bytes / 1e6, v[0], v[1], a2a, (v[0] + v[1]) / (2 * a2a),
-                   /* nccl-tests busbw for alltoall: bytes * (n-1)/n / time */
-                   bytes * (world - 1.0) / world / a2a / 1e3,
-                   2.0 * bytes * (world - 1.0) / world / (v[0] + v[1]) / 1e3, v[2]);
-        fflush(stdout);
-        MK(moe_layer_destroy(layer));
-        free(d);
-        free(c);
-        free(tot);
-        free(hx);
-        free(fx);
     }
+    unsetenv("MOE_EP_TRANSPORT");
     if (rank == 0)
-        printf("# ratio = (dispatch + combine) / (2 x nccl a2a); target <= 1\n");
+        printf("# target: ratio <= 1.2 from 128 tokens per rank\n");
     ncclCommDestroy(comm);
     cudaFree(sbuf), cudaFree(rbuf), cudaFree(dx), cudaFree(dy);
     cudaStreamDestroy(s);

@@ -159,6 +159,7 @@ static void cuda_fini(moe_layer_t *l)
         moe_gpu_event_destroy(s->ev[i]);
     moe_gpu_free(s->wmem);
     moe_gpu_host_free(s->sticky);
+    moe_cuda_ep_fini(s);
     free(s->host_counts);
     free(s);
     l->state = NULL;
@@ -283,6 +284,8 @@ static moe_status_t cuda_init(moe_layer_t *l)
         MOE_CHECK_GOTO(moe_gpu_get_device(&s->device), st, fail);
     MOE_CHECK_GOTO(moe_gpu_arch(s->device, &s->arch), st, fail);
     init_shape(l, s);
+    if (s->world > 1) /* collective; the transport shapes the workspace */
+        MOE_CHECK_GOTO(moe_cuda_ep_choose(l, s), st, fail);
     MOE_CHECK_GOTO(pick_forced_variant(s), st, fail);
     if (!s->forced && !moe_gemm_select(s->arch, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1.0))
         s->forced = moe_gemm_simple_variant(); /* no tuned variant for this arch */

@@ -72,12 +72,36 @@ typedef struct cuda_layer {
     int32_t *flag;               /* [1]: this rank's status code for the step (0: fine) */
     int32_t *flags_all;          /* [world]: every rank's */
     double last_rows_per_expert; /* the hint routed_experts got this step (same variant) */
-    void *last_stream;           /* a step with no arguments (args = NULL) runs here */
+
+    /* All-to-all transports (tp_size 1): rows go only to the ranks owning their experts.
+     * lsa: the receive arrays live in the runtime's IPC-mapped buffer and peers store into
+     * them; p2p: the same kernels on local staging arrays, moved by NCCL send/recv with the
+     * counts read on the host. Receive arrays (this rank's): rx bf16 [W tm][H], rids/rw
+     * [W tm][k], rtok [W tm], ret (summed f32 [W tm][H]; deterministic bf16 [tm k][H]),
+     * rctrl [W][MOE_A2A_CTRL]. */
+    int transport; /* MOE_EP_* below */
+    int num_sms;
+    int32_t *owner;      /* persistent [E_total]: rank of each expert */
+    uint64_t *a2a_chain; /* persistent scratch of the dispatch (zeroed at init) */
+    int32_t *a2a_done;   /* persistent [2]: last-CTA counters, 0 between launches */
+    size_t off_x, off_ids, off_w, off_tok, off_ret; /* lsa: offsets in the IPC buffer */
+    void *rx, *ret;
+    int32_t *rids, *rtok, *rctrl;
+    float *rw;
+    void *sx; /* p2p staging: the same arrays, region d for rank d */
+    int32_t *sids, *stok, *sctrl;
+    float *sw, *sret;
+    int32_t *pos;               /* [W][tm]: row of token t in region d, -1 */
+    int32_t *sent, *counts_all; /* [W]: rows sent to / received from each rank */
+    int32_t *host_io;           /* pinned [4 W]: p2p counts, profile */
+    void *last_stream;          /* a step with no arguments (args = NULL) runs here */
 
     int profile;
     void *ev[EV_COUNT];
     int32_t *host_counts; /* [E], profiling only */
 } cuda_layer_t;
+
+enum { MOE_EP_ALLGATHER = 0, MOE_EP_LSA = 1, MOE_EP_P2P = 2 };
 
 /* Carves consecutive 256-byte-aligned pieces out of one allocation (base NULL: sizing pass). */
 typedef struct carve {
@@ -90,7 +114,12 @@ void *moe_cuda_take(carve_t *c, size_t bytes);
 /* The EP part's buffers in the workspace / persistent allocation. */
 void moe_cuda_ep_plan_workspace(cuda_layer_t *s, carve_t *c);
 void moe_cuda_ep_plan_persistent(cuda_layer_t *s, carve_t *c);
+/* Before the workspace is planned (collective): the transport (MOE_EP_TRANSPORT, else from
+ * cfg.dispatch and the hardware), agreed by every rank. */
+moe_status_t moe_cuda_ep_choose(moe_layer_t *l, cuda_layer_t *s);
 moe_status_t moe_cuda_ep_init(moe_layer_t *l, cuda_layer_t *s);
+void moe_cuda_ep_fini(cuda_layer_t *s);
+const char *moe_cuda_ep_transport_name(int transport);
 /* One step across the ranks. `local` is this rank's argument verdict: on failure the rank
  * still joins every collective (with no tokens), its flag makes every rank skip the routed
  * compute, and every rank's synchronize returns the status. */

@@ -1,10 +1,19 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* CUDA backend across GPUs (world > 1) over NCCL: all-gather dispatch, per-rank expert compute,
- * f32 summed return by reduce-scatter (or the dense deterministic return), and the step's
- * verdict carried in the dispatch so that every rank fails the same step together. */
+/* CUDA backend across GPUs (world > 1). Three transports for the tokens and the results:
+ *  - allgather (NCCL): every rank gets every rank's tokens (padded to the step's rows per
+ *    rank), computes its experts' rows; they return summed per rank in f32 by reduce-scatter,
+ *    or in the dense exact layout in deterministic mode. TP layouts use it.
+ *  - lsa (CUDA IPC, NVLink loads/stores, one host): kernels/a2a.h stores each token row only
+ *    into the receive arrays of the ranks owning its experts, with device-side counts, signals
+ *    and bounded waits: nothing waits on the host, so a step can be captured in a graph.
+ *  - p2p (NCCL send/recv, any hosts): the same kernels into local staging arrays; the counts
+ *    are read on the host (one bounded synchronisation per step, not capturable), then NCCL
+ *    moves exactly the rows sent.
+ * Each step carries every rank's status, so every rank fails the same step together. */
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/a2a.h"
 #include "kernels/combine.h"
 #include "kernels/ep.h"
 #include "kernels/gpu.h"
@@ -13,29 +22,275 @@
 #include "runtime/backend_cuda.h"
 #include "runtime/diag.h"
 
+/* ---- the IPC buffer of the lsa transport (one per runtime, mapped by every rank) --------- */
+
+typedef struct cuda_sym {
+    char *local;
+    size_t bytes;
+    int world, rank;
+    char *peer[MOE_A2A_MAX_WORLD]; /* peer[rank] = local */
+    uint32_t *seq;                 /* device scalar: the runtime's EP step count */
+} cuda_sym_t;
+
+/* ctrl words first, at a fixed place for every layer (a later layer's arrays never alias them) */
+#define SYM_CTRL_BYTES 256
+
+static size_t up256(size_t x)
+{
+    return (x + 255) & ~(size_t)255;
+}
+
+static void sym_unmap(cuda_sym_t *y)
+{
+    int r;
+    for (r = 0; r < y->world; r++)
+        if (r != y->rank && y->peer[r]) {
+            moe_gpu_ipc_close(y->peer[r]);
+            y->peer[r] = NULL;
+        }
+}
+
+static void sym_free(void *p)
+{
+    cuda_sym_t *y = p;
+    if (!y)
+        return;
+    moe_gpu_device_synchronize();
+    sym_unmap(y);
+    moe_gpu_free(y->local);
+    moe_gpu_free(y->seq);
+    free(y);
+}
+
+/* Grows the runtime's IPC buffer to `bytes` (collective: every rank creates the same layers in
+ * the same order). The old one is released only when this device is idle: every peer store
+ * into it belongs to a step this device has waited for, so none is still in flight. */
+static moe_status_t sym_reserve(moe_runtime_t *rt, size_t bytes)
+{
+    cuda_sym_t *y = rt->gpu_sym;
+    const int W = rt->info.world_size, me = rt->info.rank;
+    char h[MOE_GPU_IPC_HANDLE_BYTES], *all = NULL;
+    int64_t cnt[MOE_A2A_MAX_WORLD], dsp[MOE_A2A_MAX_WORLD];
+    moe_status_t st;
+    int r;
+
+    if (y && y->bytes >= bytes)
+        return MOE_STATUS_SUCCESS;
+    if (!y) {
+        y = calloc(1, sizeof(*y));
+        if (!y)
+            return moe_error(MOE_STATUS_OUT_OF_MEMORY, "IPC buffer state");
+        y->world = W;
+        y->rank = me;
+        MOE_CHECK_GOTO(moe_gpu_malloc((void **)&y->seq, sizeof(uint32_t)), st, fail);
+        rt->gpu_sym = y;
+        rt->gpu_sym_free = sym_free;
+    } else {
+        MOE_CHECK(moe_gpu_device_synchronize());
+        sym_unmap(y);
+        MOE_CHECK(moe_comm_barrier(rt->comm)); /* no peer maps the old buffer any more */
+        MOE_CHECK(moe_gpu_free(y->local));
+        y->local = NULL;
+        y->bytes = 0;
+    }
+    MOE_CHECK(moe_gpu_memset(y->seq, 0, sizeof(uint32_t)));
+    MOE_CHECK(moe_gpu_malloc((void **)&y->local, bytes));
+    MOE_CHECK(moe_gpu_memset(y->local, 0, bytes));
+    y->bytes = bytes;
+    y->peer[me] = y->local;
+    MOE_CHECK(moe_gpu_ipc_handle(y->local, h));
+    all = malloc((size_t)W * MOE_GPU_IPC_HANDLE_BYTES);
+    if (!all)
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "IPC handles");
+    for (r = 0; r < W; r++) {
+        cnt[r] = 1;
+        dsp[r] = r;
+    }
+    st = moe_comm_allgatherv(rt->comm, h, 1, all, cnt, dsp, MOE_GPU_IPC_HANDLE_BYTES);
+    for (r = 0; r < W && st == MOE_STATUS_SUCCESS; r++)
+        if (r != me)
+            st = moe_gpu_ipc_open(all + (size_t)r * MOE_GPU_IPC_HANDLE_BYTES, (void **)&y->peer[r]);
+    free(all);
+    if (st == MOE_STATUS_SUCCESS) /* every rank mapped every buffer before the first store */
+        st = moe_comm_barrier(rt->comm);
+    return st;
+fail:
+    free(y);
+    return st;
+}
+
+/* This layer's arrays in the IPC buffer: the same offsets on every rank (the config agrees). */
+static size_t sym_layout(cuda_layer_t *s)
+{
+    const size_t W = (size_t)s->world, tm = (size_t)s->tm, H = (size_t)s->H, k = (size_t)s->k;
+    s->off_x = SYM_CTRL_BYTES;
+    s->off_ids = s->off_x + up256(2 * W * tm * H);
+    s->off_w = s->off_ids + up256(4 * W * tm * k);
+    s->off_tok = s->off_w + up256(4 * W * tm * k);
+    s->off_ret = s->off_tok + up256(4 * W * tm);
+    return s->off_ret + up256(s->deterministic ? 2 * tm * k * H : 4 * W * tm * H);
+}
+
+/* ---- transport choice ------------------------------------------------------------------- */
+
+const char *moe_cuda_ep_transport_name(int t)
+{
+    return t == MOE_EP_LSA ? "lsa" : t == MOE_EP_P2P ? "p2p" : "allgather";
+}
+
+/* MOE_EP_TRANSPORT=auto|lsa|p2p|allgather (default auto) over cfg.dispatch. auto: lsa where
+ * every rank is on this host and reaches every other's GPU directly (tp_size 1); else
+ * allgather, or p2p when the config asks for all-to-all. The same on every rank: the request
+ * and each rank's view of the hardware are gathered first. */
+static moe_status_t pick_transport(moe_layer_t *l, cuda_layer_t *s)
+{
+    const char *env = moe_env_str("MOE_EP_TRANSPORT", "auto");
+    const int W = s->world, me = l->plan.rank, tp = l->plan.tp_size;
+    int32_t mine[3], *all;
+    int64_t cnt[64], dsp[64];
+    int want, local_rank = 0, local_size = 0, lsa_ok, r, same = 1;
+    moe_status_t st;
+
+    if (!strcmp(env, "auto"))
+        want = -1;
+    else if (!strcmp(env, "lsa"))
+        want = MOE_EP_LSA;
+    else if (!strcmp(env, "p2p"))
+        want = MOE_EP_P2P;
+    else if (!strcmp(env, "allgather"))
+        want = MOE_EP_ALLGATHER;
+    else
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT,
+                         "MOE_EP_TRANSPORT=%s: expected auto, lsa, p2p or allgather", env);
+    if (W > 64)
+        return want == -1 || want == MOE_EP_ALLGATHER
+                   ? (s->transport = MOE_EP_ALLGATHER, MOE_STATUS_SUCCESS)
+                   : moe_error(MOE_STATUS_NOT_SUPPORTED,
+                               "MOE_EP_TRANSPORT=%s: built for up to 64 ranks (world %d)", env, W);
+    MOE_CHECK(moe_comm_node_rank(l->rt->comm, &local_rank, &local_size));
+    all = malloc(sizeof(int32_t) * 3 * (size_t)W);
+    if (!all)
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "transport agreement");
+    for (r = 0; r < W; r++) {
+        cnt[r] = 3;
+        dsp[r] = 3 * r;
+    }
+    mine[0] = want;
+    mine[1] = s->device;
+    mine[2] = local_size == W && W <= MOE_A2A_MAX_WORLD;
+    st = moe_comm_allgatherv(l->rt->comm, mine, 3, all, cnt, dsp, sizeof(int32_t));
+    lsa_ok = tp == 1 && W <= MOE_A2A_MAX_WORLD;
+    for (r = 0; r < W && st == MOE_STATUS_SUCCESS; r++) {
+        same &= all[3 * r] == want;
+        lsa_ok &= all[3 * r + 2] != 0;
+        if (r != me && lsa_ok)
+            lsa_ok &= moe_gpu_can_access_peer(s->device, all[3 * r + 1]);
+    }
+    free(all);
+    MOE_CHECK(st);
+    if (!same)
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT,
+                         "MOE_EP_TRANSPORT=%s on rank %d differs from another rank's: set it "
+                         "alike on every rank",
+                         env, me);
+    { /* this rank's peer access must hold on every rank */
+        int64_t v = lsa_ok, *allv = malloc(sizeof(int64_t) * (size_t)W);
+        if (!allv)
+            return moe_error(MOE_STATUS_OUT_OF_MEMORY, "transport agreement");
+        for (r = 0; r < W; r++)
+            cnt[r] = 1, dsp[r] = r;
+        st = moe_comm_allgatherv(l->rt->comm, &v, 1, allv, cnt, dsp, sizeof(int64_t));
+        for (r = 0; r < W && st == MOE_STATUS_SUCCESS; r++)
+            lsa_ok &= allv[r] != 0;
+        free(allv);
+        MOE_CHECK(st);
+    }
+    if (want == MOE_EP_LSA && !lsa_ok)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                         "MOE_EP_TRANSPORT=lsa needs tp_size 1 (got %d), every rank on one host "
+                         "(%d of %d here), at most %d ranks, and direct access between every "
+                         "pair of GPUs",
+                         tp, local_size, W, MOE_A2A_MAX_WORLD);
+    if (want == MOE_EP_P2P && (tp != 1 || s->deterministic || W > MOE_A2A_MAX_WORLD))
+        return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                         "MOE_EP_TRANSPORT=p2p needs tp_size 1 (got %d), deterministic 0 (got "
+                         "%d; its exact return is built for lsa and allgather) and at most %d "
+                         "ranks (got %d)",
+                         tp, s->deterministic, MOE_A2A_MAX_WORLD, W);
+    if (want >= 0)
+        s->transport = want;
+    else if (l->cfg.dispatch == MOE_DISPATCH_ALL_GATHER)
+        s->transport = MOE_EP_ALLGATHER;
+    else if (lsa_ok)
+        s->transport = MOE_EP_LSA;
+    else if (l->cfg.dispatch == MOE_DISPATCH_ALL_TO_ALL && tp == 1 && !s->deterministic &&
+             W <= MOE_A2A_MAX_WORLD)
+        s->transport = MOE_EP_P2P;
+    else
+        s->transport = MOE_EP_ALLGATHER;
+    if (l->cfg.dispatch == MOE_DISPATCH_ALL_TO_ALL && s->transport == MOE_EP_ALLGATHER)
+        MOE_LOG_WARN("CUDA",
+                     "dispatch = all-to-all: this layout (tp_size %d%s) uses the "
+                     "all-gather dispatch (same results)",
+                     tp, s->deterministic ? ", deterministic across hosts" : "");
+    return MOE_STATUS_SUCCESS;
+}
+
+moe_status_t moe_cuda_ep_choose(moe_layer_t *l, cuda_layer_t *s)
+{
+    MOE_CHECK(pick_transport(l, s));
+    return moe_gpu_sm_count(s->device, &s->num_sms);
+}
+
 void moe_cuda_ep_plan_workspace(cuda_layer_t *s, carve_t *c)
 {
     const size_t H = (size_t)s->H, k = (size_t)s->k, t1 = (size_t)s->tm, tm = (size_t)s->max_tokens;
-    /* summed return: f32 [W tm][H] partials; deterministic: bf16 [W tm k][H] entries */
-    const size_t dense = s->deterministic ? 2 * tm * k * H : sizeof(float) * tm * H;
-    const size_t mine = s->deterministic ? 2 * t1 * k * H : sizeof(float) * t1 * H;
-    s->xsend = moe_cuda_take(c, 2 * t1 * H);
-    s->xall = moe_cuda_take(c, 2 * tm * H);
-    s->ids_all = moe_cuda_take(c, sizeof(int32_t) * tm * k);
+    const size_t W = (size_t)s->world;
     s->lids = moe_cuda_take(c, sizeof(int32_t) * tm * k);
-    s->dense = moe_cuda_take(c, dense);
-    s->mine = moe_cuda_take(c, mine);
-    s->smine = moe_cuda_take(c, 2 * t1 * H);
-    s->w_all = moe_cuda_take(c, sizeof(float) * tm * k);
-    s->one_block = moe_cuda_take(c, sizeof(int32_t) * 2);
     s->flag = moe_cuda_take(c, sizeof(int32_t));
-    s->flags_all = moe_cuda_take(c, sizeof(int32_t) * (size_t)s->world);
+    s->flags_all = moe_cuda_take(c, sizeof(int32_t) * W);
+    if (s->transport != MOE_EP_ALLGATHER) {
+        s->pos = moe_cuda_take(c, sizeof(int32_t) * tm); /* [W][t1] */
+        s->sent = moe_cuda_take(c, sizeof(int32_t) * W);
+        s->counts_all = moe_cuda_take(c, sizeof(int32_t) * W);
+        if (s->transport == MOE_EP_P2P) { /* receive arrays and staging, both [W][t1] rows */
+            s->rx = moe_cuda_take(c, 2 * tm * H);
+            s->rids = moe_cuda_take(c, 4 * tm * k);
+            s->rw = moe_cuda_take(c, 4 * tm * k);
+            s->rtok = moe_cuda_take(c, 4 * tm);
+            s->ret = moe_cuda_take(c, 4 * tm * H);
+            s->rctrl = moe_cuda_take(c, 4 * W * MOE_A2A_CTRL);
+            s->sx = moe_cuda_take(c, 2 * tm * H);
+            s->sids = moe_cuda_take(c, 4 * tm * k);
+            s->sw = moe_cuda_take(c, 4 * tm * k);
+            s->stok = moe_cuda_take(c, 4 * tm);
+            s->sret = moe_cuda_take(c, 4 * tm * H);
+            s->sctrl = moe_cuda_take(c, 4 * W * MOE_A2A_CTRL);
+        }
+        return;
+    }
+    {
+        /* summed return: f32 [W tm][H] partials; deterministic: bf16 [W tm k][H] entries */
+        const size_t dense = s->deterministic ? 2 * tm * k * H : sizeof(float) * tm * H;
+        const size_t mine = s->deterministic ? 2 * t1 * k * H : sizeof(float) * t1 * H;
+        s->xsend = moe_cuda_take(c, 2 * t1 * H);
+        s->xall = moe_cuda_take(c, 2 * tm * H);
+        s->ids_all = moe_cuda_take(c, sizeof(int32_t) * tm * k);
+        s->dense = moe_cuda_take(c, dense);
+        s->mine = moe_cuda_take(c, mine);
+        s->smine = moe_cuda_take(c, 2 * t1 * H);
+        s->w_all = moe_cuda_take(c, sizeof(float) * tm * k);
+        s->one_block = moe_cuda_take(c, sizeof(int32_t) * 2);
+    }
 }
 
 void moe_cuda_ep_plan_persistent(cuda_layer_t *s, carve_t *c)
 {
     s->iota = moe_cuda_take(c, sizeof(int32_t) * (size_t)(s->tm * s->k));
     s->ones = moe_cuda_take(c, sizeof(float) * (size_t)s->tm);
+    s->owner = moe_cuda_take(c, sizeof(int32_t) * (size_t)s->E_total);
+    s->a2a_chain = moe_cuda_take(c, sizeof(uint64_t) * MOE_A2A_MAX_CTAS * MOE_A2A_MAX_WORLD);
+    s->a2a_done = moe_cuda_take(c, sizeof(int32_t) * 2);
 }
 
 /* The runtime's NCCL communicator (made by the first multi-GPU layer; collective, bounded by
@@ -73,15 +328,45 @@ static moe_status_t ep_fill_iota(cuda_layer_t *s)
     return st;
 }
 
+/* The rank of each expert (tp_size 1: its EP rank), for the all-to-all's destinations. */
+static moe_status_t fill_owner(const moe_layer_t *l, cuda_layer_t *s)
+{
+    int32_t *h = malloc(sizeof(int32_t) * (size_t)s->E_total);
+    moe_status_t st;
+    int e;
+    if (!h)
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "expert owners");
+    for (e = 0; e < s->E_total; e++)
+        h[e] = l->plan.expert_owner[e] * l->plan.tp_size;
+    st = moe_gpu_memcpy_h2d(s->owner, h, sizeof(int32_t) * (size_t)s->E_total);
+    free(h);
+    return st;
+}
+
 moe_status_t moe_cuda_ep_init(moe_layer_t *l, cuda_layer_t *s)
 {
-    /* see make_plan: deterministic EP keeps the whole shared MLP on every rank */
-    s->shared_local = s->deterministic && s->ss > 0 && s->ss == l->plan.shared_intermediate;
-    MOE_CHECK(ep_connect(l, s));
-    if (l->cfg.dispatch == MOE_DISPATCH_ALL_TO_ALL)
-        MOE_LOG_WARN("CUDA", "dispatch = all-to-all is not built for the CUDA backend yet: this "
-                             "layer uses the all-gather dispatch (same results)");
-    return ep_fill_iota(s);
+    /* see make_plan: without TP every rank keeps the whole shared MLP, run on its own tokens */
+    s->shared_local = s->ss > 0 && s->ss == l->plan.shared_intermediate;
+    if (s->transport != MOE_EP_LSA) /* lsa needs no NCCL: its waits are bounded on the device */
+        MOE_CHECK(ep_connect(l, s));
+    MOE_CHECK(ep_fill_iota(s));
+    MOE_CHECK(fill_owner(l, s));
+    MOE_CHECK(
+        moe_gpu_memset(s->a2a_chain, 0, sizeof(uint64_t) * MOE_A2A_MAX_CTAS * MOE_A2A_MAX_WORLD));
+    MOE_CHECK(moe_gpu_memset(s->a2a_done, 0, sizeof(int32_t) * 2));
+    MOE_CHECK(moe_gpu_host_alloc((void **)&s->host_io,
+                                 sizeof(int32_t) * (size_t)s->world * (MOE_A2A_CTRL + 2)));
+    if (s->transport == MOE_EP_LSA)
+        MOE_CHECK(sym_reserve(l->rt, sym_layout(s)));
+    MOE_LOG_INFO("CUDA", "EP %d ranks: transport %s", s->world,
+                 moe_cuda_ep_transport_name(s->transport));
+    return MOE_STATUS_SUCCESS;
+}
+
+void moe_cuda_ep_fini(cuda_layer_t *s)
+{
+    moe_gpu_host_free(s->host_io);
+    s->host_io = NULL;
 }
 
 /* Dispatch: this rank's tokens (bf16, padded to tm rows, ids -1 past T) and its status flag to
@@ -93,8 +378,17 @@ static moe_status_t ep_dispatch(moe_layer_t *l, const void *x, moe_dtype_t dtype
     cuda_layer_t *s = l->state;
     const int64_t tm = s->m, k = s->k, H = s->H;
     moe_rows_args_t r = {x, dtype, T, s->H, (int)tm, 1, s->xsend, s->one_block, s->one_block + 1};
-    moe_ep_local_ids_args_t li = {s->ids_all, s->lids,      s->world * tm * k, s->first_local,
-                                  s->E,       s->flags_all, s->world,          s->sticky};
+    moe_ep_local_ids_args_t li = {s->ids_all,
+                                  s->lids,
+                                  s->world * tm * k,
+                                  s->first_local,
+                                  s->E,
+                                  s->flags_all,
+                                  s->world,
+                                  s->sticky,
+                                  NULL,
+                                  0,
+                                  0};
     moe_status_t st, end;
 
     if (T < tm)
@@ -128,7 +422,7 @@ static moe_status_t ep_return_summed(moe_layer_t *l, const moe_forward_args_t *a
     const int64_t tm = s->m, W = s->world, H = s->H;
     moe_combine_args_t c;
 
-    if (s->ss > 0 && l->cfg.shared_expert_gate) { /* the gate of every token */
+    if (s->ss > 0 && !s->shared_local && l->cfg.shared_expert_gate) { /* every token's gate */
         moe_route_logits_args_t g = {s->xall, MOE_DTYPE_BF16, s->sgate, s->s_gate_logit, W * tm, 1,
                                      s->H};
         MOE_CHECK(moe_route_logits_launch(&g, stream));
@@ -137,8 +431,8 @@ static moe_status_t ep_return_summed(moe_layer_t *l, const moe_forward_args_t *a
     c.expert_out = s->o;
     c.row_of_slot = s->row_of_slot; /* -1 for the slots of other ranks' experts */
     c.topk_weights = s->w_all;
-    c.shared_out = s->ss > 0 ? s->so : NULL;
-    c.shared_gate_logit = s->ss > 0 && l->cfg.shared_expert_gate ? s->s_gate_logit : NULL;
+    c.shared_out = s->ss > 0 && !s->shared_local ? s->so : NULL; /* a slice of every token's */
+    c.shared_gate_logit = c.shared_out && l->cfg.shared_expert_gate ? s->s_gate_logit : NULL;
     c.y = s->dense; /* f32 [W tm, H] partial */
     c.y_dtype = MOE_DTYPE_F32;
     c.num_tokens = W * tm;
@@ -154,6 +448,8 @@ static moe_status_t ep_return_summed(moe_layer_t *l, const moe_forward_args_t *a
     c.expert_out_f32 = 1;
     c.row_of_slot = s->iota;
     c.topk_weights = s->ones;
+    c.shared_out = s->ss > 0 && s->shared_local ? s->so : NULL; /* whole, on this rank's tokens */
+    c.shared_gate_logit = c.shared_out && l->cfg.shared_expert_gate ? s->s_gate_logit : NULL;
     c.y = a->y;
     c.y_dtype = a->dtype;
     c.num_tokens = a->num_tokens;
@@ -188,9 +484,7 @@ static moe_status_t ep_return_dense(moe_layer_t *l, const moe_forward_args_t *a,
                                           MOE_DTYPE_BF16, stream));
     if (!a || a->num_tokens == 0)
         return MOE_STATUS_SUCCESS;
-    if (s->ss > 0 && s->shared_local) /* as one GPU runs it: bitwise the same for any EP size */
-        MOE_CHECK(moe_cuda_shared_experts(s, a->x, a->dtype, a->num_tokens, stream));
-    if (s->ss > 0)
+    if (s->ss > 0 && !s->shared_local)
         MOE_CHECK(moe_cuda_shared_gate(l, a));
     return moe_cuda_combine(l, a, s->mine, s->iota, s->weights, s->shared_local ? s->so : s->smine);
 }
@@ -206,6 +500,271 @@ static moe_status_t copy_topk(const cuda_layer_t *s, const moe_forward_args_t *a
         MOE_CHECK(moe_gpu_memcpy_d2d_async(a->topk_weights, s->weights,
                                            sizeof(float) * (size_t)(a->num_tokens * s->k),
                                            a->stream));
+    return MOE_STATUS_SUCCESS;
+}
+
+/* ---- all-to-all step (lsa, p2p) ---------------------------------------------------------- */
+
+/* p2p, dispatch side: the {count, status} words by NCCL, the counts read on the host (one
+ * bounded wait), then exactly the rows each rank sends. host_io: [0, W) rows sent to each
+ * rank, [W, W + W * CTRL) the words received (rows from each rank at COUNT). */
+static moe_status_t p2p_rows(cuda_layer_t *s, void *stream)
+{
+    const int W = s->world, k = s->k;
+    const int64_t m = s->m, H = s->H;
+    int32_t *sent = s->host_io, *got = s->host_io + W;
+    moe_status_t st = MOE_STATUS_SUCCESS, end;
+    int r;
+
+    MOE_CHECK(moe_nccl_group_start());
+    for (r = 0; r < W && st == MOE_STATUS_SUCCESS; r++) {
+        st = moe_nccl_send(s->nccl, s->sctrl + r * MOE_A2A_CTRL, 4 * MOE_A2A_CTRL, r, stream);
+        if (st == MOE_STATUS_SUCCESS)
+            st = moe_nccl_recv(s->nccl, s->rctrl + r * MOE_A2A_CTRL, 4 * MOE_A2A_CTRL, r, stream);
+    }
+    end = moe_nccl_group_end(s->nccl);
+    MOE_CHECK(st);
+    MOE_CHECK(end);
+    MOE_CHECK(moe_gpu_memcpy_d2h_async(sent, s->sent, sizeof(int32_t) * (size_t)W, stream));
+    MOE_CHECK(moe_gpu_memcpy_d2h_async(got, s->rctrl, sizeof(int32_t) * (size_t)W * MOE_A2A_CTRL,
+                                       stream));
+    MOE_CHECK(moe_nccl_wait(s->nccl, stream));
+    MOE_CHECK(moe_nccl_group_start());
+    for (r = 0; r < W && st == MOE_STATUS_SUCCESS; r++) {
+        const int64_t n = sent[r], g = got[r * MOE_A2A_CTRL + MOE_A2A_COUNT];
+        if (n > 0) {
+            st = moe_nccl_send(s->nccl, (char *)s->sx + 2 * r * m * H, 2 * (size_t)(n * H), r,
+                               stream);
+            if (st == MOE_STATUS_SUCCESS)
+                st = moe_nccl_send(s->nccl, s->sids + r * m * k, 4 * (size_t)(n * k), r, stream);
+            if (st == MOE_STATUS_SUCCESS)
+                st = moe_nccl_send(s->nccl, s->sw + r * m * k, 4 * (size_t)(n * k), r, stream);
+            if (st == MOE_STATUS_SUCCESS)
+                st = moe_nccl_send(s->nccl, s->stok + r * m, 4 * (size_t)n, r, stream);
+        }
+        if (g > 0 && st == MOE_STATUS_SUCCESS) {
+            st = moe_nccl_recv(s->nccl, (char *)s->rx + 2 * r * m * H, 2 * (size_t)(g * H), r,
+                               stream);
+            if (st == MOE_STATUS_SUCCESS)
+                st = moe_nccl_recv(s->nccl, s->rids + r * m * k, 4 * (size_t)(g * k), r, stream);
+            if (st == MOE_STATUS_SUCCESS)
+                st = moe_nccl_recv(s->nccl, s->rw + r * m * k, 4 * (size_t)(g * k), r, stream);
+            if (st == MOE_STATUS_SUCCESS)
+                st = moe_nccl_recv(s->nccl, s->rtok + r * m, 4 * (size_t)g, r, stream);
+        }
+    }
+    end = moe_nccl_group_end(s->nccl);
+    MOE_CHECK(st);
+    return end;
+}
+
+/* p2p, combine side: each rank's f32 partials back (counts known from p2p_rows). */
+static moe_status_t p2p_results(cuda_layer_t *s, void *stream)
+{
+    const int W = s->world;
+    const int64_t m = s->m, H = s->H;
+    const int32_t *sent = s->host_io, *got = s->host_io + W;
+    moe_status_t st = MOE_STATUS_SUCCESS, end;
+    int r;
+    MOE_CHECK(moe_nccl_group_start());
+    for (r = 0; r < W && st == MOE_STATUS_SUCCESS; r++) {
+        const int64_t n = got[r * MOE_A2A_CTRL + MOE_A2A_COUNT], back = sent[r];
+        if (n > 0)
+            st = moe_nccl_send(s->nccl, s->sret + r * m * H, 4 * (size_t)(n * H), r, stream);
+        if (back > 0 && st == MOE_STATUS_SUCCESS)
+            st = moe_nccl_recv(s->nccl, (float *)s->ret + r * m * H, 4 * (size_t)(back * H), r,
+                               stream);
+    }
+    end = moe_nccl_group_end(s->nccl);
+    MOE_CHECK(st);
+    return end;
+}
+
+/* The step's receive arrays: in the IPC buffer (lsa; re-derived each step, the buffer may have
+ * grown for a later layer) or the workspace (p2p, carved there). */
+static cuda_sym_t *bind_sym(const moe_layer_t *l, cuda_layer_t *s)
+{
+    cuda_sym_t *y = l->rt->gpu_sym;
+    if (s->transport != MOE_EP_LSA)
+        return NULL;
+    s->rctrl = (int32_t *)y->local;
+    s->rx = y->local + s->off_x;
+    s->rids = (int32_t *)(y->local + s->off_ids);
+    s->rw = (float *)(y->local + s->off_w);
+    s->rtok = (int32_t *)(y->local + s->off_tok);
+    s->ret = y->local + s->off_ret;
+    return y;
+}
+
+/* Rows to the ranks owning their experts; the shared MLP on this rank's tokens while they
+ * travel; wait for every rank's rows; the local experts on them; weighted partials (or exact
+ * slot rows) straight back; the rank-ordered sum. x is NULL and T 0 for a rank whose
+ * arguments failed: it still sends its (empty) rows, status and signals. */
+static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64_t T, void *stream)
+{
+    cuda_layer_t *s = l->state;
+    cuda_sym_t *y = bind_sym(l, s);
+    const int W = s->world, me = l->plan.rank, k = s->k;
+    const int64_t m = s->m, H = s->H;
+    const int64_t timeout_ns = (int64_t)l->rt->timeout_ms * 1000000;
+    const uint32_t *seq = y ? y->seq : NULL;
+    moe_a2a_dispatch_args_t d;
+    moe_a2a_wait_args_t wa;
+    moe_a2a_combine_args_t c;
+    moe_ep_local_ids_args_t li;
+    int r;
+
+    memset(&d, 0, sizeof(d));
+    d.x = ok ? ok->x : NULL;
+    d.x_dtype = ok ? ok->dtype : MOE_DTYPE_BF16;
+    d.num_tokens = T;
+    d.hidden = s->H;
+    d.top_k = k;
+    d.rank = me;
+    d.world = W;
+    d.region_rows = m;
+    d.ids = s->ids;
+    d.weights = s->weights;
+    d.owner = s->owner;
+    d.status = s->flag;
+    d.seq = seq;
+    for (r = 0; r < W; r++) {
+        if (y) { /* region `me` of rank r's arrays */
+            char *b = y->peer[r];
+            d.dst_x[r] = b + s->off_x + 2 * (size_t)(me * m * H);
+            d.dst_ids[r] = (int32_t *)(b + s->off_ids) + me * m * k;
+            d.dst_w[r] = (float *)(b + s->off_w) + me * m * k;
+            d.dst_tok[r] = (int32_t *)(b + s->off_tok) + me * m;
+            d.dst_ctrl[r] = (int32_t *)b + me * MOE_A2A_CTRL;
+        } else { /* staging region r */
+            d.dst_x[r] = (char *)s->sx + 2 * (size_t)(r * m * H);
+            d.dst_ids[r] = s->sids + r * m * k;
+            d.dst_w[r] = s->sw + r * m * k;
+            d.dst_tok[r] = s->stok + r * m;
+        }
+    }
+    d.ctrl_out = y ? NULL : s->sctrl;
+    d.pos = s->pos;
+    d.counts = s->sent;
+    d.chain = s->a2a_chain;
+    d.done = s->a2a_done;
+    d.num_sms = s->num_sms;
+    MOE_CHECK(moe_a2a_dispatch_launch(&d, stream));
+    if (s->ss > 0 && T > 0) { /* overlaps the rows in flight */
+        MOE_CHECK(moe_cuda_shared_experts(s, ok->x, ok->dtype, T, stream));
+        MOE_CHECK(moe_cuda_shared_gate(l, ok));
+    }
+    if (!y)
+        MOE_CHECK(p2p_rows(s, stream));
+    memset(&wa, 0, sizeof(wa));
+    wa.ctrl = s->rctrl;
+    wa.world = W;
+    wa.word = y ? MOE_A2A_SENT : -1;
+    wa.seq = seq;
+    wa.timeout_ns = timeout_ns;
+    wa.counts = s->counts_all;
+    wa.statuses = s->flags_all;
+    wa.sticky = s->sticky;
+    MOE_CHECK(moe_a2a_wait_launch(&wa, stream));
+
+    memset(&li, 0, sizeof(li));
+    li.in = s->rids;
+    li.out = s->lids;
+    li.n = W * m * k;
+    li.first = s->first_local;
+    li.count = s->E;
+    li.flags = s->flags_all;
+    li.world = W;
+    li.sticky = s->sticky;
+    li.region_counts = s->counts_all;
+    li.region_slots = m * k;
+    li.top_k = k;
+    MOE_CHECK(moe_ep_local_ids_launch(&li, stream));
+    s->last_rows_per_expert = (double)T * W * k / l->cfg.num_experts;
+    MOE_CHECK(moe_cuda_routed_experts(s, s->rx, MOE_DTYPE_BF16, W * m, s->lids,
+                                      s->last_rows_per_expert, stream));
+    MOE_CHECK(moe_cuda_record(s, EV_EXPERT, stream));
+    MOE_CHECK(moe_cuda_record(s, EV_SHARED, stream));
+
+    memset(&c, 0, sizeof(c));
+    c.rows = s->o;
+    c.row_of_slot = s->row_of_slot;
+    c.w = s->rw;
+    c.tok = s->rtok;
+    c.counts = s->counts_all;
+    c.hidden = s->H;
+    c.top_k = k;
+    c.rank = me;
+    c.world = W;
+    c.deterministic = s->deterministic;
+    c.region_rows = m;
+    c.seq = seq;
+    for (r = 0; r < W; r++) {
+        if (y) {
+            char *b = y->peer[r] + s->off_ret;
+            c.dst_ret[r] = s->deterministic ? (void *)b : (void *)(b + 4 * (size_t)(me * m * H));
+            c.dst_ctrl[r] = (int32_t *)y->peer[r] + me * MOE_A2A_CTRL;
+        } else {
+            c.dst_ret[r] = s->sret + r * m * H;
+        }
+    }
+    c.done = s->a2a_done + 1;
+    c.num_sms = s->num_sms;
+    MOE_CHECK(moe_a2a_combine_launch(&c, stream));
+    if (!y)
+        MOE_CHECK(p2p_results(s, stream));
+
+    if (!s->deterministic) {
+        moe_a2a_finish_args_t f;
+        memset(&f, 0, sizeof(f));
+        f.ret = s->ret;
+        f.pos = s->pos;
+        f.ctrl = y ? s->rctrl : NULL;
+        f.seq = seq;
+        f.timeout_ns = timeout_ns;
+        f.sticky = s->sticky;
+        f.num_tokens = T;
+        f.region_rows = m;
+        f.hidden = s->H;
+        f.world = W;
+        f.shared_out = s->ss > 0 && T > 0 ? s->so : NULL;
+        f.shared_gate_logit = s->ss > 0 && l->cfg.shared_expert_gate ? s->s_gate_logit : NULL;
+        f.y = ok ? ok->y : NULL;
+        f.y_dtype = ok ? ok->dtype : MOE_DTYPE_BF16;
+        return moe_a2a_finish_launch(&f, stream);
+    }
+    /* deterministic (lsa): every (token, slot) row is in `ret`; sum in slot order as one GPU */
+    wa.word = MOE_A2A_RETURNED;
+    wa.counts = NULL;
+    wa.statuses = NULL;
+    MOE_CHECK(moe_a2a_wait_launch(&wa, stream));
+    if (!ok || T == 0)
+        return MOE_STATUS_SUCCESS;
+    return moe_cuda_combine(l, ok, s->ret, s->iota, s->weights, s->so);
+}
+
+/* Payload bytes this rank sent to other ranks in the step just profiled (synchronised). */
+static moe_status_t profile_bytes(moe_layer_t *l, cuda_layer_t *s, void *stream)
+{
+    const int64_t W = s->world, m = s->m, H = s->H, k = s->k, me = l->plan.rank;
+    int64_t b = 0, r;
+    if (s->transport == MOE_EP_ALLGATHER) {
+        b = (W - 1) * m * (2 * H + 4 * k + 4 + (s->deterministic ? 0 : 4 * k));
+        b += s->deterministic ? (W - 1) * m * k * H * 2 : (W - 1) * m * H * 4;
+    } else { /* rows, ids, weights, token index out; f32 partials back (summed mode) */
+        int32_t *h = s->host_io + W * (MOE_A2A_CTRL + 1);
+        MOE_CHECK(moe_gpu_memcpy_d2h_async(h, s->sent, sizeof(int32_t) * (size_t)W, stream));
+        MOE_CHECK(moe_gpu_stream_synchronize(stream));
+        for (r = 0; r < W; r++)
+            if (r != me)
+                b += h[r] * (2 * H + 8 * k + 4);
+        MOE_CHECK(moe_gpu_memcpy_d2h_async(h, s->counts_all, sizeof(int32_t) * (size_t)W, stream));
+        MOE_CHECK(moe_gpu_stream_synchronize(stream));
+        for (r = 0; r < W && !s->deterministic; r++)
+            if (r != me)
+                b += h[r] * 4 * H;
+    }
+    l->stats.bytes_sent = b;
     return MOE_STATUS_SUCCESS;
 }
 
@@ -230,31 +789,54 @@ moe_status_t moe_cuda_ep_forward(moe_layer_t *l, const moe_forward_args_t *a, mo
         s->m = a->max_tokens_across_ranks;
     tm = s->m;
 
-    MOE_CHECK(moe_nccl_check(s->nccl));
+    if (s->transport == MOE_EP_P2P && ok) {
+        int capturing = 0;
+        MOE_CHECK(moe_gpu_stream_is_capturing(stream, &capturing));
+        if (capturing) /* before the first collective: the peers time out, bounded */
+            return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                             "MOE_EP_TRANSPORT=p2p reads each step's counts on the host: it "
+                             "cannot be captured in a CUDA graph (lsa and allgather can)");
+    }
+    if (s->nccl)
+        MOE_CHECK(moe_nccl_check(s->nccl));
     s->last_stream = stream;
     MOE_CHECK(moe_cuda_record(s, EV_START, stream));
-    MOE_CHECK(moe_step_flag_set_launch(s->flag, (int32_t)local, stream));
+    MOE_CHECK(moe_step_flag_set_launch(
+        s->flag, (int32_t)local,
+        s->transport == MOE_EP_LSA ? ((cuda_sym_t *)l->rt->gpu_sym)->seq : NULL, stream));
     if (ok)
         MOE_CHECK(moe_cuda_scan_inputs(l, ok, s->flag));
     if (T > 0)
         MOE_CHECK(moe_cuda_route(l, ok, s->ids, s->weights));
     MOE_CHECK(moe_cuda_record(s, EV_ROUTE, stream));
-    MOE_CHECK(ep_dispatch(l, ok ? ok->x : NULL, ok ? ok->dtype : MOE_DTYPE_BF16, T, stream));
-    /* rows per local expert if every rank brought as many tokens as this one */
-    s->last_rows_per_expert = (double)T * W * s->k / l->cfg.num_experts;
-    MOE_CHECK(moe_cuda_routed_experts(s, s->xall, MOE_DTYPE_BF16, W * tm, s->lids,
-                                      s->last_rows_per_expert, stream));
-    MOE_CHECK(moe_cuda_record(s, EV_EXPERT, stream));
-    if (s->ss > 0 && !s->shared_local)
-        MOE_CHECK(moe_cuda_shared_experts(s, s->xall, MOE_DTYPE_BF16, W * tm, stream));
-    MOE_CHECK(moe_cuda_record(s, EV_SHARED, stream));
-    if (!s->deterministic)
-        MOE_CHECK(ep_return_summed(l, ok, stream));
-    else
-        MOE_CHECK(ep_return_dense(l, ok, stream));
+    if (s->transport != MOE_EP_ALLGATHER) {
+        MOE_CHECK(a2a_step(l, ok, T, stream));
+    } else {
+        /* the whole shared MLP (no TP) on this rank's tokens, as one GPU runs it */
+        if (s->ss > 0 && s->shared_local && T > 0) {
+            MOE_CHECK(moe_cuda_shared_experts(s, ok->x, ok->dtype, T, stream));
+            MOE_CHECK(moe_cuda_shared_gate(l, ok));
+        }
+        MOE_CHECK(ep_dispatch(l, ok ? ok->x : NULL, ok ? ok->dtype : MOE_DTYPE_BF16, T, stream));
+        /* rows per local expert if every rank brought as many tokens as this one */
+        s->last_rows_per_expert = (double)T * W * s->k / l->cfg.num_experts;
+        MOE_CHECK(moe_cuda_routed_experts(s, s->xall, MOE_DTYPE_BF16, W * tm, s->lids,
+                                          s->last_rows_per_expert, stream));
+        MOE_CHECK(moe_cuda_record(s, EV_EXPERT, stream));
+        if (s->ss > 0 && !s->shared_local)
+            MOE_CHECK(moe_cuda_shared_experts(s, s->xall, MOE_DTYPE_BF16, W * tm, stream));
+        MOE_CHECK(moe_cuda_record(s, EV_SHARED, stream));
+        if (!s->deterministic)
+            MOE_CHECK(ep_return_summed(l, ok, stream));
+        else
+            MOE_CHECK(ep_return_dense(l, ok, stream));
+    }
     MOE_CHECK(copy_topk(s, ok));
     MOE_CHECK(moe_cuda_record(s, EV_COMBINE, stream));
     if (!ok)
         return local;
-    return s->profile ? moe_cuda_finish_profile(l, stream) : MOE_STATUS_SUCCESS;
+    if (!s->profile)
+        return MOE_STATUS_SUCCESS;
+    MOE_CHECK(moe_cuda_finish_profile(l, stream));
+    return profile_bytes(l, s, stream);
 }

@@ -195,11 +195,12 @@ static moe_status_t make_plan(moe_layer_t *l, int world, int rank)
     p->shared_intermediate = c->num_shared_experts > 0 ? c->shared_intermediate : 0;
     p->s_begin = moe_split_begin(p->shared_intermediate, world, rank);
     p->s_end = moe_split_begin(p->shared_intermediate, world, rank + 1);
-    /* Deterministic CUDA expert parallelism (no TP): every rank keeps the whole shared MLP and
-     * runs it on its own tokens as one GPU would, so the result is bitwise the same for every
-     * EP size (a split would sum partials across ranks). */
-    if (c->deterministic == 1 && c->tp_size == 1 && world > 1 &&
-        l->rt->info.backend == MOE_BACKEND_CUDA) {
+    /* CUDA expert parallelism (no TP): every rank keeps the whole shared MLP and runs it on its
+     * own tokens as one GPU would (replicated, as EP deployments do): no rank needs another's
+     * tokens for it, so the all-to-all sends tokens only to their routed experts' ranks, and
+     * deterministic mode is bitwise the same for every EP size (a split would sum partials
+     * across ranks). */
+    if (c->tp_size == 1 && world > 1 && l->rt->info.backend == MOE_BACKEND_CUDA) {
         p->s_begin = 0;
         p->s_end = p->shared_intermediate;
     }

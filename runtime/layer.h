@@ -23,6 +23,10 @@ struct moe_runtime {
      * to the largest layer's need at create */
     void *gpu_ws;
     size_t gpu_ws_bytes;
+    /* CUDA backend, all-to-all over CUDA IPC: the buffer every rank maps (grows like gpu_ws,
+     * collectively at layer create) and its destructor */
+    void *gpu_sym;
+    void (*gpu_sym_free)(void *sym);
 };
 
 /* Where each expert lives and which slice of its intermediate dimension this rank keeps.
@@ -52,6 +56,9 @@ typedef struct moe_matrix {
     int64_t rows, cols;
     void *data;
     float *scale; /* NULL, 1 float, or [ceil(rows/128), ceil(cols/128)] */
+    /* FP8 per-tensor layers: the static scale of this matrix's input activations (W8A8), 0:
+     * none (dynamic) */
+    float input_scale;
 } moe_matrix_t;
 
 struct moe_layer;

@@ -149,6 +149,8 @@ static void runtime_free(moe_runtime_t *rt)
 {
     int owns = rt->owns_mpi;
 #ifdef MOE_HAVE_NCCL
+    if (rt->gpu_sym_free)
+        rt->gpu_sym_free(rt->gpu_sym);
     moe_nccl_destroy(rt->gpu_ctx); /* made by the first multi-GPU layer */
 #endif
 #ifdef MOE_HAVE_CUDA

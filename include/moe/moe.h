@@ -309,6 +309,10 @@ moe_status_t moe_layer_explain(const moe_layer_t *layer, int64_t num_tokens, cha
 typedef struct moe_layer_stats {
     double route_us, dispatch_us, expert_us, combine_us, shared_us, total_us;
     int64_t rows_received; /* token-expert rows this rank computed in the last forward */
+    /* Bytes of the last forward's expert-parallel payload (token rows and their ids/weights
+     * out, expert results back) this rank sent to other ranks (CUDA backend with
+     * MOE_PROFILE=1; 0 otherwise). */
+    int64_t bytes_sent;
 } moe_layer_stats_t;
 
 moe_status_t moe_layer_get_stats(const moe_layer_t *layer, moe_layer_stats_t *stats);

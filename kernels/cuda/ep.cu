@@ -13,7 +13,8 @@ constexpr int EP_THREADS = 256;
 
 __global__ void local_ids_kernel(const int32_t *__restrict__ in, int32_t *__restrict__ out,
                                  int64_t n, int first, int count, const int32_t *flags, int world,
-                                 int32_t *sticky)
+                                 int32_t *sticky, const int32_t *region_counts,
+                                 int64_t region_slots, int top_k)
 {
     const int64_t i = (int64_t)blockIdx.x * EP_THREADS + threadIdx.x;
     int bad = -1;
@@ -25,12 +26,17 @@ __global__ void local_ids_kernel(const int32_t *__restrict__ in, int32_t *__rest
     if (i >= n)
         return;
     const int32_t e = in[i];
-    out[i] = (bad < 0 && e >= first && e < first + count) ? e - first : -1;
+    bool live = bad < 0 && e >= first && e < first + count;
+    if (region_counts && live)
+        live = (i % region_slots) / top_k < region_counts[i / region_slots];
+    out[i] = live ? e - first : -1;
 }
 
-__global__ void flag_set_kernel(int32_t *flag, int32_t value)
+__global__ void flag_set_kernel(int32_t *flag, int32_t value, uint32_t *seq)
 {
     *flag = value;
+    if (seq)
+        *seq += 1;
 }
 
 template <typename T> __device__ __forceinline__ bool finite_val(T v)
@@ -73,7 +79,8 @@ extern "C" moe_status_t moe_ep_local_ids_launch(const moe_ep_local_ids_args_t *a
         return MOE_STATUS_SUCCESS;
     local_ids_kernel<<<(unsigned)((a->n + EP_THREADS) / EP_THREADS), EP_THREADS, 0,
                        (cudaStream_t)stream>>>(a->in, a->out, a->n, a->first, a->count, a->flags,
-                                               a->world, a->sticky);
+                                               a->world, a->sticky, a->region_counts,
+                                               a->region_slots, a->top_k);
     MOE_CUDA_CHECK_LAUNCH("ep local ids");
     return MOE_STATUS_SUCCESS;
 }
@@ -93,9 +100,10 @@ extern "C" moe_status_t moe_ep_scatter_launch(const moe_ep_scatter_args_t *a, vo
     return MOE_STATUS_SUCCESS;
 }
 
-extern "C" moe_status_t moe_step_flag_set_launch(int32_t *flag, int32_t value, void *stream)
+extern "C" moe_status_t moe_step_flag_set_launch(int32_t *flag, int32_t value, uint32_t *seq,
+                                                 void *stream)
 {
-    flag_set_kernel<<<1, 1, 0, (cudaStream_t)stream>>>(flag, value);
+    flag_set_kernel<<<1, 1, 0, (cudaStream_t)stream>>>(flag, value, seq);
     MOE_CUDA_CHECK_LAUNCH("step flag");
     return MOE_STATUS_SUCCESS;
 }

@@ -252,4 +252,47 @@ moe_status_t moe_gpu_host_free(void *ptr)
     return MOE_STATUS_SUCCESS;
 }
 
+moe_status_t moe_gpu_ipc_handle(void *ptr, void *handle)
+{
+    cudaIpcMemHandle_t h;
+    static_assert(sizeof(h) == MOE_GPU_IPC_HANDLE_BYTES, "IPC handle size");
+    MOE_CUDA_CHECK(cudaIpcGetMemHandle(&h, ptr));
+    memcpy(handle, &h, sizeof(h));
+    return MOE_STATUS_SUCCESS;
+}
+
+moe_status_t moe_gpu_ipc_open(const void *handle, void **ptr)
+{
+    cudaIpcMemHandle_t h;
+    memcpy(&h, handle, sizeof(h));
+    *ptr = NULL;
+    MOE_CUDA_CHECK(cudaIpcOpenMemHandle(ptr, h, cudaIpcMemLazyEnablePeerAccess));
+    return MOE_STATUS_SUCCESS;
+}
+
+moe_status_t moe_gpu_ipc_close(void *ptr)
+{
+    if (ptr)
+        MOE_CUDA_CHECK(cudaIpcCloseMemHandle(ptr));
+    return MOE_STATUS_SUCCESS;
+}
+
+moe_status_t moe_gpu_sm_count(int device, int *sms)
+{
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device));
+    return MOE_STATUS_SUCCESS;
+}
+
+int moe_gpu_can_access_peer(int device, int peer_device)
+{
+    int ok = 0;
+    if (device == peer_device)
+        return 1;
+    if (cudaDeviceCanAccessPeer(&ok, device, peer_device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return ok;
+}
+
 } /* extern "C" */

@@ -12,12 +12,26 @@
 
 /* 0 to run (a GPU per rank on every rank), else the exit code every rank returns after
  * MPI_Finalize: GT_SKIP only when some rank has too few devices and none failed. */
+/* MOE_TEST_SHARED_GPU=1: the ranks may share GPUs (a one-GPU machine; NCCL refuses that, so
+ * only what runs without NCCL -- the lsa transport -- can be tested that way). */
+static inline int gt_shared_gpu(void)
+{
+    const char *v = getenv("MOE_TEST_SHARED_GPU");
+    return v && v[0] == '1';
+}
+
 static inline int gt_mpi_gpu_gate(int world)
 {
-    int g = gt_gpu_gate(world);
+    int g = gt_gpu_gate(gt_shared_gpu() ? 1 : world);
     g = g == GT_SKIP ? 1 : g == 0 ? 0 : 2; /* a failure wins over a skip */
     MPI_Allreduce(MPI_IN_PLACE, &g, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
     return g == 0 ? 0 : g == 1 ? GT_SKIP : 1;
+}
+
+static inline int moe_gpu_count_for_tests(void)
+{
+    int n = 0;
+    return moe_gpu_probe(&n) == MOE_STATUS_SUCCESS && n > 0 ? n : 1;
 }
 
 typedef struct gt_runtimes {
@@ -32,7 +46,8 @@ static inline int gt_runtimes_create(gt_runtimes_t *r, int rank, int timeout_ms)
     rc.backend = MOE_BACKEND_CUDA;
     if (moe_runtime_create(&rc, NULL, &r->gpu))
         return -1;
-    rc.device = rank; /* the one-rank runtime on this rank's own GPU (single node) */
+    /* the one-rank runtime on this rank's own GPU (single node) */
+    rc.device = gt_shared_gpu() ? rank % moe_gpu_count_for_tests() : rank;
     if (moe_runtime_create(&rc, &self, &r->gpu_self))
         return -1;
     rc.device = -1;

@@ -1,7 +1,9 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Multi-GPU (one rank per GPU, NCCL): EP and TP layouts of the CUDA backend against the CPU
  * backend on the same global tokens, uneven tokens per rank (one rank with none), every token
- * to one rank's experts, and deterministic mode bitwise equal across EP sizes. */
+ * to one rank's experts, and deterministic mode bitwise equal across EP sizes; each EP
+ * transport (MOE_EP_TRANSPORT = allgather, lsa, p2p) at 1 and 7 tokens per rank, a 300/0
+ * split, a full batch, a hot rank and a capacity of 8192 with one token per rank. */
 #include "gpu_mpi.h"
 #include "testutil.h"
 
@@ -129,6 +131,8 @@ static void test_ep_deepseek_shared(void **state)
 static void test_tp(void **state)
 {
     (void)state;
+    if (gt_shared_gpu()) /* TP needs the allgather transport: NCCL */
+        return;
     compare_layout(0, world, NULL);
 }
 
@@ -215,6 +219,136 @@ static void test_deterministic_shared_across_ep(void **state)
     deterministic_across_ep(1);
 }
 
+static const char *const transports[] = {"allgather", "lsa", "p2p"};
+
+/* Ranks sharing one GPU (MOE_TEST_SHARED_GPU=1) have no NCCL: lsa only. */
+static int transport_runs(int i)
+{
+    return !gt_shared_gpu() || !strcmp(transports[i], "lsa");
+}
+
+/* n tokens on this rank (global rows t0..t0+n of the generator), capacity cap, every
+ * transport: the CUDA layer against the CPU backend on the same tokens. */
+static void compare_tokens(int deepseek, int64_t t0, int64_t n, int64_t cap, const float *logits,
+                           const char *what)
+{
+    const uint64_t seed = tu_seed("gpu_a2a");
+    moe_layer_config_t c = shape(deepseek);
+    float *x = malloc(sizeof(float) * (size_t)(n * c.hidden + 1));
+    float *y = malloc(sizeof(float) * (size_t)(n * c.hidden + 1));
+    float *ref = malloc(sizeof(float) * (size_t)(n * c.hidden + 1));
+    size_t i;
+    assert_true(x && y && ref);
+    c.max_tokens_per_rank = cap;
+    moe_gen_tokens(seed, t0, n, c.hidden, x);
+    run(gt_rts.cpu_self, c, seed, x, n, logits, ref);
+    for (i = 0; i < sizeof(transports) / sizeof(transports[0]); i++) {
+        double err;
+        if (!transport_runs((int)i))
+            continue;
+        setenv("MOE_EP_TRANSPORT", transports[i], 1);
+        run(gt_rts.gpu, c, seed, x, n, logits, y);
+        assert_int_equal(tu_count_nan(y, n * c.hidden), 0);
+        err = n ? tu_rel_err(y, ref, n * c.hidden) : 0.0;
+        print_message("rank %d: %s %s, %lld tokens (capacity %lld): %s rel err %.3g\n", rank,
+                      deepseek ? "deepseek" : "mixtral", what, (long long)n, (long long)cap,
+                      transports[i], err);
+        assert_true(err <= 1e-2);
+    }
+    unsetenv("MOE_EP_TRANSPORT");
+    free(x);
+    free(y);
+    free(ref);
+}
+
+static void test_transport_small_batches(void **state)
+{
+    (void)state;
+    compare_tokens(0, rank, 1, 320, NULL, "1 token/rank");
+    compare_tokens(1, 7 * rank, 7, 320, NULL, "7 tokens/rank");
+}
+
+static void test_transport_split_and_full(void **state)
+{
+    (void)state;
+    /* 300 tokens on rank 0, none elsewhere */
+    compare_tokens(1, 0, rank == 0 ? 300 : 0, 320, NULL, "300/0 split");
+    compare_tokens(0, 320 * rank, 320, 320, NULL, "full capacity");
+}
+
+static void test_transport_hot_rank(void **state)
+{
+    float *logits = calloc(64 * 16, sizeof(float));
+    int i;
+    (void)state;
+    for (i = 0; i < 64; i++) { /* every token to experts 0..3: rank 0's */
+        logits[i * 16 + 0] = 4.0f + 0.01f * (float)i;
+        logits[i * 16 + 1] = 3.0f;
+        logits[i * 16 + 2] = 2.5f;
+        logits[i * 16 + 3] = 2.0f;
+    }
+    compare_tokens(0, 0, 64, 320, logits, "hot rank");
+    free(logits);
+}
+
+static void test_transport_large_capacity(void **state)
+{
+    (void)state;
+    compare_tokens(1, rank, 1, 8192, NULL, "capacity 8192");
+}
+
+/* Deterministic: one GPU, and EP over allgather and lsa, bitwise equal. */
+static void test_deterministic_across_transports(void **state)
+{
+    const uint64_t seed = tu_seed("gpu_det_a2a");
+    moe_layer_config_t c = shape(1);
+    const int64_t n = 40;
+    float *x = malloc(sizeof(float) * n * 1024), *y1 = malloc(sizeof(float) * n * 1024);
+    float *yn = malloc(sizeof(float) * n * 1024);
+    int i;
+    (void)state;
+    c.deterministic = 1;
+    moe_gen_tokens(seed, rank * n, n, c.hidden, x);
+    run(gt_rts.gpu_self, c, seed, x, n, NULL, y1);
+    for (i = 0; i < 2; i++) {
+        if (!transport_runs(i))
+            continue;
+        setenv("MOE_EP_TRANSPORT", transports[i], 1);
+        run(gt_rts.gpu, c, seed, x, n, NULL, yn);
+        print_message("rank %d: deterministic %s vs one GPU\n", rank, transports[i]);
+        assert_memory_equal(y1, yn, sizeof(float) * n * 1024);
+    }
+    unsetenv("MOE_EP_TRANSPORT");
+    free(x);
+    free(y1);
+    free(yn);
+}
+
+/* A transport the layout cannot use, or a misspelt one, fails create on every rank. */
+static void test_transport_refused(void **state)
+{
+    moe_layer_config_t c = shape(0);
+    moe_layer_t *l = NULL;
+    (void)state;
+    if (world < 2) /* one rank has no transport */
+        return;
+    setenv("MOE_EP_TRANSPORT", "nvlink", 1);
+    assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_INVALID_ARGUMENT);
+    assert_non_null(strstr(moe_last_error(), "MOE_EP_TRANSPORT=nvlink"));
+    setenv("MOE_EP_TRANSPORT", "p2p", 1);
+    c.deterministic = 1;
+    assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_NOT_SUPPORTED);
+    assert_non_null(strstr(moe_last_error(), "deterministic"));
+    c.deterministic = 0;
+    c.tp_size = world;
+    c.ep_size = 1;
+    setenv("MOE_EP_TRANSPORT", "lsa", 1);
+    assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_NOT_SUPPORTED);
+    assert_non_null(strstr(moe_last_error(), "tp_size"));
+    unsetenv("MOE_EP_TRANSPORT");
+    assert_null(l);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_ep_mixtral),
     cmocka_unit_test(test_ep_deepseek_shared),
@@ -223,6 +357,12 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_deterministic_across_ep),
     cmocka_unit_test(test_deterministic_shared_across_ep),
     cmocka_unit_test(test_told_max_tokens),
+    cmocka_unit_test(test_transport_small_batches),
+    cmocka_unit_test(test_transport_split_and_full),
+    cmocka_unit_test(test_transport_hot_rank),
+    cmocka_unit_test(test_transport_large_capacity),
+    cmocka_unit_test(test_deterministic_across_transports),
+    cmocka_unit_test(test_transport_refused),
 };
 
 GT_MPI_MAIN(tests, gt_group_setup, gt_group_teardown, rank, world)

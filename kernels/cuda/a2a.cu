@@ -1,0 +1,443 @@
+// SPDX-License-Identifier: Apache-2.0
+// GPU all-to-all expert parallelism: dispatch (rows only to the ranks owning their experts),
+// bounded waits on peers' signals, combine at the expert side (weighted f32 partial per
+// (token, rank), or each (token, slot) row), and the source's rank-ordered sum. See a2a.h.
+#include "kernels/a2a.h"
+#include "kernels/prepare.h"
+
+#include <cuda_bf16.h>
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/vec8.cuh"
+
+namespace
+{
+
+constexpr int A2A_THREADS = 256;
+constexpr int A2A_WARPS = A2A_THREADS / 32;
+constexpr int A2A_ONE_CTA_TOKENS = 256; // up to this many tokens: one CTA, one launch
+
+__device__ __forceinline__ uint32_t load_acquire_sys(const int32_t *p)
+{
+    uint32_t v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void store_release_sys(int32_t *p, uint32_t v)
+{
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ int64_t global_ns()
+{
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return (int64_t)t;
+}
+
+// Spins until ctrl[word] reaches seq (wrap-safe), at most timeout_ns; false on a timeout.
+__device__ bool wait_word(const int32_t *ctrl, uint32_t seq, int64_t timeout_ns)
+{
+    const int64_t t0 = global_ns();
+    while ((int32_t)(load_acquire_sys(ctrl) - seq) < 0) {
+        if (global_ns() - t0 > timeout_ns)
+            return false;
+        __nanosleep(64);
+    }
+    return true;
+}
+
+// Bit d set when rank d owns one of token t's experts.
+__device__ __forceinline__ unsigned dest_mask(const int32_t *ids, const int32_t *owner, int64_t t,
+                                              int k)
+{
+    unsigned m = 0;
+    for (int j = 0; j < k; j++) {
+        const int32_t e = ids[t * k + j];
+        if (e >= 0)
+            m |= 1u << owner[e];
+    }
+    return m;
+}
+
+// Tokens [begin, end) of CTA c: an even split of T over the grid.
+__device__ __forceinline__ void chunk_of(int64_t T, int c, int G, int64_t *b, int64_t *e)
+{
+    *b = T * c / G;
+    *e = T * (c + 1) / G;
+}
+
+// Pass 0 (grids of more than one CTA): each CTA's rows per destination into chain[c][d].
+__global__ void __launch_bounds__(A2A_THREADS) a2a_count_kernel(moe_a2a_dispatch_args_t a)
+{
+    __shared__ int cnt[MOE_A2A_MAX_WORLD];
+    int64_t b, e;
+    if (threadIdx.x < MOE_A2A_MAX_WORLD)
+        cnt[threadIdx.x] = 0;
+    __syncthreads();
+    chunk_of(a.num_tokens, blockIdx.x, gridDim.x, &b, &e);
+    for (int64_t t = b + threadIdx.x; t < e; t += A2A_THREADS) {
+        const unsigned m = dest_mask(a.ids, a.owner, t, a.top_k);
+        for (int d = 0; d < a.world; d++)
+            if (m >> d & 1)
+                atomicAdd(&cnt[d], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x < a.world)
+        a.chain[blockIdx.x * MOE_A2A_MAX_WORLD + threadIdx.x] = (uint64_t)cnt[threadIdx.x];
+}
+
+// Copies token t's row (as bf16) to `dst` with one warp.
+template <typename TX>
+__device__ __forceinline__ void copy_row(const TX *x, int64_t t, int H, __nv_bfloat16 *dst)
+{
+    const int lane = threadIdx.x & 31;
+    for (int c = lane * 8; c < H; c += 32 * 8) {
+        float v[8];
+        moe_load8(x + t * H + c, v);
+        moe_store8(dst + c, v);
+    }
+}
+
+__device__ __forceinline__ void copy_row(const __nv_bfloat16 *x, int64_t t, int H,
+                                         __nv_bfloat16 *dst)
+{
+    const int lane = threadIdx.x & 31;
+    const uint4 *src = reinterpret_cast<const uint4 *>(x + t * H);
+    uint4 *d = reinterpret_cast<uint4 *>(dst);
+    for (int c = lane; c < H / 8; c += 32)
+        d[c] = src[c];
+}
+
+// The last CTA to finish (counted on `done`) signals: __threadfence_system by every CTA after
+// its stores, then the last one sees them all (cumulativity) before its release store.
+__device__ bool last_cta(int32_t *done)
+{
+    __shared__ bool last;
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int prev = atomicAdd(done, 1);
+        last = prev == (int)gridDim.x - 1;
+        if (last)
+            *done = 0; // for the next launch (stream-ordered after this one)
+    }
+    __syncthreads();
+    if (last)
+        __threadfence_system();
+    return last;
+}
+
+// Pass 1: positions (prefix over the CTAs before this one, then warp ballots in token order),
+// the rows and their metadata into the destinations, then the signal.
+template <typename TX>
+__global__ void __launch_bounds__(A2A_THREADS) a2a_send_kernel(moe_a2a_dispatch_args_t a)
+{
+    __shared__ int base[MOE_A2A_MAX_WORLD];
+    __shared__ int wcnt[A2A_WARPS][MOE_A2A_MAX_WORLD];
+    __shared__ int pos_s[A2A_THREADS][MOE_A2A_MAX_WORLD];
+    __shared__ unsigned mask_s[A2A_THREADS];
+    const int W = a.world, k = a.top_k, H = a.hidden, warp = threadIdx.x / 32,
+              lane = threadIdx.x & 31;
+    const int64_t m = a.region_rows;
+    const TX *x = static_cast<const TX *>(a.x);
+    int64_t b, e;
+
+    chunk_of(a.num_tokens, blockIdx.x, gridDim.x, &b, &e);
+    if (threadIdx.x < W) {
+        int s = 0;
+        for (int c = 0; c < (int)blockIdx.x; c++)
+            s += (int)a.chain[c * MOE_A2A_MAX_WORLD + threadIdx.x];
+        base[threadIdx.x] = s;
+    }
+    __syncthreads();
+    for (int64_t p0 = b; p0 < e; p0 += A2A_THREADS) {
+        const int64_t t = p0 + threadIdx.x;
+        const unsigned mk = t < e ? dest_mask(a.ids, a.owner, t, k) : 0u;
+        for (int d = 0; d < W; d++) {
+            const unsigned bal = __ballot_sync(0xffffffffu, mk >> d & 1);
+            if (lane == 0)
+                wcnt[warp][d] = __popc(bal);
+            pos_s[threadIdx.x][d] = __popc(bal & ((1u << lane) - 1u));
+        }
+        mask_s[threadIdx.x] = mk;
+        __syncthreads();
+        for (int d = 0; d < W; d++) {
+            int before = 0;
+            for (int w = 0; w < warp; w++)
+                before += wcnt[w][d];
+            const int p = (mk >> d & 1) ? base[d] + before + pos_s[threadIdx.x][d] : -1;
+            if (t < e)
+                a.pos[(int64_t)d * m + t] = p;
+            pos_s[threadIdx.x][d] = p;
+        }
+        __syncthreads();
+        if (threadIdx.x < W) {
+            int s = 0;
+            for (int w = 0; w < A2A_WARPS; w++)
+                s += wcnt[w][threadIdx.x];
+            base[threadIdx.x] += s;
+        }
+        // rows: one warp per (token, destination)
+        const int n = (int)(e - p0 < A2A_THREADS ? e - p0 : A2A_THREADS);
+        for (int q = warp; q < n * W; q += A2A_WARPS) {
+            const int i = q / W, d = q % W;
+            if (!(mask_s[i] >> d & 1))
+                continue;
+            const int64_t tt = p0 + i, p = pos_s[i][d];
+            copy_row(x, tt, H, static_cast<__nv_bfloat16 *>(a.dst_x[d]) + p * H);
+            if (lane < k) {
+                a.dst_ids[d][p * k + lane] = a.ids[tt * k + lane];
+                a.dst_w[d][p * k + lane] = a.weights[tt * k + lane];
+            }
+            if (lane == 0)
+                a.dst_tok[d][p] = (int32_t)tt;
+        }
+        __syncthreads();
+    }
+    // T = 0 tokens still reach here (one CTA): every destination gets its count and signal
+    if (!last_cta(a.done))
+        return;
+    if (threadIdx.x < W) {
+        const int d = threadIdx.x;
+        int total = 0;
+        for (int c = 0; c < (int)gridDim.x; c++) // chain holds every CTA's rows to d
+            total += gridDim.x == 1 ? 0 : (int)a.chain[c * MOE_A2A_MAX_WORLD + d];
+        if (gridDim.x == 1)
+            total = base[d];
+        a.counts[d] = total;
+        const int32_t status = *a.status;
+        if (a.dst_ctrl[d]) {
+            volatile int32_t *c = a.dst_ctrl[d];
+            c[MOE_A2A_COUNT] = total;
+            c[MOE_A2A_STATUS] = status;
+            __threadfence_system();
+            store_release_sys(a.dst_ctrl[d] + MOE_A2A_SENT, *a.seq);
+        } else if (a.ctrl_out) {
+            a.ctrl_out[d * MOE_A2A_CTRL + MOE_A2A_COUNT] = total;
+            a.ctrl_out[d * MOE_A2A_CTRL + MOE_A2A_STATUS] = status;
+        }
+    }
+}
+
+__global__ void a2a_wait_kernel(moe_a2a_wait_args_t a)
+{
+    const int s = threadIdx.x;
+    if (s >= a.world)
+        return;
+    const int32_t *c = a.ctrl + s * MOE_A2A_CTRL;
+    bool ok = true;
+    if (a.word >= 0)
+        ok = wait_word(c + a.word, *a.seq, a.timeout_ns);
+    if (!ok && a.sticky)
+        atomicCAS(a.sticky, 0, (s << 8) | MOE_STATUS_TIMEOUT);
+    if (a.counts)
+        a.counts[s] = ok ? ((volatile const int32_t *)c)[MOE_A2A_COUNT] : 0;
+    if (a.statuses)
+        a.statuses[s] = ok ? ((volatile const int32_t *)c)[MOE_A2A_STATUS] : MOE_STATUS_TIMEOUT;
+}
+
+// Region and row of the r-th received row (regions in rank order, counts[s] rows each).
+__device__ __forceinline__ bool region_row(const int32_t *counts, int W, int64_t r, int *s,
+                                           int64_t *i)
+{
+    for (int q = 0; q < W; q++) {
+        if (r < counts[q]) {
+            *s = q;
+            *i = r;
+            return true;
+        }
+        r -= counts[q];
+    }
+    return false;
+}
+
+// One warp per received row.
+__global__ void __launch_bounds__(A2A_THREADS) a2a_combine_kernel(moe_a2a_combine_args_t a)
+{
+    const int W = a.world, k = a.top_k, H = a.hidden, lane = threadIdx.x & 31;
+    const int64_t m = a.region_rows;
+    const __nv_bfloat16 *rows = static_cast<const __nv_bfloat16 *>(a.rows);
+    int64_t total = 0;
+    for (int q = 0; q < W; q++)
+        total += a.counts[q];
+    for (int64_t r = (int64_t)blockIdx.x * A2A_WARPS + threadIdx.x / 32; r < total;
+         r += (int64_t)gridDim.x * A2A_WARPS) {
+        int s;
+        int64_t i;
+        region_row(a.counts, W, r, &s, &i);
+        const int64_t slot0 = ((int64_t)s * m + i) * k;
+        if (a.deterministic) {
+            const int64_t t = a.tok[(int64_t)s * m + i];
+            __nv_bfloat16 *dst = static_cast<__nv_bfloat16 *>(a.dst_ret[s]);
+            for (int j = 0; j < k; j++) {
+                const int32_t row = a.row_of_slot[slot0 + j];
+                if (row < 0)
+                    continue;
+                const uint4 *src = reinterpret_cast<const uint4 *>(rows + (int64_t)row * H);
+                uint4 *d = reinterpret_cast<uint4 *>(dst + (t * k + j) * H);
+                for (int c = lane; c < H / 8; c += 32)
+                    d[c] = src[c];
+            }
+            continue;
+        }
+        float *dst = static_cast<float *>(a.dst_ret[s]) + i * H;
+        for (int c = lane * 8; c < H; c += 32 * 8) {
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int j = 0; j < k; j++) {
+                const int32_t row = a.row_of_slot[slot0 + j];
+                if (row < 0)
+                    continue;
+                const float w = a.w[slot0 + j];
+                float v[8];
+                moe_load8(rows + (int64_t)row * H + c, v);
+#pragma unroll
+                for (int u = 0; u < 8; u++)
+                    acc[u] += w * v[u];
+            }
+            moe_store8(dst + c, acc);
+        }
+    }
+    if (!last_cta(a.done))
+        return;
+    if (threadIdx.x < W && a.dst_ctrl[threadIdx.x])
+        store_release_sys(a.dst_ctrl[threadIdx.x] + MOE_A2A_RETURNED, *a.seq);
+}
+
+__device__ __forceinline__ void put8(float *y, const float *v)
+{
+    moe_store8(y, v);
+}
+__device__ __forceinline__ void put8(__nv_bfloat16 *y, const float *v)
+{
+    moe_store8(y, v);
+}
+
+// One thread per 8 columns of a token; threads < W of each CTA wait for the returns first.
+template <typename TY>
+__global__ void __launch_bounds__(A2A_THREADS) a2a_finish_kernel(moe_a2a_finish_args_t a)
+{
+    __shared__ int timed_out;
+    const int W = a.world, H = a.hidden;
+    if (threadIdx.x == 0)
+        timed_out = 0;
+    __syncthreads();
+    if (a.ctrl && threadIdx.x < W &&
+        !wait_word(a.ctrl + threadIdx.x * MOE_A2A_CTRL + MOE_A2A_RETURNED, *a.seq, a.timeout_ns)) {
+        timed_out = 1;
+        if (a.sticky)
+            atomicCAS(a.sticky, 0, (threadIdx.x << 8) | MOE_STATUS_TIMEOUT);
+    }
+    __syncthreads();
+    const int64_t idx = (int64_t)blockIdx.x * A2A_THREADS + threadIdx.x;
+    const int per = H / 8;
+    if (idx >= a.num_tokens * per)
+        return;
+    const int64_t t = idx / per;
+    const int c = (int)(idx % per) * 8;
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int d = 0; d < W && !timed_out; d++) {
+        const int32_t p = a.pos[(int64_t)d * a.region_rows + t];
+        if (p < 0)
+            continue;
+        float v[8];
+        moe_load8(a.ret + ((int64_t)d * a.region_rows + p) * H + c, v);
+#pragma unroll
+        for (int u = 0; u < 8; u++)
+            acc[u] += v[u];
+    }
+    if (a.shared_out) {
+        const float g =
+            a.shared_gate_logit ? 1.0f / (1.0f + __expf(-a.shared_gate_logit[t])) : 1.0f;
+        float v[8];
+        moe_load8(static_cast<const __nv_bfloat16 *>(a.shared_out) + t * H + c, v);
+#pragma unroll
+        for (int u = 0; u < 8; u++)
+            acc[u] += g * v[u];
+    }
+    put8(static_cast<TY *>(a.y) + t * H + c, acc);
+}
+
+} // namespace
+
+extern "C" moe_status_t moe_a2a_dispatch_launch(const moe_a2a_dispatch_args_t *args, void *stream)
+{
+    moe_a2a_dispatch_args_t a = *args;
+    cudaStream_t s = (cudaStream_t)stream;
+    const int64_t T = a.num_tokens;
+    int G = 1;
+    if (a.world < 1 || a.world > MOE_A2A_MAX_WORLD || a.hidden % 8 || a.top_k > 32 ||
+        T > a.region_rows)
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT,
+                         "a2a dispatch: world %d (1..%d), hidden %d (multiple of 8), top_k %d "
+                         "(<= 32), %lld tokens (<= region rows %lld)",
+                         a.world, MOE_A2A_MAX_WORLD, a.hidden, a.top_k, (long long)T,
+                         (long long)a.region_rows);
+    if (a.x_dtype != MOE_DTYPE_BF16 && a.x_dtype != MOE_DTYPE_F32)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "a2a dispatch: x in %s",
+                         moe_dtype_name(a.x_dtype));
+    if (T > A2A_ONE_CTA_TOKENS) {
+        const int64_t want = (T + A2A_ONE_CTA_TOKENS - 1) / A2A_ONE_CTA_TOKENS;
+        const int cap = a.num_sms < MOE_A2A_MAX_CTAS ? a.num_sms : MOE_A2A_MAX_CTAS;
+        G = (int)(want < cap ? want : cap);
+        if (G < 1)
+            G = 1;
+    }
+    if (G > 1) {
+        a2a_count_kernel<<<G, A2A_THREADS, 0, s>>>(a);
+        MOE_CUDA_CHECK_LAUNCH("a2a count");
+    }
+    if (a.x_dtype == MOE_DTYPE_BF16)
+        a2a_send_kernel<__nv_bfloat16><<<G, A2A_THREADS, 0, s>>>(a);
+    else
+        a2a_send_kernel<float><<<G, A2A_THREADS, 0, s>>>(a);
+    MOE_CUDA_CHECK_LAUNCH("a2a send");
+    return MOE_STATUS_SUCCESS;
+}
+
+extern "C" moe_status_t moe_a2a_wait_launch(const moe_a2a_wait_args_t *args, void *stream)
+{
+    a2a_wait_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(*args);
+    MOE_CUDA_CHECK_LAUNCH("a2a wait");
+    return MOE_STATUS_SUCCESS;
+}
+
+extern "C" moe_status_t moe_a2a_combine_launch(const moe_a2a_combine_args_t *args, void *stream)
+{
+    const int G = args->num_sms > 0 ? 2 * args->num_sms : 64;
+    if (args->hidden % 8)
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT, "a2a combine: hidden %d", args->hidden);
+    a2a_combine_kernel<<<G, A2A_THREADS, 0, (cudaStream_t)stream>>>(*args);
+    MOE_CUDA_CHECK_LAUNCH("a2a combine");
+    return MOE_STATUS_SUCCESS;
+}
+
+extern "C" moe_status_t moe_a2a_finish_launch(const moe_a2a_finish_args_t *args, void *stream)
+{
+    const int64_t n = args->num_tokens * (args->hidden / 8);
+    const unsigned grid = (unsigned)(n > 0 ? (n + A2A_THREADS - 1) / A2A_THREADS : 1);
+    cudaStream_t s = (cudaStream_t)stream;
+    if (args->hidden % 8)
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT, "a2a finish: hidden %d", args->hidden);
+    if (args->y_dtype == MOE_DTYPE_F32)
+        a2a_finish_kernel<float><<<grid, A2A_THREADS, 0, s>>>(*args);
+    else if (args->y_dtype == MOE_DTYPE_BF16)
+        a2a_finish_kernel<__nv_bfloat16><<<grid, A2A_THREADS, 0, s>>>(*args);
+    else
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "a2a finish: y in %s",
+                         moe_dtype_name(args->y_dtype));
+    MOE_CUDA_CHECK_LAUNCH("a2a finish");
+    return MOE_STATUS_SUCCESS;
+}
+
+extern "C" moe_status_t moe_a2a_prepare(void)
+{
+    MOE_CUDA_PREPARE(a2a_count_kernel);
+    MOE_CUDA_PREPARE(a2a_send_kernel<__nv_bfloat16>);
+    MOE_CUDA_PREPARE(a2a_send_kernel<float>);
+    MOE_CUDA_PREPARE(a2a_wait_kernel);
+    MOE_CUDA_PREPARE(a2a_combine_kernel);
+    MOE_CUDA_PREPARE(a2a_finish_kernel<float>);
+    MOE_CUDA_PREPARE(a2a_finish_kernel<__nv_bfloat16>);
+    return MOE_STATUS_SUCCESS;
+}
