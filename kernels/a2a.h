@@ -30,10 +30,11 @@ extern "C" {
 #define MOE_A2A_MAX_WORLD 8 /* ranks sharing one all-to-all (one host's GPUs) */
 #define MOE_A2A_CTRL 8      /* int32 control words per (rank, peer) */
 enum {
-    MOE_A2A_COUNT = 0,    /* rows the peer sent here this step */
-    MOE_A2A_STATUS = 1,   /* the peer's status code for the step (0: fine) */
-    MOE_A2A_SENT = 2,     /* sequence number: the peer's dispatch rows are here */
-    MOE_A2A_RETURNED = 4, /* sequence number: the peer's combine rows are here */
+    MOE_A2A_COUNT = 0,      /* rows the peer sent here this step */
+    MOE_A2A_STATUS = 1,     /* the peer's status code for the step (0: fine) */
+    MOE_A2A_SENT = 2,       /* sequence number: the peer's dispatch rows are here */
+    MOE_A2A_RETURNED = 4,   /* sequence number: the peer's combine rows are here */
+    MOE_A2A_RET_STATUS = 5, /* 0, or the peer lost rows this step (its wait timed out) */
 };
 
 /* Dispatch: rows of this rank's T tokens to every rank owning one of their experts. */
@@ -67,7 +68,9 @@ typedef struct moe_a2a_dispatch_args {
 moe_status_t moe_a2a_dispatch_launch(const moe_a2a_dispatch_args_t *args, void *stream);
 
 /* Wait (one CTA): for each peer s, until ctrl[s][word] reaches *seq (wrap-safe) or the
- * deadline; then counts[s] = ctrl[s][COUNT], statuses[s] = ctrl[s][STATUS] (word = SENT).
+ * deadline; then counts[s] = ctrl[s][COUNT], statuses[s] = ctrl[s][STATUS] (word = SENT);
+ * with word = RETURNED a nonzero RET_STATUS (the peer lost this rank's rows) sets *sticky to
+ * (s << 8) | MOE_STATUS_PEER_FAILURE.
  * word < 0: no wait (p2p: the words came by NCCL). On a timeout the peer's count is 0, its
  * status MOE_STATUS_TIMEOUT, and *sticky (when 0) = (s << 8) | MOE_STATUS_TIMEOUT. */
 typedef struct moe_a2a_wait_args {
@@ -99,6 +102,7 @@ typedef struct moe_a2a_combine_args {
     int32_t *dst_ctrl[MOE_A2A_MAX_WORLD];
     int32_t *done; /* persistent scalar, 0 between launches */
     int num_sms;
+    const int32_t *sticky; /* this rank's verdict: a TIMEOUT there goes out as RET_STATUS */
 } moe_a2a_combine_args_t;
 
 moe_status_t moe_a2a_combine_launch(const moe_a2a_combine_args_t *args, void *stream);

@@ -725,6 +725,14 @@ static moe_status_t cuda_synchronize(moe_layer_t *l, void *stream)
     if (v == 0)
         return MOE_STATUS_SUCCESS;
     *s->sticky = 0;
+    if ((v & 0xff) == MOE_STATUS_TIMEOUT) {
+        moe_cuda_ep_timed_out(l, v >> 8);
+        return moe_error(MOE_STATUS_TIMEOUT,
+                         "the all-to-all waited %d ms (the runtime's timeout) for rank %d, which "
+                         "never sent its rows or results (dead or stalled); this runtime's "
+                         "all-to-all is unusable now",
+                         l->rt->timeout_ms, v >> 8);
+    }
     if ((v & 0xff) == MOE_STATUS_NUMERIC_ERROR)
         return moe_error(MOE_STATUS_NUMERIC_ERROR,
                          "check_inputs: rank %d's x or router logits hold NaN or Inf; the step "

@@ -119,6 +119,8 @@ void moe_cuda_ep_plan_persistent(cuda_layer_t *s, carve_t *c);
 moe_status_t moe_cuda_ep_choose(moe_layer_t *l, cuda_layer_t *s);
 moe_status_t moe_cuda_ep_init(moe_layer_t *l, cuda_layer_t *s);
 void moe_cuda_ep_fini(cuda_layer_t *s);
+/* synchronize saw the all-to-all time out waiting for `rank`: later steps are refused. */
+void moe_cuda_ep_timed_out(moe_layer_t *l, int rank);
 const char *moe_cuda_ep_transport_name(int transport);
 /* One step across the ranks. `local` is this rank's argument verdict: on failure the rank
  * still joins every collective (with no tokens), its flag makes every rank skip the routed

@@ -30,6 +30,8 @@ typedef struct cuda_sym {
     int world, rank;
     char *peer[MOE_A2A_MAX_WORLD]; /* peer[rank] = local */
     uint32_t *seq;                 /* device scalar: the runtime's EP step count */
+    int broken; /* a wait timed out: the ranks' sequence numbers are out of step for good */
+    int broken_rank;
 } cuda_sym_t;
 
 /* ctrl words first, at a fixed place for every layer (a later layer's arrays never alias them) */
@@ -129,6 +131,15 @@ static size_t sym_layout(cuda_layer_t *s)
     s->off_tok = s->off_w + up256(4 * W * tm * k);
     s->off_ret = s->off_tok + up256(4 * W * tm);
     return s->off_ret + up256(s->deterministic ? 2 * tm * k * H : 4 * W * tm * H);
+}
+
+void moe_cuda_ep_timed_out(moe_layer_t *l, int rank)
+{
+    cuda_sym_t *y = l->rt->gpu_sym;
+    if (y && !y->broken) {
+        y->broken = 1;
+        y->broken_rank = rank;
+    }
 }
 
 /* ---- transport choice ------------------------------------------------------------------- */
@@ -710,6 +721,7 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     }
     c.done = s->a2a_done + 1;
     c.num_sms = s->num_sms;
+    c.sticky = s->sticky;
     MOE_CHECK(moe_a2a_combine_launch(&c, stream));
     if (!y)
         MOE_CHECK(p2p_results(s, stream));
@@ -799,6 +811,11 @@ moe_status_t moe_cuda_ep_forward(moe_layer_t *l, const moe_forward_args_t *a, mo
     }
     if (s->nccl)
         MOE_CHECK(moe_nccl_check(s->nccl));
+    if (s->transport == MOE_EP_LSA && ((cuda_sym_t *)l->rt->gpu_sym)->broken)
+        return moe_error(MOE_STATUS_INVALID_STATE,
+                         "an earlier step's all-to-all timed out waiting for rank %d: the ranks' "
+                         "buffers are out of step for good; destroy the runtime",
+                         ((cuda_sym_t *)l->rt->gpu_sym)->broken_rank);
     s->last_stream = stream;
     MOE_CHECK(moe_cuda_record(s, EV_START, stream));
     MOE_CHECK(moe_step_flag_set_launch(

@@ -35,12 +35,16 @@ __device__ __forceinline__ int64_t global_ns()
     return (int64_t)t;
 }
 
-// Spins until ctrl[word] reaches seq (wrap-safe), at most timeout_ns; false on a timeout.
-__device__ bool wait_word(const int32_t *ctrl, uint32_t seq, int64_t timeout_ns)
+// Spins until ctrl[word] reaches seq (wrap-safe), at most timeout_ns; false on a timeout, and
+// at once when this step already timed out on an earlier wait (*sticky holds a TIMEOUT): one
+// dead peer costs one timeout per step, not one per wait.
+__device__ bool wait_word(const int32_t *ctrl, uint32_t seq, int64_t timeout_ns,
+                          const int32_t *sticky)
 {
     const int64_t t0 = global_ns();
     while ((int32_t)(load_acquire_sys(ctrl) - seq) < 0) {
-        if (global_ns() - t0 > timeout_ns)
+        if (global_ns() - t0 > timeout_ns ||
+            (sticky && (*(volatile const int32_t *)sticky & 0xff) == MOE_STATUS_TIMEOUT))
             return false;
         __nanosleep(64);
     }
@@ -228,9 +232,12 @@ __global__ void a2a_wait_kernel(moe_a2a_wait_args_t a)
     const int32_t *c = a.ctrl + s * MOE_A2A_CTRL;
     bool ok = true;
     if (a.word >= 0)
-        ok = wait_word(c + a.word, *a.seq, a.timeout_ns);
+        ok = wait_word(c + a.word, *a.seq, a.timeout_ns, a.sticky);
     if (!ok && a.sticky)
         atomicCAS(a.sticky, 0, (s << 8) | MOE_STATUS_TIMEOUT);
+    if (ok && a.word == MOE_A2A_RETURNED && a.sticky &&
+        ((volatile const int32_t *)c)[MOE_A2A_RET_STATUS])
+        atomicCAS(a.sticky, 0, (s << 8) | MOE_STATUS_PEER_FAILURE);
     if (a.counts)
         a.counts[s] = ok ? ((volatile const int32_t *)c)[MOE_A2A_COUNT] : 0;
     if (a.statuses)
@@ -300,8 +307,13 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_combine_kernel(moe_a2a_combin
     }
     if (!last_cta(a.done))
         return;
-    if (threadIdx.x < W && a.dst_ctrl[threadIdx.x])
+    if (threadIdx.x < W && a.dst_ctrl[threadIdx.x]) {
+        const int32_t lost =
+            a.sticky && (*(volatile const int32_t *)a.sticky & 0xff) == MOE_STATUS_TIMEOUT;
+        ((volatile int32_t *)a.dst_ctrl[threadIdx.x])[MOE_A2A_RET_STATUS] = lost;
+        __threadfence_system();
         store_release_sys(a.dst_ctrl[threadIdx.x] + MOE_A2A_RETURNED, *a.seq);
+    }
 }
 
 __device__ __forceinline__ void put8(float *y, const float *v)
@@ -323,10 +335,15 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_finish_kernel(moe_a2a_finish_
         timed_out = 0;
     __syncthreads();
     if (a.ctrl && threadIdx.x < W &&
-        !wait_word(a.ctrl + threadIdx.x * MOE_A2A_CTRL + MOE_A2A_RETURNED, *a.seq, a.timeout_ns)) {
+        !wait_word(a.ctrl + threadIdx.x * MOE_A2A_CTRL + MOE_A2A_RETURNED, *a.seq, a.timeout_ns,
+                   a.sticky)) {
         timed_out = 1;
         if (a.sticky)
             atomicCAS(a.sticky, 0, (threadIdx.x << 8) | MOE_STATUS_TIMEOUT);
+    } else if (a.ctrl && threadIdx.x < W && a.sticky &&
+               ((volatile const int32_t *)
+                    a.ctrl)[threadIdx.x * MOE_A2A_CTRL + MOE_A2A_RET_STATUS]) {
+        atomicCAS(a.sticky, 0, (threadIdx.x << 8) | MOE_STATUS_PEER_FAILURE);
     }
     __syncthreads();
     const int64_t idx = (int64_t)blockIdx.x * A2A_THREADS + threadIdx.x;

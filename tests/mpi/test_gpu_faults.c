@@ -1,10 +1,11 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* GPU fault test (2+ GPUs, one rank each): the last rank stops (SIGSTOP) in the middle of a run,
  * before its third step. Every other rank's third step must end with MOE_STATUS_TIMEOUT (or a
- * NCCL error) within timeout_ms + 1 s of its synchronize, never hang, and the layer refuses
- * later steps. Rank 0 then wakes the stopped rank (SIGCONT), whose step returns (any status:
- * its peers' halves may have landed before they aborted), and every rank cleans up and exits
- * normally: MPI itself is unaffected, so the job ends with exit code 0. */
+ * NCCL error; the default transport on one host is lsa, whose device-side waits time out) within
+ * timeout_ms + 1 s of its synchronize, never hang, and the layer refuses later steps. Rank 0 then
+ * wakes the stopped rank (SIGCONT), whose step returns (any status: its peers' halves may have
+ * landed before they aborted), and every rank cleans up and exits normally: MPI itself is
+ * unaffected, so the job ends with exit code 0. */
 #include "gpu_mpi.h"
 #include "testutil.h"
 
@@ -116,7 +117,7 @@ int main(int argc, char **argv)
         MPI_Finalize();
         return gate;
     }
-    cudaSetDevice(rank);
+    cudaSetDevice(gt_shared_gpu() ? 0 : rank);
     rc = run();
     MPI_Allreduce(MPI_IN_PLACE, &rc, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
     MPI_Finalize();
