@@ -125,6 +125,18 @@ uint8_t moe_f32_to_fp8e4m3(float f)
                      (uint8_t)((uint32_t)(ldexpf(r, -e) * 8.0f) & 0x7u));
 }
 
+uint8_t moe_fp8e4m3_quantize(float v, float scale)
+{
+    return moe_f32_to_fp8e4m3(v / scale);
+}
+
+float moe_fp8_dynamic_scale(float amax)
+{
+    /* `amax > MIN` is false for NaN too: a NaN amax (never produced by the callers, which skip
+     * NaN) gives the floor instead of a NaN scale. */
+    return (amax > MOE_FP8_ACT_AMAX_MIN ? amax : MOE_FP8_ACT_AMAX_MIN) / MOE_FP8_E4M3_MAX;
+}
+
 void moe_convert_to_f32(moe_dtype_t dtype, const void *src, float *dst, size_t n)
 {
     size_t i;

@@ -25,6 +25,17 @@ float moe_fp8e4m3_to_f32(uint8_t v);
  * __NV_E4M3). */
 uint8_t moe_f32_to_fp8e4m3(float f);
 
+/* FP8 quantisation of one value with scale `scale` (real = q * scale): e4m3(v / scale) by
+ * moe_f32_to_fp8e4m3 (nearest even, saturating to +-448, NaN stays NaN). */
+uint8_t moe_fp8e4m3_quantize(float v, float scale);
+
+/* Dynamic activation scales (FP8 W8A8) never come from an absolute maximum below this: a group
+ * of zeros (or of tiny values) gets a small normal scale and quantises to exact zeros. */
+#define MOE_FP8_ACT_AMAX_MIN 1e-10f
+
+/* The dynamic scale of a group whose largest |value| is `amax`: max(amax, 1e-10) / 448. */
+float moe_fp8_dynamic_scale(float amax);
+
 /* Bulk conversions; MOE_DTYPE_F32 is a copy. */
 void moe_convert_to_f32(moe_dtype_t dtype, const void *src, float *dst, size_t n);
 void moe_convert_from_f32(moe_dtype_t dtype, const float *src, void *dst, size_t n);

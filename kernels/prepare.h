@@ -19,6 +19,7 @@ moe_status_t moe_permute_prepare(void);
 moe_status_t moe_combine_prepare(void);
 moe_status_t moe_ep_prepare(void);
 moe_status_t moe_a2a_prepare(void);
+moe_status_t moe_quant_prepare(void);
 /* Each grouped-GEMM variant that runs on `arch` (and simt_ref), every epilogue: a launch with
  * max_blocks = 0, which loads the kernel and sets its attributes but runs nothing. */
 moe_status_t moe_gemm_prepare(int arch);

@@ -27,6 +27,7 @@
 /* H200 datasheet figures the score is measured against. */
 #define HBM_BYTES_PER_S 4.8e12
 #define BF16_FLOPS_PER_S 989e12
+#define FP8_FLOPS_PER_S 1979e12
 #define MAX_POINTS 64
 
 #define CUDA_OK(call)                                                                              \
@@ -66,9 +67,11 @@ typedef struct options {
     int64_t graph_max; /* graph-replay steps of at most this many tokens */
     double seconds;    /* time spent per point, roughly */
     int help;
-    int explain;     /* --explain: per point, what the layer runs and why */
-    FILE *json_file; /* opened before the run, so a bad path fails before minutes of work */
-    char err[512];   /* why this rank rejected its options */
+    int explain;             /* --explain: per point, what the layer runs and why */
+    int fp8;                 /* --dtype fp8: W8A8 */
+    moe_scale_kind_t scales; /* --scales (fp8; default per-tensor) */
+    FILE *json_file;         /* opened before the run, so a bad path fails before minutes of work */
+    char err[512];           /* why this rank rejected its options */
 } options_t;
 
 /* Bounds: every size stays inside an int (nothing wraps) and every buffer size in int64. */
@@ -79,16 +82,18 @@ typedef struct options {
 
 static void usage(void)
 {
-    printf("usage: moe-bench [--preset NAME] [--experts E --top-k K --hidden H --intermediate I]\n"
-           "                 [--tokens 1,8,64,512,2048,8192] [--graph-max M] [--seconds S]\n"
-           "                 [--json FILE] [--explain]\n"
-           "       mpirun -np N moe-bench --dispatch-only [--max-tokens T] [--capacity C] "
-           "[--told]\n"
-           "         (expert-parallel dispatch/combine next to NCCL all-to-all; --capacity: a\n"
-           "         serving engine's max_tokens_per_rank for every point; --told: pass\n"
-           "         max_tokens_across_ranks = the point's tokens)\n"
-           "presets: %s\n",
-           moe_gen_preset_names());
+    printf(
+        "usage: moe-bench [--preset NAME] [--experts E --top-k K --hidden H --intermediate I]\n"
+        "                 [--tokens 1,8,64,512,2048,8192] [--graph-max M] [--seconds S]\n"
+        "                 [--json FILE] [--explain] [--dtype bf16|fp8 [--scales tensor|channel]]\n"
+        "         (fp8: e4m3 weights and activations, W8A8, f32 accumulation)\n"
+        "       mpirun -np N moe-bench --dispatch-only [--max-tokens T] [--capacity C] "
+        "[--told]\n"
+        "         (expert-parallel dispatch/combine next to NCCL all-to-all; --capacity: a\n"
+        "         serving engine's max_tokens_per_rank for every point; --told: pass\n"
+        "         max_tokens_across_ranks = the point's tokens)\n"
+        "presets: %s\n",
+        moe_gen_preset_names());
 }
 
 /* A comma-separated list of token counts, each in 1..MAX_M, at most MAX_POINTS of them. */
@@ -171,6 +176,20 @@ static int parse(int argc, char **argv, options_t *o)
             ok = !moe_cli_double(a, v, 1e-3, 3600.0, &o->seconds, o->err, sizeof(o->err));
         } else if (!strcmp(a, "--json")) {
             o->json = v;
+        } else if (!strcmp(a, "--dtype")) {
+            if (strcmp(v, "bf16") && strcmp(v, "fp8"))
+                return REJECT("--dtype %s: expected bf16 or fp8", v);
+            o->fp8 = !strcmp(v, "fp8");
+        } else if (!strcmp(a, "--scales")) {
+            if (!strcmp(v, "tensor"))
+                o->scales = MOE_SCALE_PER_TENSOR;
+            else if (!strcmp(v, "channel"))
+                o->scales = MOE_SCALE_PER_CHANNEL;
+            else if (!strcmp(v, "block"))
+                return REJECT("--scales block: W8A8 with 128x128 block scales is not built on the "
+                              "GPU yet (tensor and channel are)");
+            else
+                return REJECT("--scales %s: expected tensor or channel", v);
         } else {
             return REJECT("unknown option %s (see --help)", a);
         }
@@ -219,6 +238,8 @@ static int agree_options(const options_t *o, int bad)
         {"--preset", moe_cli_hash(o->preset), 1},
         {"--graph-max", o->graph_max, 0},
         {"--tokens", (int64_t)(token_list_hash(o, h) >> 1), 1},
+        {"--dtype", o->fp8, 0},
+        {"--scales", o->scales, 0},
     };
     return moe_cli_agree("moe-bench", bad, o->err, f, (int)(sizeof(f) / sizeof(f[0])));
 }
@@ -448,14 +469,18 @@ static void run_point(moe_layer_t *layer, const options_t *o, moe_forward_args_t
     p->time_us = t[n / 2];
     p->min_us = t[0];
     p->flops = 2.0 * (double)a.num_tokens * c->top_k * 3.0 * c->hidden * c->intermediate;
-    p->bytes = (double)p->distinct * 3.0 * c->hidden * c->intermediate * 2.0;
-    p->limit_us = fmax(p->bytes / HBM_BYTES_PER_S, p->flops / BF16_FLOPS_PER_S) * 1e6;
     {
+        /* fp8: 1 byte per weight (+ one f32 scale per row) at the FP8 tensor-core rate */
+        const int f8 = c->weight_dtype == MOE_DTYPE_FP8_E4M3;
+        const double wb = f8 ? 1.0 + 4.0 / c->hidden : 2.0;
+        const double rate = f8 ? FP8_FLOPS_PER_S : BF16_FLOPS_PER_S;
         /* uniform routing: each expert is missed by a token with probability 1 - k/E */
         const double E = c->num_experts, k = c->top_k;
         const double touched = E * (1.0 - pow(1.0 - k / E, (double)a.num_tokens));
-        p->limit_exp_us = fmax(touched * 3.0 * c->hidden * c->intermediate * 2.0 / HBM_BYTES_PER_S,
-                               p->flops / BF16_FLOPS_PER_S) *
+        p->bytes = (double)p->distinct * 3.0 * c->hidden * c->intermediate * wb;
+        p->limit_us = fmax(p->bytes / HBM_BYTES_PER_S, p->flops / rate) * 1e6;
+        p->limit_exp_us = fmax(touched * 3.0 * c->hidden * c->intermediate * wb / HBM_BYTES_PER_S,
+                               p->flops / rate) *
                           1e6;
     }
     free(t);
@@ -543,6 +568,11 @@ int main(int argc, char **argv)
         max_m = o.tokens[i] > max_m ? o.tokens[i] : max_m;
     o.cfg.max_tokens_per_rank = max_m;
     o.cfg.weight_dtype = MOE_DTYPE_BF16;
+    if (o.fp8) {
+        o.cfg.weight_dtype = MOE_DTYPE_FP8_E4M3;
+        o.cfg.scale_kind = o.scales ? o.scales : MOE_SCALE_PER_TENSOR;
+        o.cfg.fp8_math = MOE_FP8_MATH_W8A8;
+    }
     rc.backend = MOE_BACKEND_CUDA;
     MOE_OK(moe_runtime_create_mpi(&rc, MPI_COMM_WORLD, &rt));
     CUDA_OK(cudaGetDevice(&dev));
@@ -563,16 +593,19 @@ int main(int argc, char **argv)
     copy = copy_gbps(s);
     blas = cublas_tflops(s);
     strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", gmtime(&now));
-    printf("# moe-bench %s: %s E%d k%d H%d I%d%s, bf16 weights, x/y bf16\n", date, o.preset,
+    printf("# moe-bench %s: %s E%d k%d H%d I%d%s, %s weights, x/y bf16\n", date, o.preset,
            o.cfg.num_experts, o.cfg.top_k, o.cfg.hidden, o.cfg.intermediate,
-           o.cfg.num_shared_experts ? " + shared" : "");
+           o.cfg.num_shared_experts ? " + shared" : "",
+           !o.fp8                                      ? "bf16"
+           : o.cfg.scale_kind == MOE_SCALE_PER_CHANNEL ? "fp8 e4m3 W8A8 per-channel"
+                                                       : "fp8 e4m3 W8A8 per-tensor");
     printf("# GPU %d: %s, %d SMs; weights %.2f GB, workspace %.2f GB\n", dev, prop.name,
            prop.multiProcessorCount, info.weight_bytes / 1e9, info.workspace_bytes / 1e9);
     printf("# measured: device copy %.0f GB/s (read+write), cuBLAS bf16 8192^3 %.0f TFLOP/s\n",
            copy, blas);
     printf("# limit = max(touched expert bytes / %.1f TB/s, flops / %.0f TFLOP/s); "
            "score = limit / time\n",
-           HBM_BYTES_PER_S / 1e12, BF16_FLOPS_PER_S / 1e12);
+           HBM_BYTES_PER_S / 1e12, (o.fp8 ? FP8_FLOPS_PER_S : BF16_FLOPS_PER_S) / 1e12);
     printf("# limit_exp = the same with the experts a uniform routing would touch, "
            "E (1 - (1 - k/E)^M)\n");
     printf("#\n# %8s %8s %6s %6s %10s %10s %9s %9s %10s %10s %7s\n", "tokens", "experts", "mode",

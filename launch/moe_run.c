@@ -28,6 +28,8 @@ enum { NUM_SHAPE = 8 };
 typedef struct opts {
     const char *preset, *json, *dispatch, *backend, *dtype, *scoring;
     const char *model, *input, *output;
+    const char *fp8_math_name; /* --fp8-math */
+    moe_fp8_math_t fp8_math;
     const char *synthetic; /* the first option that shapes a synthetic layer (not --model's) */
     int layer_index;
     int num_layers; /* --layers: layers created and run in turn (memory per rank reported) */
@@ -121,6 +123,8 @@ static void usage(void)
            "  --model DIR --layer N [--input FILE] [--output FILE]   a checkpoint's layer\n"
            "                       (its sizes come from DIR: no --preset/--experts/... with it;\n"
            "                       --dtype f32|bf16 converts its weights at load)\n"
+           "  --fp8-math w8a16|w8a8   FP8 layers' arithmetic (default: the backend's, W8A16\n"
+           "                       today; w8a8: the CPU backend only for now)\n"
            "  --layers N           N layers (a model's worth), run in turn each step; reports\n"
            "                       the memory per rank (weights + the one shared workspace)\n"
            "  --json FILE          also write the results as JSON\n"
@@ -241,6 +245,8 @@ static int parse_one(opts_t *o, const char *a, const char *v, int *used)
             o->synthetic = "--scoring";
     } else if (!strcmp(a, "--dtype")) {
         o->dtype = v;
+    } else if (!strcmp(a, "--fp8-math")) {
+        o->fp8_math_name = v;
     } else if (!strcmp(a, "--layers")) {
         return int_field(o, a, v, 1, MAX_LAYERS, &o->num_layers);
     } else if (!strcmp(a, "--tokens")) {
@@ -353,6 +359,14 @@ static int parse(int argc, char **argv, opts_t *o)
         o->cfg.scale_kind = o->dtype_scale;
     }
     o->dtype = dtype;
+    if (!o->fp8_math_name)
+        o->fp8_math = MOE_FP8_MATH_AUTO;
+    else if (!strcmp(o->fp8_math_name, "w8a16"))
+        o->fp8_math = MOE_FP8_MATH_W8A16;
+    else if (!strcmp(o->fp8_math_name, "w8a8"))
+        o->fp8_math = MOE_FP8_MATH_W8A8;
+    else
+        return REJECT("--fp8-math %s: expected w8a16 or w8a8", o->fp8_math_name);
     return modes(o);
 }
 
@@ -670,6 +684,11 @@ static int resolve(opts_t *o, int world)
     if (o->input || o->output)
         return REJECT("--%s: this build has no safetensors support", o->input ? "input" : "output");
 #endif
+    o->cfg.fp8_math = o->fp8_math;
+    if (o->fp8_math == MOE_FP8_MATH_W8A8 && o->cfg.weight_dtype != MOE_DTYPE_FP8_E4M3)
+        return REJECT("--fp8-math w8a8: the layer's weights are %s, not FP8 (--dtype fp8, or an "
+                      "FP8 checkpoint without --dtype)",
+                      moe_dtype_name(o->cfg.weight_dtype));
     per_rank = (o->tokens + world - 1) / world;
     if (per_rank > (INT64_C(1) << 30))
         return REJECT("--tokens %lld: %lld per rank over %d rank(s); at most %lld",
@@ -713,6 +732,7 @@ static int agree_options(const opts_t *o, int bad)
         {"--n-group", c->n_group, 0},
         {"--topk-group", c->topk_group, 0},
         {"--dtype", c->weight_dtype, 0},
+        {"--fp8-math", c->fp8_math, 0},
         {"--ep", o->ep, 0},
         {"--tp", o->tp, 0},
         {"--dispatch", c->dispatch, 0},
@@ -778,7 +798,7 @@ int main(int argc, char **argv)
     if (rank_g == 0)
         printf(
             "# libmoe %d.%d.%d moe-run: backend %s%s, %d rank(s), ep %d x tp %d, dispatch %s%s\n"
-            "# layer %s: E%d k%d H%d I%d shared %d (I %d) dtype %s scoring %s%s, "
+            "# layer %s: E%d k%d H%d I%d shared %d (I %d) dtype %s%s scoring %s%s, "
             "tokens %lld, seed %llu\n",
             MOE_VERSION_MAJOR, MOE_VERSION_MINOR, MOE_VERSION_PATCH, moe_backend_name(ri.backend),
             ri.backend == MOE_BACKEND_CPU ? " (no GPU backend in use)" : "", world, li.ep_size,
@@ -786,6 +806,9 @@ int main(int argc, char **argv)
             o.model ? o.model : o.preset, o.cfg.num_experts, o.cfg.top_k, o.cfg.hidden,
             o.cfg.intermediate, o.cfg.num_shared_experts, o.cfg.shared_intermediate,
             moe_dtype_name(o.cfg.weight_dtype),
+            o.cfg.fp8_math == MOE_FP8_MATH_W8A8    ? " (W8A8)"
+            : o.cfg.fp8_math == MOE_FP8_MATH_W8A16 ? " (W8A16)"
+                                                   : "",
             o.cfg.scoring == MOE_SCORING_SIGMOID ? "sigmoid" : "softmax",
             o.cfg.n_group > 1 ? " grouped" : "", (long long)o.tokens, (unsigned long long)o.seed);
     x = malloc(sizeof(float) * (size_t)(my_tokens * o.cfg.hidden + 1));

@@ -133,6 +133,7 @@ static moe_status_t cpu_store_weight(moe_layer_t *l, moe_weight_kind_t kind, int
     memcpy(dst->data, m->data, moe_matrix_data_bytes(m->dtype, m->rows, m->cols));
     memcpy(dst->scale, m->scale,
            sizeof(float) * moe_matrix_scale_count(m->scale_kind, m->rows, m->cols));
+    dst->input_scale = m->input_scale;
     return MOE_STATUS_SUCCESS;
 }
 
@@ -140,6 +141,16 @@ static moe_cpu_matrix_t view(const moe_matrix_t *m)
 {
     moe_cpu_matrix_t v = {m->dtype, m->scale_kind, m->rows, m->cols, m->data, m->scale};
     return v;
+}
+
+/* One MLP (an expert's or the shared one's slice) in the layer's arithmetic: W8A8 for FP8
+ * layers configured so, else the W8A16 / f32 reference. */
+static moe_status_t run_mlp(const moe_layer_t *l, const moe_cpu_mlp_t *w, const float *x, int64_t n,
+                            float *out)
+{
+    if (l->cfg.weight_dtype == MOE_DTYPE_FP8_E4M3 && l->cfg.fp8_math == MOE_FP8_MATH_W8A8)
+        return moe_cpu_mlp_w8a8(w, l->cfg.activation, x, n, out);
+    return moe_cpu_mlp(w, l->cfg.activation, x, n, out);
 }
 
 /* The MLP of local expert `local` (or the shared MLP, local = -1) on this rank's slice. */
@@ -153,6 +164,9 @@ static moe_cpu_mlp_t mlp_view(const moe_layer_t *l, int local)
     w.down = view(&m[2]);
     w.slice_begin = local >= 0 ? l->plan.i_begin : l->plan.s_begin;
     w.full_intermediate = local >= 0 ? l->cfg.intermediate : l->plan.shared_intermediate;
+    w.input_scale[0] = m[0].input_scale;
+    w.input_scale[1] = m[1].input_scale;
+    w.input_scale[2] = m[2].input_scale;
     return w;
 }
 
@@ -330,9 +344,8 @@ static moe_status_t compute_rows(moe_layer_t *l, const float *xbase, const int64
         memcpy(xin + i * H, xbase + xrow[order[i]] * H, sizeof(float) * (size_t)H);
     for (e = 0; e < ne; e++) {
         moe_cpu_mlp_t w = mlp_view(l, e);
-        MOE_CHECK_GOTO(moe_cpu_mlp(&w, l->cfg.activation, xin + off[e] * H, off[e + 1] - off[e],
-                                   xo + off[e] * H),
-                       st, out);
+        MOE_CHECK_GOTO(run_mlp(l, &w, xin + off[e] * H, off[e + 1] - off[e], xo + off[e] * H), st,
+                       out);
     }
     for (i = 0; i < n; i++)
         memcpy(out + order[i] * H, xo + i * H, sizeof(float) * (size_t)H);
@@ -618,7 +631,7 @@ static moe_status_t shared_experts(moe_layer_t *l, step_t *s, float *shared)
         goto out;
     }
     MOE_CHECK_GOTO(gather_tokens(l, s), st, out);
-    MOE_CHECK_GOTO(moe_cpu_mlp(&w, l->cfg.activation, s->xall, s->Tg, part), st, out);
+    MOE_CHECK_GOTO(run_mlp(l, &w, s->xall, s->Tg, part), st, out);
     if (!l->cfg.deterministic && world > 1) {
         for (r = 0; r < world; r++)
             cnt[r] = s->tokens[r] * H;

@@ -17,6 +17,7 @@
 #include "kernels/numeric.h"
 #include "kernels/permute.h"
 #include "kernels/prepare.h"
+#include "kernels/quant.h"
 #include "kernels/route.h"
 #include "runtime/backend_cuda.h"
 #include "runtime/diag.h"
@@ -48,8 +49,9 @@ static int candidate_variants(const cuda_layer_t *s, const moe_gemm_variant_t **
     }
     table = moe_gemm_variants(&count);
     for (i = 0; i < count && n < cap - 1; i++)
-        if (moe_gemm_variant_runs_on(&table[i], s->arch) && table[i].ab_dtype == MOE_DTYPE_BF16 &&
-            table[i].scale_kind == MOE_SCALE_NONE)
+        if (moe_gemm_variant_runs_on(&table[i], s->arch) &&
+            table[i].ab_dtype == (s->f8 ? MOE_DTYPE_FP8_E4M3 : MOE_DTYPE_BF16) &&
+            table[i].scale_kind == (s->f8 ? MOE_SCALE_PER_CHANNEL : MOE_SCALE_NONE))
             out[n++] = &table[i];
     out[n++] = moe_gemm_simple_variant();
     return n;
@@ -92,6 +94,12 @@ static void plan_workspace(cuda_layer_t *s, carve_t *c)
     s->a = moe_cuda_take(c, 2 * (size_t)max_rows * (size_t)s->H);
     s->h = moe_cuda_take(c, 2 * (size_t)max_rows * (size_t)s->is);
     s->o = moe_cuda_take(c, 2 * (size_t)max_rows * (size_t)s->H);
+    if (s->f8) {
+        s->a8 = moe_cuda_take(c, (size_t)max_rows * (size_t)s->H);
+        s->h8 = moe_cuda_take(c, (size_t)max_rows * (size_t)s->is);
+        s->as = moe_cuda_take(c, sizeof(float) * (size_t)max_rows);
+        s->hs = moe_cuda_take(c, sizeof(float) * (size_t)max_rows);
+    }
     if (s->ss > 0) {
         s->sa = moe_cuda_take(c, 2 * (size_t)s_rows * (size_t)s->H);
         s->sh = moe_cuda_take(c, 2 * (size_t)s_rows * (size_t)s->ss);
@@ -99,6 +107,12 @@ static void plan_workspace(cuda_layer_t *s, carve_t *c)
         s->s_block_expert = moe_cuda_take(c, sizeof(int32_t) * (size_t)s->s_max_blocks);
         s->s_num_blocks = moe_cuda_take(c, sizeof(int32_t));
         s->s_gate_logit = moe_cuda_take(c, sizeof(float) * (size_t)tm);
+        if (s->f8) {
+            s->sa8 = moe_cuda_take(c, (size_t)s_rows * (size_t)s->H);
+            s->sh8 = moe_cuda_take(c, (size_t)s_rows * (size_t)s->ss);
+            s->sas = moe_cuda_take(c, sizeof(float) * (size_t)s_rows);
+            s->shs = moe_cuda_take(c, sizeof(float) * (size_t)s_rows);
+        }
     }
     if (s->world > 1)
         moe_cuda_ep_plan_workspace(s, c);
@@ -108,13 +122,22 @@ static void plan_workspace(cuda_layer_t *s, carve_t *c)
 static void plan_weights(cuda_layer_t *s, carve_t *c)
 {
     const size_t E = (size_t)s->E, H = (size_t)s->H, is = (size_t)s->is, ss = (size_t)s->ss;
-    s->w13 = moe_cuda_take(c, 2 * E * 2 * is * H);
-    s->w2 = moe_cuda_take(c, 2 * E * H * is);
+    const size_t eb = s->f8 ? 1 : 2; /* bytes per weight */
+    s->w13 = moe_cuda_take(c, eb * E * 2 * is * H);
+    s->w2 = moe_cuda_take(c, eb * E * H * is);
+    if (s->f8) {
+        s->w13s = moe_cuda_take(c, sizeof(float) * E * 2 * is);
+        s->w2s = moe_cuda_take(c, sizeof(float) * E * H);
+        if (ss > 0) {
+            s->sw13s = moe_cuda_take(c, sizeof(float) * 2 * ss);
+            s->sw2s = moe_cuda_take(c, sizeof(float) * H);
+        }
+    }
     s->router = moe_cuda_take(c, sizeof(float) * (size_t)s->E_total * H); /* every expert's row */
     s->bias = moe_cuda_take(c, sizeof(float) * (size_t)s->E_total);
     if (ss > 0) {
-        s->sw13 = moe_cuda_take(c, 2 * 2 * ss * H);
-        s->sw2 = moe_cuda_take(c, 2 * H * ss);
+        s->sw13 = moe_cuda_take(c, eb * 2 * ss * H);
+        s->sw2 = moe_cuda_take(c, eb * H * ss);
         s->sgate = moe_cuda_take(c, sizeof(float) * H);
     }
     if (s->world > 1)
@@ -212,6 +235,19 @@ static moe_status_t check_supported(const moe_layer_t *l)
                          "CUDA backend: weight_dtype = %s; use BF16, F32 or FP8_E4M3 "
                          "(converted to BF16 at load) or MOE_BACKEND=cpu",
                          moe_dtype_name(c->weight_dtype));
+    if (c->fp8_math == MOE_FP8_MATH_W8A8 && c->scale_kind == MOE_SCALE_BLOCK_128)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                         "CUDA backend: fp8_math = MOE_FP8_MATH_W8A8 with 128x128 block scales is "
+                         "not built yet (per-tensor and per-channel are); use MOE_FP8_MATH_W8A16 "
+                         "or AUTO (or MOE_BACKEND=cpu)");
+    if (c->fp8_math == MOE_FP8_MATH_W8A8) { /* e4m3 rows: k in whole 16-byte units */
+        const int64_t is = l->plan.i_end - l->plan.i_begin, ss = l->plan.s_end - l->plan.s_begin;
+        if (c->hidden % 16 || is % 16 || ss % 16)
+            return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                             "CUDA backend: W8A8 needs hidden (%d), this rank's intermediate "
+                             "slice (%lld) and shared slice (%lld) to be multiples of 16",
+                             c->hidden, (long long)is, (long long)ss);
+    }
     if (c->num_experts > MOE_ROUTE_MAX_EXPERTS || c->top_k > MOE_ROUTE_MAX_TOP_K)
         return moe_error(MOE_STATUS_NOT_SUPPORTED,
                          "CUDA backend: num_experts = %d, top_k = %d (routing is built for up "
@@ -260,6 +296,7 @@ static void init_shape(moe_layer_t *l, cuda_layer_t *s)
     s->first_local = l->plan.first_local_expert;
     s->deterministic = l->cfg.deterministic;
     s->tm = l->cfg.max_tokens_per_rank;
+    s->f8 = l->cfg.weight_dtype == MOE_DTYPE_FP8_E4M3 && l->cfg.fp8_math == MOE_FP8_MATH_W8A8;
     /* With EP every rank computes over all ranks' (padded) tokens. */
     s->max_tokens = s->tm * s->world;
     s->act = l->cfg.activation;
@@ -284,17 +321,31 @@ static moe_status_t cuda_init(moe_layer_t *l)
         MOE_CHECK_GOTO(moe_gpu_get_device(&s->device), st, fail);
     MOE_CHECK_GOTO(moe_gpu_arch(s->device, &s->arch), st, fail);
     init_shape(l, s);
+    if (s->f8 && s->arch != 90) {
+        st = moe_error(MOE_STATUS_NOT_SUPPORTED,
+                       "CUDA backend: W8A8 needs FP8 tensor cores (sm_90a); this device is sm_%d: "
+                       "use MOE_FP8_MATH_W8A16 or AUTO (weights dequantised to bf16)",
+                       s->arch);
+        goto fail;
+    }
     if (s->world > 1) /* collective; the transport shapes the workspace */
         MOE_CHECK_GOTO(moe_cuda_ep_choose(l, s), st, fail);
     MOE_CHECK_GOTO(pick_forced_variant(s), st, fail);
+    if (s->forced && s->f8 != (s->forced->ab_dtype == MOE_DTYPE_FP8_E4M3)) {
+        st = moe_error(MOE_STATUS_NOT_SUPPORTED,
+                       "MOE_GEMM_VARIANT=%s is a %s variant; this layer "
+                       "computes in %s",
+                       s->forced->name, moe_dtype_name(s->forced->ab_dtype),
+                       s->f8 ? "e4m3 (W8A8)" : "bf16");
+        goto fail;
+    }
     if (!s->forced && !moe_gemm_select(s->arch, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1.0))
         s->forced = moe_gemm_simple_variant(); /* no tuned variant for this arch */
     /* Every kernel a step can launch is loaded now, never inside a step. */
     MOE_CHECK_GOTO(moe_kernels_prepare(s->arch), st, fail);
-    if (l->cfg.weight_dtype == MOE_DTYPE_FP8_E4M3)
-        MOE_LOG_WARN("CUDA", "FP8 layer: the CUDA backend has no FP8 kernels yet; its weights "
-                             "are dequantised to BF16 at load (W8A16: the CPU backend's numbers, "
-                             "twice the FP8 memory and bandwidth)");
+    if (l->cfg.weight_dtype == MOE_DTYPE_FP8_E4M3 && !s->f8)
+        MOE_LOG_INFO("CUDA", "FP8 layer, fp8_math W8A16: weights dequantised to BF16 at load (the "
+                             "CPU backend's numbers; MOE_FP8_MATH_W8A8 keeps them e4m3)");
 
     plan_weights(s, &c);
     l->weight_bytes = c.off;
@@ -391,6 +442,56 @@ static moe_status_t store_bf16(void *dst, const moe_matrix_t *m)
     return st;
 }
 
+/* W8A8: the e4m3 bytes as stored, and one scale per row (a per-tensor scale repeated). */
+static moe_status_t store_e4m3(cuda_layer_t *s, moe_weight_kind_t kind, int local,
+                               const moe_matrix_t *m)
+{
+    const size_t H = (size_t)s->H, is = (size_t)s->is, ss = (size_t)s->ss;
+    const size_t rows = (size_t)m->rows, cols = (size_t)m->cols;
+    char *dst;
+    float *sdst, *rs;
+    moe_status_t st;
+    size_t r;
+    if (m->dtype != MOE_DTYPE_FP8_E4M3 ||
+        (m->scale_kind != MOE_SCALE_PER_TENSOR && m->scale_kind != MOE_SCALE_PER_CHANNEL))
+        return moe_error(MOE_STATUS_INTERNAL_ERROR,
+                         "W8A8 store: a %s matrix with scale kind %d (e4m3 per-tensor or "
+                         "per-channel expected)",
+                         moe_dtype_name(m->dtype), (int)m->scale_kind);
+    switch (kind) {
+    case MOE_WEIGHT_GATE_PROJ:
+    case MOE_WEIGHT_UP_PROJ:
+        dst = (char *)s->w13 + (size_t)local * 2 * is * H;
+        sdst = s->w13s + (size_t)local * 2 * is;
+        if (kind == MOE_WEIGHT_UP_PROJ)
+            dst += is * H, sdst += is;
+        break;
+    case MOE_WEIGHT_DOWN_PROJ:
+        dst = (char *)s->w2 + (size_t)local * H * is;
+        sdst = s->w2s + (size_t)local * H;
+        break;
+    case MOE_WEIGHT_SHARED_GATE_PROJ:
+    case MOE_WEIGHT_SHARED_UP_PROJ:
+        dst = (char *)s->sw13 + (kind == MOE_WEIGHT_SHARED_UP_PROJ ? ss * H : 0);
+        sdst = s->sw13s + (kind == MOE_WEIGHT_SHARED_UP_PROJ ? ss : 0);
+        break;
+    default:
+        dst = (char *)s->sw2;
+        sdst = s->sw2s;
+        break;
+    }
+    rs = malloc(sizeof(float) * (rows ? rows : 1));
+    if (!rs)
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "W8A8 row scales");
+    for (r = 0; r < rows; r++)
+        rs[r] = m->scale_kind == MOE_SCALE_PER_TENSOR ? m->scale[0] : m->scale[r];
+    st = moe_gpu_memcpy_h2d(dst, m->data, rows * cols);
+    if (st == MOE_STATUS_SUCCESS)
+        st = moe_gpu_memcpy_h2d(sdst, rs, sizeof(float) * rows);
+    free(rs);
+    return st;
+}
+
 static moe_status_t cuda_store_weight(moe_layer_t *l, moe_weight_kind_t kind, int local,
                                       const moe_matrix_t *m)
 {
@@ -439,6 +540,8 @@ static moe_status_t cuda_store_weight(moe_layer_t *l, moe_weight_kind_t kind, in
     default:
         return moe_error(MOE_STATUS_INVALID_ARGUMENT, "CUDA store: weight kind %d", (int)kind);
     }
+    if (s->f8)
+        return store_e4m3(s, kind, local, m);
     return store_bf16(dst, m);
 }
 
@@ -453,36 +556,69 @@ const moe_gemm_variant_t *moe_cuda_variant_for(const cuda_layer_t *s, double row
      * changes with the batch size, its position or the EP size. */
     if (s->deterministic)
         rows_per_expert = 1.0;
+    if (s->f8) /* create checked that sm_90a has them */
+        return moe_gemm_select(s->arch, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, rows_per_expert);
     v = moe_gemm_select(s->arch, MOE_DTYPE_BF16, MOE_SCALE_NONE, rows_per_expert);
     return v ? v : moe_gemm_simple_variant();
 }
 
-static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_t *v, const void *a,
-                                  void *h, void *o, const void *w13, const void *w2, int64_t inter,
-                                  int num_experts, const int32_t *block_expert,
+/* The expert MLP's two GEMMs on the rows of a (bf16); W8A8: each GEMM's input quantised per
+ * row first (a -> a8, h -> h8), e4m3 weights with per-row scales. */
+typedef struct mlp_io {
+    const void *a;
+    void *h, *o;
+    uint8_t *a8, *h8;
+    float *as, *hs;
+    const void *w13, *w2;
+    const float *w13s, *w2s;
+    int64_t inter;
+    int num_experts;
+} mlp_io_t;
+
+static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_t *v,
+                                  const mlp_io_t *m, const int32_t *block_expert,
                                   const int32_t *num_blocks, int max_blocks, void *stream)
 {
+    const int64_t rows = (int64_t)max_blocks * v->block_rows;
     moe_gemm_args_t g;
     memset(&g, 0, sizeof(g));
-    g.a = a;
-    g.b = w13;
-    g.c = h;
+    g.a = m->a;
+    g.b = m->w13;
+    g.c = m->h;
     g.block_expert = block_expert;
     g.num_blocks = num_blocks;
     g.max_blocks = max_blocks;
-    g.num_experts = num_experts;
-    g.n = (int)(2 * inter);
+    g.num_experts = m->num_experts;
+    g.n = (int)(2 * m->inter);
     g.k = s->H;
     g.epilogue = s->act == MOE_ACTIVATION_GELU ? MOE_GEMM_EPI_GELU_MUL : MOE_GEMM_EPI_SILU_MUL;
     g.ab_dtype = MOE_DTYPE_BF16;
     g.scale_kind = MOE_SCALE_NONE;
+    if (s->f8) {
+        moe_quant_rows_args_t q = {m->a, MOE_DTYPE_BF16, rows,  num_blocks, v->block_rows,
+                                   s->H, NULL,           m->a8, m->as};
+        MOE_CHECK(moe_quant_rows_launch(&q, stream));
+        g.a = m->a8;
+        g.a_scale = m->as;
+        g.b_scale = m->w13s;
+        g.ab_dtype = MOE_DTYPE_FP8_E4M3;
+        g.scale_kind = MOE_SCALE_PER_CHANNEL;
+    }
     MOE_CHECK(v->launch(&g, stream));
-    g.a = h;
-    g.b = w2;
-    g.c = o;
+    g.a = m->h;
+    g.b = m->w2;
+    g.c = m->o;
     g.n = s->H;
-    g.k = (int)inter;
+    g.k = (int)m->inter;
     g.epilogue = MOE_GEMM_EPI_STORE;
+    if (s->f8) {
+        moe_quant_rows_args_t q = {m->h,          MOE_DTYPE_BF16, rows,  num_blocks, v->block_rows,
+                                   (int)m->inter, NULL,           m->h8, m->hs};
+        MOE_CHECK(moe_quant_rows_launch(&q, stream));
+        g.a = m->h8;
+        g.a_scale = m->hs;
+        g.b_scale = m->w2s;
+    }
     return v->launch(&g, stream);
 }
 
@@ -565,8 +701,11 @@ moe_status_t moe_cuda_routed_experts(cuda_layer_t *s, const void *x, moe_dtype_t
     MOE_CHECK(moe_permute_launch(&p, stream));
     MOE_CHECK(moe_gather_launch(&g, stream));
     MOE_CHECK(moe_cuda_record(s, EV_PERMUTE, stream));
-    return run_mlp_gemms(s, v, s->a, s->h, s->o, s->w13, s->w2, s->is, s->E, s->block_expert,
-                         s->num_blocks, mb, stream);
+    {
+        const mlp_io_t m = {s->a,   s->h,  s->o,    s->a8,  s->h8, s->as, s->hs,
+                            s->w13, s->w2, s->w13s, s->w2s, s->is, s->E};
+        return run_mlp_gemms(s, v, &m, s->block_expert, s->num_blocks, mb, stream);
+    }
 }
 
 /* The shared MLP (this rank's slice) on T tokens of x into s->so. */
@@ -582,8 +721,11 @@ moe_status_t moe_cuda_shared_experts(cuda_layer_t *s, const void *x, moe_dtype_t
         return moe_error(MOE_STATUS_INTERNAL_ERROR, "shared: %d blocks > planned %d", mb,
                          s->s_max_blocks);
     MOE_CHECK(moe_rows_launch(&r, stream));
-    return run_mlp_gemms(s, v, s->sa, s->sh, s->so, s->sw13, s->sw2, s->ss, 1, s->s_block_expert,
-                         s->s_num_blocks, mb, stream);
+    {
+        const mlp_io_t m = {s->sa,   s->sh,  s->so,    s->sa8,  s->sh8, s->sas, s->shs,
+                            s->sw13, s->sw2, s->sw13s, s->sw2s, s->ss,  1};
+        return run_mlp_gemms(s, v, &m, s->s_block_expert, s->s_num_blocks, mb, stream);
+    }
 }
 
 /* sigmoid input of Qwen2's shared-expert gate for this rank's tokens. */
@@ -752,6 +894,12 @@ static void explain_gemm(const cuda_layer_t *s, double rows_per_expert, char *te
                  s->forced == moe_gemm_simple_variant() && !moe_env_str("MOE_GEMM_VARIANT", NULL)
                      ? "no tuned variant for this GPU"
                      : "forced by MOE_GEMM_VARIANT");
+        return;
+    }
+    if (s->f8) { /* W8A8: the FP8 table (e4m3 A and B, per-row scales) */
+        snprintf(text, len, "%s (W8A8, built-in FP8 table for sm_90a at %.3g rows/expert)",
+                 moe_cuda_variant_for(s, rows_per_expert)->name,
+                 s->deterministic ? 1.0 : rows_per_expert);
         return;
     }
     /* deterministic mode pins the variant of one row per expert: see moe_cuda_variant_for */

@@ -18,18 +18,23 @@ typedef struct cuda_layer {
     int64_t is, ss, max_tokens;
     moe_activation_t act;
     const moe_gemm_variant_t *forced; /* MOE_GEMM_VARIANT, else NULL (oracle per step) */
+    /* W8A8 (fp8_math = W8A8, per-tensor or per-channel e4m3 weights, sm_90a): the expert
+     * matrices stay e4m3 with one f32 scale per weight row (per-tensor scales expanded), the
+     * activations into each GEMM are quantised per row; else FP8 weights are bf16 (W8A16). */
+    int f8;
 
     /* weights and the layer's persistent device data (one allocation) */
     void *wmem;
-    void *w13;       /* bf16 [E][2 is][H]: gate rows then up rows */
-    void *w2;        /* bf16 [E][H][is] */
-    float *router;   /* f32 [E][H] */
-    float *bias;     /* f32 [E] */
-    void *sw13;      /* bf16 [2 ss][H] */
-    void *sw2;       /* bf16 [H][ss] */
-    float *sgate;    /* f32 [H] */
-    int32_t *iota;   /* EP: [tm k], row of slot (t, j) in `mine` */
-    float *ones;     /* EP: [tm] */
+    void *w13;                        /* bf16 [E][2 is][H]: gate rows then up rows */
+    void *w2;                         /* bf16 [E][H][is] */
+    float *router;                    /* f32 [E][H] */
+    float *bias;                      /* f32 [E] */
+    void *sw13;                       /* bf16 [2 ss][H] */
+    void *sw2;                        /* bf16 [H][ss] */
+    float *sgate;                     /* f32 [H] */
+    float *w13s, *w2s, *sw13s, *sw2s; /* W8A8: [E][2 is], [E][H], [2 ss], [H] row scales */
+    int32_t *iota;                    /* EP: [tm k], row of slot (t, j) in `mine` */
+    float *ones;                      /* EP: [tm] */
     int32_t *sticky; /* host-mapped pinned scalar: the first failed step's (rank << 8) | status
                       * since the last synchronize, written by the device (0: none) */
 
@@ -47,8 +52,10 @@ typedef struct cuda_layer {
     int32_t *slot_of_row;               /* [max_rows] */
     int32_t *perm_scratch;              /* the multi-CTA permute's [chunks][E] */
     int64_t perm_scratch_count;
-    void *a, *h, *o;    /* bf16 [max_rows][H], [max_rows][is], [max_rows][H] */
-    void *sa, *sh, *so; /* bf16 [s_rows][H], [s_rows][ss], [s_rows][H] */
+    void *a, *h, *o;              /* bf16 [max_rows][H], [max_rows][is], [max_rows][H] */
+    void *sa, *sh, *so;           /* bf16 [s_rows][H], [s_rows][ss], [s_rows][H] */
+    uint8_t *a8, *h8, *sa8, *sh8; /* W8A8: e4m3 copies of a, h, sa, sh */
+    float *as, *hs, *sas, *shs;   /* W8A8: their row scales */
     int32_t *s_block_expert, *s_num_blocks;
     float *s_gate_logit; /* [Tm] */
 

@@ -628,7 +628,7 @@ static moe_status_t config_dtype(const cfg_reader_t *r, moe_layer_config_t *cfg)
                              "supported (only \"fp8\": 128x128 blocks or one scale per matrix)",
                              r->dir, method);
         /* "static" (AutoFP8 and common exporters) adds an input_scale per matrix: read and
-         * checked, not used yet (activations are not quantised: W8A16, docs/SEMANTICS.md). */
+         * checked; W8A8 layers use it (W8A16 ones do not quantise activations; SEMANTICS.md). */
         if (strcmp(act, "dynamic") && strcmp(act, "static"))
             return moe_error(MOE_STATUS_NOT_SUPPORTED,
                              "%s/config.json: activation_scheme \"%.40s\" is not supported "
@@ -963,10 +963,11 @@ static moe_status_t check_file_dtype(const load_ctx_t *x, moe_weight_kind_t kind
 }
 
 /* The one-value scale tensor of matrix `weight` ("<m>.weight"): which = "weight_scale" reads
- * "<m>.weight_scale" into x->scale[0] (required); "input_scale" checks "<m>.input_scale" when
- * the file has it (a static activation scale: finite and > 0, else an error naming it). */
+ * "<m>.weight_scale" (required); "input_scale" reads "<m>.input_scale" when the file has it (a
+ * static activation scale, used by W8A8 layers; *out stays 0 without it). Either must be finite
+ * and > 0, else an error naming it. */
 static moe_status_t load_tensor_scale(load_ctx_t *x, const char *weight, const char *which,
-                                      int required)
+                                      int required, float *out)
 {
     char sname[300];
     const size_t stem = strlen(weight) >= 6 && !strcmp(weight + strlen(weight) - 6, "weight")
@@ -985,15 +986,13 @@ static moe_status_t load_tensor_scale(load_ctx_t *x, const char *weight, const c
                          "(one scale per matrix)",
                          moe_st_file_path(sf), sname, moe_st_dtype_name(s->dtype),
                          (long long)(s->rows * s->cols));
-    MOE_CHECK(grow((void **)&x->scale, &x->scale_cap, 2 * sizeof(float)));
     MOE_CHECK(moe_st_read_block(sf, s, 0, 1, 0, 1, &v));
     if (moe_layer_checks_weight_values(x->layer)) {
         char origin[512];
         snprintf(origin, sizeof(origin), "%s: tensor \"%s\"", moe_st_file_path(sf), sname);
         MOE_CHECK(moe_scales_check(&v, 1, 1, origin, 0, 0));
     }
-    if (required)
-        x->scale[0] = v;
+    *out = v;
     return MOE_STATUS_SUCCESS;
 }
 
@@ -1008,6 +1007,7 @@ static moe_status_t load_matrix(load_ctx_t *x, const char *suffix, moe_weight_ki
     const moe_st_tensor_t *t, *s;
     int64_t tr = 0, tc = 0, rows = r1 - r0, cols = c1 - c0;
     moe_tensor_t mt = {0};
+    float input_scale = 0.0f; /* <m>.input_scale of per-tensor FP8 files; 0: none */
     size_t n = (size_t)rows * (size_t)cols, es;
     moe_dtype_t dt;
 
@@ -1046,8 +1046,9 @@ static moe_status_t load_matrix(load_ctx_t *x, const char *suffix, moe_weight_ki
     }
 
     if (dt == MOE_DTYPE_FP8_E4M3 && x->ckpt_scale == MOE_SCALE_PER_TENSOR) {
-        MOE_CHECK(load_tensor_scale(x, name, "weight_scale", 1));
-        MOE_CHECK(load_tensor_scale(x, name, "input_scale", 0));
+        MOE_CHECK(grow((void **)&x->scale, &x->scale_cap, 2 * sizeof(float)));
+        MOE_CHECK(load_tensor_scale(x, name, "weight_scale", 1, &x->scale[0]));
+        MOE_CHECK(load_tensor_scale(x, name, "input_scale", 0, &input_scale));
         mt.scale = x->scale;
         mt.scale_rows = 1;
         mt.scale_cols = 1;
@@ -1101,8 +1102,8 @@ static moe_status_t load_matrix(load_ctx_t *x, const char *suffix, moe_weight_ki
     {
         char origin[512];
         snprintf(origin, sizeof(origin), "%s: tensor \"%s\"", moe_st_file_path(f), name);
-        return moe_layer_set_weight_from(x->layer, kind, expert, &mt, origin, t->ndim == 1 ? 0 : r0,
-                                         c0);
+        return moe_layer_set_weight_from(x->layer, kind, expert, &mt, input_scale, origin,
+                                         t->ndim == 1 ? 0 : r0, c0);
     }
 }
 

@@ -89,6 +89,13 @@ static moe_status_t validate_dtype(const moe_layer_config_t *c)
     else
         MOE_ARG_CHECK(c->scale_kind == MOE_SCALE_NONE,
                       "scale_kind = %d: only FP8_E4M3 weights take scales", (int)c->scale_kind);
+    MOE_ARG_CHECK(c->fp8_math == MOE_FP8_MATH_AUTO || c->fp8_math == MOE_FP8_MATH_W8A16 ||
+                      c->fp8_math == MOE_FP8_MATH_W8A8,
+                  "fp8_math = %d: not a moe_fp8_math_t (AUTO 0, W8A16 1, W8A8 2)",
+                  (int)c->fp8_math);
+    MOE_ARG_CHECK(c->fp8_math != MOE_FP8_MATH_W8A8 || c->weight_dtype == MOE_DTYPE_FP8_E4M3,
+                  "fp8_math = MOE_FP8_MATH_W8A8 needs weight_dtype FP8_E4M3 (got %s)",
+                  moe_dtype_name(c->weight_dtype));
     if (c->weight_dtype != MOE_DTYPE_F32) {
         /* 16-byte rows for vector loads and TMA on the GPU; the CPU checks the same so that
          * a config valid here is valid on every backend. */
@@ -231,7 +238,8 @@ static uint64_t config_hash(const moe_layer_config_t *c)
                    c->tp_size,
                    c->dispatch,
                    c->deterministic,
-                   c->check_inputs};
+                   c->check_inputs,
+                   c->fp8_math};
     uint64_t h = 1469598103934665603ULL;
     size_t i, b;
     for (i = 0; i < sizeof(f) / sizeof(f[0]); i++)

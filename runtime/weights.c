@@ -133,6 +133,15 @@ static void extract_f32(const moe_tensor_t *t, moe_scale_kind_t sk, int64_t r0, 
     }
 }
 
+/* The scale of a block whose largest |value| is amax: amax / 448, or 1 where that is 0 (all
+ * zeros, or an amax so small that the division underflows: its values quantise to 0, not to
+ * 0 / 0 = NaN). */
+static float scale_of_amax(float amax)
+{
+    const float s = amax / MOE_FP8_E4M3_MAX;
+    return s > 0.0f ? s : 1.0f;
+}
+
 /* Index of element (r, c)'s scale in a [rows, cols] matrix's scale array of kind k. */
 static int64_t scale_index(moe_scale_kind_t k, int64_t cols, int64_t r, int64_t c)
 {
@@ -158,7 +167,7 @@ static void quantize_fp8(const float *in, int64_t rows, int64_t cols, moe_scale_
                 *a = v > *a ? v : *a;
             }
         for (i = 0; i < n; i++)
-            scale[i] = amax[i] > 0.0f ? amax[i] / MOE_FP8_E4M3_MAX : 1.0f;
+            scale[i] = scale_of_amax(amax[i]);
     }
     for (r = 0; r < rows; r++)
         for (c = 0; c < cols; c++)
@@ -181,7 +190,7 @@ static int whole_matrix_scales(const moe_tensor_t *t, moe_scale_kind_t sk, int64
             for (c = 0; c < t->cols; c++) /* other ranks check their parts: skip non-finite */
                 amax = isfinite(row[c]) && fabsf(row[c]) > amax ? fabsf(row[c]) : amax;
         }
-        m->scale[0] = amax > 0.0f ? amax / MOE_FP8_E4M3_MAX : 1.0f;
+        m->scale[0] = scale_of_amax(amax);
         return 1;
     }
     if (m->scale_kind == MOE_SCALE_PER_CHANNEL) {
@@ -190,7 +199,7 @@ static int whole_matrix_scales(const moe_tensor_t *t, moe_scale_kind_t sk, int64
             extract_f32(t, sk, r0 + rr, 0, 1, t->cols, row);
             for (c = 0; c < t->cols; c++)
                 amax = isfinite(row[c]) && fabsf(row[c]) > amax ? fabsf(row[c]) : amax;
-            m->scale[rr] = amax > 0.0f ? amax / MOE_FP8_E4M3_MAX : 1.0f;
+            m->scale[rr] = scale_of_amax(amax);
         }
         return 1;
     }
@@ -386,12 +395,12 @@ moe_status_t moe_layer_set_weight(moe_layer_t *l, moe_weight_kind_t kind, int ex
                                   const moe_tensor_t *t)
 {
     moe_error_clear();
-    return moe_layer_set_weight_from(l, kind, expert, t, NULL, 0, 0);
+    return moe_layer_set_weight_from(l, kind, expert, t, 0.0f, NULL, 0, 0);
 }
 
 moe_status_t moe_layer_set_weight_from(moe_layer_t *l, moe_weight_kind_t kind, int expert,
-                                       const moe_tensor_t *t, const char *origin, int64_t row_off,
-                                       int64_t col_off)
+                                       const moe_tensor_t *t, float input_scale, const char *origin,
+                                       int64_t row_off, int64_t col_off)
 {
     int64_t rows, cols, frows, fcols, r0, c0;
     moe_matrix_t m = {0};
@@ -430,10 +439,16 @@ moe_status_t moe_layer_set_weight_from(moe_layer_t *l, moe_weight_kind_t kind, i
         if (t->dtype == MOE_DTYPE_FP8_E4M3)
             MOE_CHECK(fp8_scale_kind(t, what, &sk));
         MOE_CHECK(moe_tensor_check_values(t, sk, r0, c0, rows, cols, where, row_off, col_off));
+        if (input_scale != 0.0f) {
+            char iw[600];
+            snprintf(iw, sizeof(iw), "%s: input_scale", where);
+            MOE_CHECK(moe_scales_check(&input_scale, 1, 1, iw, 0, 0));
+        }
     }
     moe_layer_weight_storage(l, kind, &m.dtype, &m.scale_kind);
     m.rows = rows;
     m.cols = cols;
+    m.input_scale = m.scale_kind == MOE_SCALE_PER_TENSOR ? input_scale : 0.0f;
     m.data = malloc(moe_matrix_data_bytes(m.dtype, rows, cols) + 1);
     m.scale = calloc(moe_matrix_scale_count(m.scale_kind, rows, cols) + 1, sizeof(float));
     if (!m.data || !m.scale) {

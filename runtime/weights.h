@@ -30,10 +30,13 @@ int moe_layer_checks_weight_values(const moe_layer_t *layer);
 
 /* moe_layer_set_weight, with the error messages of the value check naming `origin` (e.g.
  * "dir/model.safetensors: tensor \"...gate.weight\"") and reporting element indices plus
- * (row_off, col_off): where `t` sits in the file's tensor. origin NULL: as set_weight. */
+ * (row_off, col_off): where `t` sits in the file's tensor. origin NULL: as set_weight.
+ * `input_scale`: the matrix's static activation scale (a checkpoint's input_scale), 0 for none;
+ * checked like the FP8 scales (finite, > 0) and kept only by FP8 layers with per-tensor scales,
+ * whose W8A8 arithmetic uses it. */
 moe_status_t moe_layer_set_weight_from(moe_layer_t *layer, moe_weight_kind_t kind, int expert,
-                                       const moe_tensor_t *t, const char *origin, int64_t row_off,
-                                       int64_t col_off);
+                                       const moe_tensor_t *t, float input_scale, const char *origin,
+                                       int64_t row_off, int64_t col_off);
 
 #ifdef __cplusplus
 }

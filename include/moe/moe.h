@@ -71,6 +71,19 @@ typedef enum moe_scale_kind {
     MOE_SCALE_PER_CHANNEL = 3 /* one float per output channel (row): [rows, 1] */
 } moe_scale_kind_t;
 
+/* The arithmetic of FP8 (FP8_E4M3) layers; docs/SEMANTICS.md gives both exactly. */
+typedef enum moe_fp8_math {
+    /* The backend's choice: today W8A16 on every backend; it will become W8A8 on backends
+     * that have FP8 kernels (the CUDA backend once it runs FP8 GEMMs). */
+    MOE_FP8_MATH_AUTO = 0,
+    /* FP8 weights dequantised, activations not quantised (f32 on the CPU, bf16 on the GPU). */
+    MOE_FP8_MATH_W8A16 = 1,
+    /* Activations quantised to e4m3 too (one dynamic scale per token, or per 1x128 group along
+     * K with 128x128 block weights; or the matrix's static input scale), f32 accumulation of
+     * e4m3 x e4m3 products. CPU backend only for now. Needs weight_dtype FP8_E4M3. */
+    MOE_FP8_MATH_W8A8 = 2
+} moe_fp8_math_t;
+
 typedef enum moe_backend {
     MOE_BACKEND_AUTO = 0, /* CUDA where a GPU is visible and built, else CPU */
     MOE_BACKEND_CPU = 1,  /* MPI transport, C reference kernels (float accumulation) */
@@ -190,13 +203,18 @@ typedef struct moe_layer_config {
      * scales that are not finite and > 0 (MOE_STATUS_NUMERIC_ERROR naming the tensor and the
      * first bad element); 1: skip that scan of every weight (faster loads of trusted files). */
     int skip_weight_check;
+    /* FP8 layers: W8A16 or W8A8 arithmetic (MOE_FP8_MATH_AUTO: the backend's choice, today
+     * W8A16). W8A8 with a weight_dtype other than FP8_E4M3 is rejected (INVALID_ARGUMENT); W8A16
+     * and AUTO are what every non-FP8 layer computes anyway. The CUDA backend rejects W8A8 for
+     * now (MOE_STATUS_NOT_SUPPORTED). */
+    moe_fp8_math_t fp8_math;
 } moe_layer_config_t;
 
 #define MOE_LAYER_CONFIG_INIT                                                                      \
     {                                                                                              \
         0, 0, 0, 0, 0, MOE_AUTO, 0, MOE_ACTIVATION_SILU, MOE_SCORING_SOFTMAX, 0, 0, 0, 1, 1.0f,    \
             MOE_DTYPE_BF16, MOE_SCALE_NONE, 0, MOE_AUTO, MOE_AUTO, MOE_DISPATCH_AUTO, MOE_AUTO, 0, \
-            0                                                                                      \
+            0, MOE_FP8_MATH_AUTO                                                                   \
     }
 
 /* What the layer resolved on this rank. */

@@ -58,6 +58,9 @@ typedef struct moe_cpu_mlp {
     moe_cpu_matrix_t gate, up, down;
     int64_t slice_begin;       /* first intermediate index of the slice */
     int64_t full_intermediate; /* I of the whole matrix (all slices) */
+    /* FP8 W8A8 with per-tensor scales only: static scales of the inputs of gate, up and down (a
+     * checkpoint's input_scale); 0: dynamic. moe_cpu_mlp ignores them. */
+    float input_scale[3];
 } moe_cpu_mlp_t;
 
 /* out[n, H] = down . (act(gate . x) * (up . x)) over the slice: unweighted partial sums.
@@ -69,6 +72,34 @@ moe_status_t moe_cpu_mlp(const moe_cpu_mlp_t *w, moe_activation_t act, const flo
 /* out[n] = parts[0] + ... + parts[count-1]: a pairwise tree when count is a power of two
  * (matching the down projection's tree), else left to right. */
 void moe_cpu_tree_sum(const float *const *parts, int count, int64_t n, float *out);
+
+/* ---- FP8 W8A8 (docs/SEMANTICS.md, "FP8 W8A8"): what a GPU W8A8 kernel computes ---------- */
+
+/* Activation groups along K of a W8A8 product with `m`: 128 for 128x128 block weights
+ * (DeepSeek-V3 / DeepGEMM 1x128 groups), 0 (one group: the whole row) otherwise. */
+int64_t moe_cpu_w8a8_group(const moe_cpu_matrix_t *m);
+
+/* Quantises x[n, k] (row-major) to e4m3: q[n, k] and scale[n, groups] with groups = 1 when
+ * group == 0, else ceil(k / group) (the last group may be partial). Each group's scale is
+ * `static_scale` when > 0, else moe_fp8_dynamic_scale(max |x| of the group) (NaN skipped);
+ * q = moe_fp8e4m3_quantize(x, scale). */
+void moe_cpu_fp8_quantize_rows(const float *x, int64_t n, int64_t k, int64_t group,
+                               float static_scale, uint8_t *q, float *scale);
+
+/* y[n, m.rows] = W8A8 product of qa[n, m.cols] (scales sa from moe_cpu_fp8_quantize_rows with
+ * group moe_cpu_w8a8_group(m)) and the FP8 matrix m. Per-tensor / per-channel:
+ * acc = sum_k qa * qw (f32, moe_cpu_dot order), y = s_a * (s_w * acc). Block 128: per K block b
+ * in order, acc_b likewise over the block, y += (s_a[b] * s_w[row block, b]) * acc_b from 0. */
+moe_status_t moe_cpu_matmul_w8a8(const uint8_t *qa, const float *sa, int64_t n,
+                                 const moe_cpu_matrix_t *m, float *y);
+
+/* moe_cpu_mlp with W8A8 arithmetic (all three matrices FP8): x rounded to bf16 and quantised
+ * (static scale: the larger of input_scale[0] and [1] when both are set and the weights are
+ * per-tensor), gate and up by moe_cpu_matmul_w8a8, h = act(gate) * up in f32 rounded to bf16 (as
+ * the GPU holds it between its GEMMs) and quantised the same way over this slice (static:
+ * input_scale[2]), down by moe_cpu_matmul_w8a8. Unweighted partials. */
+moe_status_t moe_cpu_mlp_w8a8(const moe_cpu_mlp_t *w, moe_activation_t act, const float *x,
+                              int64_t n, float *out);
 
 /* Stable counting sort of rows by group: offsets[num_groups + 1], order[n] = row ids. */
 moe_status_t moe_cpu_group_rows(const int32_t *group_of_row, int64_t n, int num_groups,

@@ -20,6 +20,8 @@ struct moe_gemm_kparams {
     const int32_t *block_expert;
     const int32_t *num_blocks;
     int max_blocks, num_experts, n, k, n_out, c_f32, n_tiles;
+    const float *a_scale; /* FP8: [rows] per A row */
+    const float *b_scale; /* FP8: [num_experts][n] per weight row */
 };
 
 /* The fields every variant takes straight from the launch arguments (n_out and n_tiles are
@@ -38,6 +40,8 @@ static inline moe_gemm_kparams moe_gemm_base_params(const moe_gemm_args_t *a)
     p.c_f32 = a->c_f32;
     p.n_out = 0;
     p.n_tiles = 0;
+    p.a_scale = a->a_scale;
+    p.b_scale = a->b_scale;
     return p;
 }
 
@@ -95,17 +99,24 @@ __device__ __forceinline__ void moe_gemm_put2(const moe_gemm_kparams &p, int64_t
             __floats2bfloat162_rn(v0, v1);
 }
 
-/* Checks what every tuned variant needs (the shape rule: moe_gemm_check_shape). */
-static inline moe_status_t moe_gemm_check_common(const moe_gemm_args_t *a, const char *name)
+/* Checks what every tuned variant needs (the shape rule: moe_gemm_check_shape). f8: the FP8
+ * variants (e4m3 A and B, per-row scales of both, k a multiple of 16 for TMA's 16-byte rows). */
+static inline moe_status_t moe_gemm_check_common(const moe_gemm_args_t *a, const char *name,
+                                                 int f8 = 0)
 {
     if (!a)
         return moe_error(MOE_STATUS_INVALID_ARGUMENT, "%s: args is NULL", name);
-    if (a->ab_dtype != MOE_DTYPE_BF16)
-        return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: ab_dtype %d not built (bf16 only)", name,
-                         (int)a->ab_dtype);
-    if (a->scale_kind != MOE_SCALE_NONE)
-        return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: scale_kind %d not built (none only)", name,
-                         (int)a->scale_kind);
+    if (!f8 && (a->ab_dtype != MOE_DTYPE_BF16 || a->scale_kind != MOE_SCALE_NONE))
+        return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                         "%s: ab_dtype %d, scale_kind %d (this variant: bf16, no scales)", name,
+                         (int)a->ab_dtype, (int)a->scale_kind);
+    if (f8 && (a->ab_dtype != MOE_DTYPE_FP8_E4M3 || a->scale_kind != MOE_SCALE_PER_CHANNEL ||
+               !a->a_scale || !a->b_scale || a->k % 16))
+        return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                         "%s: ab_dtype %d, scale_kind %d, a_scale %p, b_scale %p, k %d (this "
+                         "variant: e4m3 with per-row scales of A and B, k a multiple of 16)",
+                         name, (int)a->ab_dtype, (int)a->scale_kind, (const void *)a->a_scale,
+                         (const void *)a->b_scale, a->k);
     MOE_ARG_CHECK(a->max_blocks >= 0, "%s: max_blocks = %d < 0", name, a->max_blocks);
     MOE_ARG_CHECK(a->num_experts > 0, "%s: num_experts = %d <= 0", name, a->num_experts);
     MOE_ARG_CHECK(a->n > 0 && a->k > 0, "%s: n = %d, k = %d must be > 0", name, a->n, a->k);

@@ -91,6 +91,9 @@ static __device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr)
 /* d[N/2] += A(64 x 16, smem desc) . B(N x 16, smem desc)^T, f32 accumulators. */
 template <int N> __device__ __forceinline__ void wgmma_bf16(float *d, uint64_t da, uint64_t db);
 #include "kernels/cuda/expert_gemm_wgmma.inc"
+/* The same over 32 e4m3 values of k (32 bytes, as the bf16 form's 16 values). */
+template <int N> __device__ __forceinline__ void wgmma_fp8(float *d, uint64_t da, uint64_t db);
+#include "kernels/cuda/expert_gemm_wgmma_fp8.inc"
 
 /* ---- the kernel ------------------------------------------------------------------------------
  * One CTA = NWG consumer warpgroups + 1 producer warpgroup (one thread issues TMA). Work item t
@@ -105,8 +108,13 @@ template <int N> __device__ __forceinline__ void wgmma_bf16(float *d, uint64_t d
  *     coalesced). 32 WM output columns per item for *_MUL keeps items small, so few-token
  *     steps still spread over every SM. */
 constexpr int BK = 64;            /* bf16 elements per row of a stage: one 128 B swizzle row */
-constexpr int ROW_BYTES = BK * 2; /* 128 */
-constexpr int GROUP_BLOCKS = 16;  /* row blocks swept together over all weight tiles (L2 reuse) */
+constexpr int ROW_BYTES = BK * 2; /* 128 (e4m3: 128 elements) */
+
+/* Elements of k per 128-byte stage row: 64 bf16 or 128 e4m3. */
+template <int F8> struct sm90_elem {
+    static constexpr int BKE = F8 ? 128 : 64;
+};
+constexpr int GROUP_BLOCKS = 16; /* row blocks swept together over all weight tiles (L2 reuse) */
 
 template <int SWAP, int TOK, int WR, int HALVES, int STAGES, int KB> struct sm90_cfg {
     static constexpr int NWG = SWAP ? 1 : TOK / 64;
@@ -140,7 +148,15 @@ static __device__ __forceinline__ void sm90_item(int t, int nb, int n_tiles, int
     *b = g * GROUP_BLOCKS + rem % gsize;
 }
 
-template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB>
+/* FP8 (F8 = 1): e4m3 A and B, f32 accumulation; the epilogue multiplies each output by the
+ * A row's scale and the weight row's scale (per-tensor scales come expanded per row). */
+__device__ __forceinline__ float sm90_f8_scale(const moe_gemm_kparams &p, int64_t row, int e,
+                                               int wrow)
+{
+    return __ldg(p.a_scale + row) * __ldg(p.b_scale + (int64_t)e * p.n + wrow);
+}
+
+template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB, int F8>
 __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>::THREADS, 1)
     moe_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tm_tok,
                          const __grid_constant__ CUtensorMap tm_w, const moe_gemm_kparams p)
@@ -172,7 +188,8 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>::T
 
     const int nb = min(__ldg(p.num_blocks), p.max_blocks);
     const int total = nb * p.n_tiles;
-    const int kt_count = (p.k + BK - 1) / BK; /* the k tail: TMA zero fill */
+    constexpr int BKE = sm90_elem<F8>::BKE;
+    const int kt_count = (p.k + BKE - 1) / BKE; /* the k tail: TMA zero fill */
 
     if (wg == C::NWG) { /* producer */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
@@ -200,8 +217,8 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>::T
 #pragma unroll
                         for (int h = 0; h < HALVES; h++)
                             tma_load_2d(st + sub * C::SUB_W + h * WR * ROW_BYTES, &tm_w,
-                                        (kt + sub) * BK, wrow[h], &full[s]);
-                        tma_load_2d(st + C::W_BYTES + sub * C::SUB_T, &tm_tok, (kt + sub) * BK,
+                                        (kt + sub) * BKE, wrow[h], &full[s]);
+                        tma_load_2d(st + C::W_BYTES + sub * C::SUB_T, &tm_tok, (kt + sub) * BKE,
                                     b * TOK, &full[s]);
                     }
                     if (++s == STAGES) {
@@ -225,17 +242,37 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>::T
         for (int kk = 0; kk < BK / 16; kk++) {
             if (SWAP) {
 #pragma unroll
-                for (int j = 0; j < C::WM; j++)
-                    wgmma_bf16<C::WN>(d[j], sw128_desc(sw + j * 64 * ROW_BYTES + kk * 32),
-                                      sw128_desc(stk + kk * 32));
+                for (int j = 0; j < C::WM; j++) {
+                    const uint64_t da = sw128_desc(sw + j * 64 * ROW_BYTES + kk * 32);
+                    const uint64_t db = sw128_desc(stk + kk * 32);
+                    if (F8)
+                        wgmma_fp8<C::WN>(d[j], da, db);
+                    else
+                        wgmma_bf16<C::WN>(d[j], da, db);
+                }
             } else {
 #pragma unroll
-                for (int h = 0; h < HALVES; h++)
-                    wgmma_bf16<C::WN>(d[h], sw128_desc(stk + wgi * 64 * ROW_BYTES + kk * 32),
-                                      sw128_desc(sw + h * WR * ROW_BYTES + kk * 32));
+                for (int h = 0; h < HALVES; h++) {
+                    const uint64_t da = sw128_desc(stk + wgi * 64 * ROW_BYTES + kk * 32);
+                    const uint64_t db = sw128_desc(sw + h * WR * ROW_BYTES + kk * 32);
+                    if (F8)
+                        wgmma_fp8<C::WN>(d[h], da, db);
+                    else
+                        wgmma_bf16<C::WN>(d[h], da, db);
+                }
             }
         }
     };
+    /* FP8: each 128 of k accumulates in `part` on the tensor cores, then is added to acc on the
+     * CUDA cores in f32, as DeepGEMM promotes: the tensor cores' FP8 accumulation keeps fewer
+     * bits than f32 (measured: ~3e-4 relative within one 128-k slice), so a long k would drift
+     * without it. */
+    float part[F8 ? C::NACC : 1][F8 ? C::ACC : 1];
+    /* swap-AB (few accumulators): two partials in turn, so slice i + 1's wgmmas run while slice
+     * i's partial is added (the stage it read is released then) */
+    constexpr bool PP = F8 && SWAP && KB % 2 == 0;
+    float pa[PP ? C::NACC : 1][PP ? C::ACC : 1], pb[PP ? C::NACC : 1][PP ? C::ACC : 1];
+    using acc_t = float(&)[C::NACC][C::ACC];
     int s = 0, ph = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
         int b, jt;
@@ -251,25 +288,91 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>::T
                 reg_fence(acc[h][i]);
             }
         int s_prev = -1;
+        bool pend = false; /* PP: pb holds the last slice's partial, not yet added */
         for (int kt = 0; kt < kt_count; kt += KB) {
             mbar_wait(&full[s], ph);
             const uint32_t st = smem_u32(smem + s * C::STAGE_BYTES);
-            wgmma_fence();
+            if (PP) {
 #pragma unroll
-            for (int sub = 0; sub < KB; sub++)
-                mma_slice(acc, st, sub, wg);
-            wgmma_commit();
-            /* keep this k-step's wgmmas in flight; the previous step's stage is free now */
-            wgmma_wait<1>();
-            if (s_prev >= 0 && lane == 0)
-                mbar_arrive(&empty[s_prev]);
-            s_prev = s;
+                for (int sub = 0; sub < KB; sub++) {
+                    acc_t cur = reinterpret_cast<acc_t>(sub & 1 ? pb : pa);
+                    acc_t prv = reinterpret_cast<acc_t>(sub & 1 ? pa : pb);
+#pragma unroll
+                    for (int h = 0; h < C::NACC; h++)
+#pragma unroll
+                        for (int i = 0; i < C::ACC; i++) {
+                            cur[h][i] = 0.0f;
+                            reg_fence(cur[h][i]);
+                        }
+                    wgmma_fence();
+                    mma_slice(cur, st, sub, wg);
+                    wgmma_commit();
+                    if (sub > 0 || pend) {
+                        wgmma_wait<1>();
+#pragma unroll
+                        for (int h = 0; h < C::NACC; h++)
+#pragma unroll
+                            for (int i = 0; i < C::ACC; i++) {
+                                reg_fence(prv[h][i]);
+                                acc[h][i] += prv[h][i];
+                            }
+                        if (sub == 0 && s_prev >= 0 && lane == 0)
+                            mbar_arrive(&empty[s_prev]); /* its last slice is done */
+                    }
+                }
+                pend = true;
+                s_prev = s;
+            } else if (F8) { /* promote after every 128 of k (one slice), as DeepGEMM does */
+#pragma unroll
+                for (int sub = 0; sub < KB; sub++) {
+#pragma unroll
+                    for (int h = 0; h < C::NACC; h++)
+#pragma unroll
+                        for (int i = 0; i < C::ACC; i++) {
+                            part[h][i] = 0.0f;
+                            reg_fence(part[h][i]);
+                        }
+                    wgmma_fence();
+                    mma_slice(reinterpret_cast<float(&)[C::NACC][C::ACC]>(part), st, sub, wg);
+                    wgmma_commit();
+                    wgmma_wait<0>();
+#pragma unroll
+                    for (int h = 0; h < C::NACC; h++)
+#pragma unroll
+                        for (int i = 0; i < C::ACC; i++) {
+                            reg_fence(part[h][i]);
+                            acc[h][i] += part[h][i];
+                        }
+                }
+                if (lane == 0)
+                    mbar_arrive(&empty[s]);
+            } else {
+                wgmma_fence();
+#pragma unroll
+                for (int sub = 0; sub < KB; sub++)
+                    mma_slice(acc, st, sub, wg);
+                wgmma_commit();
+                /* keep this k-step's wgmmas in flight; the previous step's stage is free now */
+                wgmma_wait<1>();
+                if (s_prev >= 0 && lane == 0)
+                    mbar_arrive(&empty[s_prev]);
+                s_prev = s;
+            }
             if (++s == STAGES) {
                 s = 0;
                 ph ^= 1;
             }
         }
         wgmma_wait<0>();
+        if (PP && pend) {
+#pragma unroll
+            for (int h = 0; h < C::NACC; h++)
+#pragma unroll
+                for (int i = 0; i < C::ACC; i++) {
+                    reg_fence(reinterpret_cast<acc_t>(pb)[h][i]);
+                    acc[h][i] += reinterpret_cast<acc_t>(pb)[h][i];
+                }
+        }
 #pragma unroll
         for (int h = 0; h < C::NACC; h++)
 #pragma unroll
@@ -298,10 +401,19 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>::T
             asm volatile("bar.sync 1, 128;" ::: "memory");
             for (int idx = tid; idx < OC * TOK; idx += 128) {
                 int oc = idx % OC, tk = idx / OC;
+                const int col = jt * OC + oc;
                 float v = sepi[oc * C::EPI_LD + tk];
-                if (EPI != MOE_GEMM_EPI_STORE)
-                    v = moe_gemm_act_mul<EPI>(v, sepi[(OC + oc) * C::EPI_LD + tk]);
-                moe_gemm_put1(p, row0 + tk, jt * OC + oc, v * sscale[tk]);
+                if (F8 && col >= p.n_out)
+                    continue;
+                if (F8)
+                    v *= sm90_f8_scale(p, row0 + tk, e, col);
+                if (EPI != MOE_GEMM_EPI_STORE) {
+                    float u = sepi[(OC + oc) * C::EPI_LD + tk];
+                    if (F8)
+                        u *= sm90_f8_scale(p, row0 + tk, e, p.n / 2 + col);
+                    v = moe_gemm_act_mul<EPI>(v, u);
+                }
+                moe_gemm_put1(p, row0 + tk, col, v * sscale[tk]);
             }
         } else {
             /* a thread's outputs lie on two rows: 8 apart */
@@ -311,7 +423,31 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>::T
             for (int i = 0; i < C::ACC; i += 2) {
                 const int q = (i & 3) >> 1;
                 const int wc = 8 * (i >> 2) + 2 * (lane & 3);
-                if (EPI == MOE_GEMM_EPI_STORE) {
+                if (F8) {
+                    if (EPI == MOE_GEMM_EPI_STORE) {
+#pragma unroll
+                        for (int h = 0; h < HALVES; h++) {
+                            const int col = jt * HALVES * WR + h * WR + wc;
+                            if (col >= p.n_out)
+                                continue;
+                            moe_gemm_put2(p, row + 8 * q, col,
+                                          acc[h][i] * sm90_f8_scale(p, row + 8 * q, e, col) * sc[q],
+                                          acc[h][i + 1] *
+                                              sm90_f8_scale(p, row + 8 * q, e, col + 1) * sc[q]);
+                        }
+                    } else {
+                        const int col = jt * WR + wc, up = p.n / 2 + col;
+                        if (col >= p.n_out)
+                            continue;
+                        const float g0 = acc[0][i] * sm90_f8_scale(p, row + 8 * q, e, col);
+                        const float g1 = acc[0][i + 1] * sm90_f8_scale(p, row + 8 * q, e, col + 1);
+                        const float u0 = acc[C::NACC - 1][i] * sm90_f8_scale(p, row + 8 * q, e, up);
+                        const float u1 =
+                            acc[C::NACC - 1][i + 1] * sm90_f8_scale(p, row + 8 * q, e, up + 1);
+                        moe_gemm_put2(p, row + 8 * q, col, moe_gemm_act_mul<EPI>(g0, u0) * sc[q],
+                                      moe_gemm_act_mul<EPI>(g1, u1) * sc[q]);
+                    }
+                } else if (EPI == MOE_GEMM_EPI_STORE) {
 #pragma unroll
                     for (int h = 0; h < HALVES; h++)
                         moe_gemm_put2(p, row + 8 * q, jt * HALVES * WR + h * WR + wc,
@@ -347,21 +483,23 @@ static PFN_cuTensorMapEncodeTiled_v12000 encode_fn(void)
     return f;
 }
 
-/* Row-major bf16 [rows, k] with a box of [box_rows, 64], 128-byte swizzle. */
+/* Row-major bf16 [rows, k] with a box of [box_rows, 64] (e4m3, f8 = 1: [box_rows, 128]),
+ * 128-byte swizzle. */
 static moe_status_t encode_map(CUtensorMap *map, const void *ptr, int64_t rows, int k, int box_rows,
-                               const char *name)
+                               const char *name, int f8 = 0)
 {
     PFN_cuTensorMapEncodeTiled_v12000 f = encode_fn();
     if (!f)
         return moe_error(MOE_STATUS_CUDA_ERROR, "%s: cuTensorMapEncodeTiled not found in driver",
                          name);
     cuuint64_t dims[2] = {(cuuint64_t)k, (cuuint64_t)rows};
-    cuuint64_t strides[1] = {(cuuint64_t)k * 2};
-    cuuint32_t box[2] = {BK, (cuuint32_t)box_rows};
+    cuuint64_t strides[1] = {(cuuint64_t)k * (f8 ? 1 : 2)};
+    cuuint32_t box[2] = {(cuuint32_t)(f8 ? 128 : BK), (cuuint32_t)box_rows};
     cuuint32_t estr[2] = {1, 1};
-    CUresult r = f(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)ptr, dims, strides, box, estr,
-                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    CUresult r = f(map, f8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
+                   (void *)ptr, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                   CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS)
         return moe_error(MOE_STATUS_CUDA_ERROR,
                          "%s: cuTensorMapEncodeTiled(rows %lld, k %d, box %d) failed: %d", name,
@@ -382,12 +520,12 @@ static int pdl_enabled(void)
     return v;
 }
 
-template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB = 1>
+template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB = 1, int F8 = 0>
 static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, const char *name)
 {
     using C = sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>;
     static int smem_done[MOE_MAX_DEVICES];
-    auto kernel = moe_gemm_sm90_kernel<SWAP, TOK, WR, HALVES, EPI, STAGES, KB>;
+    auto kernel = moe_gemm_sm90_kernel<SWAP, TOK, WR, HALVES, EPI, STAGES, KB, F8>;
     int dev, sms;
     MOE_CHECK(moe_gemm_device_sms(name, &dev, &sms));
     MOE_CHECK(moe_gemm_smem_once(name, (const void *)kernel, C::SMEM, dev, smem_done));
@@ -404,8 +542,8 @@ static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, co
     if (items == 0)
         return MOE_STATUS_SUCCESS;
     CUtensorMap tm_tok, tm_w;
-    MOE_CHECK(encode_map(&tm_tok, a->a, (int64_t)a->max_blocks * TOK, a->k, TOK, name));
-    MOE_CHECK(encode_map(&tm_w, a->b, (int64_t)a->num_experts * a->n, a->k, WR, name));
+    MOE_CHECK(encode_map(&tm_tok, a->a, (int64_t)a->max_blocks * TOK, a->k, TOK, name, F8));
+    MOE_CHECK(encode_map(&tm_w, a->b, (int64_t)a->num_experts * a->n, a->k, WR, name, F8));
     int grid = (int)(items < sms ? items : sms);
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];
@@ -432,23 +570,24 @@ static constexpr int stages_for(int stage_bytes, int budget, int cap)
 }
 
 /* Normal layout: TOK tokens (64 per consumer warpgroup) x 2 x 128 weight rows. */
-template <int TOK>
+template <int TOK, int F8 = 0>
 static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const char *name)
 {
-    constexpr int WR = 128;
+    /* FP8 keeps a second set of accumulators (the per-stage promotion): half the weight rows */
+    constexpr int WR = F8 ? 64 : 128;
     constexpr int ST = stages_for((TOK + 2 * WR) * ROW_BYTES, 200 * 1024, 8);
     if ((int64_t)a->max_blocks * TOK >= ((int64_t)1 << 31))
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: max_blocks = %d too large", name,
                          a->max_blocks);
-    MOE_CHECK(moe_gemm_check_common(a, name));
+    MOE_CHECK(moe_gemm_check_common(a, name, F8));
     cudaStream_t s = (cudaStream_t)stream;
     switch (a->epilogue) {
     case MOE_GEMM_EPI_STORE:
-        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_STORE, ST>(a, s, name);
+        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_STORE, ST, 1, F8>(a, s, name);
     case MOE_GEMM_EPI_SILU_MUL:
-        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_SILU_MUL, ST>(a, s, name);
+        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_SILU_MUL, ST, 1, F8>(a, s, name);
     case MOE_GEMM_EPI_GELU_MUL:
-        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_GELU_MUL, ST>(a, s, name);
+        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_GELU_MUL, ST, 1, F8>(a, s, name);
     default:
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: epilogue %d", name, (int)a->epilogue);
     }
@@ -457,7 +596,7 @@ static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const 
 /* Swap-AB: 64 weight rows per item (64 output columns for STORE; 32 gate + 32 up rows, 32
  * output columns, for *_MUL) x TOK tokens; a stage holds KB slices of 64 k (longer contiguous
  * runs of each weight row per stage). */
-template <int TOK, int KB, int WM = 1>
+template <int TOK, int KB, int WM = 1, int F8 = 0>
 static moe_status_t launch_swap(const moe_gemm_args_t *a, void *stream, const char *name)
 {
     constexpr int ST = stages_for(KB * (TOK + 64 * WM) * ROW_BYTES,
@@ -465,15 +604,15 @@ static moe_status_t launch_swap(const moe_gemm_args_t *a, void *stream, const ch
     if ((int64_t)a->max_blocks * TOK >= ((int64_t)1 << 31))
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: max_blocks = %d too large", name,
                          a->max_blocks);
-    MOE_CHECK(moe_gemm_check_common(a, name));
+    MOE_CHECK(moe_gemm_check_common(a, name, F8));
     cudaStream_t s = (cudaStream_t)stream;
     switch (a->epilogue) {
     case MOE_GEMM_EPI_STORE:
-        return launch_one<1, TOK, 64 * WM, 1, MOE_GEMM_EPI_STORE, ST, KB>(a, s, name);
+        return launch_one<1, TOK, 64 * WM, 1, MOE_GEMM_EPI_STORE, ST, KB, F8>(a, s, name);
     case MOE_GEMM_EPI_SILU_MUL:
-        return launch_one<1, TOK, 32 * WM, 2, MOE_GEMM_EPI_SILU_MUL, ST, KB>(a, s, name);
+        return launch_one<1, TOK, 32 * WM, 2, MOE_GEMM_EPI_SILU_MUL, ST, KB, F8>(a, s, name);
     case MOE_GEMM_EPI_GELU_MUL:
-        return launch_one<1, TOK, 32 * WM, 2, MOE_GEMM_EPI_GELU_MUL, ST, KB>(a, s, name);
+        return launch_one<1, TOK, 32 * WM, 2, MOE_GEMM_EPI_GELU_MUL, ST, KB, F8>(a, s, name);
     default:
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: epilogue %d", name, (int)a->epilogue);
     }
@@ -507,5 +646,26 @@ moe_status_t moe_gemm_sm90_swap64_launch(const moe_gemm_args_t *a, void *stream)
 moe_status_t moe_gemm_sm90_swap32w_launch(const moe_gemm_args_t *a, void *stream)
 {
     return launch_swap<32, 2, 2>(a, stream, "sm90_swapab_w128_n32");
+}
+/* FP8 e4m3 (W8A8, per-row scales of A and B): the same tiles, 128 k per stage row. */
+moe_status_t moe_gemm_sm90_fp8_m128_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<128, 1>(a, stream, "sm90_fp8_m128n128");
+}
+moe_status_t moe_gemm_sm90_fp8_m64_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<64, 1>(a, stream, "sm90_fp8_m64n128");
+}
+moe_status_t moe_gemm_sm90_fp8_swap16_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<16, 4, 1, 1>(a, stream, "sm90_fp8_swapab_n16");
+}
+moe_status_t moe_gemm_sm90_fp8_swap32_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<32, 2, 1, 1>(a, stream, "sm90_fp8_swapab_n32");
+}
+moe_status_t moe_gemm_sm90_fp8_swap64_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<64, 2, 1, 1>(a, stream, "sm90_fp8_swapab_n64");
 }
 }

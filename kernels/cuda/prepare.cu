@@ -10,5 +10,6 @@ extern "C" moe_status_t moe_kernels_prepare(int arch)
     MOE_CHECK(moe_combine_prepare());
     MOE_CHECK(moe_ep_prepare());
     MOE_CHECK(moe_a2a_prepare());
+    MOE_CHECK(moe_quant_prepare());
     return moe_gemm_prepare(arch);
 }

@@ -77,6 +77,9 @@ expect unknown-option 2 "unknown option --frobnicate" run1 --frobnicate 1
 expect dispatch-unknown 2 "--dispatch nope: expected auto, all-to-all or all-gather" \
     run1 --dispatch nope
 expect backend-unknown 2 "--backend gpu: expected auto, cpu or cuda" run1 --backend gpu
+expect fp8-math-unknown 2 "--fp8-math w4a8: expected w8a16 or w8a8" run1 --fp8-math w4a8
+expect fp8-math-bf16 2 "--fp8-math w8a8: the layer's weights are bf16, not FP8" \
+    run1 --dtype bf16 --fp8-math w8a8
 
 # ---- MOE_TIMEOUT_MS: an error naming it, never a crash (moe_runtime_create rejects it) ---------
 for v in -1 0 4294967295 abc 86400001; do

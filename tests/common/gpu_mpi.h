@@ -5,7 +5,13 @@
 #ifndef MOE_GPU_MPI_H
 #define MOE_GPU_MPI_H
 
+#include <cuda_runtime.h>
+#include <math.h>
 #include <mpi.h>
+#include <stdlib.h>
+
+#include "launch/layer_gen.h"
+#include "testutil.h"
 
 #include "gpu_skip.h"
 #include "moe/moe.h"
@@ -100,5 +106,55 @@ static inline int gt_group_teardown(void **state)
         MPI_Finalize();                                                                            \
         return rc_;                                                                                \
     }
+
+/* y (host) = layer(x (host)) on runtime rt (weights from moe_gen_set_weights(seed)); device
+ * buffers, y poisoned with NaN first, when it is a CUDA runtime. */
+static inline void gt_run_layer(moe_runtime_t *rt, moe_layer_config_t c, uint64_t seed,
+                                const float *x, int64_t n, const float *logits, float *y,
+                                int64_t max_tokens_across_ranks)
+{
+    moe_runtime_info_t ri;
+    moe_layer_t *l = NULL;
+    moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
+    const size_t bytes = sizeof(float) * (size_t)(n * c.hidden + 1);
+    void *dx = NULL, *dy = NULL, *dl = NULL;
+    int64_t i;
+
+    TU_OK(moe_runtime_get_info(rt, &ri));
+    TU_OK(moe_layer_create(rt, &c, &l));
+    TU_OK(moe_gen_set_weights(l, &c, seed));
+    a.num_tokens = n;
+    a.max_tokens_across_ranks = max_tokens_across_ranks;
+    if (ri.backend == MOE_BACKEND_CUDA) {
+        assert_int_equal(cudaMalloc(&dx, bytes), cudaSuccess);
+        assert_int_equal(cudaMalloc(&dy, bytes), cudaSuccess);
+        assert_int_equal(cudaMemcpy(dx, x, bytes - sizeof(float), cudaMemcpyHostToDevice), 0);
+        assert_int_equal(cudaMemset(dy, 0xff, bytes), cudaSuccess); /* NaN poison */
+        if (logits) {
+            assert_int_equal(cudaMalloc(&dl, sizeof(float) * (size_t)(n * c.num_experts + 1)), 0);
+            assert_int_equal(cudaMemcpy(dl, logits, sizeof(float) * (size_t)(n * c.num_experts),
+                                        cudaMemcpyHostToDevice),
+                             0);
+        }
+        a.x = dx;
+        a.y = dy;
+        a.router_logits = dl;
+    } else {
+        for (i = 0; i < n * c.hidden; i++)
+            y[i] = NAN;
+        a.x = x;
+        a.y = y;
+        a.router_logits = logits;
+    }
+    TU_OK(moe_layer_forward(l, &a));
+    if (ri.backend == MOE_BACKEND_CUDA) {
+        assert_int_equal(cudaDeviceSynchronize(), cudaSuccess);
+        assert_int_equal(cudaMemcpy(y, dy, bytes - sizeof(float), cudaMemcpyDeviceToHost), 0);
+        cudaFree(dx);
+        cudaFree(dy);
+        cudaFree(dl);
+    }
+    TU_OK(moe_layer_destroy(l));
+}
 
 #endif /* MOE_GPU_MPI_H */

@@ -1,7 +1,9 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Every compiled grouped-GEMM variant against a float host reference: uneven rows per expert
  * (0 and 1 too), padding blocks, unused trailing blocks, all epilogues, row_scale, bf16/f32
- * output, the three model shapes; outputs poisoned with NaN first. Exit 77 without a GPU. */
+ * output, the three model shapes; outputs poisoned with NaN first. Exit 77 without a GPU.
+ * The inputs are e4m3 values times a power-of-two scale per row (exact in bf16), so the FP8
+ * variants (e4m3 codes and per-row scales of both operands) have the same reference. */
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
@@ -86,14 +88,40 @@ static float act_mul(moe_gemm_epilogue_t epi, float g, float u)
     return 0.5f * g * (1.0f + t) * u;
 }
 
-/* One shape's inputs: token rows per expert (bf16 as float too) and the reference a . b^T. */
+/* OCP e4m3fn: 0x7f / 0xff NaN, no Inf. */
+static float e4m3_value(uint8_t c)
+{
+    const int e = (c >> 3) & 15, m = c & 7;
+    const float v = e ? ldexpf(1.0f + m / 8.0f, e - 7) : ldexpf(m / 8.0f, -6);
+    if ((c & 0x7f) == 0x7f)
+        return NAN;
+    return c & 0x80 ? -v : v;
+}
+
+/* A random e4m3 code of magnitude in [2^-4, 2^2) or 0. */
+static uint8_t rnd_e4m3(void)
+{
+    const float u = rnd();
+    const int e = 3 + (int)((u + 1.0f) * 3.0f) % 6; /* biased exponent 3..8 */
+    const int m = (int)((rnd() + 1.0f) * 4.0f) & 7;
+    if (u > 0.98f)
+        return 0;
+    return (uint8_t)((rnd() < 0 ? 0x80 : 0) | e << 3 | m);
+}
+
+/* One shape's inputs: token rows per expert (bf16 as float too) and the reference a . b^T;
+ * every value is e4m3 code x the row's power-of-two scale (x8/xs, and w8/ws on the device). */
 typedef struct inputs {
     const shape_t *s;
     int total_rows;
     int row_off[9]; /* first logical row of each expert */
     uint16_t *x;    /* [total_rows, k] */
+    uint8_t *x8;    /* [total_rows, k] e4m3 codes of x / xs */
+    float *xs;      /* [total_rows] */
     float *ref;     /* [total_rows, n] */
     void *d_b;      /* device weights */
+    void *d_b8;     /* device e4m3 weights */
+    float *d_bs;    /* device [num_experts * n] scales of the weight rows */
 } inputs_t;
 
 static void make_inputs(const shape_t *s, inputs_t *in)
@@ -107,15 +135,38 @@ static void make_inputs(const shape_t *s, inputs_t *in)
     }
     in->row_off[s->num_experts] = in->total_rows;
     in->x = malloc(sizeof(uint16_t) * (size_t)(in->total_rows ? in->total_rows : 1) * k);
-    for (size_t i = 0; i < (size_t)in->total_rows * k; i++)
-        in->x[i] = f2bf(rnd());
+    in->x8 = malloc((size_t)(in->total_rows ? in->total_rows : 1) * k);
+    in->xs = malloc(sizeof(float) * (size_t)(in->total_rows ? in->total_rows : 1));
+    for (int r = 0; r < in->total_rows; r++) {
+        in->xs[r] = ldexpf(1.0f, (int)((rnd() + 1.0f) * 2.0f) - 2); /* 1/4 .. 2 */
+        for (size_t i = 0; i < k; i++) {
+            const size_t at = (size_t)r * k + i;
+            in->x8[at] = rnd_e4m3();
+            in->x[at] = f2bf(e4m3_value(in->x8[at]) * in->xs[r]);
+        }
+    }
     size_t wcount = (size_t)s->num_experts * n * k;
     uint16_t *w = malloc(sizeof(uint16_t) * wcount);
-    float wscale = 2.0f / sqrtf((float)k);
-    for (size_t i = 0; i < wcount; i++)
-        w[i] = f2bf(rnd() * wscale);
+    uint8_t *w8 = malloc(wcount);
+    float *ws = malloc(sizeof(float) * (size_t)s->num_experts * n);
+    /* magnitude ~ 2/sqrt(k): codes ~1 times 2^-(log2(k)/2) per row, varied by row */
+    const int wexp = -(int)(log2((double)k) / 2.0);
+    for (size_t row = 0; row < (size_t)s->num_experts * n; row++) {
+        ws[row] = ldexpf(1.0f, wexp - (int)(row % 3));
+        for (size_t i = 0; i < k; i++) {
+            w8[row * k + i] = rnd_e4m3();
+            w[row * k + i] = f2bf(e4m3_value(w8[row * k + i]) * ws[row]);
+        }
+    }
     CUDA_OK(cudaMalloc(&in->d_b, wcount * 2));
     CUDA_OK(cudaMemcpy(in->d_b, w, wcount * 2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMalloc(&in->d_b8, wcount));
+    CUDA_OK(cudaMemcpy(in->d_b8, w8, wcount, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMalloc((void **)&in->d_bs, sizeof(float) * (size_t)s->num_experts * n));
+    CUDA_OK(cudaMemcpy(in->d_bs, ws, sizeof(float) * (size_t)s->num_experts * n,
+                       cudaMemcpyHostToDevice));
+    free(w8);
+    free(ws);
     in->ref = malloc(sizeof(float) * (size_t)(in->total_rows ? in->total_rows : 1) * n);
     float *xf = malloc(sizeof(float) * k), *wf = malloc(sizeof(float) * k * 64);
     for (int e = 0; e < s->num_experts; e++) {
@@ -146,8 +197,12 @@ static void make_inputs(const shape_t *s, inputs_t *in)
 static void free_inputs(inputs_t *in)
 {
     free(in->x);
+    free(in->x8);
+    free(in->xs);
     free(in->ref);
     cudaFree(in->d_b);
+    cudaFree(in->d_b8);
+    cudaFree(in->d_bs);
 }
 
 static int failures, checks;
@@ -157,6 +212,7 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
 {
     const shape_t *s = in->s;
     const int br = v->block_rows, k = s->k, n = s->n;
+    const int f8 = v->ab_dtype == MOE_DTYPE_FP8_E4M3;
     /* Block list: a padding block after expert 0's blocks, then the rest; two trailing blocks
      * past num_blocks (naming expert 0) must be left alone. */
     int be[512], row_of_block[512], nblk = 0;
@@ -178,9 +234,12 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
     size_t prow = (size_t)max_blocks * br;
     int *logical = malloc(sizeof(int) * prow);
     uint16_t *a = malloc(sizeof(uint16_t) * prow * k);
-    float *scale = malloc(sizeof(float) * prow);
-    for (size_t i = 0; i < prow * k; i++)
+    uint8_t *a8 = malloc(prow * k);
+    float *scale = malloc(sizeof(float) * prow), *as = malloc(sizeof(float) * prow);
+    for (size_t i = 0; i < prow * k; i++) {
         a[i] = 0x7fc0; /* NaN in pad rows: must not leak into real rows */
+        a8[i] = 0x7f;
+    }
     for (int b = 0; b < max_blocks; b++) {
         int e = b < num_blocks ? be[b] : -1;
         for (int r = 0; r < br; r++) {
@@ -190,19 +249,27 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
                 lr = -1;
             logical[pr] = lr;
             scale[pr] = 0.5f + 0.5f * (rnd() + 1.0f);
-            if (lr >= 0)
+            as[pr] = lr >= 0 ? in->xs[lr] : 1.0f;
+            if (lr >= 0) {
                 memcpy(a + pr * k, in->x + (size_t)lr * k, sizeof(uint16_t) * k);
+                memcpy(a8 + pr * k, in->x8 + (size_t)lr * k, (size_t)k);
+            }
         }
     }
     void *d_a, *d_c;
-    float *d_scale;
+    float *d_scale, *d_as;
     int32_t *d_be, *d_nb;
     CUDA_OK(cudaMalloc(&d_a, prow * k * 2));
+    CUDA_OK(cudaMalloc((void **)&d_as, prow * 4));
+    CUDA_OK(cudaMemcpy(d_as, as, prow * 4, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMalloc(&d_c, prow * n * 4));
     CUDA_OK(cudaMalloc((void **)&d_scale, prow * 4));
     CUDA_OK(cudaMalloc((void **)&d_be, max_blocks * 4));
     CUDA_OK(cudaMalloc((void **)&d_nb, 4));
-    CUDA_OK(cudaMemcpy(d_a, a, prow * k * 2, cudaMemcpyHostToDevice));
+    if (f8)
+        CUDA_OK(cudaMemcpy(d_a, a8, prow * k, cudaMemcpyHostToDevice));
+    else
+        CUDA_OK(cudaMemcpy(d_a, a, prow * k * 2, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(d_scale, scale, prow * 4, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(d_be, be, max_blocks * 4, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(d_nb, &num_blocks, 4, cudaMemcpyHostToDevice));
@@ -215,8 +282,10 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
                 moe_gemm_args_t args;
                 memset(&args, 0, sizeof(args));
                 args.a = d_a;
-                args.b = in->d_b;
+                args.b = f8 ? in->d_b8 : in->d_b;
                 args.c = d_c;
+                args.a_scale = f8 ? d_as : NULL;
+                args.b_scale = f8 ? in->d_bs : NULL;
                 args.row_scale = use_scale ? d_scale : NULL;
                 args.block_expert = d_be;
                 args.num_blocks = d_nb;
@@ -226,8 +295,8 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
                 args.k = k;
                 args.epilogue = (moe_gemm_epilogue_t)epi;
                 args.c_f32 = f32;
-                args.ab_dtype = MOE_DTYPE_BF16;
-                args.scale_kind = MOE_SCALE_NONE;
+                args.ab_dtype = v->ab_dtype;
+                args.scale_kind = v->scale_kind;
                 CUDA_OK(cudaMemset(d_c, 0xff, prow * n * 4)); /* NaN in bf16 and f32 */
                 moe_status_t st = v->launch(&args, NULL);
                 CUDA_OK(cudaDeviceSynchronize());
@@ -276,9 +345,12 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
             }
     free(c);
     free(a);
+    free(a8);
     free(scale);
+    free(as);
     free(logical);
     cudaFree(d_a);
+    cudaFree(d_as);
     cudaFree(d_c);
     cudaFree(d_scale);
     cudaFree(d_be);
@@ -310,16 +382,26 @@ static void check_rejects(const moe_gemm_variant_t *v, const inputs_t *in)
     args.num_experts = 1;
     args.n = 256;
     args.k = 100; /* rows of 200 bytes: not whole 16-byte units */
-    args.ab_dtype = MOE_DTYPE_BF16;
+    args.ab_dtype = v->ab_dtype;
+    args.scale_kind = v->scale_kind;
+    args.a_scale = args.b_scale = (const float *)d;
     expect(v->launch(&args, NULL) == MOE_STATUS_NOT_SUPPORTED && strstr(moe_last_error(), "100"),
            "k = 100 rejected");
     args.k = 128;
-    args.ab_dtype = MOE_DTYPE_FP8_E4M3;
-    expect(v->launch(&args, NULL) == MOE_STATUS_NOT_SUPPORTED, "fp8 rejected");
-    args.ab_dtype = MOE_DTYPE_BF16;
+    args.ab_dtype = v->ab_dtype == MOE_DTYPE_BF16 ? MOE_DTYPE_FP8_E4M3 : MOE_DTYPE_BF16;
+    expect(v->launch(&args, NULL) == MOE_STATUS_NOT_SUPPORTED, "other dtype rejected");
+    args.ab_dtype = v->ab_dtype;
     args.scale_kind = MOE_SCALE_BLOCK_128;
     expect(v->launch(&args, NULL) == MOE_STATUS_NOT_SUPPORTED, "block scales rejected");
-    args.scale_kind = MOE_SCALE_NONE;
+    args.scale_kind = v->scale_kind;
+    if (v->ab_dtype == MOE_DTYPE_FP8_E4M3) {
+        args.b_scale = NULL;
+        expect(v->launch(&args, NULL) == MOE_STATUS_NOT_SUPPORTED, "fp8 without scales rejected");
+        args.b_scale = (const float *)d;
+        args.k = 1032; /* whole 16-byte units of bf16, not of e4m3 */
+        expect(v->launch(&args, NULL) == MOE_STATUS_NOT_SUPPORTED, "fp8 k = 1032 rejected");
+        args.k = 128;
+    }
     args.a = NULL;
     expect(v->launch(&args, NULL) == MOE_STATUS_INVALID_ARGUMENT, "a = NULL rejected");
     args.a = d;
@@ -351,7 +433,12 @@ int main(int argc, char **argv)
         expect(moe_gemm_select(90, MOE_DTYPE_BF16, MOE_SCALE_NONE, rpe[i]) != NULL, "select 90");
         expect(moe_gemm_select(80, MOE_DTYPE_BF16, MOE_SCALE_NONE, rpe[i]) != NULL, "select 80");
     }
-    expect(moe_gemm_select(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128, 1) == NULL, "no fp8 yet");
+    expect(moe_gemm_select(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128, 1) == NULL,
+           "no fp8 block-scale variant yet");
+    for (int i = 0; i < 10; i++)
+        expect(moe_gemm_select(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, rpe[i]) != NULL &&
+                   moe_gemm_select(80, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, rpe[i]) == NULL,
+               "select fp8: sm_90a only");
     expect(moe_gemm_variant_by_name("no_such_variant") == NULL, "unknown name");
 
     for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
@@ -365,6 +452,8 @@ int main(int argc, char **argv)
             expect(moe_gemm_variant_by_name(vs[i].name) == &vs[i], "by name");
             if (si == 0)
                 check_rejects(&vs[i], &in);
+            if (vs[i].ab_dtype == MOE_DTYPE_FP8_E4M3 && shapes[si].k % 16)
+                continue; /* e4m3 rows need k % 16 (rejected: check_rejects) */
             run_variant(&vs[i], &in);
         }
         free_inputs(&in);

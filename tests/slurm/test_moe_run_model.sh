@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # moe-run --model on generated checkpoints of every family (Mixtral bf16 single file, Qwen2-MoE
-# and Qwen3-MoE sharded, DeepSeek-V3 fp8 with block scales, sharded) under mpirun with 1 rank,
-# 2 ranks (EP 2) and 2 ranks (TP 2): with --deterministic the written outputs must be equal
-# byte for byte; --input feeds an output back in.
+# and Qwen3-MoE sharded, DeepSeek-V3 fp8 with block scales, sharded, also with DeepSeek-V3's own
+# routing: 256 experts, 8 per token, 8 groups, 4 kept) under mpirun with 1 rank, 2 ranks (EP 2)
+# and 2 ranks (TP 2): with --deterministic the written outputs must be equal byte for byte;
+# --input feeds an output back in. The FP8 ones also run --fp8-math w8a8.
 #   test_moe_run_model.sh MOE_RUN TEST_CHECKPOINT
 set -euo pipefail
 
@@ -26,7 +27,7 @@ run() { # np out [args...]
     grep -q '^checksum ' "$out.log" || { echo "FAIL: no checksum line: $*"; fail=1; return 1; }
 }
 
-for m in mixtral qwen2_moe qwen3_moe deepseek_v3_fp8; do
+for m in mixtral qwen2_moe qwen3_moe deepseek_v3_fp8 deepseek_v3_fp8_e256; do
     args=(--model "$tmp/$m" --layer 1)
     run 1 "$tmp/$m.np1" "${args[@]}" || continue
     run 2 "$tmp/$m.ep2" "${args[@]}" || continue
@@ -40,6 +41,36 @@ for m in mixtral qwen2_moe qwen3_moe deepseek_v3_fp8; do
     done
     # The output is a safetensors file with hidden_states [64, H]: it is valid input.
     run 2 "$tmp/$m.in" "${args[@]}" --input "$tmp/$m.np1" && echo "ok: $m: --input"
+done
+
+# FP8 W8A8 on the CPU backend: 1 rank, EP 2 and TP 2 agree (to f32 summation order: compared by
+# the checksum line) and differ from W8A16.
+checksum_of() { sed -n 's/^checksum \([^ ]*\) abs \([^ ]*\)$/\1 \2/p' "$1"; }
+for m in deepseek_v3_fp8 deepseek_v3_fp8_e256; do
+    args=(--model "$tmp/$m" --layer 1 --fp8-math w8a8)
+    run 1 "$tmp/$m.w8a8.np1" "${args[@]}" || continue
+    run 2 "$tmp/$m.w8a8.ep2" "${args[@]}" || continue
+    run 2 "$tmp/$m.w8a8.tp2" "${args[@]}" --tp 2 || continue
+    grep -q 'dtype fp8_e4m3 (W8A8)' "$tmp/$m.w8a8.np1.log" ||
+        { echo "FAIL: $m: the header does not say W8A8"; fail=1; }
+    read -r c1 a1 < <(checksum_of "$tmp/$m.w8a8.np1.log")
+    for v in ep2 tp2; do
+        read -r c2 a2 < <(checksum_of "$tmp/$m.w8a8.$v.log")
+        if awk -v a="$c1" -v b="$c2" -v s="$a1" -v t="$a2" \
+            'BEGIN { d = a - b; e = s - t; exit !(d * d + e * e <= (1e-5 * s) ^ 2) }'; then
+            echo "ok: $m: W8A8 with 1 rank and 2 ranks ($v) agree (checksum $c1 / $c2)"
+        else
+            echo "FAIL: $m: W8A8 checksums of 1 rank ($c1 abs $a1) and $v ($c2 abs $a2) differ"
+            fail=1
+        fi
+    done
+    read -r c2 a2 < <(checksum_of "$tmp/$m.np1.log")
+    if awk -v a="$c1" -v b="$c2" -v s="$a1" -v t="$a2" \
+        'BEGIN { d = a - b; e = s - t; exit !(d * d + e * e > (1e-4 * s) ^ 2) }'; then
+        echo "ok: $m: W8A8 differs from W8A16 (checksum $c1 / $c2)"
+    else
+        echo "FAIL: $m: W8A8 and W8A16 give the same checksum ($c1 abs $a1)"; fail=1
+    fi
 done
 
 # --dtype with --model converts the checkpoint's weights as they load.

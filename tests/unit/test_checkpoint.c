@@ -37,12 +37,16 @@ typedef struct fx_tensor {
     int64_t srows, scols;
 } fx_tensor_t;
 
+/* Enough for 256 experts' three FP8 matrices and their scales (a DeepSeek-V3-sized layer). */
+#define FX_MAX_TENSORS 1600
+
 typedef struct fixture {
     moe_model_family_t fam;
     int E, k, H, I, S, layer, fp8, shards, num_layers;
+    int n_group, topk_group; /* DeepSeek-V3 grouped top-k (4 and 2 unless set) */
     char dir[300];
     char extra_config[512]; /* more config.json members, each starting with ',' */
-    fx_tensor_t t[400];
+    fx_tensor_t t[FX_MAX_TENSORS];
     int n;
     uint64_t rng;
 } fixture_t;
@@ -60,7 +64,7 @@ static fx_tensor_t *fx_add(fixture_t *f, const char *name, moe_st_dtype_t dt, in
 {
     fx_tensor_t *t = &f->t[f->n++];
     int64_t n = ndim == 1 ? r : r * c;
-    assert_true(f->n <= 400);
+    assert_true(f->n <= FX_MAX_TENSORS);
     memset(t, 0, sizeof(*t));
     snprintf(t->name, sizeof(t->name), "%s", name);
     t->dtype = dt;
@@ -262,8 +266,8 @@ static void fx_write_config(const fixture_t *f)
         kv(f, cfg, n, "n_shared_experts", "%d", f->S / f->I);
         kv(f, cfg, n, "first_k_dense_replace", "1");
         kv(f, cfg, n, "moe_layer_freq", "1");
-        kv(f, cfg, n, "n_group", "4");
-        kv(f, cfg, n, "topk_group", "2");
+        kv(f, cfg, n, "n_group", "%d", f->n_group ? f->n_group : 4);
+        kv(f, cfg, n, "topk_group", "%d", f->topk_group ? f->topk_group : 2);
         kv(f, cfg, n, "norm_topk_prob", "true");
         kv(f, cfg, n, "routed_scaling_factor", "2.5");
         kv(f, cfg, n, "scoring_func", "\"sigmoid\"");
@@ -365,8 +369,8 @@ static moe_layer_config_t fx_config(const fixture_t *f)
     default:
         c.scoring = MOE_SCORING_SIGMOID;
         c.use_score_bias = 1;
-        c.n_group = 4;
-        c.topk_group = 2;
+        c.n_group = f->n_group ? f->n_group : 4;
+        c.topk_group = f->topk_group ? f->topk_group : 2;
         c.renormalize = 1;
         c.routed_scaling_factor = 2.5f;
         c.num_shared_experts = f->S / f->I;
@@ -475,10 +479,13 @@ static void check_fixture(fixture_t *f)
     check_fixture_as(f, MOE_DTYPE_INVALID);
 }
 
-static fixture_t *fx_new(moe_model_family_t fam, int E, int k, int H, int I, int S, int fp8,
-                         int shards, int layer)
+static fixture_t *fx_new_grouped(moe_model_family_t fam, int E, int k, int H, int I, int S, int fp8,
+                                 int shards, int layer, int n_group, int topk_group)
 {
     fixture_t *f = calloc(1, sizeof(*f));
+    assert_non_null(f);
+    f->n_group = n_group;
+    f->topk_group = topk_group;
     f->fam = fam;
     f->E = E;
     f->k = k;
@@ -491,6 +498,12 @@ static fixture_t *fx_new(moe_model_family_t fam, int E, int k, int H, int I, int
     f->num_layers = 4;
     fx_build(f);
     return f;
+}
+
+static fixture_t *fx_new(moe_model_family_t fam, int E, int k, int H, int I, int S, int fp8,
+                         int shards, int layer)
+{
+    return fx_new_grouped(fam, E, k, H, I, S, fp8, shards, layer, 0, 0);
 }
 
 static void fx_delete(fixture_t *f)
@@ -559,6 +572,68 @@ static void test_mixtral_fp8_per_tensor(void **state)
     (void)state;
     fx_write(f);
     check_fixture(f);
+    fx_delete(f);
+}
+
+/* Layer `f->layer` of f loaded with fp8_math `math`; y = forward of fixed tokens. */
+static void load_forward(fixture_t *f, moe_fp8_math_t math, int64_t T, float *y)
+{
+    moe_checkpoint_t *ck = NULL;
+    moe_layer_config_t c = MOE_LAYER_CONFIG_INIT;
+    moe_layer_t *l = NULL;
+    uint64_t seed = 12345;
+    float *x = malloc(sizeof(float) * (size_t)(T * f->H));
+
+    assert_non_null(x);
+    c.max_tokens_per_rank = T;
+    c.tp_size = g_tp;
+    TU_OK(moe_checkpoint_open(f->dir, &ck));
+    TU_OK(moe_checkpoint_layer_config(ck, f->layer, &c));
+    c.fp8_math = math;
+    TU_OK(moe_layer_create(rt, &c, &l));
+    TU_OK(moe_layer_load(l, ck, f->layer));
+    TU_OK(moe_checkpoint_close(ck));
+    tu_fill_uniform(x, T * f->H, -1.0f, 1.0f, &seed);
+    forward(l, x, T, f->H, y);
+    assert_int_equal(tu_count_nan(y, T * f->H), 0);
+    moe_layer_destroy(l);
+    free(x);
+}
+
+/* A per-tensor checkpoint's static input_scale reaches W8A8 layers: the output differs from the
+ * same file without input_scale tensors (dynamic scales), while W8A16 ignores them. */
+static void test_fp8_static_input_scale_w8a8(void **state)
+{
+    fixture_t *f = fx_new(MOE_FAMILY_MIXTRAL, 8, 2, 128, 256, 0, 2, 1, 1);
+    const int64_t T = 16, n = T * 128;
+    float *y = malloc(sizeof(float) * (size_t)(4 * n));
+    int i, m = 0;
+    (void)state;
+    assert_non_null(y);
+    fx_write(f);
+    load_forward(f, MOE_FP8_MATH_W8A16, T, y);
+    load_forward(f, MOE_FP8_MATH_W8A8, T, y + n);
+    for (i = 0; i < f->n; i++) { /* the same checkpoint without its input_scale tensors */
+        const size_t len = strlen(f->t[i].name);
+        if (len >= 11 && !strcmp(f->t[i].name + len - 11, "input_scale"))
+            free(f->t[i].data);
+        else
+            f->t[m++] = f->t[i];
+    }
+    assert_true(m < f->n);
+    f->n = m;
+    fx_write(f);
+    load_forward(f, MOE_FP8_MATH_W8A16, T, y + 2 * n);
+    load_forward(f, MOE_FP8_MATH_W8A8, T, y + 3 * n);
+    fprintf(stderr,
+            "static input_scale: W8A8 static vs dynamic %.4f, static vs W8A16 %.4f, "
+            "dynamic vs W8A16 %.4f\n",
+            tu_rel_err(y + n, y + 3 * n, n), tu_rel_err(y + n, y, n), tu_rel_err(y + 3 * n, y, n));
+    assert_memory_equal(y, y + 2 * n, sizeof(float) * (size_t)n); /* W8A16: not used */
+    assert_true(tu_rel_err(y + n, y + 3 * n, n) > 1e-3);          /* W8A8: used */
+    assert_true(tu_rel_err(y + n, y, n) < 0.2);                   /* and still close */
+    assert_true(tu_rel_err(y + 3 * n, y, n) < 0.06);
+    free(y);
     fx_delete(f);
 }
 
@@ -978,19 +1053,23 @@ static int write_fixtures(const char *dir)
     static const struct {
         const char *name;
         moe_model_family_t fam;
-        int E, k, H, I, S, fp8, shards, layer;
+        int E, k, H, I, S, fp8, shards, layer, n_group, topk_group;
     } fx[] = {
-        {"mixtral", MOE_FAMILY_MIXTRAL, 8, 2, 128, 256, 0, 0, 1, 1},
-        {"qwen2_moe", MOE_FAMILY_QWEN2_MOE, 8, 4, 128, 128, 256, 0, 3, 1},
-        {"qwen3_moe", MOE_FAMILY_QWEN3_MOE, 16, 4, 128, 128, 0, 0, 2, 1},
-        {"deepseek_v3_fp8", MOE_FAMILY_DEEPSEEK_V3, 8, 2, 256, 256, 256, 1, 3, 1},
+        {"mixtral", MOE_FAMILY_MIXTRAL, 8, 2, 128, 256, 0, 0, 1, 1, 0, 0},
+        {"qwen2_moe", MOE_FAMILY_QWEN2_MOE, 8, 4, 128, 128, 256, 0, 3, 1, 0, 0},
+        {"qwen3_moe", MOE_FAMILY_QWEN3_MOE, 16, 4, 128, 128, 0, 0, 2, 1, 0, 0},
+        {"deepseek_v3_fp8", MOE_FAMILY_DEEPSEEK_V3, 8, 2, 256, 256, 256, 1, 3, 1, 0, 0},
+        /* DeepSeek-V3's routing and FP8 format (256 routed experts, 8 per token, 8 groups, 4
+         * kept, one shared expert, 128x128 weight_scale_inv) at a small hidden size */
+        {"deepseek_v3_fp8_e256", MOE_FAMILY_DEEPSEEK_V3, 256, 8, 256, 256, 256, 1, 4, 1, 8, 4},
     };
     char cmd[600];
 
     snprintf(g_root, sizeof(g_root), "%s", dir);
     for (size_t i = 0; i < sizeof(fx) / sizeof(fx[0]); i++) {
-        fixture_t *f = fx_new(fx[i].fam, fx[i].E, fx[i].k, fx[i].H, fx[i].I, fx[i].S, fx[i].fp8,
-                              fx[i].shards, fx[i].layer);
+        fixture_t *f =
+            fx_new_grouped(fx[i].fam, fx[i].E, fx[i].k, fx[i].H, fx[i].I, fx[i].S, fx[i].fp8,
+                           fx[i].shards, fx[i].layer, fx[i].n_group, fx[i].topk_group);
         g_seq = (int)i;
         fx_write(f); /* DIR/ckpt<i> */
         snprintf(cmd, sizeof(cmd), "mv '%s' '%s/%s'", f->dir, dir, fx[i].name);
@@ -1013,6 +1092,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_mixtral_fp8_per_tensor),
         cmocka_unit_test(test_bad_per_tensor_scales),
         cmocka_unit_test(test_fp8_checkpoint_bf16_layer),
+        cmocka_unit_test(test_fp8_static_input_scale_w8a8),
         cmocka_unit_test(test_public_tensor_files),
         cmocka_unit_test(test_bad_tensors),
         cmocka_unit_test(test_bad_index),

@@ -1,0 +1,183 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* CPU reference FP8 W8A8 arithmetic: activation quantisation, e4m3 x e4m3 products with f32
+ * accumulation and the expert MLP built on them (the oracle for GPU W8A8 kernels). */
+#include <math.h>
+#include <stdlib.h>
+
+#include "kernels/cpu/moe_cpu.h"
+#include "kernels/numeric.h"
+#include "runtime/diag.h"
+
+#define W8A8_BLOCK 128
+
+int64_t moe_cpu_w8a8_group(const moe_cpu_matrix_t *m)
+{
+    return m->scale_kind == MOE_SCALE_BLOCK_128 ? W8A8_BLOCK : 0;
+}
+
+static int64_t num_groups(int64_t k, int64_t group)
+{
+    return group > 0 ? (k + group - 1) / group : 1;
+}
+
+void moe_cpu_fp8_quantize_rows(const float *x, int64_t n, int64_t k, int64_t group,
+                               float static_scale, uint8_t *q, float *scale)
+{
+    const int64_t ng = num_groups(k, group), gw = group > 0 ? group : k;
+    int64_t i, g, c;
+
+    for (i = 0; i < n; i++)
+        for (g = 0; g < ng; g++) {
+            const int64_t c0 = g * gw, c1 = c0 + gw < k ? c0 + gw : k;
+            const float *xr = x + i * k;
+            float s = static_scale;
+            if (!(s > 0.0f)) {
+                float amax = 0.0f;
+                for (c = c0; c < c1; c++) /* NaN never wins the comparison: it is skipped */
+                    amax = fabsf(xr[c]) > amax ? fabsf(xr[c]) : amax;
+                s = moe_fp8_dynamic_scale(amax);
+            }
+            scale[i * ng + g] = s;
+            for (c = c0; c < c1; c++)
+                q[i * k + c] = moe_fp8e4m3_quantize(xr[c], s);
+        }
+}
+
+/* The scale of weight element row r, K block b (b = 0 for the kinds without blocks). */
+static float weight_scale(const moe_cpu_matrix_t *m, int64_t r, int64_t b)
+{
+    if (m->scale_kind == MOE_SCALE_BLOCK_128)
+        return m->scale[(r / W8A8_BLOCK) * num_groups(m->cols, W8A8_BLOCK) + b];
+    if (m->scale_kind == MOE_SCALE_PER_CHANNEL)
+        return m->scale[r];
+    return m->scale[0];
+}
+
+moe_status_t moe_cpu_matmul_w8a8(const uint8_t *qa, const float *sa, int64_t n,
+                                 const moe_cpu_matrix_t *m, float *y)
+{
+    const int64_t K = m->cols, group = moe_cpu_w8a8_group(m), ng = num_groups(K, group);
+    const int64_t gw = group > 0 ? group : K;
+    float *a = NULL, *w = NULL;
+    int64_t r, i, b;
+
+    if (n == 0 || m->rows == 0)
+        return MOE_STATUS_SUCCESS;
+    if (m->dtype != MOE_DTYPE_FP8_E4M3 || !m->scale)
+        return moe_error(MOE_STATUS_INTERNAL_ERROR, "w8a8 matmul: weights are %s, not FP8_E4M3",
+                         moe_dtype_name(m->dtype));
+    /* The e4m3 codes as f32 (exact): each product of two is exact in f32 too (4 x 4 bits of
+     * significand), so only the order of the sums rounds. */
+    a = malloc(sizeof(float) * (size_t)(n * K + 1));
+    w = malloc(sizeof(float) * (size_t)(K + 1));
+    if (!a || !w) {
+        free(a);
+        free(w);
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "w8a8 matmul: %lld x %lld floats", (long long)n,
+                         (long long)K);
+    }
+    moe_convert_to_f32(MOE_DTYPE_FP8_E4M3, qa, a, (size_t)(n * K));
+    for (r = 0; r < m->rows; r++) {
+        moe_convert_to_f32(MOE_DTYPE_FP8_E4M3, (const uint8_t *)m->data + r * K, w, (size_t)K);
+        for (i = 0; i < n; i++) {
+            const float *ai = a + i * K;
+            float acc = 0.0f;
+            if (group == 0) {
+                acc = moe_cpu_dot(ai, w, K);
+                y[i * m->rows + r] = sa[i] * (weight_scale(m, r, 0) * acc);
+                continue;
+            }
+            /* Promotion per K block, as DeepGEMM: each block's partial sum is scaled and added
+             * to the f32 result in block order. */
+            for (b = 0; b < ng; b++) {
+                const int64_t c0 = b * gw, len = c0 + gw < K ? gw : K - c0;
+                const float part = moe_cpu_dot(ai + c0, w + c0, len);
+                acc += (sa[i * ng + b] * weight_scale(m, r, b)) * part;
+            }
+            y[i * m->rows + r] = acc;
+        }
+    }
+    free(a);
+    free(w);
+    return MOE_STATUS_SUCCESS;
+}
+
+/* Quantises x[n, k] for a product with `m`; `round_bf16`: x is rounded to bf16 first (the
+ * token rows, as the GPU gathers them). */
+static moe_status_t quantize_for(const moe_cpu_matrix_t *m, const float *x, int64_t n, int64_t k,
+                                 float static_scale, int round_bf16, uint8_t **q, float **s)
+{
+    const int64_t ng = num_groups(k, moe_cpu_w8a8_group(m));
+    float *xb = NULL;
+    int64_t i;
+
+    *q = malloc((size_t)(n * k + 1));
+    *s = malloc(sizeof(float) * (size_t)(n * ng + 1));
+    if (round_bf16)
+        xb = malloc(sizeof(float) * (size_t)(n * k + 1));
+    if (!*q || !*s || (round_bf16 && !xb)) {
+        free(xb);
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "w8a8 activations: %lld x %lld", (long long)n,
+                         (long long)k);
+    }
+    if (round_bf16) {
+        for (i = 0; i < n * k; i++)
+            xb[i] = moe_bf16_to_f32(moe_f32_to_bf16(x[i]));
+        x = xb;
+    }
+    moe_cpu_fp8_quantize_rows(x, n, k, moe_cpu_w8a8_group(m), static_scale, *q, *s);
+    free(xb);
+    return MOE_STATUS_SUCCESS;
+}
+
+/* The static input scale of gate and up together: the larger of the two when both have one
+ * (one quantisation feeds both products, as a fused gate_up kernel does), else 0 (dynamic). */
+static float gate_up_static_scale(const moe_cpu_mlp_t *w)
+{
+    const float g = w->input_scale[0], u = w->input_scale[1];
+    if (w->gate.scale_kind != MOE_SCALE_PER_TENSOR || !(g > 0.0f) || !(u > 0.0f))
+        return 0.0f;
+    return g > u ? g : u;
+}
+
+static float down_static_scale(const moe_cpu_mlp_t *w)
+{
+    const float d = w->input_scale[2];
+    return w->down.scale_kind == MOE_SCALE_PER_TENSOR && d > 0.0f ? d : 0.0f;
+}
+
+moe_status_t moe_cpu_mlp_w8a8(const moe_cpu_mlp_t *w, moe_activation_t act, const float *x,
+                              int64_t n, float *out)
+{
+    const int64_t is = w->gate.rows, H = w->gate.cols;
+    float *g = NULL, *u = NULL, *sa = NULL;
+    uint8_t *qa = NULL;
+    moe_status_t st;
+
+    if (n == 0)
+        return MOE_STATUS_SUCCESS;
+    g = malloc(sizeof(float) * (size_t)(n * (is > 0 ? is : 1)));
+    u = malloc(sizeof(float) * (size_t)(n * (is > 0 ? is : 1)));
+    if (!g || !u) {
+        st = moe_error(MOE_STATUS_OUT_OF_MEMORY, "cpu w8a8 mlp: %lld x %lld floats", (long long)n,
+                       (long long)is);
+        goto out;
+    }
+    MOE_CHECK_GOTO(quantize_for(&w->gate, x, n, H, gate_up_static_scale(w), 1, &qa, &sa), st, out);
+    MOE_CHECK_GOTO(moe_cpu_matmul_w8a8(qa, sa, n, &w->gate, g), st, out);
+    MOE_CHECK_GOTO(moe_cpu_matmul_w8a8(qa, sa, n, &w->up, u), st, out);
+    free(qa);
+    free(sa);
+    qa = NULL;
+    sa = NULL;
+    moe_cpu_act_mul(act, g, u, g, n * is);
+    /* h as the GPU holds it between its GEMMs: bf16 */
+    MOE_CHECK_GOTO(quantize_for(&w->down, g, n, is, down_static_scale(w), 1, &qa, &sa), st, out);
+    st = moe_cpu_matmul_w8a8(qa, sa, n, &w->down, out);
+out:
+    free(g);
+    free(u);
+    free(qa);
+    free(sa);
+    return st;
+}

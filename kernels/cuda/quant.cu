@@ -1,0 +1,104 @@
+// SPDX-License-Identifier: Apache-2.0
+// e4m3 rows with one scale per row (W8A8 activations): amax by a warp, then the conversion.
+#include "kernels/quant.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/vec8.cuh"
+#include "kernels/numeric.h"
+#include "kernels/prepare.h"
+
+namespace
+{
+
+constexpr int Q_THREADS = 128; // one CTA per row: long rows (I = 14336) need many loads in flight
+
+template <typename T>
+__global__ void __launch_bounds__(Q_THREADS) quant_rows_kernel(moe_quant_rows_args_t a)
+{
+    __shared__ float warp_max[Q_THREADS / 32];
+    __shared__ float row_scale;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+    const int64_t row = blockIdx.x;
+    if (a.num_blocks && row >= (int64_t)*a.num_blocks * a.block_rows)
+        return;
+    const T *x = static_cast<const T *>(a.x) + row * a.cols;
+    if (a.static_scale) {
+        if (threadIdx.x == 0)
+            row_scale = *a.static_scale;
+    } else {
+        float m = 0.0f;
+#pragma unroll 4
+        for (int c = threadIdx.x * 8; c < a.cols; c += Q_THREADS * 8) {
+            float v[8];
+            moe_load8(x + c, v);
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                m = fmaxf(m, fabsf(v[i])); // fmaxf drops NaN: a NaN value stays NaN below
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        if (lane == 0)
+            warp_max[warp] = m;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int w = 1; w < Q_THREADS / 32; w++)
+                m = fmaxf(m, warp_max[w]);
+            // as moe_fp8_dynamic_scale: amax floored at MOE_FP8_ACT_AMAX_MIN, over 448
+            row_scale =
+                __fdiv_rn(m > MOE_FP8_ACT_AMAX_MIN ? m : MOE_FP8_ACT_AMAX_MIN, MOE_FP8_E4M3_MAX);
+        }
+    }
+    __syncthreads();
+    const float s = row_scale;
+    if (threadIdx.x == 0)
+        a.scale[row] = s;
+    uint8_t *q = a.q + row * a.cols;
+#pragma unroll 4
+    for (int c = threadIdx.x * 8; c < a.cols; c += Q_THREADS * 8) {
+        float v[8];
+        moe_load8(x + c, v);
+        uint32_t lo = 0, hi = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const uint32_t b = __nv_cvt_float_to_fp8(__fdiv_rn(v[i], s), __NV_SATFINITE, __NV_E4M3);
+            if (i < 4)
+                lo |= b << (8 * i);
+            else
+                hi |= b << (8 * (i - 4));
+        }
+        *reinterpret_cast<uint2 *>(q + c) = make_uint2(lo, hi);
+    }
+}
+
+} // namespace
+
+extern "C" moe_status_t moe_quant_rows_launch(const moe_quant_rows_args_t *a, void *stream)
+{
+    if (a->cols % 8)
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT, "e4m3 rows: cols = %d not a multiple of 8",
+                         a->cols);
+    if (a->rows <= 0)
+        return MOE_STATUS_SUCCESS;
+    if (a->rows > INT32_MAX)
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT, "e4m3 rows: %lld rows", (long long)a->rows);
+    const unsigned grid = (unsigned)a->rows;
+    cudaStream_t s = (cudaStream_t)stream;
+    if (a->x_dtype == MOE_DTYPE_BF16)
+        quant_rows_kernel<__nv_bfloat16><<<grid, Q_THREADS, 0, s>>>(*a);
+    else if (a->x_dtype == MOE_DTYPE_F32)
+        quant_rows_kernel<float><<<grid, Q_THREADS, 0, s>>>(*a);
+    else
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "e4m3 rows from %s", moe_dtype_name(a->x_dtype));
+    MOE_CUDA_CHECK_LAUNCH("e4m3 rows");
+    return MOE_STATUS_SUCCESS;
+}
+
+extern "C" moe_status_t moe_quant_prepare(void)
+{
+    MOE_CUDA_PREPARE(quant_rows_kernel<__nv_bfloat16>);
+    MOE_CUDA_PREPARE(quant_rows_kernel<float>);
+    return MOE_STATUS_SUCCESS;
+}

@@ -1,0 +1,34 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* FP8 (e4m3) activation quantisation of the W8A8 path: one scale per row,
+ * s = max(amax(|row|), MOE_FP8_ACT_AMAX_MIN) / 448, q = e4m3(v / s) rounded to nearest even and
+ * saturated to +-448 (NaN stays NaN) -- the CPU reference's arithmetic (docs/SEMANTICS.md).
+ * CUDA-free. */
+#ifndef MOE_QUANT_H
+#define MOE_QUANT_H
+
+#include <stdint.h>
+#include "moe/moe.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct moe_quant_rows_args {
+    const void *x; /* device [rows][cols], BF16 or F32 */
+    moe_dtype_t x_dtype;
+    int64_t rows;              /* rows the grid covers */
+    const int32_t *num_blocks; /* optional device scalar: only rows < *num_blocks * block_rows */
+    int block_rows;
+    int cols;                  /* multiple of 8 */
+    const float *static_scale; /* optional device scalar: this scale for every row instead */
+    uint8_t *q;                /* device [rows][cols] e4m3 */
+    float *scale;              /* device [rows] */
+} moe_quant_rows_args_t;
+
+moe_status_t moe_quant_rows_launch(const moe_quant_rows_args_t *args, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOE_QUANT_H */
