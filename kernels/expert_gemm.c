@@ -38,6 +38,14 @@ static const moe_gemm_variant_t variants[] = {
      moe_gemm_sm90_fp8_m64_launch},
     {"sm90_fp8_m128n128", 90, 128, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
      moe_gemm_sm90_fp8_m128_launch},
+    {"sm90_fp8_block_swapab_n16", 90, 16, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
+     moe_gemm_sm90_fp8b_swap16_launch},
+    {"sm90_fp8_block_swapab_n32", 90, 32, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
+     moe_gemm_sm90_fp8b_swap32_launch},
+    {"sm90_fp8_block_m64n128", 90, 64, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
+     moe_gemm_sm90_fp8b_m64_launch},
+    {"sm90_fp8_block_m128n128", 90, 128, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
+     moe_gemm_sm90_fp8b_m128_launch},
     {"sm80_mma_m32n128", 80, 32, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE, moe_gemm_sm80_m32_launch},
     {"sm80_mma_m64n128", 80, 64, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE, moe_gemm_sm80_m64_launch},
 };
@@ -141,6 +149,12 @@ static const moe_gemm_bucket_t sm90_fp8_buckets[] = {
     {96.0, "sm90_fp8_m64n128"},
     {1e300, "sm90_fp8_m128n128"},
 };
+static const moe_gemm_bucket_t sm90_fp8_block_buckets[] = {
+    {16.0, "sm90_fp8_block_swapab_n16"},
+    {32.0, "sm90_fp8_block_swapab_n32"},
+    {96.0, "sm90_fp8_block_m64n128"},
+    {1e300, "sm90_fp8_block_m128n128"},
+};
 static const moe_gemm_bucket_t sm80_buckets[] = {
     {32.0, "sm80_mma_m32n128"},
     {1e300, "sm80_mma_m64n128"},
@@ -198,8 +212,12 @@ const moe_gemm_variant_t *moe_gemm_select(int arch, moe_dtype_t dtype, moe_scale
         const int count = (int)(sizeof(sm90_fp8_buckets) / sizeof(sm90_fp8_buckets[0]));
         return arch == 90 ? pick(sm90_fp8_buckets, count, rows_per_expert) : NULL;
     }
+    if (dtype == MOE_DTYPE_FP8_E4M3 && scale == MOE_SCALE_BLOCK_128) {
+        const int count = (int)(sizeof(sm90_fp8_block_buckets) / sizeof(sm90_fp8_block_buckets[0]));
+        return arch == 90 ? pick(sm90_fp8_block_buckets, count, rows_per_expert) : NULL;
+    }
     if (dtype != MOE_DTYPE_BF16 || scale != MOE_SCALE_NONE)
-        return NULL; /* no such variant (FP8 block scales: not built yet) */
+        return NULL; /* no such variant */
     {
         int count = 0;
         const moe_gemm_bucket_t *b = buckets_for(arch, &count);

@@ -22,7 +22,9 @@ typedef struct moe_quant_rows_args {
     int cols;                  /* multiple of 8 */
     const float *static_scale; /* optional device scalar: this scale for every row instead */
     uint8_t *q;                /* device [rows][cols] e4m3 */
-    float *scale;              /* device [rows] */
+    float *scale;              /* device [rows], or [rows][ceil(cols / 128)] with group */
+    int group;                 /* 0: one scale per row; 128: one per 1 x 128 group (block
+                                  weights, DeepSeek-V3); static_scale must be NULL then */
 } moe_quant_rows_args_t;
 
 moe_status_t moe_quant_rows_launch(const moe_quant_rows_args_t *args, void *stream);

@@ -38,6 +38,19 @@ void *moe_cuda_take(carve_t *c, size_t bytes)
     return p;
 }
 
+/* The GEMMs' scale kind: none (bf16), per row (W8A8 per-tensor / per-channel weights, their
+ * scales expanded per row) or 128 x 128 blocks with 1 x 128 activation groups. */
+static moe_scale_kind_t f8_scale_kind(const cuda_layer_t *s)
+{
+    return s->f8 == 2 ? MOE_SCALE_BLOCK_128 : s->f8 ? MOE_SCALE_PER_CHANNEL : MOE_SCALE_NONE;
+}
+
+/* 128-wide k slices of a row of `k` with block scales, else 1 (one scale per row). */
+static size_t f8_groups(const cuda_layer_t *s, int64_t k)
+{
+    return s->f8 == 2 ? (size_t)((k + 127) / 128) : 1;
+}
+
 /* Every variant forward may pick on this device (the forced one alone if set). */
 static int candidate_variants(const cuda_layer_t *s, const moe_gemm_variant_t **out, int cap)
 {
@@ -51,7 +64,7 @@ static int candidate_variants(const cuda_layer_t *s, const moe_gemm_variant_t **
     for (i = 0; i < count && n < cap - 1; i++)
         if (moe_gemm_variant_runs_on(&table[i], s->arch) &&
             table[i].ab_dtype == (s->f8 ? MOE_DTYPE_FP8_E4M3 : MOE_DTYPE_BF16) &&
-            table[i].scale_kind == (s->f8 ? MOE_SCALE_PER_CHANNEL : MOE_SCALE_NONE))
+            table[i].scale_kind == f8_scale_kind(s))
             out[n++] = &table[i];
     out[n++] = moe_gemm_simple_variant();
     return n;
@@ -97,8 +110,8 @@ static void plan_workspace(cuda_layer_t *s, carve_t *c)
     if (s->f8) {
         s->a8 = moe_cuda_take(c, (size_t)max_rows * (size_t)s->H);
         s->h8 = moe_cuda_take(c, (size_t)max_rows * (size_t)s->is);
-        s->as = moe_cuda_take(c, sizeof(float) * (size_t)max_rows);
-        s->hs = moe_cuda_take(c, sizeof(float) * (size_t)max_rows);
+        s->as = moe_cuda_take(c, sizeof(float) * (size_t)max_rows * f8_groups(s, s->H));
+        s->hs = moe_cuda_take(c, sizeof(float) * (size_t)max_rows * f8_groups(s, s->is));
     }
     if (s->ss > 0) {
         s->sa = moe_cuda_take(c, 2 * (size_t)s_rows * (size_t)s->H);
@@ -110,8 +123,8 @@ static void plan_workspace(cuda_layer_t *s, carve_t *c)
         if (s->f8) {
             s->sa8 = moe_cuda_take(c, (size_t)s_rows * (size_t)s->H);
             s->sh8 = moe_cuda_take(c, (size_t)s_rows * (size_t)s->ss);
-            s->sas = moe_cuda_take(c, sizeof(float) * (size_t)s_rows);
-            s->shs = moe_cuda_take(c, sizeof(float) * (size_t)s_rows);
+            s->sas = moe_cuda_take(c, sizeof(float) * (size_t)s_rows * f8_groups(s, s->H));
+            s->shs = moe_cuda_take(c, sizeof(float) * (size_t)s_rows * f8_groups(s, s->ss));
         }
     }
     if (s->world > 1)
@@ -126,11 +139,11 @@ static void plan_weights(cuda_layer_t *s, carve_t *c)
     s->w13 = moe_cuda_take(c, eb * E * 2 * is * H);
     s->w2 = moe_cuda_take(c, eb * E * H * is);
     if (s->f8) {
-        s->w13s = moe_cuda_take(c, sizeof(float) * E * 2 * is);
-        s->w2s = moe_cuda_take(c, sizeof(float) * E * H);
+        s->w13s = moe_cuda_take(c, sizeof(float) * E * 2 * is * f8_groups(s, s->H));
+        s->w2s = moe_cuda_take(c, sizeof(float) * E * H * f8_groups(s, s->is));
         if (ss > 0) {
-            s->sw13s = moe_cuda_take(c, sizeof(float) * 2 * ss);
-            s->sw2s = moe_cuda_take(c, sizeof(float) * H);
+            s->sw13s = moe_cuda_take(c, sizeof(float) * 2 * ss * f8_groups(s, s->H));
+            s->sw2s = moe_cuda_take(c, sizeof(float) * H * f8_groups(s, s->ss));
         }
     }
     s->router = moe_cuda_take(c, sizeof(float) * (size_t)s->E_total * H); /* every expert's row */
@@ -235,11 +248,6 @@ static moe_status_t check_supported(const moe_layer_t *l)
                          "CUDA backend: weight_dtype = %s; use BF16, F32 or FP8_E4M3 "
                          "(converted to BF16 at load) or MOE_BACKEND=cpu",
                          moe_dtype_name(c->weight_dtype));
-    if (c->fp8_math == MOE_FP8_MATH_W8A8 && c->scale_kind == MOE_SCALE_BLOCK_128)
-        return moe_error(MOE_STATUS_NOT_SUPPORTED,
-                         "CUDA backend: fp8_math = MOE_FP8_MATH_W8A8 with 128x128 block scales is "
-                         "not built yet (per-tensor and per-channel are); use MOE_FP8_MATH_W8A16 "
-                         "or AUTO (or MOE_BACKEND=cpu)");
     if (c->fp8_math == MOE_FP8_MATH_W8A8) { /* e4m3 rows: k in whole 16-byte units */
         const int64_t is = l->plan.i_end - l->plan.i_begin, ss = l->plan.s_end - l->plan.s_begin;
         if (c->hidden % 16 || is % 16 || ss % 16)
@@ -296,7 +304,9 @@ static void init_shape(moe_layer_t *l, cuda_layer_t *s)
     s->first_local = l->plan.first_local_expert;
     s->deterministic = l->cfg.deterministic;
     s->tm = l->cfg.max_tokens_per_rank;
-    s->f8 = l->cfg.weight_dtype == MOE_DTYPE_FP8_E4M3 && l->cfg.fp8_math == MOE_FP8_MATH_W8A8;
+    s->f8 = l->cfg.weight_dtype == MOE_DTYPE_FP8_E4M3 && l->cfg.fp8_math == MOE_FP8_MATH_W8A8
+                ? (l->cfg.scale_kind == MOE_SCALE_BLOCK_128 ? 2 : 1)
+                : 0;
     /* With EP every rank computes over all ranks' (padded) tokens. */
     s->max_tokens = s->tm * s->world;
     s->act = l->cfg.activation;
@@ -442,52 +452,57 @@ static moe_status_t store_bf16(void *dst, const moe_matrix_t *m)
     return st;
 }
 
-/* W8A8: the e4m3 bytes as stored, and one scale per row (a per-tensor scale repeated). */
+/* W8A8: the e4m3 bytes as stored, and the scales per weight row: one (a per-tensor scale
+ * repeated), or (block) one per 128-wide k slice, the row's 128 x 128 block's. */
 static moe_status_t store_e4m3(cuda_layer_t *s, moe_weight_kind_t kind, int local,
                                const moe_matrix_t *m)
 {
     const size_t H = (size_t)s->H, is = (size_t)s->is, ss = (size_t)s->ss;
-    const size_t rows = (size_t)m->rows, cols = (size_t)m->cols;
+    const size_t rows = (size_t)m->rows, cols = (size_t)m->cols, g = f8_groups(s, m->cols);
     char *dst;
     float *sdst, *rs;
     moe_status_t st;
-    size_t r;
-    if (m->dtype != MOE_DTYPE_FP8_E4M3 ||
-        (m->scale_kind != MOE_SCALE_PER_TENSOR && m->scale_kind != MOE_SCALE_PER_CHANNEL))
+    size_t r, b;
+    if (m->dtype != MOE_DTYPE_FP8_E4M3 || (s->f8 == 2 ? m->scale_kind != MOE_SCALE_BLOCK_128
+                                                      : m->scale_kind != MOE_SCALE_PER_TENSOR &&
+                                                            m->scale_kind != MOE_SCALE_PER_CHANNEL))
         return moe_error(MOE_STATUS_INTERNAL_ERROR,
-                         "W8A8 store: a %s matrix with scale kind %d (e4m3 per-tensor or "
-                         "per-channel expected)",
+                         "W8A8 store: a %s matrix with scale kind %d (e4m3 with the layer's scale "
+                         "kind expected)",
                          moe_dtype_name(m->dtype), (int)m->scale_kind);
     switch (kind) {
     case MOE_WEIGHT_GATE_PROJ:
     case MOE_WEIGHT_UP_PROJ:
         dst = (char *)s->w13 + (size_t)local * 2 * is * H;
-        sdst = s->w13s + (size_t)local * 2 * is;
+        sdst = s->w13s + (size_t)local * 2 * is * g;
         if (kind == MOE_WEIGHT_UP_PROJ)
-            dst += is * H, sdst += is;
+            dst += is * H, sdst += is * g;
         break;
     case MOE_WEIGHT_DOWN_PROJ:
         dst = (char *)s->w2 + (size_t)local * H * is;
-        sdst = s->w2s + (size_t)local * H;
+        sdst = s->w2s + (size_t)local * H * g;
         break;
     case MOE_WEIGHT_SHARED_GATE_PROJ:
     case MOE_WEIGHT_SHARED_UP_PROJ:
         dst = (char *)s->sw13 + (kind == MOE_WEIGHT_SHARED_UP_PROJ ? ss * H : 0);
-        sdst = s->sw13s + (kind == MOE_WEIGHT_SHARED_UP_PROJ ? ss : 0);
+        sdst = s->sw13s + (kind == MOE_WEIGHT_SHARED_UP_PROJ ? ss * g : 0);
         break;
     default:
         dst = (char *)s->sw2;
         sdst = s->sw2s;
         break;
     }
-    rs = malloc(sizeof(float) * (rows ? rows : 1));
+    rs = malloc(sizeof(float) * (rows ? rows * g : 1));
     if (!rs)
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "W8A8 row scales");
     for (r = 0; r < rows; r++)
-        rs[r] = m->scale_kind == MOE_SCALE_PER_TENSOR ? m->scale[0] : m->scale[r];
+        for (b = 0; b < g; b++)
+            rs[r * g + b] = m->scale_kind == MOE_SCALE_BLOCK_128    ? m->scale[(r / 128) * g + b]
+                            : m->scale_kind == MOE_SCALE_PER_TENSOR ? m->scale[0]
+                                                                    : m->scale[r];
     st = moe_gpu_memcpy_h2d(dst, m->data, rows * cols);
     if (st == MOE_STATUS_SUCCESS)
-        st = moe_gpu_memcpy_h2d(sdst, rs, sizeof(float) * rows);
+        st = moe_gpu_memcpy_h2d(sdst, rs, sizeof(float) * rows * g);
     free(rs);
     return st;
 }
@@ -557,7 +572,7 @@ const moe_gemm_variant_t *moe_cuda_variant_for(const cuda_layer_t *s, double row
     if (s->deterministic)
         rows_per_expert = 1.0;
     if (s->f8) /* create checked that sm_90a has them */
-        return moe_gemm_select(s->arch, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, rows_per_expert);
+        return moe_gemm_select(s->arch, MOE_DTYPE_FP8_E4M3, f8_scale_kind(s), rows_per_expert);
     v = moe_gemm_select(s->arch, MOE_DTYPE_BF16, MOE_SCALE_NONE, rows_per_expert);
     return v ? v : moe_gemm_simple_variant();
 }
@@ -596,13 +611,13 @@ static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_
     g.scale_kind = MOE_SCALE_NONE;
     if (s->f8) {
         moe_quant_rows_args_t q = {m->a, MOE_DTYPE_BF16, rows,  num_blocks, v->block_rows,
-                                   s->H, NULL,           m->a8, m->as};
+                                   s->H, NULL,           m->a8, m->as,      s->f8 == 2 ? 128 : 0};
         MOE_CHECK(moe_quant_rows_launch(&q, stream));
         g.a = m->a8;
         g.a_scale = m->as;
         g.b_scale = m->w13s;
         g.ab_dtype = MOE_DTYPE_FP8_E4M3;
-        g.scale_kind = MOE_SCALE_PER_CHANNEL;
+        g.scale_kind = f8_scale_kind(s);
     }
     MOE_CHECK(v->launch(&g, stream));
     g.a = m->h;
@@ -612,8 +627,9 @@ static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_
     g.k = (int)m->inter;
     g.epilogue = MOE_GEMM_EPI_STORE;
     if (s->f8) {
-        moe_quant_rows_args_t q = {m->h,          MOE_DTYPE_BF16, rows,  num_blocks, v->block_rows,
-                                   (int)m->inter, NULL,           m->h8, m->hs};
+        moe_quant_rows_args_t q = {m->h,          MOE_DTYPE_BF16,      rows, num_blocks,
+                                   v->block_rows, (int)m->inter,       NULL, m->h8,
+                                   m->hs,         s->f8 == 2 ? 128 : 0};
         MOE_CHECK(moe_quant_rows_launch(&q, stream));
         g.a = m->h8;
         g.a_scale = m->hs;

@@ -20,8 +20,8 @@ struct moe_gemm_kparams {
     const int32_t *block_expert;
     const int32_t *num_blocks;
     int max_blocks, num_experts, n, k, n_out, c_f32, n_tiles;
-    const float *a_scale; /* FP8: [rows] per A row */
-    const float *b_scale; /* FP8: [num_experts][n] per weight row */
+    const float *a_scale; /* FP8: [rows] per A row (block: [rows][ceil(k/128)]) */
+    const float *b_scale; /* FP8: [num_experts][n] per weight row (block: [..][ceil(k/128)]) */
 };
 
 /* The fields every variant takes straight from the launch arguments (n_out and n_tiles are
@@ -100,7 +100,8 @@ __device__ __forceinline__ void moe_gemm_put2(const moe_gemm_kparams &p, int64_t
 }
 
 /* Checks what every tuned variant needs (the shape rule: moe_gemm_check_shape). f8: the FP8
- * variants (e4m3 A and B, per-row scales of both, k a multiple of 16 for TMA's 16-byte rows). */
+ * variants (e4m3 A and B, k a multiple of 16 for TMA's 16-byte rows), 1: per-row scales of
+ * both, 2: 1 x 128 groups of A and 128 x 128 blocks of B, expanded per weight row. */
 static inline moe_status_t moe_gemm_check_common(const moe_gemm_args_t *a, const char *name,
                                                  int f8 = 0)
 {
@@ -110,13 +111,15 @@ static inline moe_status_t moe_gemm_check_common(const moe_gemm_args_t *a, const
         return moe_error(MOE_STATUS_NOT_SUPPORTED,
                          "%s: ab_dtype %d, scale_kind %d (this variant: bf16, no scales)", name,
                          (int)a->ab_dtype, (int)a->scale_kind);
-    if (f8 && (a->ab_dtype != MOE_DTYPE_FP8_E4M3 || a->scale_kind != MOE_SCALE_PER_CHANNEL ||
+    if (f8 && (a->ab_dtype != MOE_DTYPE_FP8_E4M3 ||
+               a->scale_kind != (f8 == 2 ? MOE_SCALE_BLOCK_128 : MOE_SCALE_PER_CHANNEL) ||
                !a->a_scale || !a->b_scale || a->k % 16))
         return moe_error(MOE_STATUS_NOT_SUPPORTED,
                          "%s: ab_dtype %d, scale_kind %d, a_scale %p, b_scale %p, k %d (this "
-                         "variant: e4m3 with per-row scales of A and B, k a multiple of 16)",
+                         "variant: e4m3 with %s scales of A and B, k a multiple of 16)",
                          name, (int)a->ab_dtype, (int)a->scale_kind, (const void *)a->a_scale,
-                         (const void *)a->b_scale, a->k);
+                         (const void *)a->b_scale, a->k,
+                         f8 == 2 ? "1x128 / 128x128 block" : "per-row");
     MOE_ARG_CHECK(a->max_blocks >= 0, "%s: max_blocks = %d < 0", name, a->max_blocks);
     MOE_ARG_CHECK(a->num_experts > 0, "%s: num_experts = %d <= 0", name, a->num_experts);
     MOE_ARG_CHECK(a->n > 0 && a->k > 0, "%s: n = %d, k = %d must be > 0", name, a->n, a->k);

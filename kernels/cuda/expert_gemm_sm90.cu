@@ -148,6 +148,15 @@ static __device__ __forceinline__ void sm90_item(int t, int nb, int n_tiles, int
     *b = g * GROUP_BLOCKS + rem % gsize;
 }
 
+/* Block scales (F8 = 2): the scale of A row `row` and of weight row `wrow` (global, e * n +
+ * local) for the 128-wide k slice ks; a_scale is [rows][kbn], b_scale [num_experts * n][kbn]
+ * (the 128 x 128 blocks expanded per weight row). */
+__device__ __forceinline__ float sm90_f8_block_scale(const moe_gemm_kparams &p, int64_t row,
+                                                     int64_t wrow, int ks, int kbn)
+{
+    return __ldg(p.a_scale + row * kbn + ks) * __ldg(p.b_scale + wrow * kbn + ks);
+}
+
 /* FP8 (F8 = 1): e4m3 A and B, f32 accumulation; the epilogue multiplies each output by the
  * A row's scale and the weight row's scale (per-tensor scales come expanded per row). */
 __device__ __forceinline__ float sm90_f8_scale(const moe_gemm_kparams &p, int64_t row, int e,
@@ -273,6 +282,43 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>::T
     constexpr bool PP = F8 && SWAP && KB % 2 == 0;
     float pa[PP ? C::NACC : 1][PP ? C::ACC : 1], pb[PP ? C::NACC : 1][PP ? C::ACC : 1];
     using acc_t = float(&)[C::NACC][C::ACC];
+    const int kbn = (p.k + 127) / 128; /* 128-wide k slices (block scales) */
+    /* d += part (F8 = 2: times the block scales of each element's A row and weight row). The
+     * element -> (row, column) map of a wgmma accumulator: row 16 warp + lane/4 + 8 ((i%4)/2),
+     * column 8 (i/4) + 2 (lane%4) + i%2. */
+    auto promote = [&](acc_t d, acc_t pp, int ks, int e, int64_t row0, int jt) {
+#pragma unroll
+        for (int h = 0; h < C::NACC; h++)
+#pragma unroll
+            for (int i = 0; i < C::ACC; i++) {
+                reg_fence(pp[h][i]);
+                if (F8 != 2) {
+                    d[h][i] += pp[h][i];
+                    continue;
+                }
+                const int r16 = 16 * (warp) + (lane >> 2) + 8 * ((i & 3) >> 1);
+                const int c8 = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+                int64_t arow;
+                int wl, hh, within;
+                if (SWAP) { /* tile row 64 h + r16 = weight row, column = token */
+                    const int r = 64 * h + r16;
+                    hh = r / WR;
+                    within = r % WR;
+                    arow = row0 + c8;
+                } else { /* row = token, column = weight row of slice h */
+                    hh = h;
+                    within = c8;
+                    arow = row0 + wg * 64 + r16;
+                }
+                const int lc = EPI == MOE_GEMM_EPI_STORE ? jt * HALVES * WR + hh * WR + within
+                                                         : jt * WR + within;
+                const bool ok = lc < (EPI == MOE_GEMM_EPI_STORE ? p.n : p.n / 2);
+                wl = EPI == MOE_GEMM_EPI_STORE ? lc : hh * (p.n / 2) + lc;
+                const float sc =
+                    ok ? sm90_f8_block_scale(p, arow, (int64_t)e * p.n + wl, ks, kbn) : 0.0f;
+                d[h][i] += pp[h][i] * sc;
+            }
+    };
     int s = 0, ph = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
         int b, jt;
@@ -287,6 +333,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>::T
                 acc[h][i] = 0.0f;
                 reg_fence(acc[h][i]);
             }
+        const int64_t row0 = (int64_t)b * TOK;
         int s_prev = -1;
         bool pend = false; /* PP: pb holds the last slice's partial, not yet added */
         for (int kt = 0; kt < kt_count; kt += KB) {
@@ -309,13 +356,8 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>::T
                     wgmma_commit();
                     if (sub > 0 || pend) {
                         wgmma_wait<1>();
-#pragma unroll
-                        for (int h = 0; h < C::NACC; h++)
-#pragma unroll
-                            for (int i = 0; i < C::ACC; i++) {
-                                reg_fence(prv[h][i]);
-                                acc[h][i] += prv[h][i];
-                            }
+                        /* the previous slice: sub - 1 here, or the last of the stage before */
+                        promote(acc, prv, (kt + sub) - 1, e, row0, jt);
                         if (sub == 0 && s_prev >= 0 && lane == 0)
                             mbar_arrive(&empty[s_prev]); /* its last slice is done */
                     }
@@ -333,16 +375,10 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>::T
                             reg_fence(part[h][i]);
                         }
                     wgmma_fence();
-                    mma_slice(reinterpret_cast<float(&)[C::NACC][C::ACC]>(part), st, sub, wg);
+                    mma_slice(reinterpret_cast<acc_t>(part), st, sub, wg);
                     wgmma_commit();
                     wgmma_wait<0>();
-#pragma unroll
-                    for (int h = 0; h < C::NACC; h++)
-#pragma unroll
-                        for (int i = 0; i < C::ACC; i++) {
-                            reg_fence(part[h][i]);
-                            acc[h][i] += part[h][i];
-                        }
+                    promote(acc, reinterpret_cast<acc_t>(part), kt + sub, e, row0, jt);
                 }
                 if (lane == 0)
                     mbar_arrive(&empty[s]);
@@ -364,15 +400,8 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>::T
             }
         }
         wgmma_wait<0>();
-        if (PP && pend) {
-#pragma unroll
-            for (int h = 0; h < C::NACC; h++)
-#pragma unroll
-                for (int i = 0; i < C::ACC; i++) {
-                    reg_fence(reinterpret_cast<acc_t>(pb)[h][i]);
-                    acc[h][i] += reinterpret_cast<acc_t>(pb)[h][i];
-                }
-        }
+        if (PP && pend) /* the item's last slice: kt_count - 1 */
+            promote(acc, reinterpret_cast<acc_t>(pb), kt_count - 1, e, row0, jt);
 #pragma unroll
         for (int h = 0; h < C::NACC; h++)
 #pragma unroll
@@ -382,8 +411,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>::T
             mbar_arrive(&empty[s_prev]);
 
         /* Epilogue. Accumulator i of a thread: wgmma row 16*warp + lane/4 + 8*((i%4)/2),
-         * column 8*(i/4) + 2*(lane%4) + i%2. */
-        const int64_t row0 = (int64_t)b * TOK;
+         * column 8*(i/4) + 2*(lane%4) + i%2. (row0: the item's first A row, above.) */
         if (SWAP) {
             constexpr int OC = 64 * C::WM / HALVES; /* output columns of the item */
             float *sscale = sepi + 64 * C::WM * C::EPI_LD;
@@ -405,11 +433,11 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>::T
                 float v = sepi[oc * C::EPI_LD + tk];
                 if (F8 && col >= p.n_out)
                     continue;
-                if (F8)
+                if (F8 == 1)
                     v *= sm90_f8_scale(p, row0 + tk, e, col);
                 if (EPI != MOE_GEMM_EPI_STORE) {
                     float u = sepi[(OC + oc) * C::EPI_LD + tk];
-                    if (F8)
+                    if (F8 == 1)
                         u *= sm90_f8_scale(p, row0 + tk, e, p.n / 2 + col);
                     v = moe_gemm_act_mul<EPI>(v, u);
                 }
@@ -423,7 +451,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>::T
             for (int i = 0; i < C::ACC; i += 2) {
                 const int q = (i & 3) >> 1;
                 const int wc = 8 * (i >> 2) + 2 * (lane & 3);
-                if (F8) {
+                if (F8 == 1) { /* F8 = 2: the block scales are in acc already */
                     if (EPI == MOE_GEMM_EPI_STORE) {
 #pragma unroll
                         for (int h = 0; h < HALVES; h++) {
@@ -667,5 +695,23 @@ moe_status_t moe_gemm_sm90_fp8_swap32_launch(const moe_gemm_args_t *a, void *str
 moe_status_t moe_gemm_sm90_fp8_swap64_launch(const moe_gemm_args_t *a, void *stream)
 {
     return launch_swap<64, 2, 1, 1>(a, stream, "sm90_fp8_swapab_n64");
+}
+/* FP8 with 128 x 128 weight blocks and 1 x 128 activation groups (DeepSeek-V3): the scales
+ * multiply each 128-wide k slice's partial as it is promoted. */
+moe_status_t moe_gemm_sm90_fp8b_m128_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<128, 2>(a, stream, "sm90_fp8_block_m128n128");
+}
+moe_status_t moe_gemm_sm90_fp8b_m64_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<64, 2>(a, stream, "sm90_fp8_block_m64n128");
+}
+moe_status_t moe_gemm_sm90_fp8b_swap16_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<16, 4, 1, 2>(a, stream, "sm90_fp8_block_swapab_n16");
+}
+moe_status_t moe_gemm_sm90_fp8b_swap32_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<32, 2, 1, 2>(a, stream, "sm90_fp8_block_swapab_n32");
 }
 }

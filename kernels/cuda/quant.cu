@@ -24,6 +24,41 @@ __global__ void __launch_bounds__(Q_THREADS) quant_rows_kernel(moe_quant_rows_ar
     if (a.num_blocks && row >= (int64_t)*a.num_blocks * a.block_rows)
         return;
     const T *x = static_cast<const T *>(a.x) + row * a.cols;
+    if (a.group) { /* 1 x 128 groups: 16 lanes (one half-warp) per group of 8-wide vectors */
+        const int nvec = a.cols / 8, ng = (a.cols + 127) / 128;
+        uint8_t *q = a.q + row * a.cols;
+        for (int v0 = 0; v0 < nvec; v0 += Q_THREADS) {
+            const int v = v0 + threadIdx.x;
+            float vals[8], m = 0.0f;
+            if (v < nvec) {
+                moe_load8(x + (int64_t)v * 8, vals);
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+                    m = fmaxf(m, fabsf(vals[i]));
+            }
+#pragma unroll
+            for (int o = 8; o > 0; o >>= 1) /* within the 16 lanes of the group */
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+            const float sg =
+                __fdiv_rn(m > MOE_FP8_ACT_AMAX_MIN ? m : MOE_FP8_ACT_AMAX_MIN, MOE_FP8_E4M3_MAX);
+            if (v < nvec) {
+                if (v % 16 == 0)
+                    a.scale[row * ng + v / 16] = sg;
+                uint32_t lo = 0, hi = 0;
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    const uint32_t b =
+                        __nv_cvt_float_to_fp8(__fdiv_rn(vals[i], sg), __NV_SATFINITE, __NV_E4M3);
+                    if (i < 4)
+                        lo |= b << (8 * i);
+                    else
+                        hi |= b << (8 * (i - 4));
+                }
+                *reinterpret_cast<uint2 *>(q + (int64_t)v * 8) = make_uint2(lo, hi);
+            }
+        }
+        return;
+    }
     if (a.static_scale) {
         if (threadIdx.x == 0)
             row_scale = *a.static_scale;
@@ -82,6 +117,9 @@ extern "C" moe_status_t moe_quant_rows_launch(const moe_quant_rows_args_t *a, vo
                          a->cols);
     if (a->rows <= 0)
         return MOE_STATUS_SUCCESS;
+    if (a->group && (a->group != 128 || a->static_scale))
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT,
+                         "e4m3 rows: group = %d (0 or 128, without a static scale)", a->group);
     if (a->rows > INT32_MAX)
         return moe_error(MOE_STATUS_INVALID_ARGUMENT, "e4m3 rows: %lld rows", (long long)a->rows);
     const unsigned grid = (unsigned)a->rows;

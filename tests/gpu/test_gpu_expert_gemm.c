@@ -2,8 +2,9 @@
 /* Every compiled grouped-GEMM variant against a float host reference: uneven rows per expert
  * (0 and 1 too), padding blocks, unused trailing blocks, all epilogues, row_scale, bf16/f32
  * output, the three model shapes; outputs poisoned with NaN first. Exit 77 without a GPU.
- * The inputs are e4m3 values times a power-of-two scale per row (exact in bf16), so the FP8
- * variants (e4m3 codes and per-row scales of both operands) have the same reference. */
+ * The inputs are e4m3 values times a power-of-two scale per row and per 128-wide k block (exact
+ * in bf16), so the FP8 variants (e4m3 codes with per-row scales of both operands, or with 1 x
+ * 128 / 128 x 128 block scales) have the same reference. */
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
@@ -109,19 +110,31 @@ static uint8_t rnd_e4m3(void)
     return (uint8_t)((rnd() < 0 ? 0x80 : 0) | e << 3 | m);
 }
 
-/* One shape's inputs: token rows per expert (bf16 as float too) and the reference a . b^T;
- * every value is e4m3 code x the row's power-of-two scale (x8/xs, and w8/ws on the device). */
+/* The code of v * 2^d for an e4m3 code of v (0 stays 0; the exponents used stay normal). */
+static uint8_t e4m3_shift(uint8_t c, int d)
+{
+    const int e = (c >> 3) & 15;
+    return (c & 0x7f) == 0 ? c : (uint8_t)((c & 0x87) | (e + d) << 3);
+}
+
+/* One shape's inputs: token rows per expert (bf16 as float too) and the reference a . b^T.
+ * x = q * xs[row] * 2^(kb % 2) and w = q * ws[row] / 2^(kb % 2) for the 128-wide k block kb:
+ * per-row codes (x8, w8) fold the block factor in, block codes (x8b, w8b) leave it to the
+ * block scales. */
 typedef struct inputs {
     const shape_t *s;
     int total_rows;
     int row_off[9]; /* first logical row of each expert */
     uint16_t *x;    /* [total_rows, k] */
     uint8_t *x8;    /* [total_rows, k] e4m3 codes of x / xs */
+    uint8_t *x8b;   /* [total_rows, k] e4m3 codes of x / (xs 2^(kb % 2)) */
     float *xs;      /* [total_rows] */
     float *ref;     /* [total_rows, n] */
     void *d_b;      /* device weights */
     void *d_b8;     /* device e4m3 weights */
     float *d_bs;    /* device [num_experts * n] scales of the weight rows */
+    void *d_b8b;    /* device e4m3 weights for block scales */
+    float *d_bsb;   /* device [num_experts * n][kbn] block scales (per weight row) */
 } inputs_t;
 
 static void make_inputs(const shape_t *s, inputs_t *in)
@@ -136,27 +149,34 @@ static void make_inputs(const shape_t *s, inputs_t *in)
     in->row_off[s->num_experts] = in->total_rows;
     in->x = malloc(sizeof(uint16_t) * (size_t)(in->total_rows ? in->total_rows : 1) * k);
     in->x8 = malloc((size_t)(in->total_rows ? in->total_rows : 1) * k);
+    in->x8b = malloc((size_t)(in->total_rows ? in->total_rows : 1) * k);
     in->xs = malloc(sizeof(float) * (size_t)(in->total_rows ? in->total_rows : 1));
     for (int r = 0; r < in->total_rows; r++) {
         in->xs[r] = ldexpf(1.0f, (int)((rnd() + 1.0f) * 2.0f) - 2); /* 1/4 .. 2 */
         for (size_t i = 0; i < k; i++) {
             const size_t at = (size_t)r * k + i;
-            in->x8[at] = rnd_e4m3();
+            in->x8b[at] = rnd_e4m3();
+            in->x8[at] = e4m3_shift(in->x8b[at], (int)(i / 128) % 2);
             in->x[at] = f2bf(e4m3_value(in->x8[at]) * in->xs[r]);
         }
     }
     size_t wcount = (size_t)s->num_experts * n * k;
     uint16_t *w = malloc(sizeof(uint16_t) * wcount);
-    uint8_t *w8 = malloc(wcount);
+    uint8_t *w8 = malloc(wcount), *w8b = malloc(wcount);
     float *ws = malloc(sizeof(float) * (size_t)s->num_experts * n);
+    const size_t kbn = (k + 127) / 128;
+    float *wsb = malloc(sizeof(float) * (size_t)s->num_experts * n * kbn);
     /* magnitude ~ 2/sqrt(k): codes ~1 times 2^-(log2(k)/2) per row, varied by row */
     const int wexp = -(int)(log2((double)k) / 2.0);
     for (size_t row = 0; row < (size_t)s->num_experts * n; row++) {
         ws[row] = ldexpf(1.0f, wexp - (int)(row % 3));
         for (size_t i = 0; i < k; i++) {
-            w8[row * k + i] = rnd_e4m3();
+            w8b[row * k + i] = rnd_e4m3();
+            w8[row * k + i] = e4m3_shift(w8b[row * k + i], -(int)((i / 128) % 2));
             w[row * k + i] = f2bf(e4m3_value(w8[row * k + i]) * ws[row]);
         }
+        for (size_t b = 0; b < kbn; b++)
+            wsb[row * kbn + b] = ws[row] * (b % 2 ? 0.5f : 1.0f);
     }
     CUDA_OK(cudaMalloc(&in->d_b, wcount * 2));
     CUDA_OK(cudaMemcpy(in->d_b, w, wcount * 2, cudaMemcpyHostToDevice));
@@ -165,8 +185,15 @@ static void make_inputs(const shape_t *s, inputs_t *in)
     CUDA_OK(cudaMalloc((void **)&in->d_bs, sizeof(float) * (size_t)s->num_experts * n));
     CUDA_OK(cudaMemcpy(in->d_bs, ws, sizeof(float) * (size_t)s->num_experts * n,
                        cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMalloc(&in->d_b8b, wcount));
+    CUDA_OK(cudaMemcpy(in->d_b8b, w8b, wcount, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMalloc((void **)&in->d_bsb, sizeof(float) * (size_t)s->num_experts * n * kbn));
+    CUDA_OK(cudaMemcpy(in->d_bsb, wsb, sizeof(float) * (size_t)s->num_experts * n * kbn,
+                       cudaMemcpyHostToDevice));
     free(w8);
+    free(w8b);
     free(ws);
+    free(wsb);
     in->ref = malloc(sizeof(float) * (size_t)(in->total_rows ? in->total_rows : 1) * n);
     float *xf = malloc(sizeof(float) * k), *wf = malloc(sizeof(float) * k * 64);
     for (int e = 0; e < s->num_experts; e++) {
@@ -198,11 +225,14 @@ static void free_inputs(inputs_t *in)
 {
     free(in->x);
     free(in->x8);
+    free(in->x8b);
     free(in->xs);
     free(in->ref);
     cudaFree(in->d_b);
     cudaFree(in->d_b8);
     cudaFree(in->d_bs);
+    cudaFree(in->d_b8b);
+    cudaFree(in->d_bsb);
 }
 
 static int failures, checks;
@@ -213,6 +243,8 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
     const shape_t *s = in->s;
     const int br = v->block_rows, k = s->k, n = s->n;
     const int f8 = v->ab_dtype == MOE_DTYPE_FP8_E4M3;
+    const int blk = f8 && v->scale_kind == MOE_SCALE_BLOCK_128;
+    const size_t kbn = blk ? ((size_t)k + 127) / 128 : 1; /* scales per A row */
     /* Block list: a padding block after expert 0's blocks, then the rest; two trailing blocks
      * past num_blocks (naming expert 0) must be left alone. */
     int be[512], row_of_block[512], nblk = 0;
@@ -235,7 +267,7 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
     int *logical = malloc(sizeof(int) * prow);
     uint16_t *a = malloc(sizeof(uint16_t) * prow * k);
     uint8_t *a8 = malloc(prow * k);
-    float *scale = malloc(sizeof(float) * prow), *as = malloc(sizeof(float) * prow);
+    float *scale = malloc(sizeof(float) * prow), *as = malloc(sizeof(float) * prow * kbn);
     for (size_t i = 0; i < prow * k; i++) {
         a[i] = 0x7fc0; /* NaN in pad rows: must not leak into real rows */
         a8[i] = 0x7f;
@@ -249,10 +281,11 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
                 lr = -1;
             logical[pr] = lr;
             scale[pr] = 0.5f + 0.5f * (rnd() + 1.0f);
-            as[pr] = lr >= 0 ? in->xs[lr] : 1.0f;
+            for (size_t kb = 0; kb < kbn; kb++)
+                as[pr * kbn + kb] = lr < 0 ? 1.0f : in->xs[lr] * (kb % 2 ? 2.0f : 1.0f);
             if (lr >= 0) {
                 memcpy(a + pr * k, in->x + (size_t)lr * k, sizeof(uint16_t) * k);
-                memcpy(a8 + pr * k, in->x8 + (size_t)lr * k, (size_t)k);
+                memcpy(a8 + pr * k, (blk ? in->x8b : in->x8) + (size_t)lr * k, (size_t)k);
             }
         }
     }
@@ -260,8 +293,8 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
     float *d_scale, *d_as;
     int32_t *d_be, *d_nb;
     CUDA_OK(cudaMalloc(&d_a, prow * k * 2));
-    CUDA_OK(cudaMalloc((void **)&d_as, prow * 4));
-    CUDA_OK(cudaMemcpy(d_as, as, prow * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMalloc((void **)&d_as, prow * 4 * kbn));
+    CUDA_OK(cudaMemcpy(d_as, as, prow * 4 * kbn, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMalloc(&d_c, prow * n * 4));
     CUDA_OK(cudaMalloc((void **)&d_scale, prow * 4));
     CUDA_OK(cudaMalloc((void **)&d_be, max_blocks * 4));
@@ -282,10 +315,10 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
                 moe_gemm_args_t args;
                 memset(&args, 0, sizeof(args));
                 args.a = d_a;
-                args.b = f8 ? in->d_b8 : in->d_b;
+                args.b = blk ? in->d_b8b : f8 ? in->d_b8 : in->d_b;
                 args.c = d_c;
                 args.a_scale = f8 ? d_as : NULL;
-                args.b_scale = f8 ? in->d_bs : NULL;
+                args.b_scale = blk ? in->d_bsb : f8 ? in->d_bs : NULL;
                 args.row_scale = use_scale ? d_scale : NULL;
                 args.block_expert = d_be;
                 args.num_blocks = d_nb;
@@ -391,8 +424,9 @@ static void check_rejects(const moe_gemm_variant_t *v, const inputs_t *in)
     args.ab_dtype = v->ab_dtype == MOE_DTYPE_BF16 ? MOE_DTYPE_FP8_E4M3 : MOE_DTYPE_BF16;
     expect(v->launch(&args, NULL) == MOE_STATUS_NOT_SUPPORTED, "other dtype rejected");
     args.ab_dtype = v->ab_dtype;
-    args.scale_kind = MOE_SCALE_BLOCK_128;
-    expect(v->launch(&args, NULL) == MOE_STATUS_NOT_SUPPORTED, "block scales rejected");
+    args.scale_kind =
+        v->scale_kind == MOE_SCALE_BLOCK_128 ? MOE_SCALE_PER_CHANNEL : MOE_SCALE_BLOCK_128;
+    expect(v->launch(&args, NULL) == MOE_STATUS_NOT_SUPPORTED, "other scale kind rejected");
     args.scale_kind = v->scale_kind;
     if (v->ab_dtype == MOE_DTYPE_FP8_E4M3) {
         args.b_scale = NULL;
@@ -433,10 +467,11 @@ int main(int argc, char **argv)
         expect(moe_gemm_select(90, MOE_DTYPE_BF16, MOE_SCALE_NONE, rpe[i]) != NULL, "select 90");
         expect(moe_gemm_select(80, MOE_DTYPE_BF16, MOE_SCALE_NONE, rpe[i]) != NULL, "select 80");
     }
-    expect(moe_gemm_select(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128, 1) == NULL,
-           "no fp8 block-scale variant yet");
+    expect(moe_gemm_select(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_TENSOR, 1) == NULL,
+           "per-tensor scales run as per-row (expanded at load): no variant of their own");
     for (int i = 0; i < 10; i++)
         expect(moe_gemm_select(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, rpe[i]) != NULL &&
+                   moe_gemm_select(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128, rpe[i]) != NULL &&
                    moe_gemm_select(80, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, rpe[i]) == NULL,
                "select fp8: sm_90a only");
     expect(moe_gemm_variant_by_name("no_such_variant") == NULL, "unknown name");

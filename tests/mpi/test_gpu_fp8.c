@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* FP8 W8A8 on the GPU (e4m3 weights and activations, f32 accumulation) against the CPU
- * backend's W8A8 reference: per-tensor and per-channel scales, three shapes, 0/1/7/64/512
- * tokens, on one GPU and under EP = world; the W8A8 error against W8A16 on the same weights is
- * reported; what is not built (block scales) is refused at create with a clear status. */
+ * backend's W8A8 reference: per-tensor, per-channel and 128 x 128 block scales, four shapes,
+ * 0/1/7/64/512 tokens, on one GPU and under EP = world; the W8A8 error against W8A16 on the same
+ * weights is reported; a forced variant of the wrong dtype is refused at create. */
 #include "gpu_mpi.h"
 
 #include <cuda_runtime.h>
@@ -24,6 +24,7 @@ static const fp8_shape_t shapes[] = {
     {"mixtral-like, per-tensor", 8, 2, 1024, 1792, 0, MOE_SCALE_PER_TENSOR},
     {"qwen3-like, per-channel", 16, 8, 1024, 384, 0, MOE_SCALE_PER_CHANNEL},
     {"dsv3-like, per-tensor, shared", 16, 4, 2048, 256, 512, MOE_SCALE_PER_TENSOR},
+    {"dsv3-like, block, shared", 16, 4, 2048, 384, 512, MOE_SCALE_BLOCK_128},
 };
 
 static moe_layer_config_t config_of(const fp8_shape_t *s, moe_fp8_math_t math, int64_t cap)
@@ -93,23 +94,22 @@ static void test_fp8_w8a8_shapes(void **state)
     assert_int_equal(failures, 0);
 }
 
-/* Block scales with W8A8 are not built on the GPU: create says so (every rank). */
-static void test_fp8_w8a8_block_refused(void **state)
+/* A forced bf16 variant on a W8A8 layer is refused at create, naming both. */
+static void test_fp8_w8a8_forced_bf16_refused(void **state)
 {
-    fp8_shape_t s = shapes[0];
-    moe_layer_config_t c;
+    moe_layer_config_t c = config_of(&shapes[0], MOE_FP8_MATH_W8A8, 64);
     moe_layer_t *l = NULL;
     (void)state;
-    s.scales = MOE_SCALE_BLOCK_128;
-    c = config_of(&s, MOE_FP8_MATH_W8A8, 64);
+    setenv("MOE_GEMM_VARIANT", "sm90_swapab_n16", 1);
     assert_int_equal(moe_layer_create(gt_rts.gpu_self, &c, &l), MOE_STATUS_NOT_SUPPORTED);
-    assert_non_null(strstr(moe_last_error(), "block"));
+    unsetenv("MOE_GEMM_VARIANT");
+    assert_non_null(strstr(moe_last_error(), "sm90_swapab_n16"));
     assert_null(l);
 }
 
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_fp8_w8a8_shapes),
-    cmocka_unit_test(test_fp8_w8a8_block_refused),
+    cmocka_unit_test(test_fp8_w8a8_forced_bf16_refused),
 };
 
 GT_MPI_MAIN(tests, gt_group_setup, gt_group_teardown, rank, world)
