@@ -314,8 +314,10 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>::T
                                                          : jt * WR + within;
                 const bool ok = lc < (EPI == MOE_GEMM_EPI_STORE ? p.n : p.n / 2);
                 wl = EPI == MOE_GEMM_EPI_STORE ? lc : hh * (p.n / 2) + lc;
-                const float sc =
-                    ok ? sm90_f8_block_scale(p, arow, (int64_t)e * p.n + wl, ks, kbn) : 0.0f;
+                /* slices past k (a last stage's zero fill) have no scales: nothing to add */
+                const float sc = ok && ks < kbn
+                                     ? sm90_f8_block_scale(p, arow, (int64_t)e * p.n + wl, ks, kbn)
+                                     : 0.0f;
                 d[h][i] += pp[h][i] * sc;
             }
     };
