@@ -118,7 +118,9 @@ static uint8_t e4m3_shift(uint8_t c, int d)
 }
 
 /* One shape's inputs: token rows per expert (bf16 as float too) and the reference a . b^T.
- * x = q * xs[row] * 2^(kb % 2) and w = q * ws[row] / 2^(kb % 2) for the 128-wide k block kb:
+ * x = q * xs[row] * 2^(kb % 2) and w = q * ws[row] * 2^((kb / 2) % 2) for the 128-wide k block
+ * kb (the product of the two block factors varies along k, so a slice's scales read from the
+ * wrong k block show):
  * per-row codes (x8, w8) fold the block factor in, block codes (x8b, w8b) leave it to the
  * block scales. */
 typedef struct inputs {
@@ -172,11 +174,11 @@ static void make_inputs(const shape_t *s, inputs_t *in)
         ws[row] = ldexpf(1.0f, wexp - (int)(row % 3));
         for (size_t i = 0; i < k; i++) {
             w8b[row * k + i] = rnd_e4m3();
-            w8[row * k + i] = e4m3_shift(w8b[row * k + i], -(int)((i / 128) % 2));
+            w8[row * k + i] = e4m3_shift(w8b[row * k + i], (int)((i / 256) % 2));
             w[row * k + i] = f2bf(e4m3_value(w8[row * k + i]) * ws[row]);
         }
         for (size_t b = 0; b < kbn; b++)
-            wsb[row * kbn + b] = ws[row] * (b % 2 ? 0.5f : 1.0f);
+            wsb[row * kbn + b] = ws[row] * ((b / 2) % 2 ? 2.0f : 1.0f);
     }
     CUDA_OK(cudaMalloc(&in->d_b, wcount * 2));
     CUDA_OK(cudaMemcpy(in->d_b, w, wcount * 2, cudaMemcpyHostToDevice));
