@@ -555,6 +555,12 @@ static moe_status_t cuda_store_weight(moe_layer_t *l, moe_weight_kind_t kind, in
     default:
         return moe_error(MOE_STATUS_INVALID_ARGUMENT, "CUDA store: weight kind %d", (int)kind);
     }
+    if (s->f8 && m->input_scale > 0.0f) /* the CPU reference would use it: refuse, not differ */
+        return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                         "CUDA backend, W8A8: weight kind %d has a static activation scale "
+                         "(input_scale %g); static scales are not built on the GPU (dynamic "
+                         "per-row scales are): use fp8_math W8A16 or the CPU backend",
+                         (int)kind, (double)m->input_scale);
     if (s->f8)
         return store_e4m3(s, kind, local, m);
     return store_bf16(dst, m);
