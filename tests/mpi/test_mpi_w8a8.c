@@ -13,30 +13,7 @@
 
 #include "launch/layer_gen.h"
 
-static moe_runtime_t *rt_world, *rt_self;
-static int rank, world;
-
-static int setup(void **state)
-{
-    moe_runtime_config_t rc = MOE_RUNTIME_CONFIG_INIT;
-    MPI_Comm self = MPI_COMM_SELF;
-    (void)state;
-    rc.backend = MOE_BACKEND_CPU;
-    rc.timeout_ms = 60000;
-    if (moe_runtime_create(&rc, NULL, &rt_world) || moe_runtime_create(&rc, &self, &rt_self))
-        return -1;
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &world);
-    return 0;
-}
-
-static int teardown(void **state)
-{
-    (void)state;
-    moe_runtime_destroy(rt_self);
-    moe_runtime_destroy(rt_world);
-    return 0;
-}
+#include "cpu_mpi.h"
 
 /* y = layer(x) for n tokens on runtime rt with config c (weights from seed). */
 static void run(moe_runtime_t *rt, moe_layer_config_t c, uint64_t seed, const float *x, int64_t n,
