@@ -1,0 +1,136 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* GPU e4m3 activation quantisation (the W8A8 path's moe_quant_rows_launch) against the CPU
+ * reference (moe_cpu_fp8_quantize_rows): per row and per 1 x 128 group, bf16 and f32 input,
+ * rows of zeros, NaN, values that saturate at +-448 under a static scale, a partial last group,
+ * rows past *num_blocks left alone; outputs poisoned first. Codes and scales must be equal. */
+#include "gpu_test.h"
+
+#include "kernels/cpu/moe_cpu.h"
+#include "kernels/quant.h"
+
+/* One case: rows x cols of random values (scaled by 10^(row % 5 - 2)), a few specials. */
+static void check_quant(int64_t rows, int cols, int group, moe_dtype_t dtype, float static_scale,
+                        int used_blocks, int block_rows)
+{
+    const int64_t n = rows * cols;
+    const int ng = group ? (cols + group - 1) / group : 1;
+    const int64_t used = used_blocks >= 0 ? (int64_t)used_blocks * block_rows : rows;
+    float *x = malloc(sizeof(float) * (size_t)(n + 1));
+    uint16_t *xb = malloc(2 * (size_t)(n + 1));
+    uint8_t *want = malloc((size_t)(n + 1)), *got = malloc((size_t)(n + 1));
+    float *ws = malloc(sizeof(float) * (size_t)(rows * ng + 1));
+    float *gs = malloc(sizeof(float) * (size_t)(rows * ng + 1));
+    void *dx;
+    uint8_t *dq;
+    float *dscale, *dstatic = NULL;
+    int32_t *dnb = NULL;
+    int64_t r, i, bad = 0;
+
+    gt_fill_bf16(x, xb, (size_t)n, 1.0f);
+    for (r = 0; r < rows; r++)
+        for (i = 0; i < cols; i++) {
+            float v = x[r * cols + i] * powf(10.0f, (float)(r % 5) - 2.0f);
+            if (r % 7 == 3) /* a row of zeros */
+                v = 0.0f;
+            if (r % 11 == 5 && i == cols / 2)
+                v = NAN;
+            x[r * cols + i] = moe_bf16_to_f32(moe_f32_to_bf16(v)); /* bf16-exact either way */
+            xb[r * cols + i] = moe_f32_to_bf16(v);
+        }
+    moe_cpu_fp8_quantize_rows(x, used, cols, group, static_scale, want, ws);
+    dx = dtype == MOE_DTYPE_BF16 ? gt_dup(xb, 2 * (size_t)n) : gt_dup(x, 4 * (size_t)n);
+    dq = gt_dalloc((size_t)n);
+    dscale = gt_dalloc(sizeof(float) * (size_t)(rows * ng));
+    gt_poison(dq, 0x55, (size_t)n);
+    gt_poison(dscale, 0xff, sizeof(float) * (size_t)(rows * ng));
+    if (static_scale > 0.0f)
+        dstatic = gt_dup(&static_scale, sizeof(float));
+    if (used_blocks >= 0)
+        dnb = gt_dup(&used_blocks, sizeof(int32_t));
+    {
+        moe_quant_rows_args_t a = {dx,   dtype,   rows, dnb,    block_rows,
+                                   cols, dstatic, dq,   dscale, group};
+        gt_ok(moe_quant_rows_launch(&a, NULL), "quant rows");
+    }
+    gt_get(got, dq, (size_t)n);
+    gt_get(gs, dscale, sizeof(float) * (size_t)(rows * ng));
+    for (r = 0; r < rows; r++) {
+        for (i = 0; i < cols; i++) {
+            const uint8_t g = got[r * cols + i];
+            /* rows past *num_blocks * block_rows keep the poison */
+            bad += r < used ? g != want[r * cols + i] : g != 0x55;
+        }
+        for (i = 0; i < ng; i++) {
+            uint32_t bits;
+            memcpy(&bits, &gs[r * ng + i], 4);
+            bad += r < used ? gs[r * ng + i] != ws[r * ng + i] : bits != 0xffffffffu;
+        }
+    }
+    fprintf(stderr, "quant %lld x %d, group %d, %s, static %g, rows used %lld: %lld mismatches\n",
+            (long long)rows, cols, group, moe_dtype_name(dtype), (double)static_scale,
+            (long long)used, (long long)bad);
+    assert_int_equal(bad, 0);
+    moe_gpu_free(dx);
+    moe_gpu_free(dq);
+    moe_gpu_free(dscale);
+    moe_gpu_free(dstatic);
+    moe_gpu_free(dnb);
+    free(x);
+    free(xb);
+    free(want);
+    free(got);
+    free(ws);
+    free(gs);
+}
+
+static void test_quant_rows(void **state)
+{
+    (void)state;
+    check_quant(40, 2048, 0, MOE_DTYPE_BF16, 0.0f, -1, 16);
+    check_quant(40, 14336, 0, MOE_DTYPE_BF16, 0.0f, -1, 16); /* Mixtral's h rows */
+    check_quant(33, 1032, 0, MOE_DTYPE_F32, 0.0f, -1, 16);
+    check_quant(64, 2048, 0, MOE_DTYPE_BF16, 0.0f, 2, 16); /* rows past 2 blocks untouched */
+}
+
+static void test_quant_groups(void **state)
+{
+    (void)state;
+    check_quant(40, 2048, 128, MOE_DTYPE_BF16, 0.0f, -1, 16);
+    check_quant(25, 384, 128, MOE_DTYPE_BF16, 0.0f, -1, 16);
+    check_quant(17, 200, 128, MOE_DTYPE_F32, 0.0f, -1, 16); /* a partial last group */
+    check_quant(48, 7168, 128, MOE_DTYPE_BF16, 0.0f, 1, 16);
+}
+
+/* A static scale small enough that most values saturate at +-448 (never NaN), NaN stays NaN. */
+static void test_quant_static_saturates(void **state)
+{
+    (void)state;
+    check_quant(20, 1024, 0, MOE_DTYPE_BF16, 1e-3f, -1, 16);
+    check_quant(20, 1024, 0, MOE_DTYPE_F32, 0.25f, -1, 16);
+}
+
+static void test_quant_rejects(void **state)
+{
+    moe_quant_rows_args_t a;
+    (void)state;
+    memset(&a, 0, sizeof(a));
+    a.rows = 1;
+    a.cols = 12; /* not a multiple of 8 */
+    a.x_dtype = MOE_DTYPE_BF16;
+    assert_int_equal(moe_quant_rows_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
+    a.cols = 128;
+    a.group = 64;
+    assert_int_equal(moe_quant_rows_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
+    a.group = 0;
+    a.x_dtype = MOE_DTYPE_FP8_E4M3;
+    assert_int_equal(moe_quant_rows_launch(&a, NULL), MOE_STATUS_NOT_SUPPORTED);
+}
+
+static const struct CMUnitTest tests[] = {
+    cmocka_unit_test(test_quant_rows),
+    cmocka_unit_test(test_quant_groups),
+    cmocka_unit_test(test_quant_static_saturates),
+    cmocka_unit_test(test_quant_rejects),
+};
+
+GT_MAIN(tests)
