@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "kernels/oracle.h"
 #include "runtime/diag.h"
 
 #ifdef MOE_HAVE_CUDA
@@ -13,47 +14,51 @@
 #include "kernels/prepare.h"
 #endif
 
+/* The table is built without CUDA too (launch NULL): the oracle and the tune file reader
+ * check variant names, dtypes and archs on any machine. */
 #ifdef MOE_HAVE_CUDA
 #include "kernels/cuda/expert_gemm_launch.h"
+#define L(fn) fn
+#else
+#define L(fn) NULL
+#endif
 
 /* An FP8 variant slots in as another row with its ab_dtype / scale_kind; moe_gemm_select only
  * returns rows whose dtype and scale kind match. */
 static const moe_gemm_variant_t variants[] = {
-    {"sm90_swapab_n8", 90, 8, 1, MOE_DTYPE_BF16, MOE_SCALE_NONE, moe_gemm_sm90_swap8_launch},
-    {"sm90_swapab_n16", 90, 16, 1, MOE_DTYPE_BF16, MOE_SCALE_NONE, moe_gemm_sm90_swap16_launch},
-    {"sm90_swapab_n32", 90, 32, 1, MOE_DTYPE_BF16, MOE_SCALE_NONE, moe_gemm_sm90_swap32_launch},
-    {"sm90_swapab_n64", 90, 64, 1, MOE_DTYPE_BF16, MOE_SCALE_NONE, moe_gemm_sm90_swap64_launch},
+    {"sm90_swapab_n8", 90, 8, 1, MOE_DTYPE_BF16, MOE_SCALE_NONE, L(moe_gemm_sm90_swap8_launch)},
+    {"sm90_swapab_n16", 90, 16, 1, MOE_DTYPE_BF16, MOE_SCALE_NONE, L(moe_gemm_sm90_swap16_launch)},
+    {"sm90_swapab_n32", 90, 32, 1, MOE_DTYPE_BF16, MOE_SCALE_NONE, L(moe_gemm_sm90_swap32_launch)},
+    {"sm90_swapab_n64", 90, 64, 1, MOE_DTYPE_BF16, MOE_SCALE_NONE, L(moe_gemm_sm90_swap64_launch)},
     {"sm90_swapab_w128_n32", 90, 32, 1, MOE_DTYPE_BF16, MOE_SCALE_NONE,
-     moe_gemm_sm90_swap32w_launch},
-    {"sm90_wgmma_tma_m64n256", 90, 64, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE, moe_gemm_sm90_m64_launch},
+     L(moe_gemm_sm90_swap32w_launch)},
+    {"sm90_wgmma_tma_m64n256", 90, 64, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE,
+     L(moe_gemm_sm90_m64_launch)},
     {"sm90_wgmma_tma_m128n256", 90, 128, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE,
-     moe_gemm_sm90_m128_launch},
+     L(moe_gemm_sm90_m128_launch)},
     {"sm90_fp8_swapab_n16", 90, 16, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
-     moe_gemm_sm90_fp8_swap16_launch},
+     L(moe_gemm_sm90_fp8_swap16_launch)},
     {"sm90_fp8_swapab_n32", 90, 32, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
-     moe_gemm_sm90_fp8_swap32_launch},
+     L(moe_gemm_sm90_fp8_swap32_launch)},
     {"sm90_fp8_swapab_n64", 90, 64, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
-     moe_gemm_sm90_fp8_swap64_launch},
+     L(moe_gemm_sm90_fp8_swap64_launch)},
     {"sm90_fp8_m64n128", 90, 64, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
-     moe_gemm_sm90_fp8_m64_launch},
+     L(moe_gemm_sm90_fp8_m64_launch)},
     {"sm90_fp8_m128n128", 90, 128, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
-     moe_gemm_sm90_fp8_m128_launch},
+     L(moe_gemm_sm90_fp8_m128_launch)},
     {"sm90_fp8_block_swapab_n16", 90, 16, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
-     moe_gemm_sm90_fp8b_swap16_launch},
+     L(moe_gemm_sm90_fp8b_swap16_launch)},
     {"sm90_fp8_block_swapab_n32", 90, 32, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
-     moe_gemm_sm90_fp8b_swap32_launch},
+     L(moe_gemm_sm90_fp8b_swap32_launch)},
     {"sm90_fp8_block_m64n128", 90, 64, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
-     moe_gemm_sm90_fp8b_m64_launch},
+     L(moe_gemm_sm90_fp8b_m64_launch)},
     {"sm90_fp8_block_m128n128", 90, 128, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
-     moe_gemm_sm90_fp8b_m128_launch},
-    {"sm80_mma_m32n128", 80, 32, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE, moe_gemm_sm80_m32_launch},
-    {"sm80_mma_m64n128", 80, 64, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE, moe_gemm_sm80_m64_launch},
+     L(moe_gemm_sm90_fp8b_m128_launch)},
+    {"sm80_mma_m32n128", 80, 32, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE, L(moe_gemm_sm80_m32_launch)},
+    {"sm80_mma_m64n128", 80, 64, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE, L(moe_gemm_sm80_m64_launch)},
 };
 #define NUM_VARIANTS ((int)(sizeof(variants) / sizeof(variants[0])))
-#else
-static const moe_gemm_variant_t variants[1];
-#define NUM_VARIANTS 0
-#endif
+#undef L
 
 const moe_gemm_variant_t *moe_gemm_variants(int *count)
 {
@@ -127,100 +132,29 @@ const moe_gemm_variant_t *moe_gemm_variant_by_name(const char *name)
     return NULL;
 }
 
-/* Rows per expert at or below which each variant is the default, measured on the H200
- * (docs/KERNELS.md, bench/RESULTS.md "grouped GEMM"); above the last one: the normal layout. */
-typedef struct moe_gemm_bucket {
-    double max_rows_per_expert;
-    const char *name;
-} moe_gemm_bucket_t;
-
-static const moe_gemm_bucket_t sm90_buckets[] = {
-    {2.0, "sm90_swapab_n8"},
-    {16.0, "sm90_swapab_n16"},
-    {32.0, "sm90_swapab_w128_n32"},
-    {96.0, "sm90_wgmma_tma_m64n256"},
-    {1e300, "sm90_wgmma_tma_m128n256"},
-};
-/* FP8 (e4m3, per-row scales) on sm_90a: the bf16 table's crossovers, not yet measured for
- * FP8 (issue 15's moe-tune measures them). */
-static const moe_gemm_bucket_t sm90_fp8_buckets[] = {
-    {16.0, "sm90_fp8_swapab_n16"},
-    {32.0, "sm90_fp8_swapab_n32"},
-    {96.0, "sm90_fp8_m64n128"},
-    {1e300, "sm90_fp8_m128n128"},
-};
-static const moe_gemm_bucket_t sm90_fp8_block_buckets[] = {
-    {16.0, "sm90_fp8_block_swapab_n16"},
-    {32.0, "sm90_fp8_block_swapab_n32"},
-    {96.0, "sm90_fp8_block_m64n128"},
-    {1e300, "sm90_fp8_block_m128n128"},
-};
-static const moe_gemm_bucket_t sm80_buckets[] = {
-    {32.0, "sm80_mma_m32n128"},
-    {1e300, "sm80_mma_m64n128"},
-};
-
-static const moe_gemm_variant_t *pick(const moe_gemm_bucket_t *b, int count, double rows)
+/* The built-in choice of the oracle (kernels/oracle.c holds the tables). */
+static int pick_default(int arch, moe_dtype_t dtype, moe_scale_kind_t scale, double rows,
+                        moe_oracle_choice_t *c)
 {
-    for (int i = 0; i < count; i++)
-        if (rows <= b[i].max_rows_per_expert)
-            return moe_gemm_variant_by_name(b[i].name);
-    return NULL;
-}
-
-/* The bucket table of an arch (NULL: none built for it). */
-static const moe_gemm_bucket_t *buckets_for(int arch, int *count)
-{
-    if (arch == 90) {
-        *count = (int)(sizeof(sm90_buckets) / sizeof(sm90_buckets[0]));
-        return sm90_buckets;
-    }
-    if (arch >= 80) {
-        *count = (int)(sizeof(sm80_buckets) / sizeof(sm80_buckets[0]));
-        return sm80_buckets;
-    }
-    *count = 0;
-    return NULL;
+    const moe_oracle_query_t q = {arch, dtype, scale, 1, 1, MOE_ORACLE_ANY, rows};
+    return moe_oracle_pick_gemm(NULL, &q, c);
 }
 
 void moe_gemm_explain(int arch, double rows_per_expert, char *text, size_t len)
 {
-    int count = 0, i;
-    const moe_gemm_bucket_t *b = buckets_for(arch, &count);
-    double lo = 0.0;
+    moe_oracle_choice_t c;
     if (!text || !len)
         return;
-    for (i = 0; b && i < count; i++) {
-        if (rows_per_expert <= b[i].max_rows_per_expert) {
-            if (b[i].max_rows_per_expert >= 1e300)
-                snprintf(text, len, "%s (built-in table for sm_%d: rows/expert %.3g > %g)",
-                         b[i].name, arch, rows_per_expert, lo);
-            else
-                snprintf(text, len, "%s (built-in table for sm_%d: rows/expert %.3g in (%g, %g])",
-                         b[i].name, arch, rows_per_expert, lo, b[i].max_rows_per_expert);
-            return;
-        }
-        lo = b[i].max_rows_per_expert;
-    }
-    snprintf(text, len, "simt_ref (no tuned variant for sm_%d)", arch);
+    if (pick_default(arch, MOE_DTYPE_BF16, MOE_SCALE_NONE, rows_per_expert, &c))
+        moe_oracle_describe(&c, "rows/expert", rows_per_expert, text, len);
+    else
+        snprintf(text, len, "simt_ref (no tuned variant for sm_%d)", arch);
 }
 
 const moe_gemm_variant_t *moe_gemm_select(int arch, moe_dtype_t dtype, moe_scale_kind_t scale,
                                           double rows_per_expert)
 {
-    if (dtype == MOE_DTYPE_FP8_E4M3 && scale == MOE_SCALE_PER_CHANNEL) {
-        const int count = (int)(sizeof(sm90_fp8_buckets) / sizeof(sm90_fp8_buckets[0]));
-        return arch == 90 ? pick(sm90_fp8_buckets, count, rows_per_expert) : NULL;
-    }
-    if (dtype == MOE_DTYPE_FP8_E4M3 && scale == MOE_SCALE_BLOCK_128) {
-        const int count = (int)(sizeof(sm90_fp8_block_buckets) / sizeof(sm90_fp8_block_buckets[0]));
-        return arch == 90 ? pick(sm90_fp8_block_buckets, count, rows_per_expert) : NULL;
-    }
-    if (dtype != MOE_DTYPE_BF16 || scale != MOE_SCALE_NONE)
-        return NULL; /* no such variant */
-    {
-        int count = 0;
-        const moe_gemm_bucket_t *b = buckets_for(arch, &count);
-        return b ? pick(b, count, rows_per_expert) : NULL;
-    }
+    moe_oracle_choice_t c;
+    return pick_default(arch, dtype, scale, rows_per_expert, &c) ? moe_gemm_variant_by_name(c.name)
+                                                                 : NULL;
 }

@@ -51,7 +51,8 @@ typedef struct moe_gemm_variant {
     moe_status_t (*launch)(const moe_gemm_args_t *args, void *stream);
 } moe_gemm_variant_t;
 
-/* All compiled variants (static table). */
+/* All variants (static table). A build without CUDA has the same table with launch = NULL
+ * (names, archs and dtypes for the oracle and the tune file reader). */
 const moe_gemm_variant_t *moe_gemm_variants(int *count);
 const moe_gemm_variant_t *moe_gemm_variant_by_name(const char *name);
 /* 1 if the variant has an image that runs on a device of compute capability `arch` (90, 100,
@@ -68,11 +69,12 @@ int moe_gemm_variant_runs_on(const moe_gemm_variant_t *v, int arch);
 moe_status_t moe_gemm_check_shape(const char *what, int n, int k, moe_gemm_epilogue_t epilogue);
 
 /* One line on what moe_gemm_select picks at `rows_per_expert` on `arch` for bf16, and why
- * (the built-in table's bucket). */
+ * (the built-in table's bucket; kernels/oracle.h has the tuned and forced choices). */
 void moe_gemm_explain(int arch, double rows_per_expert, char *text, size_t len);
 
-/* The default choice for a device arch (e.g. 90), dtype, scale kind and the expected rows per
- * expert (host-known: num_tokens * top_k / num_experts). Never NULL for bf16 on sm_80+. */
+/* The default choice (the oracle's built-in table, kernels/oracle.h) for a device arch (e.g.
+ * 90), dtype, scale kind and the expected rows per expert (host-known: num_tokens * top_k /
+ * num_experts). Never NULL for bf16 on sm_80+. */
 const moe_gemm_variant_t *moe_gemm_select(int arch, moe_dtype_t dtype, moe_scale_kind_t scale,
                                           double rows_per_expert);
 

@@ -22,6 +22,8 @@ moe_status_t moe_gpu_set_device(int device);
 moe_status_t moe_gpu_get_device(int *device);
 /* Compute capability as major * 10 + minor (90 for H100/H200). */
 moe_status_t moe_gpu_arch(int device, int *arch);
+/* The device's marketing name ("NVIDIA H200"), NUL-terminated in name[len]. */
+moe_status_t moe_gpu_name(int device, char *name, size_t len);
 moe_status_t moe_gpu_device_synchronize(void);
 
 /* Device memory. moe_gpu_free(NULL) is fine. */

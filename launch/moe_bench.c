@@ -627,7 +627,7 @@ int main(int argc, char **argv)
                "", p->phases.route_us, p->phases.dispatch_us, p->phases.expert_us,
                p->phases.shared_us, p->phases.combine_us);
         if (o.explain) {
-            char why[512];
+            char why[2048]; /* the variants, their tables (tune file paths) and the transport */
             MOE_OK(moe_layer_explain(layer, p->m, why, sizeof(why)));
             printf("  %8s explain: %s\n", "", why);
         }

@@ -196,6 +196,7 @@ static void cuda_fini(moe_layer_t *l)
     moe_gpu_free(s->wmem);
     moe_gpu_host_free(s->sticky);
     moe_cuda_ep_fini(s);
+    moe_oracle_free(&s->oracle);
     free(s->host_counts);
     free(s);
     l->state = NULL;
@@ -274,22 +275,42 @@ static moe_status_t check_supported(const moe_layer_t *l)
 
 static moe_status_t pick_forced_variant(cuda_layer_t *s)
 {
-    /* MOE_GEMM_VARIANT=<name>: every GEMM of this layer uses that variant ("simt_ref": the
-     * plain reference kernel). */
-    const char *name = moe_env_str("MOE_GEMM_VARIANT", NULL);
+    /* MOE_FORCE_VARIANT (or MOE_GEMM_VARIANT) = <name>: every GEMM of this layer uses that
+     * variant ("simt_ref": the plain reference kernel), if it runs this layer on this device. */
+    const char *name, *env;
+    MOE_CHECK(moe_oracle_forced_variant(&name, &env));
     if (!name)
         return MOE_STATUS_SUCCESS;
+    MOE_CHECK(moe_oracle_check_variant(env, name, s->arch, s->oq.dtype, s->oq.scale));
     if (!strcmp(name, moe_gemm_simple_variant()->name))
         s->forced = moe_gemm_simple_variant();
     else
         s->forced = moe_gemm_variant_by_name(name);
-    if (!s->forced)
-        return moe_error(MOE_STATUS_INVALID_ARGUMENT, "MOE_GEMM_VARIANT=%s: no such variant", name);
-    if (s->forced != moe_gemm_simple_variant() && !moe_gemm_variant_runs_on(s->forced, s->arch))
-        return moe_error(MOE_STATUS_NOT_SUPPORTED,
-                         "MOE_GEMM_VARIANT=%s is built for sm_%d%s (device: sm_%d)", name,
-                         s->forced->min_arch, s->forced->min_arch == 90 ? "a only" : "+", s->arch);
+    s->forced_env = env;
     return MOE_STATUS_SUCCESS;
+}
+
+/* The oracle's key for this layer, and MOE_TUNE_FILE's tables for this GPU and shape (a file
+ * that does not fit gives one warning and the built-in tables, never an error). */
+static void load_oracle(const moe_layer_t *l, cuda_layer_t *s)
+{
+    char gpu[256];
+    const moe_oracle_target_t t = {
+        gpu, s->arch, {l->cfg.hidden, l->cfg.intermediate, l->cfg.num_experts, l->cfg.top_k}};
+    s->oq.arch = s->arch;
+    s->oq.dtype = s->f8 ? MOE_DTYPE_FP8_E4M3 : MOE_DTYPE_BF16;
+    s->oq.scale = f8_scale_kind(s);
+    s->oq.ep_size = l->plan.ep_size;
+    s->oq.tp_size = l->plan.tp_size;
+    s->oq.transport = MOE_ORACLE_ANY;
+    moe_oracle_init(&s->oracle);
+    if (!moe_env_str("MOE_TUNE_FILE", NULL))
+        return;
+    if (moe_gpu_name(s->device, gpu, sizeof(gpu)) != MOE_STATUS_SUCCESS) {
+        moe_error_clear(); /* the file then fits no GPU: a warning, the built-in tables */
+        gpu[0] = '\0';
+    }
+    moe_oracle_load_env(&s->oracle, &t);
 }
 
 static void init_shape(moe_layer_t *l, cuda_layer_t *s)
@@ -338,17 +359,12 @@ static moe_status_t cuda_init(moe_layer_t *l)
                        s->arch);
         goto fail;
     }
-    if (s->world > 1) /* collective; the transport shapes the workspace */
+    load_oracle(l, s);
+    if (s->world > 1) { /* collective; the transport shapes the workspace */
         MOE_CHECK_GOTO(moe_cuda_ep_choose(l, s), st, fail);
-    MOE_CHECK_GOTO(pick_forced_variant(s), st, fail);
-    if (s->forced && s->f8 != (s->forced->ab_dtype == MOE_DTYPE_FP8_E4M3)) {
-        st = moe_error(MOE_STATUS_NOT_SUPPORTED,
-                       "MOE_GEMM_VARIANT=%s is a %s variant; this layer "
-                       "computes in %s",
-                       s->forced->name, moe_dtype_name(s->forced->ab_dtype),
-                       s->f8 ? "e4m3 (W8A8)" : "bf16");
-        goto fail;
+        s->oq.transport = moe_oracle_transport_by_name(moe_cuda_ep_transport_name(s->transport));
     }
+    MOE_CHECK_GOTO(pick_forced_variant(s), st, fail);
     if (!s->forced && !moe_gemm_select(s->arch, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1.0))
         s->forced = moe_gemm_simple_variant(); /* no tuned variant for this arch */
     /* Every kernel a step can launch is loaded now, never inside a step. */
@@ -566,20 +582,28 @@ static moe_status_t cuda_store_weight(moe_layer_t *l, moe_weight_kind_t kind, in
     return store_bf16(dst, m);
 }
 
+/* The oracle's choice (not forced) at rows_per_expert. Deterministic mode: the built-in
+ * table's at one row per expert whatever the batch, layout or tune file, so a row's sum order
+ * never changes with the batch size, its position or the EP size. */
+static int oracle_choice(const cuda_layer_t *s, double rows_per_expert, moe_oracle_choice_t *c)
+{
+    moe_oracle_query_t q = s->oq;
+    q.value = s->deterministic ? 1.0 : rows_per_expert;
+    return moe_oracle_pick_gemm(s->deterministic ? NULL : &s->oracle, &q, c);
+}
+
 /* The variant for this step: forced, or the oracle's choice for the expected rows per expert
  * (host-known, so a captured graph replays the same choice). */
 const moe_gemm_variant_t *moe_cuda_variant_for(const cuda_layer_t *s, double rows_per_expert)
 {
-    const moe_gemm_variant_t *v;
+    const moe_gemm_variant_t *v = NULL;
+    moe_oracle_choice_t c;
     if (s->forced)
         return s->forced;
-    /* Deterministic mode: one variant whatever the batch, so a row's sum order never
-     * changes with the batch size, its position or the EP size. */
-    if (s->deterministic)
-        rows_per_expert = 1.0;
+    if (oracle_choice(s, rows_per_expert, &c))
+        v = moe_gemm_variant_by_name(c.name);
     if (s->f8) /* create checked that sm_90a has them */
-        return moe_gemm_select(s->arch, MOE_DTYPE_FP8_E4M3, f8_scale_kind(s), rows_per_expert);
-    v = moe_gemm_select(s->arch, MOE_DTYPE_BF16, MOE_SCALE_NONE, rows_per_expert);
+        return v;
     return v ? v : moe_gemm_simple_variant();
 }
 
@@ -911,29 +935,54 @@ static moe_status_t cuda_synchronize(moe_layer_t *l, void *stream)
 /* The variant a GEMM of this layer gets at rows_per_expert, and why. */
 static void explain_gemm(const cuda_layer_t *s, double rows_per_expert, char *text, size_t len)
 {
+    moe_oracle_choice_t c;
+    if (s->forced && !s->forced_env) {
+        snprintf(text, len, "%s (no tuned variant for this GPU)", s->forced->name);
+        return;
+    }
     if (s->forced) {
-        snprintf(text, len, "%s (%s)", s->forced->name,
-                 s->forced == moe_gemm_simple_variant() && !moe_env_str("MOE_GEMM_VARIANT", NULL)
-                     ? "no tuned variant for this GPU"
-                     : "forced by MOE_GEMM_VARIANT");
+        const moe_oracle_choice_t f = {s->forced->name, MOE_ORACLE_FORCED, 0, 0, s->forced_env,
+                                       s->arch};
+        moe_oracle_describe(&f, "rows/expert", rows_per_expert, text, len);
         return;
     }
-    if (s->f8) { /* W8A8: the FP8 table (e4m3 A and B, per-row scales) */
-        snprintf(text, len, "%s (W8A8, built-in FP8 table for sm_90a at %.3g rows/expert)",
-                 moe_cuda_variant_for(s, rows_per_expert)->name,
-                 s->deterministic ? 1.0 : rows_per_expert);
+    if (!oracle_choice(s, rows_per_expert, &c)) {
+        snprintf(text, len, "%s (no table for sm_%d)", moe_gemm_simple_variant()->name, s->arch);
         return;
     }
-    /* deterministic mode pins the variant of one row per expert: see moe_cuda_variant_for */
-    moe_gemm_explain(s->arch, s->deterministic ? 1.0 : rows_per_expert, text, len);
+    /* deterministic mode pins the variant of one row per expert: see oracle_choice */
+    moe_oracle_describe(&c, s->f8 ? "W8A8, rows/expert" : "rows/expert",
+                        s->deterministic ? 1.0 : rows_per_expert, text, len);
     if (s->deterministic && strlen(text) + 1 < len)
         snprintf(text + strlen(text), len - strlen(text), ", pinned by deterministic mode");
+}
+
+/* The expert-parallel exchange, and where its transport came from. */
+static void explain_ep(const cuda_layer_t *s, char *text, size_t len)
+{
+    char why[320];
+    if (s->world == 1) {
+        snprintf(text, len, "one GPU");
+        return;
+    }
+    if (s->transport_why.source == MOE_ORACLE_DEFAULT)
+        snprintf(why, sizeof(why), "%s (built-in rule)", moe_cuda_ep_transport_name(s->transport));
+    else
+        moe_oracle_describe(&s->transport_why, "max tokens/rank", (double)s->tm, why, sizeof(why));
+    snprintf(text, len, "EP transport %s: %s", why,
+             s->transport == MOE_EP_LSA ? "rows stored only into the ranks owning their experts "
+                                          "(CUDA IPC, one host)"
+             : s->transport == MOE_EP_P2P
+                 ? "rows sent only to the ranks owning their experts (NCCL send/recv)"
+             : s->deterministic ? "all-gather of the tokens, dense exact return (deterministic)"
+                                : "all-gather of the tokens (max_tokens_across_ranks rows per rank "
+                                  "when given, else the capacity), f32 reduce-scatter return");
 }
 
 static void cuda_explain(const moe_layer_t *l, int64_t T, char *text, size_t len)
 {
     const cuda_layer_t *s = l->state;
-    char routed[192], shared[192] = "";
+    char routed[512], shared[512] = "", ep[640];
     /* the hint the forward uses: with EP, as if every rank brought as many tokens */
     const double rpe =
         s->world > 1 ? (double)T * s->world * s->k / l->cfg.num_experts : (double)T * s->k / s->E;
@@ -941,14 +990,10 @@ static void cuda_explain(const moe_layer_t *l, int64_t T, char *text, size_t len
     if (s->ss > 0)
         explain_gemm(s, s->world > 1 && !s->shared_local ? (double)T * s->world : (double)T, shared,
                      sizeof(shared));
+    explain_ep(s, ep, sizeof(ep));
     snprintf(text, len,
              "cuda backend (sm_%d): %lld tokens, %.3g rows/expert: routed GEMMs %s%s%s; %s",
-             s->arch, (long long)T, rpe, routed, s->ss > 0 ? "; shared GEMMs " : "", shared,
-             s->world == 1 ? "one GPU"
-             : s->deterministic
-                 ? "EP: all-gather of the tokens, dense exact return (deterministic)"
-                 : "EP: all-gather of the tokens (max_tokens_across_ranks rows per rank when "
-                   "given, else the capacity), f32 reduce-scatter return");
+             s->arch, (long long)T, rpe, routed, s->ss > 0 ? "; shared GEMMs " : "", shared, ep);
 }
 
 const moe_backend_ops_t moe_backend_cuda = {

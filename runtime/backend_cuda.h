@@ -6,6 +6,7 @@
 
 #include "comm/nccl_comm.h"
 #include "kernels/expert_gemm.h"
+#include "kernels/oracle.h"
 #include "runtime/layer.h"
 
 /* Events of a profiled forward (MOE_PROFILE=1): the boundaries of its phases. */
@@ -17,7 +18,12 @@ typedef struct cuda_layer {
     int E_total; /* experts of the layer: the router's rows */
     int64_t is, ss, max_tokens;
     moe_activation_t act;
-    const moe_gemm_variant_t *forced; /* MOE_GEMM_VARIANT, else NULL (oracle per step) */
+    const moe_gemm_variant_t *forced; /* MOE_FORCE_VARIANT / MOE_GEMM_VARIANT, or simt_ref where
+                                       * no table has this arch; else NULL (oracle per step) */
+    const char *forced_env; /* the variable that forced it (NULL: the simt_ref fallback) */
+    moe_oracle_t oracle;    /* built-in tables + MOE_TUNE_FILE's for this GPU and shape */
+    moe_oracle_query_t oq;  /* this layer's key: arch, dtype, scales, ep, tp, transport */
+    moe_oracle_choice_t transport_why; /* world > 1: where s->transport came from */
     /* W8A8 (fp8_math = W8A8, per-tensor or per-channel e4m3 weights, sm_90a): the expert
      * matrices stay e4m3 with one f32 scale per weight row (per-tensor scales expanded), the
      * activations into each GEMM are quantised per row; else FP8 weights are bf16 (W8A16). */

@@ -149,20 +149,42 @@ const char *moe_cuda_ep_transport_name(int t)
     return t == MOE_EP_LSA ? "lsa" : t == MOE_EP_P2P ? "p2p" : "allgather";
 }
 
-/* MOE_EP_TRANSPORT=auto|lsa|p2p|allgather (default auto) over cfg.dispatch. auto: lsa where
- * every rank is on this host and reaches every other's GPU directly (tp_size 1); else
- * allgather, or p2p when the config asks for all-to-all. The same on every rank: the request
- * and each rank's view of the hardware are gathered first. */
+/* The tune file's transport for this layout and capacity (cfg.dispatch AUTO only), or -1. */
+static int tuned_transport(const moe_layer_t *l, cuda_layer_t *s)
+{
+    moe_oracle_query_t q = s->oq;
+    moe_oracle_choice_t c;
+    q.value = (double)s->tm;
+    if (l->cfg.dispatch != MOE_DISPATCH_AUTO || !moe_oracle_pick_transport(&s->oracle, &q, &c))
+        return -1;
+    for (int t = MOE_EP_ALLGATHER; t <= MOE_EP_P2P; t++)
+        if (!strcmp(c.name, moe_cuda_ep_transport_name(t))) {
+            s->transport_why = c;
+            return t;
+        }
+    return -1;
+}
+
+/* MOE_FORCE_TRANSPORT or MOE_EP_TRANSPORT = auto|lsa|p2p|allgather (default auto) over
+ * cfg.dispatch. auto: the tune file's choice (MOE_TUNE_FILE) where it fits the layout; else
+ * lsa where every rank is on this host and reaches every other's GPU directly (tp_size 1);
+ * else allgather, or p2p when the config asks for all-to-all. The same on every rank: the
+ * request, the tuned choice and each rank's view of the hardware are gathered first. */
 static moe_status_t pick_transport(moe_layer_t *l, cuda_layer_t *s)
 {
-    const char *env = moe_env_str("MOE_EP_TRANSPORT", "auto");
+    const char *forced = NULL, *ename = NULL, *env;
     const int W = s->world, me = l->plan.rank, tp = l->plan.tp_size;
-    int32_t mine[3], *all;
+    int32_t mine[4], *all;
     int64_t cnt[64], dsp[64];
-    int want, local_rank = 0, local_size = 0, lsa_ok, r, same = 1;
+    int want, tuned, local_rank = 0, local_size = 0, lsa_ok, r, same = 1, tuned_same = 1;
     moe_status_t st;
 
-    if (!strcmp(env, "auto"))
+    memset(&s->transport_why, 0, sizeof(s->transport_why));
+    MOE_CHECK(moe_oracle_forced_transport(&forced, &ename));
+    env = forced ? forced : "auto";
+    if (!ename)
+        ename = "MOE_EP_TRANSPORT";
+    if (!forced)
         want = -1;
     else if (!strcmp(env, "lsa"))
         want = MOE_EP_LSA;
@@ -171,39 +193,47 @@ static moe_status_t pick_transport(moe_layer_t *l, cuda_layer_t *s)
     else if (!strcmp(env, "allgather"))
         want = MOE_EP_ALLGATHER;
     else
-        return moe_error(MOE_STATUS_INVALID_ARGUMENT,
-                         "MOE_EP_TRANSPORT=%s: expected auto, lsa, p2p or allgather", env);
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT, "%s=%s: expected auto, lsa, p2p or allgather",
+                         ename, env);
+    if (want >= 0) {
+        s->transport_why.name = moe_cuda_ep_transport_name(want);
+        s->transport_why.source = MOE_ORACLE_FORCED;
+        s->transport_why.origin = ename;
+    }
     if (W > 64)
         return want == -1 || want == MOE_EP_ALLGATHER
                    ? (s->transport = MOE_EP_ALLGATHER, MOE_STATUS_SUCCESS)
                    : moe_error(MOE_STATUS_NOT_SUPPORTED,
-                               "MOE_EP_TRANSPORT=%s: built for up to 64 ranks (world %d)", env, W);
+                               "%s=%s: built for up to 64 ranks (world %d)", ename, env, W);
+    tuned = want < 0 ? tuned_transport(l, s) : -1;
     MOE_CHECK(moe_comm_node_rank(l->rt->comm, &local_rank, &local_size));
-    all = malloc(sizeof(int32_t) * 3 * (size_t)W);
+    all = malloc(sizeof(int32_t) * 4 * (size_t)W);
     if (!all)
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "transport agreement");
     for (r = 0; r < W; r++) {
-        cnt[r] = 3;
-        dsp[r] = 3 * r;
+        cnt[r] = 4;
+        dsp[r] = 4 * r;
     }
     mine[0] = want;
     mine[1] = s->device;
     mine[2] = local_size == W && W <= MOE_A2A_MAX_WORLD;
-    st = moe_comm_allgatherv(l->rt->comm, mine, 3, all, cnt, dsp, sizeof(int32_t));
+    mine[3] = tuned;
+    st = moe_comm_allgatherv(l->rt->comm, mine, 4, all, cnt, dsp, sizeof(int32_t));
     lsa_ok = tp == 1 && W <= MOE_A2A_MAX_WORLD;
     for (r = 0; r < W && st == MOE_STATUS_SUCCESS; r++) {
-        same &= all[3 * r] == want;
-        lsa_ok &= all[3 * r + 2] != 0;
+        same &= all[4 * r] == want;
+        tuned_same &= all[4 * r + 3] == tuned;
+        lsa_ok &= all[4 * r + 2] != 0;
         if (r != me && lsa_ok)
-            lsa_ok &= moe_gpu_can_access_peer(s->device, all[3 * r + 1]);
+            lsa_ok &= moe_gpu_can_access_peer(s->device, all[4 * r + 1]);
     }
     free(all);
     MOE_CHECK(st);
     if (!same)
         return moe_error(MOE_STATUS_INVALID_ARGUMENT,
-                         "MOE_EP_TRANSPORT=%s on rank %d differs from another rank's: set it "
+                         "%s=%s on rank %d differs from another rank's: set it "
                          "alike on every rank",
-                         env, me);
+                         ename, env, me);
     { /* this rank's peer access must hold on every rank */
         int64_t v = lsa_ok, *allv = malloc(sizeof(int64_t) * (size_t)W);
         if (!allv)
@@ -218,16 +248,27 @@ static moe_status_t pick_transport(moe_layer_t *l, cuda_layer_t *s)
     }
     if (want == MOE_EP_LSA && !lsa_ok)
         return moe_error(MOE_STATUS_NOT_SUPPORTED,
-                         "MOE_EP_TRANSPORT=lsa needs tp_size 1 (got %d), every rank on one host "
+                         "%s=lsa needs tp_size 1 (got %d), every rank on one host "
                          "(%d of %d here), at most %d ranks, and direct access between every "
                          "pair of GPUs",
-                         tp, local_size, W, MOE_A2A_MAX_WORLD);
+                         ename, tp, local_size, W, MOE_A2A_MAX_WORLD);
     if (want == MOE_EP_P2P && (tp != 1 || s->deterministic || W > MOE_A2A_MAX_WORLD))
         return moe_error(MOE_STATUS_NOT_SUPPORTED,
-                         "MOE_EP_TRANSPORT=p2p needs tp_size 1 (got %d), deterministic 0 (got "
+                         "%s=p2p needs tp_size 1 (got %d), deterministic 0 (got "
                          "%d; its exact return is built for lsa and allgather) and at most %d "
                          "ranks (got %d)",
-                         tp, s->deterministic, MOE_A2A_MAX_WORLD, W);
+                         ename, tp, s->deterministic, MOE_A2A_MAX_WORLD, W);
+    if (tuned >= 0 && tuned_same &&
+        (tuned == MOE_EP_ALLGATHER || (tuned == MOE_EP_LSA && lsa_ok) ||
+         (tuned == MOE_EP_P2P && tp == 1 && !s->deterministic && W <= MOE_A2A_MAX_WORLD))) {
+        want = tuned; /* transport_why says tuned */
+    } else if (tuned >= 0) {
+        MOE_LOG_WARN("CUDA", "MOE_TUNE_FILE: transport %s %s; the built-in rule decides",
+                     moe_cuda_ep_transport_name(tuned),
+                     tuned_same ? "does not run this layout here"
+                                : "differs among the ranks' tune files");
+        memset(&s->transport_why, 0, sizeof(s->transport_why));
+    }
     if (want >= 0)
         s->transport = want;
     else if (l->cfg.dispatch == MOE_DISPATCH_ALL_GATHER)

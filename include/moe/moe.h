@@ -315,10 +315,11 @@ moe_status_t moe_layer_forward(moe_layer_t *layer, const moe_forward_args_t *arg
 moe_status_t moe_layer_synchronize(moe_layer_t *layer, void *stream);
 
 /* One line of text on what a step of `num_tokens` tokens on this rank would run and why: the
- * backend, the grouped-GEMM variant of the routed and shared experts with the reason (the
- * built-in table's bucket of rows per expert, MOE_GEMM_VARIANT, deterministic mode), and the
- * expert-parallel exchange. Not collective; runs nothing. `text` gets at most `len` bytes,
- * NUL-terminated. */
+ * backend, the grouped-GEMM variant of the routed and shared experts with the reason and its
+ * source (the built-in table's bucket of rows per expert, "tuned from FILE" (MOE_TUNE_FILE),
+ * "forced by MOE_FORCE_VARIANT" or MOE_GEMM_VARIANT, deterministic mode), and the
+ * expert-parallel exchange with where its transport came from. Not collective; runs nothing.
+ * `text` gets at most `len` bytes, NUL-terminated. */
 moe_status_t moe_layer_explain(const moe_layer_t *layer, int64_t num_tokens, char *text,
                                size_t len);
 

@@ -60,6 +60,17 @@ moe_status_t moe_gpu_arch(int device, int *arch)
     return MOE_STATUS_SUCCESS;
 }
 
+moe_status_t moe_gpu_name(int device, char *name, size_t len)
+{
+    cudaDeviceProp prop;
+    MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+    if (len) {
+        strncpy(name, prop.name, len - 1);
+        name[len - 1] = '\0';
+    }
+    return MOE_STATUS_SUCCESS;
+}
+
 moe_status_t moe_gpu_device_synchronize(void)
 {
     MOE_CUDA_CHECK(cudaDeviceSynchronize());

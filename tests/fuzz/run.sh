@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # Builds the libFuzzer targets with clang and fuzzes each parser in turn for a share of N
-# seconds: the safetensors reader (half), config.json, the index and name maps, and the
-# weight-value check.
+# seconds: the safetensors reader (about half), config.json, the index and name maps, the
+# weight-value check, and the tune file reader.
 #   tests/fuzz/run.sh [SECONDS] [BUILD_DIR]     (defaults: 60, build-fuzz)
 # The kept corpora (tests/fuzz/corpus/<target>) seed the runs; new inputs go to scratch folders
 # so the repository is not modified. Exit status: 0 clean, non-zero on a finding (the crashing
@@ -44,12 +44,12 @@ fi
 
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_C_COMPILER=clang -DMOE_CUDA=OFF -DMOE_FUZZ=ON \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-targets=(safetensors config index scales)
+targets=(safetensors config index scales tune)
 # Per target, percent of SECONDS and of MOE_FUZZ_RUNS. Runs follow each target's speed (per
 # input the value check is about 5x slower than the safetensors parser): with CI's
-# MOE_FUZZ_RUNS=3000000 the four take about 30 + 15 + 17 + 15 s on one core.
-tshare=(50 15 15 20)
-rshare=(50 15 15 5)
+# MOE_FUZZ_RUNS=3000000 the first four take about 30 + 15 + 17 + 15 s on one core.
+tshare=(45 15 15 15 10)
+rshare=(45 15 15 5 20)
 cmake --build "$build" --target "${targets[@]/#/fuzz_}" -j"$(nproc)"
 
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/moe-fuzz-XXXXXX")
@@ -75,6 +75,7 @@ for i in "${!targets[@]}"; do
     [ -n "${MOE_FUZZ_SEED:-}" ] && budget+=(-seed="$MOE_FUZZ_SEED")
     dict=$root/tests/fuzz/checkpoint.dict
     [ "$t" = safetensors ] && dict=$root/tests/fuzz/safetensors.dict
+    [ "$t" = tune ] && dict=$root/tests/fuzz/tune.dict
     dictarg=(-dict="$dict")
     [ "$t" = scales ] && dictarg=()
     mkdir -p "$scratch/$t"

@@ -1,0 +1,769 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The oracle's tables (built in, tuned, forced), its picks, and the tune file reader/writer. */
+#include "kernels/oracle.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "kernels/expert_gemm.h"
+#include "runtime/diag.h"
+#include "runtime/json.h"
+
+/* ---- built-in tables: rows per expert at or below which each variant is the default,
+ * measured on the H200 (docs/KERNELS.md, bench/RESULTS.md "grouped GEMM"). ---------------- */
+
+/* A built-in GEMM table: any shape, any layout. */
+#define BUILTIN(arch, dtype, scale, n, ...)                                                        \
+    {                                                                                              \
+        MOE_ORACLE_GEMM, arch, {0, 0, 0, 0}, dtype, scale, 0, 0, MOE_ORACLE_ANY, n,                \
+        {                                                                                          \
+            __VA_ARGS__                                                                            \
+        }                                                                                          \
+    }
+#define OPEN HUGE_VAL
+
+static const moe_oracle_group_t defaults[] = {
+    BUILTIN(90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 5, {2.0, "sm90_swapab_n8", 0, 0},
+            {16.0, "sm90_swapab_n16", 0, 0}, {32.0, "sm90_swapab_w128_n32", 0, 0},
+            {96.0, "sm90_wgmma_tma_m64n256", 0, 0}, {OPEN, "sm90_wgmma_tma_m128n256", 0, 0}),
+    /* FP8 (e4m3, per-row scales): the bf16 table's crossovers until moe-tune measures them */
+    BUILTIN(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, 4, {16.0, "sm90_fp8_swapab_n16", 0, 0},
+            {32.0, "sm90_fp8_swapab_n32", 0, 0}, {96.0, "sm90_fp8_m64n128", 0, 0},
+            {OPEN, "sm90_fp8_m128n128", 0, 0}),
+    BUILTIN(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128, 4,
+            {16.0, "sm90_fp8_block_swapab_n16", 0, 0}, {32.0, "sm90_fp8_block_swapab_n32", 0, 0},
+            {96.0, "sm90_fp8_block_m64n128", 0, 0}, {OPEN, "sm90_fp8_block_m128n128", 0, 0}),
+    /* sm_80 .. sm_89 and anything newer than sm_90 (the sm_80 family's PTX) */
+    BUILTIN(80, MOE_DTYPE_BF16, MOE_SCALE_NONE, 2, {32.0, "sm80_mma_m32n128", 0, 0},
+            {OPEN, "sm80_mma_m64n128", 0, 0}),
+};
+#define NUM_DEFAULTS ((int)(sizeof(defaults) / sizeof(defaults[0])))
+
+const moe_oracle_group_t *moe_oracle_defaults(int *count)
+{
+    *count = NUM_DEFAULTS;
+    return defaults;
+}
+
+/* ---- names ------------------------------------------------------------------------------ */
+
+static const char *const transport_names[] = {"allgather", "lsa", "p2p"};
+
+const char *moe_oracle_transport_name(int t)
+{
+    return t >= 0 && t < 3 ? transport_names[t] : "any";
+}
+
+int moe_oracle_transport_by_name(const char *name)
+{
+    if (!name)
+        return -2;
+    if (!strcmp(name, "any"))
+        return MOE_ORACLE_ANY;
+    for (int i = 0; i < 3; i++)
+        if (!strcmp(name, transport_names[i]))
+            return i;
+    return -2;
+}
+
+const char *moe_oracle_dtype_name(moe_dtype_t d)
+{
+    return d == MOE_DTYPE_BF16 ? "bf16" : d == MOE_DTYPE_FP8_E4M3 ? "fp8_e4m3" : "invalid";
+}
+
+const char *moe_oracle_scale_name(moe_scale_kind_t s)
+{
+    switch (s) {
+    case MOE_SCALE_NONE:
+        return "none";
+    case MOE_SCALE_PER_TENSOR:
+        return "per_tensor";
+    case MOE_SCALE_BLOCK_128:
+        return "block_128";
+    case MOE_SCALE_PER_CHANNEL:
+        return "per_channel";
+    }
+    return "invalid";
+}
+
+/* ---- tables and picks ------------------------------------------------------------------- */
+
+void moe_oracle_init(moe_oracle_t *o)
+{
+    memset(o, 0, sizeof(*o));
+}
+
+void moe_oracle_table_free(moe_oracle_table_t *t)
+{
+    if (!t)
+        return;
+    free(t->group);
+    memset(t, 0, sizeof(*t));
+}
+
+void moe_oracle_free(moe_oracle_t *o)
+{
+    if (!o)
+        return;
+    moe_oracle_table_free(&o->tuned);
+    moe_oracle_init(o);
+}
+
+/* The built-in tables know sm_90a and the sm_80 family (what runs on every newer device). */
+static int default_arch(int arch)
+{
+    return arch == 90 ? 90 : arch >= 80 ? 80 : 0;
+}
+
+static int key_fits(const moe_oracle_group_t *g, const moe_oracle_query_t *q, int tuned)
+{
+    if (tuned ? g->arch != q->arch : g->arch != default_arch(q->arch))
+        return 0;
+    if (g->kind == MOE_ORACLE_GEMM &&
+        (g->dtype != q->dtype || g->scale != q->scale ||
+         (g->transport != MOE_ORACLE_ANY && g->transport != q->transport)))
+        return 0;
+    return (!g->ep_size || g->ep_size == q->ep_size) && (!g->tp_size || g->tp_size == q->tp_size);
+}
+
+/* The bucket of `value` in g (0 if none: NaN). */
+static int pick_in(const moe_oracle_group_t *g, double value, moe_oracle_choice_t *c)
+{
+    double lo = 0.0;
+    for (int i = 0; i < g->num_buckets; i++) {
+        if (value <= g->bucket[i].max) {
+            c->name = g->bucket[i].name;
+            c->lo = lo;
+            c->hi = g->bucket[i].max;
+            return 1;
+        }
+        lo = g->bucket[i].max;
+    }
+    return 0;
+}
+
+static int pick(const moe_oracle_t *o, moe_oracle_kind_t kind, const moe_oracle_query_t *q,
+                moe_oracle_choice_t *c)
+{
+    memset(c, 0, sizeof(*c));
+    c->arch = q->arch;
+    for (int i = 0; o && i < o->tuned.num_groups; i++) {
+        const moe_oracle_group_t *g = &o->tuned.group[i];
+        if (g->kind == kind && key_fits(g, q, 1) && pick_in(g, q->value, c)) {
+            c->source = MOE_ORACLE_TUNED;
+            c->origin = o->file;
+            return 1;
+        }
+    }
+    for (int i = 0; i < NUM_DEFAULTS; i++)
+        if (defaults[i].kind == kind && key_fits(&defaults[i], q, 0) &&
+            pick_in(&defaults[i], q->value, c))
+            return 1;
+    c->name = NULL;
+    return 0;
+}
+
+int moe_oracle_pick_gemm(const moe_oracle_t *o, const moe_oracle_query_t *q, moe_oracle_choice_t *c)
+{
+    return pick(o, MOE_ORACLE_GEMM, q, c);
+}
+
+int moe_oracle_pick_transport(const moe_oracle_t *o, const moe_oracle_query_t *q,
+                              moe_oracle_choice_t *c)
+{
+    return pick(o, MOE_ORACLE_TRANSPORT, q, c);
+}
+
+void moe_oracle_describe(const moe_oracle_choice_t *c, const char *unit, double value, char *text,
+                         size_t len)
+{
+    char table[320];
+    if (!text || !len)
+        return;
+    if (!c->name) {
+        snprintf(text, len, "(no table)");
+        return;
+    }
+    if (c->source == MOE_ORACLE_FORCED) {
+        snprintf(text, len, "%s (forced by %s)", c->name, c->origin ? c->origin : "environment");
+        return;
+    }
+    if (c->source == MOE_ORACLE_TUNED)
+        snprintf(table, sizeof(table), "tuned from %s for sm_%d", c->origin, c->arch);
+    else
+        snprintf(table, sizeof(table), "built-in table for sm_%d", c->arch);
+    if (isinf(c->hi))
+        snprintf(text, len, "%s (%s: %s %.3g > %g)", c->name, table, unit, value, c->lo);
+    else
+        snprintf(text, len, "%s (%s: %s %.3g in (%g, %g])", c->name, table, unit, value, c->lo,
+                 c->hi);
+}
+
+/* ---- forcing ---------------------------------------------------------------------------- */
+
+static moe_status_t forced(const char *new_env, const char *old_env, const char *skip,
+                           const char **name, const char **env)
+{
+    const char *a = moe_env_str(new_env, NULL), *b = moe_env_str(old_env, NULL);
+    if (a && skip && !strcmp(a, skip))
+        a = NULL;
+    if (b && skip && !strcmp(b, skip))
+        b = NULL;
+    *name = NULL;
+    *env = NULL;
+    if (a && b && strcmp(a, b))
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT,
+                         "%s=%s and %s=%s disagree (they mean the same: set one)", new_env, a,
+                         old_env, b);
+    if (a || b) {
+        *name = a ? a : b;
+        *env = a ? new_env : old_env;
+    }
+    return MOE_STATUS_SUCCESS;
+}
+
+moe_status_t moe_oracle_forced_variant(const char **name, const char **env)
+{
+    return forced("MOE_FORCE_VARIANT", "MOE_GEMM_VARIANT", NULL, name, env);
+}
+
+moe_status_t moe_oracle_forced_transport(const char **name, const char **env)
+{
+    return forced("MOE_FORCE_TRANSPORT", "MOE_EP_TRANSPORT", "auto", name, env);
+}
+
+moe_status_t moe_oracle_check_variant(const char *env, const char *name, int arch,
+                                      moe_dtype_t dtype, moe_scale_kind_t scale)
+{
+    const moe_gemm_variant_t *v;
+    if (!name)
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT, "%s: no variant name", env);
+    if (!strcmp(name, MOE_ORACLE_SIMT_REF)) {
+        if (dtype != MOE_DTYPE_BF16 || scale != MOE_SCALE_NONE)
+            return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                             "%s=%s is a bf16 variant; this layer computes in %s (scales %s)", env,
+                             name, moe_oracle_dtype_name(dtype), moe_oracle_scale_name(scale));
+        return MOE_STATUS_SUCCESS;
+    }
+    v = moe_gemm_variant_by_name(name);
+    if (!v)
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT, "%s=%s: no such variant", env, name);
+    if (!moe_gemm_variant_runs_on(v, arch))
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s=%s is built for sm_%d%s (device: sm_%d)",
+                         env, name, v->min_arch, v->min_arch == 90 ? "a only" : "+", arch);
+    if (v->ab_dtype != dtype || v->scale_kind != scale)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                         "%s=%s is a %s variant (scales %s); this layer computes in %s (scales %s)",
+                         env, name, moe_oracle_dtype_name(v->ab_dtype),
+                         moe_oracle_scale_name(v->scale_kind), moe_oracle_dtype_name(dtype),
+                         moe_oracle_scale_name(scale));
+    return MOE_STATUS_SUCCESS;
+}
+
+/* ---- the tune file: reading ------------------------------------------------------------- */
+
+typedef struct pctx {
+    const char *what;
+    char *err;
+    size_t len;
+} pctx_t;
+
+static int bad(pctx_t *p, const char *fmt, ...) MOE_PRINTF(2, 3);
+static int bad(pctx_t *p, const char *fmt, ...)
+{
+    va_list ap;
+    int n = snprintf(p->err, p->len, "%s: ", p->what);
+    va_start(ap, fmt);
+    if (n >= 0 && (size_t)n < p->len)
+        vsnprintf(p->err + n, p->len - (size_t)n, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+/* An integer member in [lo, hi]: 1 read, 0 absent/null, -1 bad (message in p). */
+static int get_int(pctx_t *p, const moe_json_t *obj, const char *where, const char *key, int64_t lo,
+                   int64_t hi, int *out)
+{
+    int64_t v = 0;
+    int r = moe_json_member_int(obj, key, &v);
+    if (r < 0)
+        return bad(p, "%s\"%s\" is not an integer", where, key);
+    if (r == 0)
+        return 0;
+    if (v < lo || v > hi)
+        return bad(p, "%s\"%s\" = %lld is out of range (%lld..%lld)", where, key, (long long)v,
+                   (long long)lo, (long long)hi);
+    *out = (int)v;
+    return 1;
+}
+
+static int get_str(pctx_t *p, const moe_json_t *obj, const char *where, const char *key,
+                   const char **out)
+{
+    int r = moe_json_member_string(obj, key, out);
+    if (r < 0)
+        return bad(p, "%s\"%s\" is not a string", where, key);
+    return r;
+}
+
+static int get_num(pctx_t *p, const moe_json_t *obj, const char *where, const char *key,
+                   double *out)
+{
+    int r = moe_json_member_number(obj, key, out);
+    if (r < 0)
+        return bad(p, "%s\"%s\" is not a number", where, key);
+    if (r > 0 && !(isfinite(*out) && *out >= 0))
+        return bad(p, "%s\"%s\" = %g is not a finite number >= 0", where, key, *out);
+    return r;
+}
+
+static int parse_shape(pctx_t *p, const moe_json_t *g, const char *where, moe_oracle_shape_t *s)
+{
+    static const char *const keys[4] = {"hidden", "intermediate", "experts", "top_k"};
+    int *field[4] = {&s->hidden, &s->intermediate, &s->experts, &s->top_k};
+    const moe_json_t *sh = moe_json_get(g, "shape");
+    memset(s, 0, sizeof(*s));
+    if (!sh || sh->type == MOE_JSON_NULL)
+        return 0; /* any shape */
+    if (sh->type != MOE_JSON_OBJECT)
+        return bad(p, "%s\"shape\" is not an object", where);
+    for (int i = 0; i < 4; i++) {
+        int r = get_int(p, sh, where, keys[i], 1, 1 << 30, field[i]);
+        if (r < 0)
+            return r;
+        if (r == 0)
+            return bad(p, "%s\"shape\" has no \"%s\"", where, keys[i]);
+    }
+    return 0;
+}
+
+/* The GEMM table's key: dtype, scales, transport. */
+static int parse_gemm_key(pctx_t *p, const moe_json_t *g, const char *where, moe_oracle_group_t *o)
+{
+    const char *d = NULL, *s = NULL, *t = NULL;
+    if (get_str(p, g, where, "dtype", &d) < 0 || get_str(p, g, where, "scales", &s) < 0 ||
+        get_str(p, g, where, "transport", &t) < 0)
+        return -1;
+    if (!d || !s)
+        return bad(p, "%sneeds \"dtype\" and \"scales\"", where);
+    if (!strcmp(d, "bf16") && !strcmp(s, "none")) {
+        o->dtype = MOE_DTYPE_BF16;
+        o->scale = MOE_SCALE_NONE;
+    } else if (!strcmp(d, "fp8_e4m3") && (!strcmp(s, "per_channel") || !strcmp(s, "block_128"))) {
+        o->dtype = MOE_DTYPE_FP8_E4M3;
+        o->scale = !strcmp(s, "per_channel") ? MOE_SCALE_PER_CHANNEL : MOE_SCALE_BLOCK_128;
+    } else {
+        return bad(p,
+                   "%s\"dtype\" \"%.32s\" with \"scales\" \"%.32s\": expected bf16/none, "
+                   "fp8_e4m3/per_channel or fp8_e4m3/block_128",
+                   where, d, s);
+    }
+    o->transport = MOE_ORACLE_ANY;
+    if (t && (o->transport = moe_oracle_transport_by_name(t)) == -2)
+        return bad(p, "%s\"transport\" \"%.32s\": expected any, allgather, lsa or p2p", where, t);
+    return 0;
+}
+
+/* Whether a GEMM table's variant fits its key and the file's arch (a stale name fails). */
+static int check_name(pctx_t *p, const moe_oracle_group_t *g, const char *where, const char *name)
+{
+    const moe_gemm_variant_t *v;
+    if (g->kind == MOE_ORACLE_TRANSPORT) {
+        if (moe_oracle_transport_by_name(name) < 0)
+            return bad(p, "%stransport \"%.48s\": expected allgather, lsa or p2p", where, name);
+        return 0;
+    }
+    v = moe_gemm_variant_by_name(name);
+    if (!v)
+        return bad(p, "%svariant \"%.48s\" is unknown to this build (a stale file?)", where, name);
+    if (!moe_gemm_variant_runs_on(v, g->arch) || v->ab_dtype != g->dtype ||
+        v->scale_kind != g->scale)
+        return bad(p, "%svariant \"%s\" does not run %s/%s on sm_%d", where, name,
+                   moe_oracle_dtype_name(g->dtype), moe_oracle_scale_name(g->scale), g->arch);
+    return 0;
+}
+
+static int parse_buckets(pctx_t *p, const moe_json_t *g, const char *where, moe_oracle_group_t *o)
+{
+    const int gemm = o->kind == MOE_ORACLE_GEMM;
+    const char *bound = gemm ? "max_rows_per_expert" : "max_tokens_per_rank";
+    const char *namekey = gemm ? "variant" : "transport";
+    const moe_json_t *b = moe_json_get(g, "buckets"), *e;
+    double prev = 0.0;
+    int i = 0;
+    char at[160];
+
+    if (!b || b->type != MOE_JSON_ARRAY)
+        return bad(p, "%sneeds \"buckets\" (an array)", where);
+    if (b->count < 1 || b->count > MOE_ORACLE_MAX_BUCKETS)
+        return bad(p, "%s%zu buckets (1..%d)", where, b->count, MOE_ORACLE_MAX_BUCKETS);
+    for (e = b->child; e; e = e->next, i++) {
+        moe_oracle_bucket_t *k = &o->bucket[i];
+        const char *name = NULL;
+        const int last = e->next == NULL;
+        int r;
+        snprintf(at, sizeof(at), "%sbucket %d: ", where, i);
+        if (e->type != MOE_JSON_OBJECT)
+            return bad(p, "%snot an object", at);
+        r = get_num(p, e, at, bound, &k->max);
+        if (r < 0)
+            return -1;
+        if (last && r > 0)
+            return bad(p, "%sthe last bucket is open: no \"%s\"", at, bound);
+        if (!last && r == 0)
+            return bad(p, "%sneeds \"%s\" (only the last bucket is open)", at, bound);
+        if (last)
+            k->max = OPEN;
+        else if (!(k->max > prev))
+            return bad(p, "%s\"%s\" = %g does not rise above %g", at, bound, k->max, prev);
+        prev = k->max;
+        if (get_num(p, e, at, "at", &k->at) < 0 || get_num(p, e, at, "time_us", &k->time_us) < 0)
+            return -1;
+        if (get_str(p, e, at, namekey, &name) < 0)
+            return -1;
+        if (!name)
+            return bad(p, "%sneeds \"%s\"", at, namekey);
+        if (strlen(name) >= MOE_ORACLE_NAME_LEN)
+            return bad(p, "%s\"%s\" is too long", at, namekey);
+        if (check_name(p, o, at, name) < 0)
+            return -1;
+        strcpy(k->name, name);
+    }
+    o->num_buckets = i;
+    return 0;
+}
+
+static int parse_group(pctx_t *p, const moe_json_t *g, moe_oracle_kind_t kind, int index,
+                       moe_oracle_table_t *t)
+{
+    moe_oracle_group_t *o = &t->group[t->num_groups];
+    char where[64];
+    snprintf(where, sizeof(where), "\"%s\"[%d]: ", kind == MOE_ORACLE_GEMM ? "gemm" : "transport",
+             index);
+    if (g->type != MOE_JSON_OBJECT)
+        return bad(p, "%snot an object", where);
+    memset(o, 0, sizeof(*o));
+    o->kind = kind;
+    o->arch = t->arch;
+    o->transport = MOE_ORACLE_ANY;
+    if (parse_shape(p, g, where, &o->shape) < 0)
+        return -1;
+    if (kind == MOE_ORACLE_GEMM && parse_gemm_key(p, g, where, o) < 0)
+        return -1;
+    if (get_int(p, g, where, "ep_size", 1, 65536, &o->ep_size) < 0 ||
+        get_int(p, g, where, "tp_size", 1, 65536, &o->tp_size) < 0)
+        return -1;
+    if (parse_buckets(p, g, where, o) < 0)
+        return -1;
+    t->num_groups++;
+    return 0;
+}
+
+static int parse_root(pctx_t *p, const moe_json_t *r, moe_oracle_table_t *t)
+{
+    static const char *const lists[2] = {"gemm", "transport"};
+    const char *gpu = NULL;
+    size_t total = 0;
+    int version = 0;
+
+    if (r->type != MOE_JSON_OBJECT)
+        return bad(p, "not a JSON object");
+    if (get_int(p, r, "", "libmoe_tune", 0, 1 << 30, &version) <= 0)
+        return p->err[0] ? -1 : bad(p, "not a libmoe tune file (no \"libmoe_tune\" version)");
+    if (version != MOE_TUNE_VERSION)
+        return bad(p, "version %d (this build reads version %d: run moe-tune again)", version,
+                   MOE_TUNE_VERSION);
+    if (get_str(p, r, "", "gpu", &gpu) <= 0)
+        return p->err[0] ? -1 : bad(p, "no \"gpu\" name");
+    if (strlen(gpu) >= sizeof(t->gpu))
+        return bad(p, "\"gpu\" name is too long");
+    strcpy(t->gpu, gpu);
+    if (get_int(p, r, "", "arch", 10, 1000, &t->arch) <= 0)
+        return p->err[0] ? -1 : bad(p, "no \"arch\"");
+    for (int l = 0; l < 2; l++) {
+        const moe_json_t *a = moe_json_get(r, lists[l]);
+        if (a && a->type != MOE_JSON_ARRAY && a->type != MOE_JSON_NULL)
+            return bad(p, "\"%s\" is not an array", lists[l]);
+        total += a && a->type == MOE_JSON_ARRAY ? a->count : 0;
+    }
+    if (total > MOE_ORACLE_MAX_GROUPS)
+        return bad(p, "%zu tables (at most %d)", total, MOE_ORACLE_MAX_GROUPS);
+    t->group = calloc(total ? total : 1, sizeof(*t->group));
+    if (!t->group)
+        return bad(p, "out of memory");
+    for (int l = 0; l < 2; l++) {
+        const moe_json_t *a = moe_json_get(r, lists[l]), *g;
+        int i = 0;
+        if (!a || a->type != MOE_JSON_ARRAY)
+            continue;
+        for (g = a->child; g; g = g->next, i++)
+            if (parse_group(p, g, l ? MOE_ORACLE_TRANSPORT : MOE_ORACLE_GEMM, i, t) < 0)
+                return -1;
+    }
+    return 0;
+}
+
+/* Parses into t; 0, or -1 with the reason in err (no error recorded for moe_last_error()). */
+static int parse_text(const char *text, size_t len, const char *what, moe_oracle_table_t *t,
+                      char *err, size_t errlen)
+{
+    pctx_t p = {what, err, errlen};
+    moe_json_doc_t *doc = NULL;
+    int r;
+
+    memset(t, 0, sizeof(*t));
+    err[0] = '\0';
+    if (moe_json_parse(text, len, 200000, what, &doc) != MOE_STATUS_SUCCESS) {
+        snprintf(err, errlen, "%s", moe_last_error());
+        moe_error_clear();
+        return -1;
+    }
+    r = parse_root(&p, moe_json_root(doc), t);
+    moe_json_free(doc);
+    if (r < 0)
+        moe_oracle_table_free(t);
+    return r;
+}
+
+moe_status_t moe_oracle_parse(const char *text, size_t len, const char *what, moe_oracle_table_t *t)
+{
+    char err[512];
+    if (parse_text(text, len, what, t, err, sizeof(err)) < 0)
+        return moe_error(MOE_STATUS_FORMAT_ERROR, "%s", err);
+    return MOE_STATUS_SUCCESS;
+}
+
+/* One warning line per distinct reason per process (60 layers, one bad file: one line). */
+static void warn_once(const char *msg)
+{
+    static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    static char last[512];
+    int seen;
+    pthread_mutex_lock(&mu);
+    seen = !strcmp(last, msg);
+    if (!seen)
+        snprintf(last, sizeof(last), "%s", msg);
+    pthread_mutex_unlock(&mu);
+    if (!seen)
+        MOE_LOG_WARN("TUNE", "%s", msg);
+}
+
+static int ignore(moe_oracle_t *o, const char *fmt, ...) MOE_PRINTF(2, 3);
+static int ignore(moe_oracle_t *o, const char *fmt, ...)
+{
+    va_list ap;
+    char why[400];
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof(why), fmt, ap);
+    va_end(ap);
+    moe_oracle_free(o);
+    snprintf(o->warning, sizeof(o->warning), "tune file ignored, built-in tables used: %s", why);
+    warn_once(o->warning);
+    return 0;
+}
+
+static int shape_fits(const moe_oracle_shape_t *g, const moe_oracle_shape_t *s)
+{
+    if (!g->hidden && !g->intermediate && !g->experts && !g->top_k)
+        return 1;
+    return g->hidden == s->hidden && g->intermediate == s->intermediate &&
+           g->experts == s->experts && g->top_k == s->top_k;
+}
+
+int moe_oracle_load_text(moe_oracle_t *o, const char *text, size_t len, const char *what,
+                         const moe_oracle_target_t *target)
+{
+    moe_oracle_table_t t;
+    char err[400];
+    const moe_oracle_shape_t *s = &target->shape;
+    int n = 0;
+
+    moe_oracle_free(o);
+    if (parse_text(text, len, what, &t, err, sizeof(err)) < 0)
+        return ignore(o, "%s", err);
+    if (!target->gpu || strcmp(t.gpu, target->gpu) || t.arch != target->arch) {
+        ignore(o, "%s: tuned on \"%s\" (sm_%d); this GPU is \"%s\" (sm_%d)", what, t.gpu, t.arch,
+               target->gpu ? target->gpu : "unknown", target->arch);
+        moe_oracle_table_free(&t);
+        return 0;
+    }
+    for (int i = 0; i < t.num_groups; i++) /* keep the tables of this shape, in file order */
+        if (shape_fits(&t.group[i].shape, s))
+            t.group[n++] = t.group[i];
+    if (n == 0) {
+        ignore(o,
+               "%s: no table for this layer's shape (hidden %d, intermediate %d, experts %d, "
+               "top_k %d)",
+               what, s->hidden, s->intermediate, s->experts, s->top_k);
+        moe_oracle_table_free(&t);
+        return 0;
+    }
+    t.num_groups = n;
+    o->tuned = t;
+    snprintf(o->file, sizeof(o->file), "%s", what);
+    return n;
+}
+
+int moe_oracle_load(moe_oracle_t *o, const char *path, const moe_oracle_target_t *target)
+{
+    FILE *f;
+    struct stat st;
+    char *buf;
+    size_t got;
+    int n;
+
+    moe_oracle_free(o);
+    if (!path || !*path)
+        return 0;
+    f = fopen(path, "rb");
+    if (!f)
+        return ignore(o, "%s: cannot open it", path);
+    if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) {
+        fclose(f);
+        return ignore(o, "%s: not a regular file", path);
+    }
+    if (st.st_size > MOE_TUNE_MAX_BYTES) {
+        fclose(f);
+        return ignore(o, "%s: %lld bytes (a tune file has at most %d)", path, (long long)st.st_size,
+                      MOE_TUNE_MAX_BYTES);
+    }
+    buf = malloc((size_t)st.st_size + 1);
+    if (!buf) {
+        fclose(f);
+        return ignore(o, "%s: out of memory", path);
+    }
+    got = fread(buf, 1, (size_t)st.st_size, f);
+    fclose(f);
+    if (got != (size_t)st.st_size) {
+        free(buf);
+        return ignore(o, "%s: read %zu of %lld bytes", path, got, (long long)st.st_size);
+    }
+    n = moe_oracle_load_text(o, buf, got, path, target);
+    free(buf);
+    return n;
+}
+
+int moe_oracle_load_env(moe_oracle_t *o, const moe_oracle_target_t *target)
+{
+    return moe_oracle_load(o, moe_env_str("MOE_TUNE_FILE", NULL), target);
+}
+
+/* ---- the tune file: writing ------------------------------------------------------------- */
+
+typedef struct out {
+    char *buf;
+    size_t len, pos;
+} out_t;
+
+static void put(out_t *w, const char *fmt, ...) MOE_PRINTF(2, 3);
+static void put(out_t *w, const char *fmt, ...)
+{
+    va_list ap;
+    int n;
+    va_start(ap, fmt);
+    n = vsnprintf(w->pos < w->len ? w->buf + w->pos : NULL, w->pos < w->len ? w->len - w->pos : 0,
+                  fmt, ap);
+    va_end(ap);
+    if (n > 0)
+        w->pos += (size_t)n;
+}
+
+/* A JSON string: quotes, backslashes and control characters escaped. */
+static void put_str(out_t *w, const char *s)
+{
+    put(w, "\"");
+    for (; *s; s++) {
+        const unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\')
+            put(w, "\\%c", c);
+        else if (c < 0x20)
+            put(w, "\\u%04x", c);
+        else
+            put(w, "%c", c);
+    }
+    put(w, "\"");
+}
+
+static void put_group(out_t *w, const moe_oracle_group_t *g)
+{
+    const int gemm = g->kind == MOE_ORACLE_GEMM;
+    const moe_oracle_shape_t *s = &g->shape;
+    put(w, "    {");
+    if (s->hidden || s->intermediate || s->experts || s->top_k)
+        put(w,
+            "\"shape\": {\"hidden\": %d, \"intermediate\": %d, \"experts\": %d, \"top_k\": %d},\n  "
+            "   ",
+            s->hidden, s->intermediate, s->experts, s->top_k);
+    if (gemm)
+        put(w, "\"dtype\": \"%s\", \"scales\": \"%s\", \"transport\": \"%s\", ",
+            moe_oracle_dtype_name(g->dtype), moe_oracle_scale_name(g->scale),
+            moe_oracle_transport_name(g->transport));
+    if (g->ep_size)
+        put(w, "\"ep_size\": %d, ", g->ep_size);
+    if (g->tp_size)
+        put(w, "\"tp_size\": %d, ", g->tp_size);
+    put(w, "\"buckets\": [");
+    for (int i = 0; i < g->num_buckets; i++) {
+        const moe_oracle_bucket_t *b = &g->bucket[i];
+        put(w, "%s\n      {", i ? "," : "");
+        if (i + 1 < g->num_buckets)
+            put(w, "\"%s\": %.17g, ", gemm ? "max_rows_per_expert" : "max_tokens_per_rank", b->max);
+        put(w, "\"%s\": ", gemm ? "variant" : "transport");
+        put_str(w, b->name);
+        if (b->at > 0)
+            put(w, ", \"at\": %.17g", b->at);
+        if (b->time_us > 0)
+            put(w, ", \"time_us\": %.17g", b->time_us);
+        put(w, "}");
+    }
+    put(w, "]}");
+}
+
+size_t moe_oracle_format(const moe_oracle_table_t *t, char *buf, size_t len)
+{
+    out_t w = {buf, len, 0};
+    put(&w, "{\n  \"libmoe_tune\": %d,\n  \"gpu\": ", MOE_TUNE_VERSION);
+    put_str(&w, t->gpu);
+    put(&w, ",\n  \"arch\": %d", t->arch);
+    for (int l = 0; l < 2; l++) {
+        int first = 1;
+        put(&w, ",\n  \"%s\": [", l ? "transport" : "gemm");
+        for (int i = 0; i < t->num_groups; i++) {
+            if ((int)t->group[i].kind != l)
+                continue;
+            put(&w, "%s\n", first ? "" : ",");
+            put_group(&w, &t->group[i]);
+            first = 0;
+        }
+        put(&w, "]");
+    }
+    put(&w, "\n}\n");
+    return w.pos;
+}
+
+moe_status_t moe_oracle_write(const char *path, const moe_oracle_table_t *t)
+{
+    const size_t n = moe_oracle_format(t, NULL, 0);
+    char *buf = malloc(n + 1);
+    FILE *f;
+    int fail;
+    if (!buf)
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "tune file %s: %zu bytes", path, n);
+    moe_oracle_format(t, buf, n + 1);
+    f = fopen(path, "wb");
+    if (!f) {
+        free(buf);
+        return moe_error(MOE_STATUS_IO_ERROR, "tune file %s: cannot open it for writing", path);
+    }
+    fail = fwrite(buf, 1, n, f) != n;
+    fail |= fclose(f) != 0;
+    free(buf);
+    if (fail)
+        return moe_error(MOE_STATUS_IO_ERROR, "tune file %s: write failed", path);
+    return MOE_STATUS_SUCCESS;
+}

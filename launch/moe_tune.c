@@ -1,0 +1,721 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* moe-tune: measures, on this machine's GPUs, which grouped-GEMM variant is fastest at each
+ * rows-per-expert point and (with several ranks) which expert-parallel transport is fastest at
+ * each tokens-per-rank point, for one layer shape, and writes the oracle's tune file
+ * (docs/KERNELS.md, "Tune file"), which MOE_TUNE_FILE then loads.
+ *
+ * Each candidate runs through the public API, forced by the oracle's own switches
+ * (MOE_FORCE_VARIANT, MOE_FORCE_TRANSPORT) at layer create; a step is timed with CUDA events
+ * between back-to-back forwards, and a point's time is the largest over the ranks of each rank's
+ * median. The candidates and the tune file come from the CUDA-free oracle header (a tool that
+ * knows the library's variant table). Every rank runs the same steps; rank 0 writes the file. */
+#define _POSIX_C_SOURCE 200809L /* setenv */
+#include <cuda_runtime.h>
+#include <errno.h>
+#include <math.h>
+#include <mpi.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "kernels/expert_gemm.h"
+#include "kernels/oracle.h"
+#include "layer_gen.h"
+#include "moe/moe.h"
+#include "moe/moe_mpi.h"
+
+#define MAX_POINTS MOE_ORACLE_MAX_BUCKETS
+#define MAX_CAND 32
+#define MAX_DIM (INT64_C(1) << 20)
+
+#define CUDA_OK(call)                                                                              \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "moe-tune: %s failed: %s\n", #call, cudaGetErrorString(e_));           \
+            MPI_Abort(MPI_COMM_WORLD, 1);                                                          \
+        }                                                                                          \
+    } while (0)
+
+/* After the ranks agreed on the options, a failure on one rank can leave the others in a
+ * collective: MPI_Abort ends the job promptly. */
+#define MOE_OK(call)                                                                               \
+    do {                                                                                           \
+        moe_status_t s_ = (call);                                                                  \
+        if (s_ != MOE_STATUS_SUCCESS) {                                                            \
+            fprintf(stderr, "moe-tune: %s failed: %s: %s\n", #call, moe_status_string(s_),         \
+                    moe_last_error());                                                             \
+            MPI_Abort(MPI_COMM_WORLD, 1);                                                          \
+        }                                                                                          \
+    } while (0)
+
+typedef struct options {
+    const char *preset, *out;
+    moe_layer_config_t cfg;
+    double rows[MAX_POINTS]; /* GEMM points: rows per expert */
+    int num_rows;
+    int64_t tokens[MAX_POINTS]; /* transport points: tokens per rank */
+    int num_tokens;
+    int tp, iters, fp8, help, no_transport;
+    moe_scale_kind_t scales;
+    moe_oracle_table_t keep; /* --out's tables that this run does not replace */
+    char err[512];
+} options_t;
+
+#define REJECT(...) (snprintf(o->err, sizeof(o->err), __VA_ARGS__), 0)
+
+static void usage(void)
+{
+    printf("usage: mpirun -np N moe-tune --out FILE [--preset NAME]\n"
+           "                [--experts E --top-k K --hidden H --intermediate I] [--tp T]\n"
+           "                [--dtype bf16|fp8 [--scales tensor|channel|block]]\n"
+           "                [--rows 1,2,4,8,16,32,64,128,256] [--tokens 1,8,64,512,4096]\n"
+           "                [--iters N] [--no-transport]\n"
+           "  Times every grouped-GEMM variant that runs this layer here at each rows-per-expert\n"
+           "  point (--rows), and with N > 1 ranks every transport (allgather, lsa, p2p) at each\n"
+           "  tokens-per-rank point (--tokens), and writes the tune file FILE (rank 0). A FILE\n"
+           "  that holds tables of this GPU keeps those of other shapes, dtypes and layouts.\n"
+           "  Use it with MOE_TUNE_FILE=FILE (moe-bench --explain shows the choices).\n"
+           "presets: %s\n",
+           moe_gen_preset_names());
+}
+
+/* A comma-separated list of up to MAX_POINTS numbers in [lo, hi], sorted, duplicates dropped. */
+static int parse_list(options_t *o, const char *opt, const char *s, double lo, double hi,
+                      double *out, int *n)
+{
+    char item[32];
+    const char *p = s;
+    *n = 0;
+    while (1) {
+        size_t len = strcspn(p, ",");
+        double v;
+        int i, j;
+        if (*n == MAX_POINTS)
+            return REJECT("%s %s: more than %d points", opt, s, MAX_POINTS);
+        if (len == 0 || len >= sizeof(item))
+            return REJECT("%s %s: expected numbers like 1,8,64", opt, s);
+        memcpy(item, p, len);
+        item[len] = '\0';
+        if (moe_cli_double(opt, item, lo, hi, &v, o->err, sizeof(o->err)))
+            return 0;
+        for (i = 0; i < *n && out[i] < v; i++)
+            ;
+        if (i == *n || out[i] != v) {
+            for (j = *n; j > i; j--)
+                out[j] = out[j - 1];
+            out[i] = v;
+            (*n)++;
+        }
+        if (!p[len])
+            return 1;
+        p += len + 1;
+    }
+}
+
+static int int_field(options_t *o, const char *a, const char *v, int64_t lo, int64_t hi, int *out)
+{
+    int64_t x;
+    if (moe_cli_int(a, v, lo, hi, &x, o->err, sizeof(o->err)))
+        return 0;
+    *out = (int)x;
+    o->preset = "custom";
+    return 1;
+}
+
+static int parse_value(options_t *o, const char *a, const char *v, const moe_layer_config_t *init)
+{
+    double t[MAX_POINTS];
+    if (!strcmp(a, "--preset")) {
+        o->preset = v;
+        o->cfg = *init;
+        if (!moe_gen_preset(v, &o->cfg))
+            return REJECT("--preset %s: unknown (%s)", v, moe_gen_preset_names());
+        return 1;
+    }
+    if (!strcmp(a, "--experts"))
+        return int_field(o, a, v, 1, 65536, &o->cfg.num_experts);
+    if (!strcmp(a, "--top-k"))
+        return int_field(o, a, v, 1, 64, &o->cfg.top_k);
+    if (!strcmp(a, "--hidden"))
+        return int_field(o, a, v, 1, MAX_DIM, &o->cfg.hidden);
+    if (!strcmp(a, "--intermediate"))
+        return int_field(o, a, v, 1, MAX_DIM, &o->cfg.intermediate);
+    if (!strcmp(a, "--tp")) {
+        int64_t x;
+        if (moe_cli_int(a, v, 1, 4096, &x, o->err, sizeof(o->err)))
+            return 0;
+        o->tp = (int)x;
+        return 1;
+    }
+    if (!strcmp(a, "--iters")) {
+        int64_t x;
+        if (moe_cli_int(a, v, 3, 100000, &x, o->err, sizeof(o->err)))
+            return 0;
+        o->iters = (int)x;
+        return 1;
+    }
+    if (!strcmp(a, "--rows"))
+        return parse_list(o, a, v, 1.0 / 64, 1 << 20, o->rows, &o->num_rows);
+    if (!strcmp(a, "--tokens")) {
+        if (!parse_list(o, a, v, 1, 1 << 24, t, &o->num_tokens))
+            return 0;
+        for (int i = 0; i < o->num_tokens; i++) {
+            if (t[i] != floor(t[i]))
+                return REJECT("--tokens %s: %g is not a whole number of tokens", v, t[i]);
+            o->tokens[i] = (int64_t)t[i];
+        }
+        return 1;
+    }
+    if (!strcmp(a, "--out")) {
+        o->out = v;
+        return 1;
+    }
+    if (!strcmp(a, "--dtype")) {
+        if (strcmp(v, "bf16") && strcmp(v, "fp8"))
+            return REJECT("--dtype %s: expected bf16 or fp8", v);
+        o->fp8 = !strcmp(v, "fp8");
+        return 1;
+    }
+    if (!strcmp(a, "--scales")) {
+        if (!strcmp(v, "tensor"))
+            o->scales = MOE_SCALE_PER_TENSOR;
+        else if (!strcmp(v, "channel"))
+            o->scales = MOE_SCALE_PER_CHANNEL;
+        else if (!strcmp(v, "block"))
+            o->scales = MOE_SCALE_BLOCK_128;
+        else
+            return REJECT("--scales %s: expected tensor, channel or block", v);
+        return 1;
+    }
+    return REJECT("unknown option %s (see --help)", a);
+}
+
+/* The command line into *o; 0 with o->err on the first bad option. */
+static int parse(int argc, char **argv, options_t *o)
+{
+    const moe_layer_config_t init = MOE_LAYER_CONFIG_INIT;
+    memset(o, 0, sizeof(*o));
+    o->cfg = init;
+    o->preset = "mixtral-8x7b";
+    o->tp = 1;
+    o->iters = 30;
+    moe_gen_preset(o->preset, &o->cfg);
+    parse_list(o, "--rows", "1,2,4,8,16,32,64,128,256", 1, 1 << 20, o->rows, &o->num_rows);
+    o->num_tokens = 5;
+    memcpy(o->tokens, (int64_t[]){1, 8, 64, 512, 4096}, sizeof(int64_t) * 5);
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h"))
+            return o->help = 1;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--no-transport")) {
+            o->no_transport = 1;
+            continue;
+        }
+        if (!v)
+            return REJECT("%s needs a value (or is unknown: see --help)", a);
+        i++;
+        if (!parse_value(o, a, v, &init))
+            return 0;
+    }
+    if (!o->out)
+        return REJECT("--out FILE is required (the tune file to write)");
+    if (o->scales && !o->fp8)
+        return REJECT("--scales needs --dtype fp8");
+    return 1;
+}
+
+/* The GEMMs' dtype and scale kind for this layer (per-tensor weights run per-row GEMMs). */
+static void gemm_key(const options_t *o, moe_dtype_t *d, moe_scale_kind_t *s)
+{
+    *d = o->fp8 ? MOE_DTYPE_FP8_E4M3 : MOE_DTYPE_BF16;
+    *s = !o->fp8                            ? MOE_SCALE_NONE
+         : o->scales == MOE_SCALE_BLOCK_128 ? MOE_SCALE_BLOCK_128
+                                            : MOE_SCALE_PER_CHANNEL;
+}
+
+static int same_key(const moe_oracle_group_t *a, const moe_oracle_group_t *b)
+{
+    return a->kind == b->kind && !memcmp(&a->shape, &b->shape, sizeof(a->shape)) &&
+           a->ep_size == b->ep_size && a->tp_size == b->tp_size &&
+           (a->kind == MOE_ORACLE_TRANSPORT ||
+            (a->dtype == b->dtype && a->scale == b->scale && a->transport == b->transport));
+}
+
+/* Rank 0, before any measuring: an existing --out must be a tune file of this GPU (its tables
+ * are kept), and the folder must be writable. */
+static int check_out(options_t *o, const char *gpu, int arch)
+{
+    FILE *f = fopen(o->out, "rb");
+    char *buf;
+    long n;
+    moe_status_t st;
+    if (!f) {
+        if (errno != ENOENT)
+            return REJECT("--out %s: cannot read it: %s", o->out, strerror(errno));
+        if (!(f = fopen(o->out, "wb")))
+            return REJECT("--out %s: cannot write: %s", o->out, strerror(errno));
+        fclose(f);
+        remove(o->out);
+        return 1;
+    }
+    if (fseek(f, 0, SEEK_END) || (n = ftell(f)) < 0 || n > MOE_TUNE_MAX_BYTES ||
+        fseek(f, 0, SEEK_SET)) {
+        fclose(f);
+        return REJECT("--out %s: exists and is not a tune file (remove it or pick another)",
+                      o->out);
+    }
+    buf = malloc((size_t)n + 1);
+    if (!buf || fread(buf, 1, (size_t)n, f) != (size_t)n) {
+        free(buf);
+        fclose(f);
+        return REJECT("--out %s: cannot read it", o->out);
+    }
+    fclose(f);
+    st = moe_oracle_parse(buf, (size_t)n, o->out, &o->keep);
+    free(buf);
+    if (st != MOE_STATUS_SUCCESS)
+        return REJECT("--out %s exists and is not a tune file this build reads (%s): remove it or "
+                      "pick another",
+                      o->out, moe_last_error());
+    if (strcmp(o->keep.gpu, gpu) || o->keep.arch != arch)
+        return REJECT(
+            "--out %.200s holds tables of \"%.100s\" (sm_%d), not of this \"%.100s\" (sm_%d)",
+            o->out, o->keep.gpu, o->keep.arch, gpu, arch);
+    return 1;
+}
+
+static int agree_options(const options_t *o, int bad)
+{
+    uint64_t h = 1469598103934665603ULL;
+    int i;
+    for (i = 0; i < o->num_rows; i++)
+        h = (h ^ (uint64_t)(o->rows[i] * 64.0)) * 1099511628211ULL;
+    for (i = 0; i < o->num_tokens; i++)
+        h = (h ^ (uint64_t)o->tokens[i]) * 1099511628211ULL;
+    {
+        const moe_cli_field_t f[] = {
+            {"--help", o->help, 0},
+            {"--experts", o->cfg.num_experts, 0},
+            {"--top-k", o->cfg.top_k, 0},
+            {"--hidden", o->cfg.hidden, 0},
+            {"--intermediate", o->cfg.intermediate, 0},
+            {"--preset", moe_cli_hash(o->preset), 1},
+            {"--tp", o->tp, 0},
+            {"--iters", o->iters, 0},
+            {"--dtype", o->fp8, 0},
+            {"--scales", o->scales, 0},
+            {"--no-transport", o->no_transport, 0},
+            {"--rows/--tokens", (int64_t)(h >> 1), 1},
+        };
+        return moe_cli_agree("moe-tune", bad, o->err, f, (int)(sizeof(f) / sizeof(f[0])));
+    }
+}
+
+/* Uniform random bf16 in [-a, a): the top half of an f32. */
+static void fill_bf16(uint16_t *p, size_t n, float a, uint64_t *state)
+{
+    for (size_t i = 0; i < n; i++) {
+        uint64_t x = *state;
+        float f;
+        uint32_t u;
+        x ^= x >> 12, x ^= x << 25, x ^= x >> 27;
+        *state = x;
+        f = a * ((float)((x * 2685821657736338717ULL) >> 40) / 8388608.0f - 1.0f);
+        memcpy(&u, &f, 4);
+        p[i] = (uint16_t)(u >> 16);
+    }
+}
+
+/* Every weight from one random buffer (timing does not depend on the values). */
+static void set_weights(moe_layer_t *layer, const moe_layer_config_t *c)
+{
+    const int64_t H = c->hidden, I = c->intermediate, E = c->num_experts;
+    const int64_t S = c->num_shared_experts > 0 ? c->shared_intermediate : 0;
+    int64_t big = (I > S ? I : S) * H;
+    uint16_t *buf;
+    uint64_t st = 0x9e3779b97f4a7c15ULL;
+    moe_tensor_t t = {MOE_DTYPE_BF16, 0, 0, NULL, NULL, 0, 0};
+
+    big = big > E * H ? big : E * H;
+    buf = malloc(2 * (size_t)big);
+    if (!buf) {
+        fprintf(stderr, "moe-tune: out of host memory for the weights\n");
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    t.data = buf;
+    fill_bf16(buf, (size_t)big, 1.0f / sqrtf((float)H), &st);
+    t.rows = E, t.cols = H;
+    MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_ROUTER, -1, &t));
+    if (c->use_score_bias) {
+        t.rows = 1, t.cols = E;
+        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_ROUTER_BIAS, -1, &t));
+    }
+    for (int64_t e = 0; e < E; e++) {
+        t.rows = I, t.cols = H;
+        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_GATE_PROJ, (int)e, &t));
+        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_UP_PROJ, (int)e, &t));
+        t.rows = H, t.cols = I;
+        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_DOWN_PROJ, (int)e, &t));
+    }
+    if (S > 0) {
+        t.rows = S, t.cols = H;
+        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_GATE_PROJ, -1, &t));
+        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_UP_PROJ, -1, &t));
+        t.rows = H, t.cols = S;
+        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_DOWN_PROJ, -1, &t));
+        if (c->shared_expert_gate) {
+            t.rows = 1, t.cols = H;
+            MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_EXPERT_GATE, -1, &t));
+        }
+    }
+    free(buf);
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* The device buffers every run shares: x, y of the largest step. */
+typedef struct bench {
+    moe_runtime_t *rt;
+    cudaStream_t stream;
+    void *x, *y;
+    int world, iters;
+} bench_t;
+
+/* Median GPU time of one forward of T tokens per rank (largest over the ranks), in us. */
+static double time_steps(const bench_t *b, moe_layer_t *layer, int64_t T)
+{
+    moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
+    cudaEvent_t *ev = malloc(sizeof(cudaEvent_t) * (size_t)(b->iters + 1));
+    double *t = malloc(sizeof(double) * (size_t)b->iters), med;
+    float ms;
+    int i;
+    if (!ev || !t) {
+        fprintf(stderr, "moe-tune: out of host memory\n");
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    a.num_tokens = T;
+    a.dtype = MOE_DTYPE_BF16;
+    a.x = b->x;
+    a.y = b->y;
+    a.stream = b->stream;
+    a.max_tokens_across_ranks = T;
+    for (i = 0; i < 3; i++) /* warm-up */
+        MOE_OK(moe_layer_forward(layer, &a));
+    MOE_OK(moe_layer_synchronize(layer, b->stream));
+    for (i = 0; i <= b->iters; i++)
+        CUDA_OK(cudaEventCreate(&ev[i]));
+    CUDA_OK(cudaEventRecord(ev[0], b->stream));
+    for (i = 0; i < b->iters; i++) { /* back to back: each interval is the GPU's step time */
+        MOE_OK(moe_layer_forward(layer, &a));
+        CUDA_OK(cudaEventRecord(ev[i + 1], b->stream));
+    }
+    MOE_OK(moe_layer_synchronize(layer, b->stream));
+    for (i = 0; i < b->iters; i++) {
+        CUDA_OK(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]));
+        t[i] = ms * 1e3;
+    }
+    for (i = 0; i <= b->iters; i++)
+        cudaEventDestroy(ev[i]);
+    qsort(t, (size_t)b->iters, sizeof(double), cmp_double);
+    med = t[b->iters / 2];
+    MPI_Allreduce(MPI_IN_PLACE, &med, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    free(ev);
+    free(t);
+    return med;
+}
+
+/* Creates the layer with the forced variant / transport set in the environment; 0 when the
+ * library refuses that combination here (the same verdict on every rank). */
+static int make_layer(const bench_t *b, const moe_layer_config_t *cfg, moe_layer_t **layer)
+{
+    moe_status_t st = moe_layer_create(b->rt, cfg, layer);
+    if (st == MOE_STATUS_NOT_SUPPORTED || st == MOE_STATUS_INVALID_ARGUMENT) {
+        *layer = NULL;
+        return 0;
+    }
+    MOE_OK(st);
+    set_weights(*layer, cfg);
+    return 1;
+}
+
+/* Buckets from measured points: the winner at each point; a bound halfway (geometrically)
+ * between points whose winners differ; the last bucket open. */
+static void make_buckets(moe_oracle_group_t *g, const double *at, const int *win,
+                         const double *best_us, char names[][MOE_ORACLE_NAME_LEN], int n)
+{
+    g->num_buckets = 0;
+    for (int i = 0; i < n; i++) {
+        moe_oracle_bucket_t *k;
+        if (win[i] < 0)
+            continue;
+        if (g->num_buckets > 0 &&
+            !strcmp(g->bucket[g->num_buckets - 1].name, names[win[i]])) /* same winner: widen */
+            k = &g->bucket[g->num_buckets - 1];
+        else {
+            k = &g->bucket[g->num_buckets++];
+            snprintf(k->name, sizeof(k->name), "%s", names[win[i]]);
+            k->at = at[i];
+            k->time_us = best_us[i];
+        }
+        k->max = i + 1 < n ? sqrt(at[i] * at[i + 1]) : HUGE_VAL;
+    }
+    if (g->num_buckets > 0)
+        g->bucket[g->num_buckets - 1].max = HUGE_VAL;
+}
+
+/* Every eligible variant at every rows-per-expert point. */
+static void tune_gemm(const bench_t *b, options_t *o, int arch, moe_oracle_group_t *g, int rank)
+{
+    char names[MAX_CAND][MOE_ORACLE_NAME_LEN];
+    double at[MAX_POINTS], us[MAX_CAND][MAX_POINTS], best[MAX_POINTS];
+    int64_t T[MAX_POINTS];
+    int win[MAX_POINTS], nc = 0, np = 0, count = 0, i, j;
+    const moe_gemm_variant_t *v = moe_gemm_variants(&count);
+    const int64_t E = o->cfg.num_experts, k = o->cfg.top_k, W = b->world;
+    moe_layer_config_t cfg = o->cfg;
+
+    for (i = 0; i < count && nc < MAX_CAND; i++)
+        if (moe_gemm_variant_runs_on(&v[i], arch) && v[i].ab_dtype == g->dtype &&
+            v[i].scale_kind == g->scale)
+            snprintf(names[nc++], MOE_ORACLE_NAME_LEN, "%s", v[i].name);
+    for (i = 0; i < o->num_rows; i++) { /* tokens per rank giving about that many rows */
+        int64_t t = (int64_t)ceil(o->rows[i] * (double)E / (double)(k * W));
+        t = t < 1 ? 1 : t;
+        if (np > 0 && T[np - 1] == t)
+            continue;
+        T[np] = t;
+        at[np++] = (double)t * (double)(W * k) / (double)E; /* the layer's hint at t */
+    }
+    cfg.max_tokens_per_rank = T[np - 1];
+    if (rank == 0) {
+        printf("# GEMM: %d variants x %d points (%s, scales %s)\n#  %12s %8s", nc, np,
+               moe_oracle_dtype_name(g->dtype), moe_oracle_scale_name(g->scale), "rows/expert",
+               "tokens");
+        for (j = 0; j < nc; j++)
+            printf(" %s", names[j]);
+        printf("\n");
+    }
+    for (j = 0; j < nc; j++) {
+        moe_layer_t *layer;
+        setenv("MOE_FORCE_VARIANT", names[j], 1);
+        if (!make_layer(b, &cfg, &layer)) {
+            if (rank == 0)
+                printf("# %s: not run (%s)\n", names[j], moe_last_error());
+            for (i = 0; i < np; i++)
+                us[j][i] = HUGE_VAL;
+            continue;
+        }
+        for (i = 0; i < np; i++)
+            us[j][i] = time_steps(b, layer, T[i]);
+        moe_layer_destroy(layer);
+    }
+    unsetenv("MOE_FORCE_VARIANT");
+    for (i = 0; i < np; i++) {
+        win[i] = -1;
+        for (j = 0; j < nc; j++)
+            if (us[j][i] < HUGE_VAL && (win[i] < 0 || us[j][i] < us[win[i]][i]))
+                win[i] = j;
+        best[i] = win[i] >= 0 ? us[win[i]][i] : 0;
+        if (rank == 0) {
+            printf("   %12.3g %8lld", at[i], (long long)T[i]);
+            for (j = 0; j < nc; j++)
+                printf(" %*.1f", (int)strlen(names[j]), us[j][i]);
+            printf("   best %s\n", win[i] >= 0 ? names[win[i]] : "(none)");
+        }
+    }
+    make_buckets(g, at, win, best, names, np);
+}
+
+/* Every transport at every tokens-per-rank point (the capacity is the point: the transport is
+ * chosen at create by max_tokens_per_rank). */
+static void tune_transport(const bench_t *b, const options_t *o, moe_oracle_group_t *g, int rank)
+{
+    char names[3][MOE_ORACLE_NAME_LEN] = {"allgather", "lsa", "p2p"};
+    double at[MAX_POINTS], us[3][MAX_POINTS], best[MAX_POINTS];
+    int win[MAX_POINTS], i, j;
+    moe_layer_config_t cfg = o->cfg;
+
+    if (rank == 0)
+        printf("# transport: %d points\n#  %12s %12s %12s %12s\n", o->num_tokens, "tokens/rank",
+               names[0], names[1], names[2]);
+    for (i = 0; i < o->num_tokens; i++) {
+        at[i] = (double)o->tokens[i];
+        cfg.max_tokens_per_rank = o->tokens[i];
+        for (j = 0; j < 3; j++) {
+            moe_layer_t *layer;
+            us[j][i] = HUGE_VAL;
+            setenv("MOE_FORCE_TRANSPORT", names[j], 1);
+            if (!make_layer(b, &cfg, &layer))
+                continue; /* not for this layout (lsa across hosts, p2p with TP) */
+            us[j][i] = time_steps(b, layer, o->tokens[i]);
+            moe_layer_destroy(layer);
+        }
+        win[i] = -1;
+        for (j = 0; j < 3; j++)
+            if (us[j][i] < HUGE_VAL && (win[i] < 0 || us[j][i] < us[win[i]][i]))
+                win[i] = j;
+        best[i] = win[i] >= 0 ? us[win[i]][i] : 0;
+        if (rank == 0)
+            printf("   %12lld %12.1f %12.1f %12.1f   best %s\n", (long long)o->tokens[i], us[0][i],
+                   us[1][i], us[2][i], win[i] >= 0 ? names[win[i]] : "(none)");
+    }
+    unsetenv("MOE_FORCE_TRANSPORT");
+    make_buckets(g, at, win, best, names, o->num_tokens);
+}
+
+/* The new tables after --out's others; rank 0. */
+static int write_file(options_t *o, const char *gpu, int arch, const moe_oracle_group_t *g, int n)
+{
+    moe_oracle_table_t t;
+    int i, j;
+    memset(&t, 0, sizeof(t));
+    snprintf(t.gpu, sizeof(t.gpu), "%s", gpu);
+    t.arch = arch;
+    t.group = calloc((size_t)(o->keep.num_groups + n), sizeof(*t.group));
+    if (!t.group)
+        return fprintf(stderr, "moe-tune: out of host memory\n"), 1;
+    for (i = 0; i < n; i++)
+        if (g[i].num_buckets > 0)
+            t.group[t.num_groups++] = g[i];
+    for (i = 0; i < o->keep.num_groups; i++) {
+        for (j = 0; j < n && !same_key(&o->keep.group[i], &g[j]); j++)
+            ;
+        if (j == n && t.num_groups < MOE_ORACLE_MAX_GROUPS)
+            t.group[t.num_groups++] = o->keep.group[i];
+    }
+    if (moe_oracle_write(o->out, &t) != MOE_STATUS_SUCCESS) {
+        fprintf(stderr, "moe-tune: %s\n", moe_last_error());
+        moe_oracle_table_free(&t);
+        return 1;
+    }
+    printf("# wrote %s: %d table(s); use it with MOE_TUNE_FILE=%s\n", o->out, t.num_groups, o->out);
+    moe_oracle_table_free(&t);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    options_t o;
+    moe_runtime_config_t rc = MOE_RUNTIME_CONFIG_INIT;
+    struct cudaDeviceProp prop;
+    moe_oracle_group_t g[2];
+    bench_t b;
+    int rank = 0, dev = 0, arch, bad, ng = 0, rcode = 0;
+    int64_t max_t = 0;
+
+    MPI_Init(&argc, &argv);
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &b.world);
+    memset(&prop, 0, sizeof(prop));
+    bad = !parse(argc, argv, &o);
+    if (!bad && !o.help && cudaGetDevice(&dev) == cudaSuccess &&
+        cudaGetDeviceProperties(&prop, dev) == cudaSuccess) {
+        arch = prop.major * 10 + prop.minor;
+        if (b.world % o.tp) {
+            snprintf(o.err, sizeof(o.err), "--tp %d does not divide %d ranks", o.tp, b.world);
+            bad = 1;
+        } else if (rank == 0) {
+            bad = !check_out(&o, prop.name, arch);
+        }
+    } else if (!bad && !o.help) {
+        snprintf(o.err, sizeof(o.err), "no CUDA device: moe-tune measures on the GPU");
+        bad = 1;
+    }
+    if (agree_options(&o, bad)) {
+        MPI_Finalize();
+        return 2;
+    }
+    if (o.help) {
+        if (rank == 0)
+            usage();
+        MPI_Finalize();
+        return 0;
+    }
+    arch = prop.major * 10 + prop.minor;
+    unsetenv("MOE_TUNE_FILE"); /* the built-in tables for every step not forced here */
+    unsetenv("MOE_FORCE_VARIANT");
+    unsetenv("MOE_GEMM_VARIANT");
+    unsetenv("MOE_FORCE_TRANSPORT");
+    unsetenv("MOE_EP_TRANSPORT");
+    o.cfg.tp_size = o.tp;
+    o.cfg.weight_dtype = MOE_DTYPE_BF16;
+    if (o.fp8) {
+        o.cfg.weight_dtype = MOE_DTYPE_FP8_E4M3;
+        o.cfg.scale_kind = o.scales ? o.scales : MOE_SCALE_PER_TENSOR;
+        o.cfg.fp8_math = MOE_FP8_MATH_W8A8;
+    }
+    rc.backend = MOE_BACKEND_CUDA;
+    MOE_OK(moe_runtime_create_mpi(&rc, MPI_COMM_WORLD, &b.rt));
+    CUDA_OK(cudaStreamCreateWithFlags(&b.stream, cudaStreamNonBlocking));
+    b.iters = o.iters;
+    { /* x and y for the largest step of either part */
+        const int64_t E = o.cfg.num_experts, k = o.cfg.top_k;
+        int64_t t = (int64_t)ceil(o.rows[o.num_rows - 1] * (double)E / (double)(k * b.world));
+        uint16_t *hx;
+        uint64_t st = 777;
+        max_t = t > 1 ? t : 1;
+        for (int i = 0; i < o.num_tokens; i++)
+            max_t = o.tokens[i] > max_t ? o.tokens[i] : max_t;
+        hx = malloc(2 * (size_t)(max_t * o.cfg.hidden));
+        if (!hx) {
+            fprintf(stderr, "moe-tune: out of host memory for %lld tokens\n", (long long)max_t);
+            MPI_Abort(MPI_COMM_WORLD, 1);
+        }
+        fill_bf16(hx, (size_t)(max_t * o.cfg.hidden), 1.0f, &st);
+        CUDA_OK(cudaMalloc(&b.x, 2 * (size_t)(max_t * o.cfg.hidden)));
+        CUDA_OK(cudaMalloc(&b.y, 2 * (size_t)(max_t * o.cfg.hidden)));
+        CUDA_OK(cudaMemcpy(b.x, hx, 2 * (size_t)(max_t * o.cfg.hidden), cudaMemcpyHostToDevice));
+        free(hx);
+    }
+    if (rank == 0)
+        printf("# moe-tune: %s E%d k%d H%d I%d on %d rank(s) (ep %d x tp %d), GPU %s (sm_%d)\n",
+               o.preset, o.cfg.num_experts, o.cfg.top_k, o.cfg.hidden, o.cfg.intermediate, b.world,
+               b.world / o.tp, o.tp, prop.name, arch);
+
+    memset(g, 0, sizeof(g));
+    g[0].kind = MOE_ORACLE_GEMM;
+    g[0].arch = arch;
+    g[0].shape =
+        (moe_oracle_shape_t){o.cfg.hidden, o.cfg.intermediate, o.cfg.num_experts, o.cfg.top_k};
+    gemm_key(&o, &g[0].dtype, &g[0].scale);
+    g[0].ep_size = b.world / o.tp;
+    g[0].tp_size = o.tp;
+    g[0].transport = MOE_ORACLE_ANY;
+    tune_gemm(&b, &o, arch, &g[0], rank);
+    ng = 1;
+    if (g[0].num_buckets == 0) { /* the same on every rank: the times were agreed */
+        if (rank == 0)
+            fprintf(stderr,
+                    "moe-tune: no grouped-GEMM variant could run this layer here (the library "
+                    "said: %s); nothing written\n",
+                    moe_last_error());
+        rcode = 1;
+        ng = 0;
+    }
+    if (ng && b.world > 1 && !o.no_transport) {
+        g[1] = g[0];
+        g[1].kind = MOE_ORACLE_TRANSPORT;
+        g[1].dtype = MOE_DTYPE_INVALID;
+        g[1].scale = MOE_SCALE_NONE;
+        tune_transport(&b, &o, &g[1], rank);
+        ng = 2;
+    }
+    if (rank == 0 && ng)
+        rcode = write_file(&o, prop.name, arch, g, ng);
+    MPI_Bcast(&rcode, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    moe_oracle_table_free(&o.keep);
+    cudaFree(b.x);
+    cudaFree(b.y);
+    cudaStreamDestroy(b.stream);
+    moe_runtime_destroy(b.rt);
+    MPI_Finalize();
+    return rcode;
+}

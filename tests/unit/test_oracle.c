@@ -1,0 +1,622 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The oracle without a GPU: the built-in tables reproduce the fixed thresholds they replaced,
+ * tuned tables round-trip through a tune file, bad tune files leave the defaults with one
+ * warning, and forced variants are checked by name, arch, dtype and scale kind. */
+#include "testutil.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "kernels/expert_gemm.h"
+#include "kernels/oracle.h"
+
+/* ---- the thresholds as kernels/expert_gemm.c had them before the oracle (a fixture) ---- */
+
+typedef struct old_bucket {
+    double max;
+    const char *name;
+} old_bucket_t;
+
+static const old_bucket_t old_sm90[] = {{2.0, "sm90_swapab_n8"},
+                                        {16.0, "sm90_swapab_n16"},
+                                        {32.0, "sm90_swapab_w128_n32"},
+                                        {96.0, "sm90_wgmma_tma_m64n256"},
+                                        {1e300, "sm90_wgmma_tma_m128n256"}};
+static const old_bucket_t old_fp8[] = {{16.0, "sm90_fp8_swapab_n16"},
+                                       {32.0, "sm90_fp8_swapab_n32"},
+                                       {96.0, "sm90_fp8_m64n128"},
+                                       {1e300, "sm90_fp8_m128n128"}};
+static const old_bucket_t old_fp8b[] = {{16.0, "sm90_fp8_block_swapab_n16"},
+                                        {32.0, "sm90_fp8_block_swapab_n32"},
+                                        {96.0, "sm90_fp8_block_m64n128"},
+                                        {1e300, "sm90_fp8_block_m128n128"}};
+static const old_bucket_t old_sm80[] = {{32.0, "sm80_mma_m32n128"}, {1e300, "sm80_mma_m64n128"}};
+
+static const char *old_pick(const old_bucket_t *b, int n, double rows)
+{
+    for (int i = 0; i < n; i++)
+        if (rows <= b[i].max)
+            return b[i].name;
+    return NULL;
+}
+
+static const char *old_select(int arch, moe_dtype_t d, moe_scale_kind_t s, double rows)
+{
+    if (d == MOE_DTYPE_FP8_E4M3 && s == MOE_SCALE_PER_CHANNEL)
+        return arch == 90 ? old_pick(old_fp8, 4, rows) : NULL;
+    if (d == MOE_DTYPE_FP8_E4M3 && s == MOE_SCALE_BLOCK_128)
+        return arch == 90 ? old_pick(old_fp8b, 4, rows) : NULL;
+    if (d != MOE_DTYPE_BF16 || s != MOE_SCALE_NONE)
+        return NULL;
+    if (arch == 90)
+        return old_pick(old_sm90, 5, rows);
+    return arch >= 80 ? old_pick(old_sm80, 2, rows) : NULL;
+}
+
+static void old_explain(int arch, double rows, char *text, size_t len)
+{
+    const old_bucket_t *b = arch == 90 ? old_sm90 : arch >= 80 ? old_sm80 : NULL;
+    const int n = arch == 90 ? 5 : 2;
+    double lo = 0.0;
+    for (int i = 0; b && i < n; i++) {
+        if (rows <= b[i].max) {
+            if (b[i].max >= 1e300)
+                snprintf(text, len, "%s (built-in table for sm_%d: rows/expert %.3g > %g)",
+                         b[i].name, arch, rows, lo);
+            else
+                snprintf(text, len, "%s (built-in table for sm_%d: rows/expert %.3g in (%g, %g])",
+                         b[i].name, arch, rows, lo, b[i].max);
+            return;
+        }
+        lo = b[i].max;
+    }
+    snprintf(text, len, "simt_ref (no tuned variant for sm_%d)", arch);
+}
+
+static const double rows_list[] = {0,    0.25, 1,   1.99, 2,   2.0001, 3,    7.5, 8,
+                                   15.9, 16,   17,  31.9, 32,  32.1,   48,   64,  95.,
+                                   96,   96.5, 128, 255,  256, 1000,   4096, 1e5, 1e9};
+#define NUM_ROWS ((int)(sizeof(rows_list) / sizeof(rows_list[0])))
+static const int arch_list[] = {60, 70, 75, 80, 86, 89, 90, 100, 120};
+static const struct {
+    moe_dtype_t d;
+    moe_scale_kind_t s;
+} kinds[] = {{MOE_DTYPE_BF16, MOE_SCALE_NONE},          {MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL},
+             {MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128}, {MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_TENSOR},
+             {MOE_DTYPE_BF16, MOE_SCALE_PER_CHANNEL},   {MOE_DTYPE_F32, MOE_SCALE_NONE}};
+
+static void assert_same_name(const char *a, const char *b, const char *what, int arch, double r)
+{
+    if ((a == NULL) != (b == NULL) || (a && strcmp(a, b)))
+        fail_msg("%s at sm_%d, %g rows/expert: %s, expected %s", what, arch, r, a ? a : "(none)",
+                 b ? b : "(none)");
+}
+
+/* The defaults (and a default oracle) pick what the fixed thresholds picked. */
+static void test_defaults_match_old_table(void **state)
+{
+    moe_oracle_t o;
+    (void)state;
+    moe_oracle_init(&o);
+    for (size_t a = 0; a < sizeof(arch_list) / sizeof(arch_list[0]); a++)
+        for (size_t k = 0; k < sizeof(kinds) / sizeof(kinds[0]); k++)
+            for (int i = 0; i < NUM_ROWS; i++) {
+                const int arch = arch_list[a];
+                const double r = rows_list[i];
+                const char *want = old_select(arch, kinds[k].d, kinds[k].s, r);
+                const moe_gemm_variant_t *v = moe_gemm_select(arch, kinds[k].d, kinds[k].s, r);
+                const moe_oracle_query_t q = {arch, kinds[k].d,     kinds[k].s, 4,
+                                              2,    MOE_ORACLE_LSA, r};
+                moe_oracle_choice_t c;
+                assert_same_name(v ? v->name : NULL, want, "moe_gemm_select", arch, r);
+                moe_oracle_pick_gemm(&o, &q, &c);
+                assert_same_name(c.name, want, "moe_oracle_pick_gemm", arch, r);
+                if (c.name)
+                    assert_int_equal(c.source, MOE_ORACLE_DEFAULT);
+                if (kinds[k].d == MOE_DTYPE_BF16 && kinds[k].s == MOE_SCALE_NONE) {
+                    char got[256], exp[256];
+                    moe_gemm_explain(arch, r, got, sizeof(got));
+                    old_explain(arch, r, exp, sizeof(exp));
+                    assert_string_equal(got, exp);
+                }
+            }
+    /* no built-in transport table: the backend's own rule */
+    {
+        const moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 8, 1, MOE_ORACLE_ANY, 64};
+        moe_oracle_choice_t c;
+        assert_int_equal(moe_oracle_pick_transport(&o, &q, &c), 0);
+        assert_null(c.name);
+    }
+}
+
+/* ---- tuned tables ----------------------------------------------------------------------- */
+
+static const moe_oracle_target_t h200 = {"NVIDIA H200", 90, {4096, 14336, 8, 2}};
+
+static void add_bucket(moe_oracle_group_t *g, double max, const char *name, double at)
+{
+    moe_oracle_bucket_t *b = &g->bucket[g->num_buckets++];
+    b->max = max;
+    snprintf(b->name, sizeof(b->name), "%s", name);
+    b->at = at;
+    b->time_us = at > 0 ? 10.0 + at / 3.0 : 0;
+}
+
+/* A table as moe-tune would write it: a bf16 table for one shape and layout, an FP8 table for
+ * any shape, a bf16 table for another shape, a transport table. */
+static void fixture_table(moe_oracle_table_t *t)
+{
+    moe_oracle_group_t *g;
+    memset(t, 0, sizeof(*t));
+    snprintf(t->gpu, sizeof(t->gpu), "%s", "NVIDIA H200");
+    t->arch = 90;
+    t->group = calloc(8, sizeof(*t->group));
+    assert_non_null(t->group);
+
+    g = &t->group[t->num_groups++];
+    g->kind = MOE_ORACLE_GEMM, g->arch = 90, g->shape = h200.shape;
+    g->dtype = MOE_DTYPE_BF16, g->scale = MOE_SCALE_NONE;
+    g->ep_size = 8, g->tp_size = 1, g->transport = MOE_ORACLE_LSA;
+    add_bucket(g, 1.0 / 3.0, "sm90_swapab_n16", 0.25);
+    add_bucket(g, 5.656854249492381, "sm90_swapab_n32", 4);
+    add_bucket(g, 45.254833995939045, "sm90_swapab_n64", 32);
+    add_bucket(g, HUGE_VAL, "sm90_wgmma_tma_m64n256", 256);
+
+    g = &t->group[t->num_groups++];
+    g->kind = MOE_ORACLE_GEMM, g->arch = 90;
+    g->dtype = MOE_DTYPE_BF16, g->scale = MOE_SCALE_NONE, g->transport = MOE_ORACLE_ANY;
+    add_bucket(g, HUGE_VAL, "sm90_swapab_n64", 0);
+
+    g = &t->group[t->num_groups++];
+    g->kind = MOE_ORACLE_GEMM, g->arch = 90;
+    g->dtype = MOE_DTYPE_FP8_E4M3, g->scale = MOE_SCALE_BLOCK_128, g->transport = MOE_ORACLE_ANY;
+    add_bucket(g, 64, "sm90_fp8_block_swapab_n32", 0);
+    add_bucket(g, HUGE_VAL, "sm90_fp8_block_m64n128", 0);
+
+    g = &t->group[t->num_groups++];
+    g->kind = MOE_ORACLE_GEMM, g->arch = 90, g->shape = (moe_oracle_shape_t){7168, 2048, 256, 8};
+    g->dtype = MOE_DTYPE_BF16, g->scale = MOE_SCALE_NONE, g->transport = MOE_ORACLE_ANY;
+    add_bucket(g, HUGE_VAL, "sm90_swapab_n8", 0);
+
+    g = &t->group[t->num_groups++];
+    g->kind = MOE_ORACLE_TRANSPORT, g->arch = 90, g->shape = h200.shape;
+    g->ep_size = 8, g->tp_size = 1, g->transport = MOE_ORACLE_ANY;
+    add_bucket(g, 48, "allgather", 32);
+    add_bucket(g, 1024, "lsa", 512);
+    add_bucket(g, HUGE_VAL, "p2p", 4096);
+}
+
+/* Every pick of a and b agree (name, source, bucket) over layouts, kinds and rows. */
+static void assert_same_picks(const moe_oracle_t *a, const moe_oracle_t *b)
+{
+    static const int layouts[][3] = {{1, 1, MOE_ORACLE_ANY},
+                                     {8, 1, MOE_ORACLE_LSA},
+                                     {8, 1, MOE_ORACLE_P2P},
+                                     {4, 2, MOE_ORACLE_ALLGATHER}};
+    for (int l = 0; l < 4; l++)
+        for (size_t k = 0; k < sizeof(kinds) / sizeof(kinds[0]); k++)
+            for (int i = 0; i < NUM_ROWS; i++) {
+                const moe_oracle_query_t q = {90,
+                                              kinds[k].d,
+                                              kinds[k].s,
+                                              layouts[l][0],
+                                              layouts[l][1],
+                                              layouts[l][2],
+                                              rows_list[i]};
+                moe_oracle_choice_t ca, cb;
+                assert_int_equal(moe_oracle_pick_gemm(a, &q, &ca),
+                                 moe_oracle_pick_gemm(b, &q, &cb));
+                assert_same_name(ca.name, cb.name, "round trip", 90, rows_list[i]);
+                assert_int_equal(ca.source, cb.source);
+                assert_true(ca.lo == cb.lo && ca.hi == cb.hi);
+                assert_int_equal(moe_oracle_pick_transport(a, &q, &ca),
+                                 moe_oracle_pick_transport(b, &q, &cb));
+                assert_same_name(ca.name, cb.name, "transport round trip", 90, rows_list[i]);
+            }
+}
+
+static char *temp_path(const char *name)
+{
+    static char path[200];
+    const char *tmp = getenv("TMPDIR");
+    snprintf(path, sizeof(path), "%s/moe_test_oracle_%d_%s", tmp && *tmp ? tmp : "/tmp",
+             (int)getpid(), name);
+    return path;
+}
+
+static void test_round_trip(void **state)
+{
+    moe_oracle_table_t t, back;
+    moe_oracle_t direct, loaded, from_file;
+    char *text, *path = temp_path("tune.json");
+    size_t n;
+    (void)state;
+
+    fixture_table(&t);
+    n = moe_oracle_format(&t, NULL, 0);
+    text = malloc(n + 1);
+    assert_int_equal(moe_oracle_format(&t, text, n + 1), n);
+
+    /* the whole file parses back to the same tables */
+    TU_OK(moe_oracle_parse(text, n, "fixture", &back));
+    assert_string_equal(back.gpu, t.gpu);
+    assert_int_equal(back.arch, t.arch);
+    assert_int_equal(back.num_groups, t.num_groups);
+    for (int i = 0; i < t.num_groups; i++) {
+        const moe_oracle_group_t *a = &t.group[i], *b = &back.group[i];
+        assert_int_equal(a->kind, b->kind);
+        assert_memory_equal(&a->shape, &b->shape, sizeof(a->shape));
+        assert_int_equal(a->ep_size, b->ep_size);
+        assert_int_equal(a->transport, b->transport);
+        assert_int_equal(a->num_buckets, b->num_buckets);
+        for (int j = 0; j < a->num_buckets; j++) {
+            assert_true(a->bucket[j].max == b->bucket[j].max);
+            assert_true(a->bucket[j].at == b->bucket[j].at);
+            assert_true(a->bucket[j].time_us == b->bucket[j].time_us);
+            assert_string_equal(a->bucket[j].name, b->bucket[j].name);
+        }
+    }
+    moe_oracle_table_free(&back);
+
+    /* direct: the tables of this shape, as a layer would hold them */
+    moe_oracle_init(&direct);
+    direct.tuned.group = calloc(8, sizeof(moe_oracle_group_t));
+    for (int i = 0; i < t.num_groups; i++)
+        if (t.group[i].shape.hidden == 0 || t.group[i].shape.hidden == h200.shape.hidden)
+            direct.tuned.group[direct.tuned.num_groups++] = t.group[i];
+    snprintf(direct.file, sizeof(direct.file), "%s", "fixture");
+    moe_oracle_init(&loaded);
+    assert_int_equal(moe_oracle_load_text(&loaded, text, n, "fixture", &h200), 4);
+    assert_string_equal(loaded.warning, "");
+    assert_same_picks(&direct, &loaded);
+
+    TU_OK(moe_oracle_write(path, &t));
+    moe_oracle_init(&from_file);
+    assert_int_equal(moe_oracle_load(&from_file, path, &h200), 4);
+    assert_string_equal(from_file.file, path);
+    snprintf(direct.file, sizeof(direct.file), "%s", path);
+    assert_same_picks(&direct, &from_file);
+
+    { /* what the tuned tables say, and that the explanation names the file */
+        moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 8, 1, MOE_ORACLE_LSA, 3};
+        moe_oracle_choice_t c;
+        char why[512];
+        assert_int_equal(moe_oracle_pick_gemm(&from_file, &q, &c), 1);
+        assert_string_equal(c.name, "sm90_swapab_n32");
+        assert_int_equal(c.source, MOE_ORACLE_TUNED);
+        moe_oracle_describe(&c, "rows/expert", 3, why, sizeof(why));
+        assert_non_null(strstr(why, "tuned from "));
+        assert_non_null(strstr(why, path));
+        q.transport = MOE_ORACLE_P2P; /* the layout-free bf16 table */
+        moe_oracle_pick_gemm(&from_file, &q, &c);
+        assert_string_equal(c.name, "sm90_swapab_n64");
+        q.dtype = MOE_DTYPE_FP8_E4M3, q.scale = MOE_SCALE_PER_CHANNEL; /* not tuned */
+        moe_oracle_pick_gemm(&from_file, &q, &c);
+        assert_string_equal(c.name, "sm90_fp8_swapab_n16");
+        assert_int_equal(c.source, MOE_ORACLE_DEFAULT);
+        q.scale = MOE_SCALE_BLOCK_128, q.value = 100;
+        moe_oracle_pick_gemm(&from_file, &q, &c);
+        assert_string_equal(c.name, "sm90_fp8_block_m64n128");
+        q.value = 2000;
+        assert_int_equal(moe_oracle_pick_transport(&from_file, &q, &c), 1);
+        assert_string_equal(c.name, "p2p");
+        q.value = 48;
+        moe_oracle_pick_transport(&from_file, &q, &c);
+        assert_string_equal(c.name, "allgather");
+        q.ep_size = 4; /* no transport table for EP4 */
+        assert_int_equal(moe_oracle_pick_transport(&from_file, &q, &c), 0);
+        q.arch = 80; /* tuned tables are for sm_90 only */
+        q.dtype = MOE_DTYPE_BF16, q.scale = MOE_SCALE_NONE, q.value = 3;
+        moe_oracle_pick_gemm(&from_file, &q, &c);
+        assert_string_equal(c.name, "sm80_mma_m32n128");
+        assert_int_equal(c.source, MOE_ORACLE_DEFAULT);
+    }
+    { /* the other shape's table is the one kept for it */
+        moe_oracle_target_t ds = h200;
+        moe_oracle_t o;
+        moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 500};
+        moe_oracle_choice_t c;
+        ds.shape = (moe_oracle_shape_t){7168, 2048, 256, 8};
+        moe_oracle_init(&o);
+        assert_int_equal(moe_oracle_load(&o, path, &ds), 3);
+        moe_oracle_pick_gemm(&o, &q, &c);
+        assert_string_equal(c.name, "sm90_swapab_n64"); /* the any-shape table comes first */
+        moe_oracle_free(&o);
+    }
+    unlink(path);
+    moe_oracle_free(&direct);
+    moe_oracle_free(&loaded);
+    moe_oracle_free(&from_file);
+    moe_oracle_table_free(&t);
+    free(text);
+}
+
+/* ---- bad tune files --------------------------------------------------------------------- */
+
+#define GOOD_HEAD "{\"libmoe_tune\": 1, \"gpu\": \"NVIDIA H200\", \"arch\": 90, "
+#define GOOD_BUCKETS                                                                               \
+    "\"buckets\": [{\"max_rows_per_expert\": 8, \"variant\": \"sm90_swapab_n32\"}, "               \
+    "{\"variant\": \"sm90_swapab_n64\"}]"
+
+static const char *const bad_files[] = {
+    "",
+    " ",
+    "{",
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"none\", " GOOD_BUCKETS,
+    "[]",
+    "null",
+    "{}",
+    "{\"libmoe_tune\": 2, \"gpu\": \"NVIDIA H200\", \"arch\": 90}",
+    "{\"libmoe_tune\": 0, \"gpu\": \"NVIDIA H200\", \"arch\": 90}",
+    "{\"libmoe_tune\": \"1\", \"gpu\": \"NVIDIA H200\", \"arch\": 90}",
+    "{\"libmoe_tune\": 1.5, \"gpu\": \"NVIDIA H200\", \"arch\": 90}",
+    "{\"libmoe_tune\": 1, \"gpu\": 7, \"arch\": 90}",
+    "{\"libmoe_tune\": 1, \"arch\": 90}",
+    "{\"libmoe_tune\": 1, \"gpu\": \"NVIDIA H100 80GB HBM3\", \"arch\": 90, \"gemm\": [{\"dtype\": "
+    "\"bf16\", \"scales\": \"none\", " GOOD_BUCKETS "}]}",
+    "{\"libmoe_tune\": 1, \"gpu\": \"NVIDIA H200\", \"arch\": 80, \"gemm\": []}",
+    "{\"libmoe_tune\": 1, \"gpu\": \"NVIDIA H200\", \"arch\": 1e400}",
+    "{\"libmoe_tune\": 99999999999999999999999, \"gpu\": \"NVIDIA H200\", \"arch\": 90}",
+    GOOD_HEAD "\"gemm\": {}}",
+    GOOD_HEAD "\"gemm\": [7]}",
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"none\"}]}",
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"buckets\": []}]}",
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"buckets\": {}}]}",
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": 3, " GOOD_BUCKETS "}]}",
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"f32\", \"scales\": \"none\", " GOOD_BUCKETS "}]}",
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"block_128\", " GOOD_BUCKETS "}]}",
+    GOOD_HEAD
+    "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"ep_size\": -1, " GOOD_BUCKETS "}]}",
+    GOOD_HEAD
+    "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"ep_size\": 1e999, " GOOD_BUCKETS
+    "}]}",
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"transport\": "
+              "\"nvlink\", " GOOD_BUCKETS "}]}",
+    GOOD_HEAD
+    "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"shape\": [1, 2], " GOOD_BUCKETS "}]}",
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"shape\": {\"hidden\": "
+              "4096}, " GOOD_BUCKETS "}]}",
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"buckets\": [{\"variant\": "
+              "\"sm90_swapab_n128\"}]}]}",
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"buckets\": [{\"variant\": "
+              "\"sm90_fp8_m64n128\"}]}]}",
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"buckets\": [{\"variant\": "
+              "\"simt_ref\"}]}]}",
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"buckets\": [{\"variant\": "
+              "7}]}]}",
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"buckets\": [{\"variant\": "
+              "\"sm90_swapab_n32\", \"max_rows_per_expert\": 8}]}]}",
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"buckets\": [{\"variant\": "
+              "\"sm90_swapab_n32\"}, {\"variant\": \"sm90_swapab_n64\"}]}]}",
+    GOOD_HEAD
+    "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"buckets\": [{\"variant\": "
+    "\"sm90_swapab_n32\", \"max_rows_per_expert\": 8}, {\"variant\": \"sm90_swapab_n16\", "
+    "\"max_rows_per_expert\": 4}, {\"variant\": \"sm90_swapab_n64\"}]}]}",
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"buckets\": [{\"variant\": "
+              "\"sm90_swapab_n32\", \"max_rows_per_expert\": 1e400}, {\"variant\": "
+              "\"sm90_swapab_n64\"}]}]}",
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"buckets\": [{\"variant\": "
+              "\"sm90_swapab_n32\", \"max_rows_per_expert\": -3}, {\"variant\": "
+              "\"sm90_swapab_n64\"}]}]}",
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"buckets\": [{\"variant\": "
+              "\"sm90_swapab_n32\", \"max_rows_per_expert\": \"8\"}, {\"variant\": "
+              "\"sm90_swapab_n64\"}]}]}",
+    GOOD_HEAD "\"transport\": [{\"buckets\": [{\"transport\": \"nvlink\"}]}]}",
+    GOOD_HEAD
+    "\"transport\": [{\"buckets\": [{\"max_tokens_per_rank\": 0, \"transport\": \"lsa\"}, "
+    "{\"transport\": \"p2p\"}]}]}",
+    GOOD_HEAD "\"transport\": [{\"buckets\": [{\"transport\": \"any\"}]}]}",
+    /* valid, but no table for this layer's shape */
+    GOOD_HEAD "\"gemm\": [{\"shape\": {\"hidden\": 7168, \"intermediate\": 2048, \"experts\": 256, "
+              "\"top_k\": 8}, \"dtype\": \"bf16\", \"scales\": \"none\", " GOOD_BUCKETS "}]}",
+    GOOD_HEAD "\"gemm\": []}",
+};
+
+/* o holds the defaults and one warning naming the file. */
+static void assert_defaults(const moe_oracle_t *o, const char *what)
+{
+    moe_oracle_t def;
+    if (!o->warning[0])
+        fail_msg("%s: no warning", what);
+    if (!strstr(o->warning, "built-in tables used"))
+        fail_msg("%s: warning '%s'", what, o->warning);
+    assert_int_equal(o->tuned.num_groups, 0);
+    assert_null(o->tuned.group);
+    moe_oracle_init(&def);
+    assert_same_picks(o, &def);
+}
+
+static void test_bad_tune_files(void **state)
+{
+    char *path = temp_path("bad.json");
+    (void)state;
+    for (size_t i = 0; i < sizeof(bad_files) / sizeof(bad_files[0]); i++) {
+        moe_oracle_t o;
+        FILE *f;
+        char what[32];
+        const size_t n = strlen(bad_files[i]);
+        char *copy = malloc(n + 1); /* exactly n bytes readable: no NUL read past the text */
+        memcpy(copy, bad_files[i], n);
+        snprintf(what, sizeof(what), "bad file %zu", i);
+        moe_oracle_init(&o);
+        assert_int_equal(moe_oracle_load_text(&o, copy, n, what, &h200), 0);
+        assert_defaults(&o, what);
+        assert_non_null(strstr(o.warning, what));
+        moe_oracle_free(&o);
+        free(copy);
+        /* and through a file */
+        f = fopen(path, "wb");
+        assert_non_null(f);
+        assert_int_equal(fwrite(bad_files[i], 1, n, f), n);
+        assert_int_equal(fclose(f), 0);
+        assert_int_equal(moe_oracle_load(&o, path, &h200), 0);
+        assert_defaults(&o, bad_files[i]);
+        assert_non_null(strstr(o.warning, path));
+        moe_oracle_free(&o);
+    }
+    { /* every prefix of a good file (truncated writes) */
+        moe_oracle_table_t t;
+        char buf[8192];
+        size_t n;
+        fixture_table(&t);
+        n = moe_oracle_format(&t, buf, sizeof(buf));
+        assert_true(n < sizeof(buf));
+        for (size_t cut = 0; cut + 2 < n; cut += 7) {
+            moe_oracle_t o;
+            moe_oracle_init(&o);
+            assert_int_equal(moe_oracle_load_text(&o, buf, cut, "truncated", &h200), 0);
+            assert_defaults(&o, "truncated");
+            moe_oracle_free(&o);
+        }
+        moe_oracle_table_free(&t);
+    }
+    { /* missing file, a directory, no GPU name */
+        moe_oracle_t o;
+        moe_oracle_target_t nogpu = h200;
+        moe_oracle_init(&o);
+        assert_int_equal(moe_oracle_load(&o, "/nonexistent/moe_tune.json", &h200), 0);
+        assert_defaults(&o, "missing");
+        assert_int_equal(moe_oracle_load(&o, "/", &h200), 0);
+        assert_defaults(&o, "directory");
+        nogpu.gpu = NULL;
+        assert_int_equal(moe_oracle_load_text(&o, GOOD_HEAD "\"gemm\": []}",
+                                              strlen(GOOD_HEAD "\"gemm\": []}"), "x", &nogpu),
+                         0);
+        assert_defaults(&o, "no gpu name");
+        /* no file named: defaults and no warning */
+        assert_int_equal(moe_oracle_load(&o, NULL, &h200), 0);
+        assert_string_equal(o.warning, "");
+        unsetenv("MOE_TUNE_FILE");
+        assert_int_equal(moe_oracle_load_env(&o, &h200), 0);
+        assert_string_equal(o.warning, "");
+        setenv("MOE_TUNE_FILE", "/nonexistent/tune.json", 1);
+        assert_int_equal(moe_oracle_load_env(&o, &h200), 0);
+        assert_defaults(&o, "MOE_TUNE_FILE missing");
+        unsetenv("MOE_TUNE_FILE");
+        moe_oracle_free(&o);
+    }
+    { /* a good file with unknown members and any-layout tables loads */
+        static const char ok[] = GOOD_HEAD
+            "\"note\": {\"x\": [1, 2]}, \"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"none\", "
+            "\"extra\": true, " GOOD_BUCKETS "}]}";
+        moe_oracle_t o;
+        moe_oracle_init(&o);
+        assert_int_equal(moe_oracle_load_text(&o, ok, strlen(ok), "ok", &h200), 1);
+        assert_string_equal(o.warning, "");
+        moe_oracle_free(&o);
+    }
+    unlink(path);
+}
+
+/* ---- forcing ---------------------------------------------------------------------------- */
+
+static void expect_error(moe_status_t st, moe_status_t want, const char *needle)
+{
+    if (st != want)
+        fail_msg("want %s, got %s (%s)", moe_status_string(want), moe_status_string(st),
+                 moe_last_error());
+    if (!strstr(moe_last_error(), needle))
+        fail_msg("message '%s' does not name '%s'", moe_last_error(), needle);
+}
+
+static void test_forced(void **state)
+{
+    const char *name, *env;
+    (void)state;
+    unsetenv("MOE_FORCE_VARIANT");
+    unsetenv("MOE_GEMM_VARIANT");
+    TU_OK(moe_oracle_forced_variant(&name, &env));
+    assert_null(name);
+    setenv("MOE_GEMM_VARIANT", "sm90_swapab_n16", 1);
+    TU_OK(moe_oracle_forced_variant(&name, &env));
+    assert_string_equal(name, "sm90_swapab_n16");
+    assert_string_equal(env, "MOE_GEMM_VARIANT");
+    setenv("MOE_FORCE_VARIANT", "sm90_swapab_n16", 1);
+    TU_OK(moe_oracle_forced_variant(&name, &env));
+    assert_string_equal(env, "MOE_FORCE_VARIANT");
+    setenv("MOE_FORCE_VARIANT", "sm90_swapab_n32", 1);
+    expect_error(moe_oracle_forced_variant(&name, &env), MOE_STATUS_INVALID_ARGUMENT,
+                 "MOE_FORCE_VARIANT=sm90_swapab_n32 and MOE_GEMM_VARIANT=sm90_swapab_n16");
+    unsetenv("MOE_GEMM_VARIANT");
+    TU_OK(moe_oracle_forced_variant(&name, &env));
+    assert_string_equal(name, "sm90_swapab_n32");
+    unsetenv("MOE_FORCE_VARIANT");
+
+    unsetenv("MOE_FORCE_TRANSPORT");
+    setenv("MOE_EP_TRANSPORT", "auto", 1);
+    TU_OK(moe_oracle_forced_transport(&name, &env));
+    assert_null(name);
+    setenv("MOE_FORCE_TRANSPORT", "lsa", 1);
+    TU_OK(moe_oracle_forced_transport(&name, &env));
+    assert_string_equal(name, "lsa");
+    assert_string_equal(env, "MOE_FORCE_TRANSPORT");
+    setenv("MOE_EP_TRANSPORT", "p2p", 1);
+    expect_error(moe_oracle_forced_transport(&name, &env), MOE_STATUS_INVALID_ARGUMENT,
+                 "MOE_FORCE_TRANSPORT=lsa and MOE_EP_TRANSPORT=p2p");
+    unsetenv("MOE_FORCE_TRANSPORT");
+    TU_OK(moe_oracle_forced_transport(&name, &env));
+    assert_string_equal(name, "p2p");
+    assert_string_equal(env, "MOE_EP_TRANSPORT");
+    unsetenv("MOE_EP_TRANSPORT");
+
+    /* eligibility: by name, arch, dtype and scale kind */
+    TU_OK(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_swapab_n16", 90, MOE_DTYPE_BF16,
+                                   MOE_SCALE_NONE));
+    TU_OK(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm80_mma_m32n128", 90, MOE_DTYPE_BF16,
+                                   MOE_SCALE_NONE));
+    TU_OK(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm80_mma_m64n128", 100, MOE_DTYPE_BF16,
+                                   MOE_SCALE_NONE));
+    TU_OK(moe_oracle_check_variant("MOE_FORCE_VARIANT", "simt_ref", 80, MOE_DTYPE_BF16,
+                                   MOE_SCALE_NONE));
+    TU_OK(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_fp8_block_m64n128", 90,
+                                   MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128));
+    expect_error(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_nope", 90, MOE_DTYPE_BF16,
+                                          MOE_SCALE_NONE),
+                 MOE_STATUS_INVALID_ARGUMENT, "MOE_FORCE_VARIANT=sm90_nope: no such variant");
+    expect_error(
+        moe_oracle_check_variant("MOE_GEMM_VARIANT", "", 90, MOE_DTYPE_BF16, MOE_SCALE_NONE),
+        MOE_STATUS_INVALID_ARGUMENT, "no such variant");
+    expect_error(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_swapab_n16", 80,
+                                          MOE_DTYPE_BF16, MOE_SCALE_NONE),
+                 MOE_STATUS_NOT_SUPPORTED, "MOE_FORCE_VARIANT=sm90_swapab_n16 is built for sm_90a");
+    expect_error(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_swapab_n16", 100,
+                                          MOE_DTYPE_BF16, MOE_SCALE_NONE),
+                 MOE_STATUS_NOT_SUPPORTED, "(device: sm_100)");
+    expect_error(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm80_mma_m32n128", 75,
+                                          MOE_DTYPE_BF16, MOE_SCALE_NONE),
+                 MOE_STATUS_NOT_SUPPORTED, "built for sm_80+");
+    expect_error(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_fp8_m64n128", 90,
+                                          MOE_DTYPE_BF16, MOE_SCALE_NONE),
+                 MOE_STATUS_NOT_SUPPORTED, "is a fp8_e4m3 variant");
+    expect_error(moe_oracle_check_variant("MOE_GEMM_VARIANT", "sm90_swapab_n16", 90,
+                                          MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL),
+                 MOE_STATUS_NOT_SUPPORTED, "MOE_GEMM_VARIANT=sm90_swapab_n16 is a bf16 variant");
+    expect_error(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_fp8_m64n128", 90,
+                                          MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128),
+                 MOE_STATUS_NOT_SUPPORTED, "this layer computes in fp8_e4m3 (scales block_128)");
+    expect_error(moe_oracle_check_variant("MOE_FORCE_VARIANT", "simt_ref", 90, MOE_DTYPE_FP8_E4M3,
+                                          MOE_SCALE_PER_CHANNEL),
+                 MOE_STATUS_NOT_SUPPORTED, "simt_ref is a bf16 variant");
+
+    { /* a forced choice explains itself */
+        moe_oracle_choice_t c = {
+            "sm90_swapab_n16", MOE_ORACLE_FORCED, 0, 0, "MOE_FORCE_VARIANT", 90};
+        char why[256];
+        moe_oracle_describe(&c, "rows/expert", 3, why, sizeof(why));
+        assert_string_equal(why, "sm90_swapab_n16 (forced by MOE_FORCE_VARIANT)");
+    }
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_defaults_match_old_table),
+        cmocka_unit_test(test_round_trip),
+        cmocka_unit_test(test_bad_tune_files),
+        cmocka_unit_test(test_forced),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
