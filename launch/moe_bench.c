@@ -82,18 +82,18 @@ typedef struct options {
 
 static void usage(void)
 {
-    printf(
-        "usage: moe-bench [--preset NAME] [--experts E --top-k K --hidden H --intermediate I]\n"
-        "                 [--tokens 1,8,64,512,2048,8192] [--graph-max M] [--seconds S]\n"
-        "                 [--json FILE] [--explain] [--dtype bf16|fp8 [--scales tensor|channel]]\n"
-        "         (fp8: e4m3 weights and activations, W8A8, f32 accumulation)\n"
-        "       mpirun -np N moe-bench --dispatch-only [--max-tokens T] [--capacity C] "
-        "[--told]\n"
-        "         (expert-parallel dispatch/combine next to NCCL all-to-all; --capacity: a\n"
-        "         serving engine's max_tokens_per_rank for every point; --told: pass\n"
-        "         max_tokens_across_ranks = the point's tokens)\n"
-        "presets: %s\n",
-        moe_gen_preset_names());
+    printf("usage: moe-bench [--preset NAME] [--experts E --top-k K --hidden H --intermediate I]\n"
+           "                 [--tokens 1,8,64,512,2048,8192] [--graph-max M] [--seconds S]\n"
+           "                 [--json FILE] [--explain] [--dtype bf16|fp8 [--scales "
+           "tensor|channel|block]]\n"
+           "         (fp8: e4m3 weights and activations, W8A8, f32 accumulation)\n"
+           "       mpirun -np N moe-bench --dispatch-only [--max-tokens T] [--capacity C] "
+           "[--told]\n"
+           "         (expert-parallel dispatch/combine next to NCCL all-to-all; --capacity: a\n"
+           "         serving engine's max_tokens_per_rank for every point; --told: pass\n"
+           "         max_tokens_across_ranks = the point's tokens)\n"
+           "presets: %s\n",
+           moe_gen_preset_names());
 }
 
 /* A comma-separated list of token counts, each in 1..MAX_M, at most MAX_POINTS of them. */
@@ -186,10 +186,9 @@ static int parse(int argc, char **argv, options_t *o)
             else if (!strcmp(v, "channel"))
                 o->scales = MOE_SCALE_PER_CHANNEL;
             else if (!strcmp(v, "block"))
-                return REJECT("--scales block: W8A8 with 128x128 block scales is not built on the "
-                              "GPU yet (tensor and channel are)");
+                o->scales = MOE_SCALE_BLOCK_128;
             else
-                return REJECT("--scales %s: expected tensor or channel", v);
+                return REJECT("--scales %s: expected tensor, channel or block", v);
         } else {
             return REJECT("unknown option %s (see --help)", a);
         }
