@@ -173,3 +173,66 @@ int moe_gen_preset(const char *name, moe_layer_config_t *cfg)
     }
     return 0;
 }
+
+void moe_gen_fill_bf16(uint16_t *p, size_t n, float a, uint64_t *state)
+{
+    size_t i;
+    for (i = 0; i < n; i++) {
+        uint64_t x = *state;
+        float f;
+        uint32_t u;
+        x ^= x >> 12, x ^= x << 25, x ^= x >> 27;
+        *state = x;
+        f = a * ((float)((x * 2685821657736338717ULL) >> 40) / 8388608.0f - 1.0f);
+        memcpy(&u, &f, 4);
+        p[i] = (uint16_t)(u >> 16);
+    }
+}
+
+moe_status_t moe_gen_set_weights_fast(moe_layer_t *layer, const moe_layer_config_t *c)
+{
+    const int64_t H = c->hidden, I = c->intermediate, E = c->num_experts;
+    const int64_t S = c->num_shared_experts > 0 ? c->shared_intermediate : 0;
+    int64_t big = (I > S ? I : S) * H, e;
+    uint64_t st = 0x9e3779b97f4a7c15ULL;
+    moe_tensor_t t = {MOE_DTYPE_BF16, 0, 0, NULL, NULL, 0, 0};
+    moe_status_t r = MOE_STATUS_SUCCESS;
+    uint16_t *buf;
+
+    big = big > E * H ? big : E * H;
+    buf = malloc(2 * (size_t)big);
+    if (!buf)
+        return MOE_STATUS_OUT_OF_MEMORY;
+    t.data = buf;
+    moe_gen_fill_bf16(buf, (size_t)big, 1.0f / sqrtf((float)H), &st);
+    t.rows = E, t.cols = H;
+    r = moe_layer_set_weight(layer, MOE_WEIGHT_ROUTER, -1, &t);
+    if (r == MOE_STATUS_SUCCESS && c->use_score_bias) {
+        t.rows = 1, t.cols = E;
+        r = moe_layer_set_weight(layer, MOE_WEIGHT_ROUTER_BIAS, -1, &t);
+    }
+    for (e = 0; e < E && r == MOE_STATUS_SUCCESS; e++) {
+        t.rows = I, t.cols = H;
+        r = moe_layer_set_weight(layer, MOE_WEIGHT_GATE_PROJ, (int)e, &t);
+        if (r == MOE_STATUS_SUCCESS)
+            r = moe_layer_set_weight(layer, MOE_WEIGHT_UP_PROJ, (int)e, &t);
+        t.rows = H, t.cols = I;
+        if (r == MOE_STATUS_SUCCESS)
+            r = moe_layer_set_weight(layer, MOE_WEIGHT_DOWN_PROJ, (int)e, &t);
+    }
+    if (S > 0 && r == MOE_STATUS_SUCCESS) {
+        t.rows = S, t.cols = H;
+        r = moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_GATE_PROJ, -1, &t);
+        if (r == MOE_STATUS_SUCCESS)
+            r = moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_UP_PROJ, -1, &t);
+        t.rows = H, t.cols = S;
+        if (r == MOE_STATUS_SUCCESS)
+            r = moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_DOWN_PROJ, -1, &t);
+        if (r == MOE_STATUS_SUCCESS && c->shared_expert_gate) {
+            t.rows = 1, t.cols = H;
+            r = moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_EXPERT_GATE, -1, &t);
+        }
+    }
+    free(buf);
+    return r;
+}

@@ -30,6 +30,13 @@ void moe_gen_tokens(uint64_t seed, int64_t t0, int64_t n, int hidden, float *x);
 /* Sets this rank's slice of every weight of `layer` (config `cfg`) from `seed`. */
 moe_status_t moe_gen_set_weights(moe_layer_t *layer, const moe_layer_config_t *cfg, uint64_t seed);
 
+/* Uniform random bf16 in [-a, a) (the top half of an f32: truncation is fine for timing). */
+void moe_gen_fill_bf16(uint16_t *p, size_t n, float a, uint64_t *state);
+
+/* Every weight of the layer from one shared random bf16 buffer: fast at any size, for the
+ * benchmarks and moe-tune (timing does not depend on the values). */
+moe_status_t moe_gen_set_weights_fast(moe_layer_t *layer, const moe_layer_config_t *cfg);
+
 #ifdef __cplusplus
 }
 #endif

@@ -243,61 +243,6 @@ static int agree_options(const options_t *o, int bad)
     return moe_cli_agree("moe-bench", bad, o->err, f, (int)(sizeof(f) / sizeof(f[0])));
 }
 
-/* Uniform random bf16 in [-a, a): the top half of an f32 (truncation is fine for a benchmark). */
-static void fill_bf16(uint16_t *p, size_t n, float a, uint64_t *state)
-{
-    size_t i;
-    for (i = 0; i < n; i++) {
-        uint64_t x = *state;
-        float f;
-        uint32_t u;
-        x ^= x >> 12, x ^= x << 25, x ^= x >> 27;
-        *state = x;
-        f = a * ((float)((x * 2685821657736338717ULL) >> 40) / 8388608.0f - 1.0f);
-        memcpy(&u, &f, 4);
-        p[i] = (uint16_t)(u >> 16);
-    }
-}
-
-/* Every weight from a few shared random buffers (one per shape): fast at any size. */
-static void set_weights(moe_layer_t *layer, const moe_layer_config_t *c)
-{
-    const int64_t H = c->hidden, I = c->intermediate, E = c->num_experts;
-    const int64_t S = c->num_shared_experts > 0 ? c->shared_intermediate : 0;
-    const int64_t big = (I > S ? I : S) * H;
-    uint16_t *buf = malloc(2 * (size_t)(big > E * H ? big : E * H));
-    uint64_t st = 0x9e3779b97f4a7c15ULL;
-    int64_t e;
-    moe_tensor_t t = {MOE_DTYPE_BF16, 0, 0, buf, NULL, 0, 0};
-
-    fill_bf16(buf, (size_t)(big > E * H ? big : E * H), 1.0f / sqrtf((float)H), &st);
-    t.rows = E, t.cols = H;
-    MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_ROUTER, -1, &t));
-    if (c->use_score_bias) {
-        t.rows = 1, t.cols = E;
-        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_ROUTER_BIAS, -1, &t));
-    }
-    for (e = 0; e < E; e++) {
-        t.rows = I, t.cols = H;
-        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_GATE_PROJ, (int)e, &t));
-        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_UP_PROJ, (int)e, &t));
-        t.rows = H, t.cols = I;
-        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_DOWN_PROJ, (int)e, &t));
-    }
-    if (S > 0) {
-        t.rows = S, t.cols = H;
-        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_GATE_PROJ, -1, &t));
-        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_UP_PROJ, -1, &t));
-        t.rows = H, t.cols = S;
-        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_DOWN_PROJ, -1, &t));
-        if (c->shared_expert_gate) {
-            t.rows = 1, t.cols = H;
-            MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_EXPERT_GATE, -1, &t));
-        }
-    }
-    free(buf);
-}
-
 static int cmp_double(const void *a, const void *b)
 {
     const double x = *(const double *)a, y = *(const double *)b;
@@ -343,7 +288,7 @@ static double cublas_tflops(cudaStream_t s)
     cublasHandle_t handle;
     cudaEvent_t e0, e1;
     int i;
-    fill_bf16(h, (size_t)n * n, 1.0f, &st);
+    moe_gen_fill_bf16(h, (size_t)n * n, 1.0f, &st);
     CUDA_OK(cudaMalloc(&a, bytes));
     CUDA_OK(cudaMalloc(&b, bytes));
     CUDA_OK(cudaMalloc(&c, bytes));
@@ -579,10 +524,10 @@ int main(int argc, char **argv)
     CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     MOE_OK(moe_layer_create(rt, &o.cfg, &layer));
     MOE_OK(moe_layer_get_info(layer, &info));
-    set_weights(layer, &o.cfg);
+    MOE_OK(moe_gen_set_weights_fast(layer, &o.cfg));
 
     hx = malloc(2 * (size_t)(max_m * o.cfg.hidden));
-    fill_bf16(hx, (size_t)(max_m * o.cfg.hidden), 1.0f, &st);
+    moe_gen_fill_bf16(hx, (size_t)(max_m * o.cfg.hidden), 1.0f, &st);
     CUDA_OK(cudaMalloc(&d_x, 2 * (size_t)(max_m * o.cfg.hidden)));
     CUDA_OK(cudaMalloc(&d_y, 2 * (size_t)(max_m * o.cfg.hidden)));
     CUDA_OK(cudaMalloc((void **)&d_ids, sizeof(int32_t) * (size_t)(max_m * o.cfg.top_k)));

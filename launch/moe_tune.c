@@ -315,66 +315,6 @@ static int agree_options(const options_t *o, int bad)
     }
 }
 
-/* Uniform random bf16 in [-a, a): the top half of an f32. */
-static void fill_bf16(uint16_t *p, size_t n, float a, uint64_t *state)
-{
-    for (size_t i = 0; i < n; i++) {
-        uint64_t x = *state;
-        float f;
-        uint32_t u;
-        x ^= x >> 12, x ^= x << 25, x ^= x >> 27;
-        *state = x;
-        f = a * ((float)((x * 2685821657736338717ULL) >> 40) / 8388608.0f - 1.0f);
-        memcpy(&u, &f, 4);
-        p[i] = (uint16_t)(u >> 16);
-    }
-}
-
-/* Every weight from one random buffer (timing does not depend on the values). */
-static void set_weights(moe_layer_t *layer, const moe_layer_config_t *c)
-{
-    const int64_t H = c->hidden, I = c->intermediate, E = c->num_experts;
-    const int64_t S = c->num_shared_experts > 0 ? c->shared_intermediate : 0;
-    int64_t big = (I > S ? I : S) * H;
-    uint16_t *buf;
-    uint64_t st = 0x9e3779b97f4a7c15ULL;
-    moe_tensor_t t = {MOE_DTYPE_BF16, 0, 0, NULL, NULL, 0, 0};
-
-    big = big > E * H ? big : E * H;
-    buf = malloc(2 * (size_t)big);
-    if (!buf) {
-        fprintf(stderr, "moe-tune: out of host memory for the weights\n");
-        MPI_Abort(MPI_COMM_WORLD, 1);
-    }
-    t.data = buf;
-    fill_bf16(buf, (size_t)big, 1.0f / sqrtf((float)H), &st);
-    t.rows = E, t.cols = H;
-    MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_ROUTER, -1, &t));
-    if (c->use_score_bias) {
-        t.rows = 1, t.cols = E;
-        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_ROUTER_BIAS, -1, &t));
-    }
-    for (int64_t e = 0; e < E; e++) {
-        t.rows = I, t.cols = H;
-        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_GATE_PROJ, (int)e, &t));
-        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_UP_PROJ, (int)e, &t));
-        t.rows = H, t.cols = I;
-        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_DOWN_PROJ, (int)e, &t));
-    }
-    if (S > 0) {
-        t.rows = S, t.cols = H;
-        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_GATE_PROJ, -1, &t));
-        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_UP_PROJ, -1, &t));
-        t.rows = H, t.cols = S;
-        MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_DOWN_PROJ, -1, &t));
-        if (c->shared_expert_gate) {
-            t.rows = 1, t.cols = H;
-            MOE_OK(moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_EXPERT_GATE, -1, &t));
-        }
-    }
-    free(buf);
-}
-
 static int cmp_double(const void *a, const void *b)
 {
     const double x = *(const double *)a, y = *(const double *)b;
@@ -442,7 +382,7 @@ static int make_layer(const bench_t *b, const moe_layer_config_t *cfg, moe_layer
         return 0;
     }
     MOE_OK(st);
-    set_weights(*layer, cfg);
+    MOE_OK(moe_gen_set_weights_fast(*layer, cfg));
     return 1;
 }
 
@@ -669,7 +609,7 @@ int main(int argc, char **argv)
             fprintf(stderr, "moe-tune: out of host memory for %lld tokens\n", (long long)max_t);
             MPI_Abort(MPI_COMM_WORLD, 1);
         }
-        fill_bf16(hx, (size_t)(max_t * o.cfg.hidden), 1.0f, &st);
+        moe_gen_fill_bf16(hx, (size_t)(max_t * o.cfg.hidden), 1.0f, &st);
         CUDA_OK(cudaMalloc(&b.x, 2 * (size_t)(max_t * o.cfg.hidden)));
         CUDA_OK(cudaMalloc(&b.y, 2 * (size_t)(max_t * o.cfg.hidden)));
         CUDA_OK(cudaMemcpy(b.x, hx, 2 * (size_t)(max_t * o.cfg.hidden), cudaMemcpyHostToDevice));
