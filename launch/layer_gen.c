@@ -1,8 +1,11 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Presets and counter-based random weights and tokens (public API only). */
 #include "layer_gen.h"
+#include "cli.h"
 
 #include <math.h>
+#include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -235,4 +238,40 @@ moe_status_t moe_gen_set_weights_fast(moe_layer_t *layer, const moe_layer_config
     }
     free(buf);
     return r;
+}
+
+int moe_gen_shape_option(const char *opt, const char *value, moe_layer_config_t *cfg,
+                         const char **preset, char *err, size_t err_len)
+{
+    static const struct {
+        const char *name;
+        int64_t max;
+        size_t field;
+    } sizes[] = {
+        {"--experts", 65536, offsetof(moe_layer_config_t, num_experts)},
+        {"--top-k", 64, offsetof(moe_layer_config_t, top_k)},
+        {"--hidden", INT64_C(1) << 20, offsetof(moe_layer_config_t, hidden)},
+        {"--intermediate", INT64_C(1) << 20, offsetof(moe_layer_config_t, intermediate)},
+    };
+    size_t i;
+    int64_t x;
+    if (!strcmp(opt, "--preset")) {
+        const moe_layer_config_t init = MOE_LAYER_CONFIG_INIT;
+        *preset = value;
+        *cfg = init;
+        if (moe_gen_preset(value, cfg))
+            return 1;
+        snprintf(err, err_len, "--preset %s: unknown (%s)", value, moe_gen_preset_names());
+        return 0;
+    }
+    for (i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
+        if (strcmp(opt, sizes[i].name))
+            continue;
+        if (moe_cli_int(opt, value, 1, sizes[i].max, &x, err, err_len))
+            return 0;
+        *(int *)((char *)cfg + sizes[i].field) = (int)x;
+        *preset = "custom";
+        return 1;
+    }
+    return -1;
 }

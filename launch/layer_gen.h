@@ -30,6 +30,12 @@ void moe_gen_tokens(uint64_t seed, int64_t t0, int64_t n, int hidden, float *x);
 /* Sets this rank's slice of every weight of `layer` (config `cfg`) from `seed`. */
 moe_status_t moe_gen_set_weights(moe_layer_t *layer, const moe_layer_config_t *cfg, uint64_t seed);
 
+/* The layer-shape options the tools share: --preset NAME, --experts E, --top-k K, --hidden H,
+ * --intermediate I (a size sets *preset to "custom"). 1: `opt` is one and `value` is good; 0:
+ * it is one and `value` is bad (err holds why); -1: not a shape option. */
+int moe_gen_shape_option(const char *opt, const char *value, moe_layer_config_t *cfg,
+                         const char **preset, char *err, size_t err_len);
+
 /* Uniform random bf16 in [-a, a) (the top half of an f32: truncation is fine for timing). */
 void moe_gen_fill_bf16(uint16_t *p, size_t n, float a, uint64_t *state);
 

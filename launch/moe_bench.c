@@ -21,6 +21,7 @@
 #include "cli.h"
 #include "dispatch_bench.h"
 #include "layer_gen.h"
+#include "tool_check.h"
 #include "moe/moe.h"
 #include "moe/moe_mpi.h"
 
@@ -30,26 +31,8 @@
 #define FP8_FLOPS_PER_S 1979e12
 #define MAX_POINTS 64
 
-#define CUDA_OK(call)                                                                              \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "moe-bench: %s failed: %s\n", #call, cudaGetErrorString(e_));          \
-            MPI_Abort(MPI_COMM_WORLD, 1);                                                          \
-        }                                                                                          \
-    } while (0)
-
-/* After the ranks agreed on the options, a failure on one rank can leave the others in a
- * collective: MPI_Abort ends the job promptly (the library itself never aborts). */
-#define MOE_OK(call)                                                                               \
-    do {                                                                                           \
-        moe_status_t s_ = (call);                                                                  \
-        if (s_ != MOE_STATUS_SUCCESS) {                                                            \
-            fprintf(stderr, "moe-bench: %s failed: %s: %s\n", #call, moe_status_string(s_),        \
-                    moe_last_error());                                                             \
-            MPI_Abort(MPI_COMM_WORLD, 1);                                                          \
-        }                                                                                          \
-    } while (0)
+#define CUDA_OK(call) MOE_TOOL_CUDA_OK("moe-bench", call)
+#define MOE_OK(call) MOE_TOOL_OK("moe-bench", call)
 
 typedef struct point {
     int64_t m;
@@ -120,16 +103,6 @@ static int parse_tokens(const char *s, options_t *o)
     }
 }
 
-static int int_field(options_t *o, const char *a, const char *v, int64_t lo, int64_t hi, int *out)
-{
-    int64_t x;
-    if (moe_cli_int(a, v, lo, hi, &x, o->err, sizeof(o->err)))
-        return 0;
-    *out = (int)x;
-    o->preset = "custom";
-    return 1;
-}
-
 /* The command line into *o; 0 with o->err on the first bad option. */
 static int parse(int argc, char **argv, options_t *o)
 {
@@ -155,20 +128,14 @@ static int parse(int argc, char **argv, options_t *o)
         if (!v)
             return REJECT("%s needs a value (or is unknown: see --help)", a);
         i++;
-        if (!strcmp(a, "--preset")) {
-            o->preset = v;
-            o->cfg = init;
-            if (!moe_gen_preset(v, &o->cfg))
-                return REJECT("--preset %s: unknown (%s)", v, moe_gen_preset_names());
-        } else if (!strcmp(a, "--experts")) {
-            ok = int_field(o, a, v, 1, 65536, &o->cfg.num_experts);
-        } else if (!strcmp(a, "--top-k")) {
-            ok = int_field(o, a, v, 1, 64, &o->cfg.top_k);
-        } else if (!strcmp(a, "--hidden")) {
-            ok = int_field(o, a, v, 1, MAX_DIM, &o->cfg.hidden);
-        } else if (!strcmp(a, "--intermediate")) {
-            ok = int_field(o, a, v, 1, MAX_DIM, &o->cfg.intermediate);
-        } else if (!strcmp(a, "--tokens")) {
+        ok = moe_gen_shape_option(a, v, &o->cfg, &o->preset, o->err, sizeof(o->err));
+        if (ok >= 0) {
+            if (!ok)
+                return 0;
+            continue;
+        }
+        ok = 1;
+        if (!strcmp(a, "--tokens")) {
             ok = parse_tokens(v, o);
         } else if (!strcmp(a, "--graph-max")) {
             ok = !moe_cli_int(a, v, 0, MAX_M, &o->graph_max, o->err, sizeof(o->err));

@@ -23,6 +23,7 @@
 #include "kernels/expert_gemm.h"
 #include "kernels/oracle.h"
 #include "layer_gen.h"
+#include "tool_check.h"
 #include "moe/moe.h"
 #include "moe/moe_mpi.h"
 
@@ -30,26 +31,8 @@
 #define MAX_CAND 32
 #define MAX_DIM (INT64_C(1) << 20)
 
-#define CUDA_OK(call)                                                                              \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "moe-tune: %s failed: %s\n", #call, cudaGetErrorString(e_));           \
-            MPI_Abort(MPI_COMM_WORLD, 1);                                                          \
-        }                                                                                          \
-    } while (0)
-
-/* After the ranks agreed on the options, a failure on one rank can leave the others in a
- * collective: MPI_Abort ends the job promptly. */
-#define MOE_OK(call)                                                                               \
-    do {                                                                                           \
-        moe_status_t s_ = (call);                                                                  \
-        if (s_ != MOE_STATUS_SUCCESS) {                                                            \
-            fprintf(stderr, "moe-tune: %s failed: %s: %s\n", #call, moe_status_string(s_),         \
-                    moe_last_error());                                                             \
-            MPI_Abort(MPI_COMM_WORLD, 1);                                                          \
-        }                                                                                          \
-    } while (0)
+#define CUDA_OK(call) MOE_TOOL_CUDA_OK("moe-tune", call)
+#define MOE_OK(call) MOE_TOOL_OK("moe-tune", call)
 
 typedef struct options {
     const char *preset, *out;
@@ -115,34 +98,14 @@ static int parse_list(options_t *o, const char *opt, const char *s, double lo, d
     }
 }
 
-static int int_field(options_t *o, const char *a, const char *v, int64_t lo, int64_t hi, int *out)
-{
-    int64_t x;
-    if (moe_cli_int(a, v, lo, hi, &x, o->err, sizeof(o->err)))
-        return 0;
-    *out = (int)x;
-    o->preset = "custom";
-    return 1;
-}
-
 static int parse_value(options_t *o, const char *a, const char *v, const moe_layer_config_t *init)
 {
     double t[MAX_POINTS];
-    if (!strcmp(a, "--preset")) {
-        o->preset = v;
-        o->cfg = *init;
-        if (!moe_gen_preset(v, &o->cfg))
-            return REJECT("--preset %s: unknown (%s)", v, moe_gen_preset_names());
-        return 1;
+    {
+        const int sh = moe_gen_shape_option(a, v, &o->cfg, &o->preset, o->err, sizeof(o->err));
+        if (sh >= 0)
+            return sh;
     }
-    if (!strcmp(a, "--experts"))
-        return int_field(o, a, v, 1, 65536, &o->cfg.num_experts);
-    if (!strcmp(a, "--top-k"))
-        return int_field(o, a, v, 1, 64, &o->cfg.top_k);
-    if (!strcmp(a, "--hidden"))
-        return int_field(o, a, v, 1, MAX_DIM, &o->cfg.hidden);
-    if (!strcmp(a, "--intermediate"))
-        return int_field(o, a, v, 1, MAX_DIM, &o->cfg.intermediate);
     if (!strcmp(a, "--tp")) {
         int64_t x;
         if (moe_cli_int(a, v, 1, 4096, &x, o->err, sizeof(o->err)))

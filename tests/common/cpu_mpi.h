@@ -33,4 +33,20 @@ static int teardown(void **state)
     return 0;
 }
 
+/* main() of a multi-rank cmocka test over these runtimes: rank 0 reports, every rank returns
+ * the worst exit code. */
+#define CPU_MPI_MAIN(tests)                                                                        \
+    int main(int argc, char **argv)                                                                \
+    {                                                                                              \
+        int rc_, r_;                                                                               \
+        MPI_Init(&argc, &argv);                                                                    \
+        MPI_Comm_rank(MPI_COMM_WORLD, &r_);                                                        \
+        if (r_ != 0) /* one report; failures still set every rank's exit code */                   \
+            cmocka_set_message_output(CM_OUTPUT_SUBUNIT);                                          \
+        rc_ = cmocka_run_group_tests(tests, setup, teardown);                                      \
+        MPI_Allreduce(MPI_IN_PLACE, &rc_, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);                    \
+        MPI_Finalize();                                                                            \
+        return rc_ ? 1 : 0;                                                                        \
+    }
+
 #endif /* MOE_CPU_MPI_H */

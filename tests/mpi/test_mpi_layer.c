@@ -260,24 +260,11 @@ static void test_node_local_rank(void **state)
     assert_int_equal(info.local_size, 1);
 }
 
-int main(int argc, char **argv)
-{
-    const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_node_local_rank),
-        cmocka_unit_test(test_layouts_modes_families),
-        cmocka_unit_test(test_fp8_scales_under_tp),
-        cmocka_unit_test(test_hot_expert),
-        cmocka_unit_test(test_deterministic_batch_sizes),
-        cmocka_unit_test(test_mismatched_config),
-        cmocka_unit_test(test_bad_forward_on_one_rank),
-    };
-    int rc, r;
-    MPI_Init(&argc, &argv);
-    MPI_Comm_rank(MPI_COMM_WORLD, &r);
-    if (r != 0) /* one report; failures still set every rank's exit code */
-        cmocka_set_message_output(CM_OUTPUT_SUBUNIT);
-    rc = cmocka_run_group_tests(tests, setup, teardown);
-    MPI_Allreduce(MPI_IN_PLACE, &rc, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    MPI_Finalize();
-    return rc ? 1 : 0;
-}
+static const struct CMUnitTest tests[] = {
+    cmocka_unit_test(test_node_local_rank),           cmocka_unit_test(test_layouts_modes_families),
+    cmocka_unit_test(test_fp8_scales_under_tp),       cmocka_unit_test(test_hot_expert),
+    cmocka_unit_test(test_deterministic_batch_sizes), cmocka_unit_test(test_mismatched_config),
+    cmocka_unit_test(test_bad_forward_on_one_rank),
+};
+
+CPU_MPI_MAIN(tests)

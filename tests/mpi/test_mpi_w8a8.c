@@ -147,20 +147,10 @@ static void test_mismatched_fp8_math(void **state)
     assert_null(l);
 }
 
-int main(int argc, char **argv)
-{
-    const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_ep_equals_one_rank),
-        cmocka_unit_test(test_block_tp_equals_one_rank),
-        cmocka_unit_test(test_mismatched_fp8_math),
-    };
-    int rc, r;
-    MPI_Init(&argc, &argv);
-    MPI_Comm_rank(MPI_COMM_WORLD, &r);
-    if (r != 0) /* one report; failures still set every rank's exit code */
-        cmocka_set_message_output(CM_OUTPUT_SUBUNIT);
-    rc = cmocka_run_group_tests(tests, setup, teardown);
-    MPI_Allreduce(MPI_IN_PLACE, &rc, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    MPI_Finalize();
-    return rc ? 1 : 0;
-}
+static const struct CMUnitTest tests[] = {
+    cmocka_unit_test(test_ep_equals_one_rank),
+    cmocka_unit_test(test_block_tp_equals_one_rank),
+    cmocka_unit_test(test_mismatched_fp8_math),
+};
+
+CPU_MPI_MAIN(tests)
