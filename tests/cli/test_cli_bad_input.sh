@@ -115,35 +115,60 @@ expect np2-json-unwritable 2 "rank 0: --json /proc/none/r.json: cannot write" \
 # ---- a peer dies mid-run: the survivor reports libmoe's status and ends the job at once --------
 # (--enable-recovery: mpirun leaves the survivor running; it must not wait in MPI_Finalize or a
 # later collective, so it calls MPI_Abort.) The job must end well inside `timeout`.
-MOE_TIMEOUT_MS=3000 timeout 120 mpirun --oversubscribe --bind-to none --enable-recovery \
-    -x MOE_TIMEOUT_MS -np 2 "$moe_run" --backend cpu --iters 1000000 --warmup 0 --tokens 8 \
-    >"$tmp/out" 2>&1 &
-tpid=$!
-sleep 8 # the ranks are in their steps by now (a kill during setup gives a status too)
-mp=$(pgrep -P "$tpid" | head -1)
-victim=$(pgrep -P "${mp:-0}" | tail -1)
-if [ -n "$victim" ]; then
+# One attempt: 0 ok, 1 the survivor reported nothing, 2 the job did not end, 3 nothing to kill.
+peer_killed() {
+    MOE_TIMEOUT_MS=3000 timeout 120 mpirun --oversubscribe --bind-to none --enable-recovery \
+        -x MOE_TIMEOUT_MS -np 2 "$moe_run" --backend cpu --iters 1000000 --warmup 0 --tokens 8 \
+        >"$tmp/out" 2>&1 &
+    tpid=$!
+    sleep 8 # the ranks are in their steps by now (a kill during setup gives a status too)
+    mp=$(pgrep -P "$tpid" | head -1)
+    victim=$(pgrep -P "${mp:-0}" | tail -1)
+    if [ -z "$victim" ]; then
+        wait "$tpid"
+        return 3
+    fi
     kill -9 "$victim"
     wait "$tpid"
     rc=$?
     if [ $rc -eq 124 ] || [ $rc -ge 128 ]; then
-        echo "FAIL: peer-killed: the survivor did not end (exit $rc)"
-        tail -20 "$tmp/out"
-        fail=$((fail + 1))
-    elif grep -qE "moe-run: rank [0-9]: .*MOE_STATUS_(TIMEOUT|MPI_ERROR)" "$tmp/out"; then
-        echo "ok: peer-killed (the survivor reported the status and the job ended)"
-        pass=$((pass + 1))
-    else
-        echo "FAIL: peer-killed: the survivor reported no libmoe status"
-        tail -20 "$tmp/out"
-        fail=$((fail + 1))
+        return 2
     fi
-else
-    wait "$tpid"
+    grep -qE "moe-run: rank [0-9]: .*MOE_STATUS_(TIMEOUT|MPI_ERROR)" "$tmp/out" || return 1
+    return 0
+}
+peer_killed
+r=$?
+if [ $r -eq 2 ] && grep -q "PMIX ERROR" "$tmp/out"; then
+    # Seen twice in CI under load (2026-12-01), never reproduced alone: mpirun itself wedged in
+    # PMIx's event handling (BAD-PARAM) after the kill, so neither the survivor's status line
+    # (forwarded by mpirun) nor the job's end came. One more attempt; a library hang fails both.
+    echo "note: peer-killed: mpirun hung in PMIx after the kill (Open MPI); one more attempt"
+    tail -5 "$tmp/out"
+    peer_killed
+    r=$?
+fi
+case $r in
+0)
+    echo "ok: peer-killed (the survivor reported the status and the job ended)"
+    pass=$((pass + 1))
+    ;;
+1)
+    echo "FAIL: peer-killed: the survivor reported no libmoe status"
+    tail -20 "$tmp/out"
+    fail=$((fail + 1))
+    ;;
+2)
+    echo "FAIL: peer-killed: the survivor did not end"
+    tail -20 "$tmp/out"
+    fail=$((fail + 1))
+    ;;
+*)
     echo "FAIL: peer-killed: no rank to kill (did moe-run start?)"
     tail -20 "$tmp/out"
     fail=$((fail + 1))
-fi
+    ;;
+esac
 
 # ---- moe-bench (parsed before any GPU work: these run without a GPU) ---------------------------
 if [ -n "$moe_bench" ]; then
