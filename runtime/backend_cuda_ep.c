@@ -805,17 +805,16 @@ static moe_status_t profile_bytes(moe_layer_t *l, cuda_layer_t *s, void *stream)
         b = (W - 1) * m * (2 * H + 4 * k + 4 + (s->deterministic ? 0 : 4 * k));
         b += s->deterministic ? (W - 1) * m * k * H * 2 : (W - 1) * m * H * 4;
     } else { /* rows, ids, weights, token index out; f32 partials back (summed mode) */
-        int32_t *h = s->host_io + W * (MOE_A2A_CTRL + 1);
-        MOE_CHECK(moe_gpu_memcpy_d2h_async(h, s->sent, sizeof(int32_t) * (size_t)W, stream));
+        /* both counts in one synchronisation: [W (CTRL + 1), + W) of host_io is spare, and its
+         * start (p2p_rows' words) is not in use once the step is done */
+        int32_t *sent = s->host_io + W * (MOE_A2A_CTRL + 1), *got = s->host_io;
+        MOE_CHECK(moe_gpu_memcpy_d2h_async(sent, s->sent, sizeof(int32_t) * (size_t)W, stream));
+        MOE_CHECK(
+            moe_gpu_memcpy_d2h_async(got, s->counts_all, sizeof(int32_t) * (size_t)W, stream));
         MOE_CHECK(moe_gpu_stream_synchronize(stream));
         for (r = 0; r < W; r++)
             if (r != me)
-                b += h[r] * (2 * H + 8 * k + 4);
-        MOE_CHECK(moe_gpu_memcpy_d2h_async(h, s->counts_all, sizeof(int32_t) * (size_t)W, stream));
-        MOE_CHECK(moe_gpu_stream_synchronize(stream));
-        for (r = 0; r < W && !s->deterministic; r++)
-            if (r != me)
-                b += h[r] * 4 * H;
+                b += sent[r] * (2 * H + 8 * k + 4) + (s->deterministic ? 0 : got[r] * 4 * H);
     }
     l->stats.bytes_sent = b;
     return MOE_STATUS_SUCCESS;

@@ -204,11 +204,10 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_send_kernel(moe_a2a_dispatch_
         return;
     if (threadIdx.x < W) {
         const int d = threadIdx.x;
-        int total = 0;
-        for (int c = 0; c < (int)gridDim.x; c++) // chain holds every CTA's rows to d
-            total += gridDim.x == 1 ? 0 : (int)a.chain[c * MOE_A2A_MAX_WORLD + d];
-        if (gridDim.x == 1)
-            total = base[d];
+        // one CTA: its running base is the total; more: the count pass's chain holds each CTA's
+        int total = gridDim.x == 1 ? base[d] : 0;
+        for (int c = 0; gridDim.x > 1 && c < (int)gridDim.x; c++)
+            total += (int)a.chain[c * MOE_A2A_MAX_WORLD + d];
         a.counts[d] = total;
         const int32_t status = *a.status;
         if (a.dst_ctrl[d]) {
@@ -316,15 +315,6 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_combine_kernel(moe_a2a_combin
     }
 }
 
-__device__ __forceinline__ void put8(float *y, const float *v)
-{
-    moe_store8(y, v);
-}
-__device__ __forceinline__ void put8(__nv_bfloat16 *y, const float *v)
-{
-    moe_store8(y, v);
-}
-
 // One thread per 8 columns of a token; threads < W of each CTA wait for the returns first.
 template <typename TY>
 __global__ void __launch_bounds__(A2A_THREADS) a2a_finish_kernel(moe_a2a_finish_args_t a)
@@ -372,7 +362,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_finish_kernel(moe_a2a_finish_
         for (int u = 0; u < 8; u++)
             acc[u] += g * v[u];
     }
-    put8(static_cast<TY *>(a.y) + t * H + c, acc);
+    moe_store8(static_cast<TY *>(a.y) + t * H + c, acc);
 }
 
 } // namespace

@@ -12,6 +12,27 @@
 namespace
 {
 
+// As moe_fp8_dynamic_scale: amax floored at MOE_FP8_ACT_AMAX_MIN, over 448.
+__device__ __forceinline__ float dynamic_scale(float amax)
+{
+    return __fdiv_rn(amax > MOE_FP8_ACT_AMAX_MIN ? amax : MOE_FP8_ACT_AMAX_MIN, MOE_FP8_E4M3_MAX);
+}
+
+// q[0..8) = e4m3(v[i] / s), rounded to nearest even and saturated (NaN stays NaN): 8 bytes.
+__device__ __forceinline__ void store_e4m3x8(uint8_t *q, const float *v, float s)
+{
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const uint32_t b = __nv_cvt_float_to_fp8(__fdiv_rn(v[i], s), __NV_SATFINITE, __NV_E4M3);
+        if (i < 4)
+            lo |= b << (8 * i);
+        else
+            hi |= b << (8 * (i - 4));
+    }
+    *reinterpret_cast<uint2 *>(q) = make_uint2(lo, hi);
+}
+
 constexpr int Q_THREADS = 128; // one CTA per row: long rows (I = 14336) need many loads in flight
 
 template <typename T>
@@ -39,22 +60,11 @@ __global__ void __launch_bounds__(Q_THREADS) quant_rows_kernel(moe_quant_rows_ar
 #pragma unroll
             for (int o = 8; o > 0; o >>= 1) /* within the 16 lanes of the group */
                 m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-            const float sg =
-                __fdiv_rn(m > MOE_FP8_ACT_AMAX_MIN ? m : MOE_FP8_ACT_AMAX_MIN, MOE_FP8_E4M3_MAX);
+            const float sg = dynamic_scale(m);
             if (v < nvec) {
                 if (v % 16 == 0)
                     a.scale[row * ng + v / 16] = sg;
-                uint32_t lo = 0, hi = 0;
-#pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    const uint32_t b =
-                        __nv_cvt_float_to_fp8(__fdiv_rn(vals[i], sg), __NV_SATFINITE, __NV_E4M3);
-                    if (i < 4)
-                        lo |= b << (8 * i);
-                    else
-                        hi |= b << (8 * (i - 4));
-                }
-                *reinterpret_cast<uint2 *>(q + (int64_t)v * 8) = make_uint2(lo, hi);
+                store_e4m3x8(q + (int64_t)v * 8, vals, sg);
             }
         }
         return;
@@ -81,9 +91,7 @@ __global__ void __launch_bounds__(Q_THREADS) quant_rows_kernel(moe_quant_rows_ar
         if (threadIdx.x == 0) {
             for (int w = 1; w < Q_THREADS / 32; w++)
                 m = fmaxf(m, warp_max[w]);
-            // as moe_fp8_dynamic_scale: amax floored at MOE_FP8_ACT_AMAX_MIN, over 448
-            row_scale =
-                __fdiv_rn(m > MOE_FP8_ACT_AMAX_MIN ? m : MOE_FP8_ACT_AMAX_MIN, MOE_FP8_E4M3_MAX);
+            row_scale = dynamic_scale(m);
         }
     }
     __syncthreads();
@@ -95,16 +103,7 @@ __global__ void __launch_bounds__(Q_THREADS) quant_rows_kernel(moe_quant_rows_ar
     for (int c = threadIdx.x * 8; c < a.cols; c += Q_THREADS * 8) {
         float v[8];
         moe_load8(x + c, v);
-        uint32_t lo = 0, hi = 0;
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const uint32_t b = __nv_cvt_float_to_fp8(__fdiv_rn(v[i], s), __NV_SATFINITE, __NV_E4M3);
-            if (i < 4)
-                lo |= b << (8 * i);
-            else
-                hi |= b << (8 * (i - 4));
-        }
-        *reinterpret_cast<uint2 *>(q + c) = make_uint2(lo, hi);
+        store_e4m3x8(q + c, v, s);
     }
 }
 
