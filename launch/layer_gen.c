@@ -275,3 +275,39 @@ int moe_gen_shape_option(const char *opt, const char *value, moe_layer_config_t 
     }
     return -1;
 }
+
+int moe_gen_fp8_option(const char *opt, const char *value, int *fp8, moe_scale_kind_t *scales,
+                       char *err, size_t err_len)
+{
+    if (!strcmp(opt, "--dtype")) {
+        if (strcmp(value, "bf16") && strcmp(value, "fp8")) {
+            snprintf(err, err_len, "--dtype %s: expected bf16 or fp8", value);
+            return 0;
+        }
+        *fp8 = !strcmp(value, "fp8");
+        return 1;
+    }
+    if (strcmp(opt, "--scales"))
+        return -1;
+    if (!strcmp(value, "tensor"))
+        *scales = MOE_SCALE_PER_TENSOR;
+    else if (!strcmp(value, "channel"))
+        *scales = MOE_SCALE_PER_CHANNEL;
+    else if (!strcmp(value, "block"))
+        *scales = MOE_SCALE_BLOCK_128;
+    else {
+        snprintf(err, err_len, "--scales %s: expected tensor, channel or block", value);
+        return 0;
+    }
+    return 1;
+}
+
+void moe_gen_apply_fp8(moe_layer_config_t *cfg, int fp8, moe_scale_kind_t scales)
+{
+    cfg->weight_dtype = MOE_DTYPE_BF16;
+    if (!fp8)
+        return;
+    cfg->weight_dtype = MOE_DTYPE_FP8_E4M3;
+    cfg->scale_kind = scales ? scales : MOE_SCALE_PER_TENSOR;
+    cfg->fp8_math = MOE_FP8_MATH_W8A8;
+}

@@ -129,7 +129,9 @@ static int parse(int argc, char **argv, options_t *o)
             return REJECT("%s needs a value (or is unknown: see --help)", a);
         i++;
         ok = moe_gen_shape_option(a, v, &o->cfg, &o->preset, o->err, sizeof(o->err));
-        if (ok >= 0) {
+        if (ok < 0)
+            ok = moe_gen_fp8_option(a, v, &o->fp8, &o->scales, o->err, sizeof(o->err));
+        if (ok >= 0) { /* a shape or arithmetic option (0: bad value, o->err says why) */
             if (!ok)
                 return 0;
             continue;
@@ -143,19 +145,6 @@ static int parse(int argc, char **argv, options_t *o)
             ok = !moe_cli_double(a, v, 1e-3, 3600.0, &o->seconds, o->err, sizeof(o->err));
         } else if (!strcmp(a, "--json")) {
             o->json = v;
-        } else if (!strcmp(a, "--dtype")) {
-            if (strcmp(v, "bf16") && strcmp(v, "fp8"))
-                return REJECT("--dtype %s: expected bf16 or fp8", v);
-            o->fp8 = !strcmp(v, "fp8");
-        } else if (!strcmp(a, "--scales")) {
-            if (!strcmp(v, "tensor"))
-                o->scales = MOE_SCALE_PER_TENSOR;
-            else if (!strcmp(v, "channel"))
-                o->scales = MOE_SCALE_PER_CHANNEL;
-            else if (!strcmp(v, "block"))
-                o->scales = MOE_SCALE_BLOCK_128;
-            else
-                return REJECT("--scales %s: expected tensor, channel or block", v);
         } else {
             return REJECT("unknown option %s (see --help)", a);
         }
@@ -478,12 +467,7 @@ int main(int argc, char **argv)
     for (i = 0; i < o.num_tokens; i++)
         max_m = o.tokens[i] > max_m ? o.tokens[i] : max_m;
     o.cfg.max_tokens_per_rank = max_m;
-    o.cfg.weight_dtype = MOE_DTYPE_BF16;
-    if (o.fp8) {
-        o.cfg.weight_dtype = MOE_DTYPE_FP8_E4M3;
-        o.cfg.scale_kind = o.scales ? o.scales : MOE_SCALE_PER_TENSOR;
-        o.cfg.fp8_math = MOE_FP8_MATH_W8A8;
-    }
+    moe_gen_apply_fp8(&o.cfg, o.fp8, o.scales);
     rc.backend = MOE_BACKEND_CUDA;
     MOE_OK(moe_runtime_create_mpi(&rc, MPI_COMM_WORLD, &rt));
     CUDA_OK(cudaGetDevice(&dev));

@@ -136,22 +136,10 @@ static int parse_value(options_t *o, const char *a, const char *v, const moe_lay
         o->out = v;
         return 1;
     }
-    if (!strcmp(a, "--dtype")) {
-        if (strcmp(v, "bf16") && strcmp(v, "fp8"))
-            return REJECT("--dtype %s: expected bf16 or fp8", v);
-        o->fp8 = !strcmp(v, "fp8");
-        return 1;
-    }
-    if (!strcmp(a, "--scales")) {
-        if (!strcmp(v, "tensor"))
-            o->scales = MOE_SCALE_PER_TENSOR;
-        else if (!strcmp(v, "channel"))
-            o->scales = MOE_SCALE_PER_CHANNEL;
-        else if (!strcmp(v, "block"))
-            o->scales = MOE_SCALE_BLOCK_128;
-        else
-            return REJECT("--scales %s: expected tensor, channel or block", v);
-        return 1;
+    {
+        const int f = moe_gen_fp8_option(a, v, &o->fp8, &o->scales, o->err, sizeof(o->err));
+        if (f >= 0)
+            return f;
     }
     return REJECT("unknown option %s (see --help)", a);
 }
@@ -549,12 +537,7 @@ int main(int argc, char **argv)
     unsetenv("MOE_FORCE_TRANSPORT");
     unsetenv("MOE_EP_TRANSPORT");
     o.cfg.tp_size = o.tp;
-    o.cfg.weight_dtype = MOE_DTYPE_BF16;
-    if (o.fp8) {
-        o.cfg.weight_dtype = MOE_DTYPE_FP8_E4M3;
-        o.cfg.scale_kind = o.scales ? o.scales : MOE_SCALE_PER_TENSOR;
-        o.cfg.fp8_math = MOE_FP8_MATH_W8A8;
-    }
+    moe_gen_apply_fp8(&o.cfg, o.fp8, o.scales);
     rc.backend = MOE_BACKEND_CUDA;
     MOE_OK(moe_runtime_create_mpi(&rc, MPI_COMM_WORLD, &b.rt));
     CUDA_OK(cudaStreamCreateWithFlags(&b.stream, cudaStreamNonBlocking));
