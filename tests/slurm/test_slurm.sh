@@ -134,7 +134,7 @@ run_job() { # LAUNCHER
     echo "---- job $job output"
     cat "$out" 2>/dev/null
     echo "----"
-    echo "$info" | grep -q 'JobState=COMPLETED' ||
+    grep -q 'JobState=COMPLETED' <<<"$info" ||
         fail "job $job did not complete: $(echo "$info" | grep -o 'JobState=[A-Z_]*')"
     grep -q "^checksum " "$out" || fail "no checksum line in the output of job $job"
     grep -q "$ntasks rank(s)" "$out" || fail "moe-run did not run with $ntasks ranks in job $job"
