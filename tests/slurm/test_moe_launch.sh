@@ -11,7 +11,8 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_
 command -v mpirun >/dev/null || { echo "SKIP: mpirun not found"; exit 77; }
 fail=0
 expect() { # WHAT COMMAND_OUTPUT PATTERN
-    if echo "$2" | grep -qE -- "$3"; then echo "ok: $1"; else echo "FAIL: $1: '$2' lacks /$3/"; fail=1; fi
+    # a here-string, not echo | grep -q: under pipefail grep -q's early exit can SIGPIPE echo
+    if grep -qE -- "$3" <<<"$2"; then echo "ok: $1"; else echo "FAIL: $1: '$2' lacks /$3/"; fail=1; fi
 }
 
 out=$("$launch" --dry-run --np 4 --exe "$moe_run" -- --preset tiny)

@@ -143,7 +143,7 @@ run_job() { # LAUNCHER
 }
 
 launchers=${MOE_LAUNCHER:-mpirun srun}
-if [ -z "${MOE_LAUNCHER:-}" ] && ! srun --mpi=list 2>&1 | grep -q pmix; then
+if [ -z "${MOE_LAUNCHER:-}" ] && ! grep -q pmix <<<"$(srun --mpi=list 2>&1)"; then
     echo "note: this Slurm has no mpi/pmix plugin: only the mpirun launcher is tested"
     launchers=mpirun
 fi
