@@ -137,6 +137,13 @@ float moe_fp8_dynamic_scale(float amax)
     return (amax > MOE_FP8_ACT_AMAX_MIN ? amax : MOE_FP8_ACT_AMAX_MIN) / MOE_FP8_E4M3_MAX;
 }
 
+float moe_fp8_pair_static_scale(float gate, float up)
+{
+    if (!(gate > 0.0f) || !(up > 0.0f)) /* NaN is no scale either */
+        return 0.0f;
+    return gate > up ? gate : up;
+}
+
 void moe_convert_to_f32(moe_dtype_t dtype, const void *src, float *dst, size_t n)
 {
     size_t i;

@@ -36,6 +36,11 @@ uint8_t moe_fp8e4m3_quantize(float v, float scale);
 /* The dynamic scale of a group whose largest |value| is `amax`: max(amax, 1e-10) / 448. */
 float moe_fp8_dynamic_scale(float amax);
 
+/* The static activation scale of one quantisation that feeds two products (gate_proj and
+ * up_proj, as a fused gate_up kernel reads them) from their input_scale values: the larger when
+ * both are > 0, else 0 (dynamic per row). The CPU reference and the CUDA backend both use it. */
+float moe_fp8_pair_static_scale(float gate, float up);
+
 /* Bulk conversions; MOE_DTYPE_F32 is a copy. */
 void moe_convert_to_f32(moe_dtype_t dtype, const void *src, float *dst, size_t n);
 void moe_convert_from_f32(moe_dtype_t dtype, const float *src, void *dst, size_t n);

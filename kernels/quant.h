@@ -2,7 +2,9 @@
 /* FP8 (e4m3) activation quantisation of the W8A8 path: one scale per row,
  * s = max(amax(|row|), MOE_FP8_ACT_AMAX_MIN) / 448, q = e4m3(v / s) rounded to nearest even and
  * saturated to +-448 (NaN stays NaN) -- the CPU reference's arithmetic (docs/SEMANTICS.md).
- * CUDA-free. */
+ * Static scales (a checkpoint's input_scale, per expert): a row whose expert has a scale s > 0
+ * takes it as is (q = e4m3(v / s), the row's scale = s), as moe_cpu_fp8_quantize_rows does with
+ * static_scale = s; an expert with 0 is dynamic. CUDA-free. */
 #ifndef MOE_QUANT_H
 #define MOE_QUANT_H
 
@@ -19,12 +21,17 @@ typedef struct moe_quant_rows_args {
     int64_t rows;              /* rows the grid covers */
     const int32_t *num_blocks; /* optional device scalar: only rows < *num_blocks * block_rows */
     int block_rows;
-    int cols;                  /* multiple of 8 */
-    const float *static_scale; /* optional device scalar: this scale for every row instead */
-    uint8_t *q;                /* device [rows][cols] e4m3 */
-    float *scale;              /* device [rows], or [rows][ceil(cols / 128)] with group */
-    int group;                 /* 0: one scale per row; 128: one per 1 x 128 group (block
-                                  weights, DeepSeek-V3); static_scale must be NULL then */
+    int cols; /* multiple of 8 */
+    /* Optional static scales: device [num_experts], static_scale[e] > 0 the scale of every row of
+     * expert e, else (0) that expert's rows are dynamic. Row r's expert is
+     * block_expert[r / block_rows] (device [ceil(rows / block_rows)], the GEMM's block table); a
+     * padding block (< 0) is dynamic. NULL: every row dynamic. Not with group. */
+    const float *static_scale;
+    const int32_t *block_expert;
+    uint8_t *q;   /* device [rows][cols] e4m3 */
+    float *scale; /* device [rows], or [rows][ceil(cols / 128)] with group */
+    int group;    /* 0: one scale per row; 128: one per 1 x 128 group (block weights,
+                     DeepSeek-V3); static_scale must be NULL then */
 } moe_quant_rows_args_t;
 
 moe_status_t moe_quant_rows_launch(const moe_quant_rows_args_t *args, void *stream);

@@ -1,7 +1,9 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Presets and counter-based random weights and tokens (public API only). */
+/* Presets and counter-based random weights and tokens (public API only, but for static
+ * activation scales: runtime/weights.h's set-weight entry, the checkpoint loader's). */
 #include "layer_gen.h"
 #include "cli.h"
+#include "runtime/weights.h"
 
 #include <math.h>
 #include <stddef.h>
@@ -57,13 +59,32 @@ void moe_gen_tokens(uint64_t seed, int64_t t0, int64_t n, int hidden, float *x)
             x[t * hidden + h] = unit(key(seed, 99, 0, t0 + t, h));
 }
 
+float moe_gen_input_scale(uint64_t seed, moe_weight_kind_t kind, int expert)
+{
+    const float u = unit(key(seed, 98, expert, (int64_t)kind, 0)); /* [-1, 1) */
+    switch (kind) {
+    case MOE_WEIGHT_GATE_PROJ:
+    case MOE_WEIGHT_SHARED_GATE_PROJ:
+        return (1.125f + 0.125f * u) / 448.0f;
+    case MOE_WEIGHT_UP_PROJ:
+    case MOE_WEIGHT_SHARED_UP_PROJ:
+        return expert % 4 == 3 ? 0.0f : (1.125f + 0.125f * u) / 448.0f;
+    case MOE_WEIGHT_DOWN_PROJ:
+    case MOE_WEIGHT_SHARED_DOWN_PROJ:
+        return expert % 3 == 1 ? 0.0f : (12.0f + 2.0f * u) / 448.0f;
+    default:
+        return 0.0f;
+    }
+}
+
 /* Sets rows [r0, r0 + rows) x cols [c0, c0 + cols) of a [full_rows, full_cols] matrix: the
  * slice, or (`whole`) the whole matrix, which the layer slices itself. FP8 layers with one
  * scale per matrix or per row get the whole matrix, so that a TP slice is quantised with the
- * scales one rank holding everything would use. */
+ * scales one rank holding everything would use. `input_scale` > 0: the matrix's static
+ * activation scale. */
 static moe_status_t set_one(moe_layer_t *layer, uint64_t seed, moe_weight_kind_t kind, int expert,
                             int64_t r0, int64_t rows, int64_t c0, int64_t cols, int64_t full_rows,
-                            int64_t full_cols, int whole, float *buf)
+                            int64_t full_cols, int whole, float input_scale, float *buf)
 {
     moe_tensor_t t = {MOE_DTYPE_F32, rows, cols, buf, NULL, 0, 0};
     if (rows <= 0 || cols <= 0)
@@ -74,10 +95,15 @@ static moe_status_t set_one(moe_layer_t *layer, uint64_t seed, moe_weight_kind_t
         t.cols = cols = full_cols;
     }
     moe_gen_matrix(seed, kind, expert, r0, rows, c0, cols, full_cols, buf);
+    if (input_scale > 0.0f)
+        return moe_layer_set_weight_from(layer, kind, expert, &t, input_scale, NULL, 0, 0);
     return moe_layer_set_weight(layer, kind, expert, &t);
 }
 
-moe_status_t moe_gen_set_weights(moe_layer_t *layer, const moe_layer_config_t *cfg, uint64_t seed)
+/* moe_gen_set_weights; `input_scales`: the expert and shared matrices with moe_gen_input_scale's
+ * static activation scales. */
+static moe_status_t set_weights(moe_layer_t *layer, const moe_layer_config_t *cfg, uint64_t seed,
+                                int input_scales)
 {
     const int64_t H = cfg->hidden, E = cfg->num_experts, I = cfg->intermediate;
     moe_layer_info_t info;
@@ -104,9 +130,11 @@ moe_status_t moe_gen_set_weights(moe_layer_t *layer, const moe_layer_config_t *c
     buf = malloc(sizeof(float) * (size_t)(big + 1));
     if (!buf)
         return MOE_STATUS_OUT_OF_MEMORY;
-#define SET(...)                                                                                   \
+#define SET(kind, expert, ...)                                                                     \
     do {                                                                                           \
-        if ((st = set_one(layer, seed, __VA_ARGS__, buf)) != MOE_STATUS_SUCCESS)                   \
+        const float in_ = input_scales ? moe_gen_input_scale(seed, kind, expert) : 0.0f;           \
+        if ((st = set_one(layer, seed, kind, expert, __VA_ARGS__, in_, buf)) !=                    \
+            MOE_STATUS_SUCCESS)                                                                    \
             goto out;                                                                              \
     } while (0)
     SET(MOE_WEIGHT_ROUTER, -1, 0, E, 0, H, E, H, 0);
@@ -128,6 +156,17 @@ moe_status_t moe_gen_set_weights(moe_layer_t *layer, const moe_layer_config_t *c
 out:
     free(buf);
     return st;
+}
+
+moe_status_t moe_gen_set_weights(moe_layer_t *layer, const moe_layer_config_t *cfg, uint64_t seed)
+{
+    return set_weights(layer, cfg, seed, 0);
+}
+
+moe_status_t moe_gen_set_weights_static(moe_layer_t *layer, const moe_layer_config_t *cfg,
+                                        uint64_t seed)
+{
+    return set_weights(layer, cfg, seed, 1);
 }
 
 typedef struct preset {

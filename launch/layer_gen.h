@@ -30,6 +30,18 @@ void moe_gen_tokens(uint64_t seed, int64_t t0, int64_t n, int hidden, float *x);
 /* Sets this rank's slice of every weight of `layer` (config `cfg`) from `seed`. */
 moe_status_t moe_gen_set_weights(moe_layer_t *layer, const moe_layer_config_t *cfg, uint64_t seed);
 
+/* The static activation scale (a checkpoint's input_scale) moe_gen_set_weights_static gives
+ * matrix `kind` of `expert` (-1: the shared MLP's): gate and up in [1, 1.25) / 448 (tokens of
+ * moe_gen_tokens never saturate), down in [10, 14) / 448 (h rarely does); 0 (none) for up_proj
+ * of experts e % 4 == 3 (their GEMM1 input is then dynamic) and down_proj of e % 3 == 1; 0 for
+ * the other kinds. */
+float moe_gen_input_scale(uint64_t seed, moe_weight_kind_t kind, int expert);
+/* moe_gen_set_weights, the expert and shared matrices with moe_gen_input_scale's static scales
+ * (as a checkpoint with activation_scheme "static" has them): FP8 per-tensor layers keep them
+ * (W8A8 uses them), every other layer computes as with moe_gen_set_weights. */
+moe_status_t moe_gen_set_weights_static(moe_layer_t *layer, const moe_layer_config_t *cfg,
+                                        uint64_t seed);
+
 /* The layer-shape options the tools share: --preset NAME, --experts E, --top-k K, --hidden H,
  * --intermediate I (a size sets *preset to "custom"). 1: `opt` is one and `value` is good; 0:
  * it is one and `value` is bad (err holds why); -1: not a shape option. */

@@ -146,6 +146,14 @@ static void plan_weights(cuda_layer_t *s, carve_t *c)
             s->sw2s = moe_cuda_take(c, sizeof(float) * H * f8_groups(s, s->ss));
         }
     }
+    if (s->f8 == 1) { /* static activation scales: per-tensor weights only (never blocks) */
+        s->in13 = moe_cuda_take(c, sizeof(float) * E);
+        s->in2 = moe_cuda_take(c, sizeof(float) * E);
+        if (ss > 0) {
+            s->sin13 = moe_cuda_take(c, sizeof(float));
+            s->sin2 = moe_cuda_take(c, sizeof(float));
+        }
+    }
     s->router = moe_cuda_take(c, sizeof(float) * (size_t)s->E_total * H); /* every expert's row */
     s->bias = moe_cuda_take(c, sizeof(float) * (size_t)s->E_total);
     if (ss > 0) {
@@ -198,6 +206,7 @@ static void cuda_fini(moe_layer_t *l)
     moe_cuda_ep_fini(s);
     moe_oracle_free(&s->oracle);
     free(s->host_counts);
+    free(s->host_in);
     free(s);
     l->state = NULL;
 }
@@ -380,6 +389,19 @@ static moe_status_t cuda_init(moe_layer_t *l)
     c.off = 0;
     plan_weights(s, &c);
     MOE_CHECK_GOTO(moe_gpu_memset(s->bias, 0, sizeof(float) * (size_t)s->E_total), st, fail);
+    if (s->f8 == 1) { /* no static scale until a weight brings one: every expert dynamic */
+        MOE_CHECK_GOTO(moe_gpu_memset(s->in13, 0, sizeof(float) * (size_t)s->E), st, fail);
+        MOE_CHECK_GOTO(moe_gpu_memset(s->in2, 0, sizeof(float) * (size_t)s->E), st, fail);
+        if (s->ss > 0) {
+            MOE_CHECK_GOTO(moe_gpu_memset(s->sin13, 0, sizeof(float)), st, fail);
+            MOE_CHECK_GOTO(moe_gpu_memset(s->sin2, 0, sizeof(float)), st, fail);
+        }
+        s->host_in = calloc(3 * ((size_t)s->E + 1), sizeof(float));
+        if (!s->host_in) {
+            st = moe_error(MOE_STATUS_OUT_OF_MEMORY, "static activation scales");
+            goto fail;
+        }
+    }
     MOE_CHECK_GOTO(moe_gpu_host_alloc((void **)&s->sticky, sizeof(int32_t)), st, fail);
     *s->sticky = 0;
 
@@ -523,6 +545,40 @@ static moe_status_t store_e4m3(cuda_layer_t *s, moe_weight_kind_t kind, int loca
     return st;
 }
 
+/* W8A8 per-row scale layers: keeps the matrix's static activation scale (its input_scale;
+ * per-tensor weights only, 0: none) and uploads the GEMM input scale it changes, as the CPU
+ * reference (kernels/cpu/w8a8.c) takes them: GEMM1's is moe_fp8_pair_static_scale(gate, up),
+ * recomputed whichever of the two arrives (the other's kept value, 0 until it comes), GEMM2's
+ * is down's. `local`: the expert's index on this rank (the shared MLP: row E). */
+static moe_status_t store_static_scale(cuda_layer_t *s, moe_weight_kind_t kind, int local,
+                                       const moe_matrix_t *m)
+{
+    const int shared = kind == MOE_WEIGHT_SHARED_GATE_PROJ || kind == MOE_WEIGHT_SHARED_UP_PROJ ||
+                       kind == MOE_WEIGHT_SHARED_DOWN_PROJ;
+    const int which = kind == MOE_WEIGHT_GATE_PROJ || kind == MOE_WEIGHT_SHARED_GATE_PROJ ? 0
+                      : kind == MOE_WEIGHT_UP_PROJ || kind == MOE_WEIGHT_SHARED_UP_PROJ   ? 1
+                                                                                          : 2;
+    const int row = shared ? s->E : local, slot = 2 * shared + (which == 2);
+    float *h = s->host_in + 3 * (size_t)row, *dst, v;
+    int e;
+
+    h[which] =
+        m->scale_kind == MOE_SCALE_PER_TENSOR && m->input_scale > 0.0f ? m->input_scale : 0.0f;
+    v = which == 2 ? h[2] : moe_fp8_pair_static_scale(h[0], h[1]);
+    if (shared)
+        dst = which == 2 ? s->sin2 : s->sin13;
+    else
+        dst = (which == 2 ? s->in2 : s->in13) + local;
+    MOE_CHECK(moe_gpu_memcpy_h2d(dst, &v, sizeof(float)));
+    /* an array with no scale at all is not passed: the quantisation stays the dynamic kernel */
+    s->has_in[slot] = 0;
+    for (e = shared ? s->E : 0; e < (shared ? s->E + 1 : s->E); e++) {
+        const float *he = s->host_in + 3 * (size_t)e;
+        s->has_in[slot] |= (which == 2 ? he[2] : moe_fp8_pair_static_scale(he[0], he[1])) > 0.0f;
+    }
+    return MOE_STATUS_SUCCESS;
+}
+
 static moe_status_t cuda_store_weight(moe_layer_t *l, moe_weight_kind_t kind, int local,
                                       const moe_matrix_t *m)
 {
@@ -571,15 +627,12 @@ static moe_status_t cuda_store_weight(moe_layer_t *l, moe_weight_kind_t kind, in
     default:
         return moe_error(MOE_STATUS_INVALID_ARGUMENT, "CUDA store: weight kind %d", (int)kind);
     }
-    if (s->f8 && m->input_scale > 0.0f) /* the CPU reference would use it: refuse, not differ */
-        return moe_error(MOE_STATUS_NOT_SUPPORTED,
-                         "CUDA backend, W8A8: weight kind %d has a static activation scale "
-                         "(input_scale %g); static scales are not built on the GPU (dynamic "
-                         "per-row scales are): use fp8_math W8A16 or the CPU backend",
-                         (int)kind, (double)m->input_scale);
-    if (s->f8)
-        return store_e4m3(s, kind, local, m);
-    return store_bf16(dst, m);
+    if (s->f8) {
+        MOE_CHECK(store_e4m3(s, kind, local, m));
+        /* block layers never get an input_scale (weights.c keeps it for per-tensor only) */
+        return s->f8 == 1 ? store_static_scale(s, kind, local, m) : MOE_STATUS_SUCCESS;
+    }
+    return store_bf16(dst, m); /* W8A16: the input_scale is not used, as on the CPU */
 }
 
 /* The oracle's choice (not forced) at rows_per_expert. Deterministic mode: the built-in
@@ -608,7 +661,8 @@ const moe_gemm_variant_t *moe_cuda_variant_for(const cuda_layer_t *s, double row
 }
 
 /* The expert MLP's two GEMMs on the rows of a (bf16); W8A8: each GEMM's input quantised per
- * row first (a -> a8, h -> h8), e4m3 weights with per-row scales. */
+ * row first (a -> a8, h -> h8), e4m3 weights with per-row scales; in13 / in2 (optional): each
+ * expert's static scale of that input (0: dynamic). */
 typedef struct mlp_io {
     const void *a;
     void *h, *o;
@@ -616,6 +670,7 @@ typedef struct mlp_io {
     float *as, *hs;
     const void *w13, *w2;
     const float *w13s, *w2s;
+    const float *in13, *in2;
     int64_t inter;
     int num_experts;
 } mlp_io_t;
@@ -640,8 +695,9 @@ static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_
     g.ab_dtype = MOE_DTYPE_BF16;
     g.scale_kind = MOE_SCALE_NONE;
     if (s->f8) {
-        moe_quant_rows_args_t q = {m->a, MOE_DTYPE_BF16, rows,  num_blocks, v->block_rows,
-                                   s->H, NULL,           m->a8, m->as,      s->f8 == 2 ? 128 : 0};
+        moe_quant_rows_args_t q = {
+            m->a,    MOE_DTYPE_BF16, rows,  num_blocks, v->block_rows,       s->H,
+            m->in13, block_expert,   m->a8, m->as,      s->f8 == 2 ? 128 : 0};
         MOE_CHECK(moe_quant_rows_launch(&q, stream));
         g.a = m->a8;
         g.a_scale = m->as;
@@ -657,9 +713,9 @@ static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_
     g.k = (int)m->inter;
     g.epilogue = MOE_GEMM_EPI_STORE;
     if (s->f8) {
-        moe_quant_rows_args_t q = {m->h,          MOE_DTYPE_BF16,      rows, num_blocks,
-                                   v->block_rows, (int)m->inter,       NULL, m->h8,
-                                   m->hs,         s->f8 == 2 ? 128 : 0};
+        moe_quant_rows_args_t q = {
+            m->h,   MOE_DTYPE_BF16, rows,  num_blocks, v->block_rows,       (int)m->inter,
+            m->in2, block_expert,   m->h8, m->hs,      s->f8 == 2 ? 128 : 0};
         MOE_CHECK(moe_quant_rows_launch(&q, stream));
         g.a = m->h8;
         g.a_scale = m->hs;
@@ -748,8 +804,9 @@ moe_status_t moe_cuda_routed_experts(cuda_layer_t *s, const void *x, moe_dtype_t
     MOE_CHECK(moe_gather_launch(&g, stream));
     MOE_CHECK(moe_cuda_record(s, EV_PERMUTE, stream));
     {
-        const mlp_io_t m = {s->a,   s->h,  s->o,    s->a8,  s->h8, s->as, s->hs,
-                            s->w13, s->w2, s->w13s, s->w2s, s->is, s->E};
+        const float *in13 = s->has_in[0] ? s->in13 : NULL, *in2 = s->has_in[1] ? s->in2 : NULL;
+        const mlp_io_t m = {s->a,  s->h,    s->o,   s->a8, s->h8, s->as, s->hs, s->w13,
+                            s->w2, s->w13s, s->w2s, in13,  in2,   s->is, s->E};
         return run_mlp_gemms(s, v, &m, s->block_expert, s->num_blocks, mb, stream);
     }
 }
@@ -768,8 +825,9 @@ moe_status_t moe_cuda_shared_experts(cuda_layer_t *s, const void *x, moe_dtype_t
                          s->s_max_blocks);
     MOE_CHECK(moe_rows_launch(&r, stream));
     {
-        const mlp_io_t m = {s->sa,   s->sh,  s->so,    s->sa8,  s->sh8, s->sas, s->shs,
-                            s->sw13, s->sw2, s->sw13s, s->sw2s, s->ss,  1};
+        const float *in13 = s->has_in[2] ? s->sin13 : NULL, *in2 = s->has_in[3] ? s->sin2 : NULL;
+        const mlp_io_t m = {s->sa,  s->sh,    s->so,   s->sa8, s->sh8, s->sas, s->shs, s->sw13,
+                            s->sw2, s->sw13s, s->sw2s, in13,   in2,    s->ss,  1};
         return run_mlp_gemms(s, v, &m, s->s_block_expert, s->s_num_blocks, mb, stream);
     }
 }

@@ -43,6 +43,12 @@ typedef struct cuda_layer {
     float *ones;                      /* EP: [tm] */
     int32_t *sticky; /* host-mapped pinned scalar: the first failed step's (rank << 8) | status
                       * since the last synchronize, written by the device (0: none) */
+    /* W8A8 per-row scale layers: static activation scales (a checkpoint's input_scale) of the
+     * GEMM1 input (moe_fp8_pair_static_scale of gate's and up's) and the GEMM2 input (down's)
+     * per local expert, [E] each, and the shared MLP's, [1] each; 0: dynamic for that expert. */
+    float *in13, *in2, *sin13, *sin2;
+    float *host_in; /* their source: [E + 1][3] gate, up, down input_scale (row E: shared) */
+    int has_in[4];  /* in13, in2, sin13, sin2 hold a scale > 0: else the dynamic path */
 
     /* Workspace: carved at each forward out of the runtime's one shared buffer (layers of a
      * runtime run one at a time), sized for max_tokens and every selectable variant. */

@@ -134,10 +134,9 @@ static moe_status_t quantize_for(const moe_cpu_matrix_t *m, const float *x, int6
  * (one quantisation feeds both products, as a fused gate_up kernel does), else 0 (dynamic). */
 static float gate_up_static_scale(const moe_cpu_mlp_t *w)
 {
-    const float g = w->input_scale[0], u = w->input_scale[1];
-    if (w->gate.scale_kind != MOE_SCALE_PER_TENSOR || !(g > 0.0f) || !(u > 0.0f))
+    if (w->gate.scale_kind != MOE_SCALE_PER_TENSOR)
         return 0.0f;
-    return g > u ? g : u;
+    return moe_fp8_pair_static_scale(w->input_scale[0], w->input_scale[1]);
 }
 
 static float down_static_scale(const moe_cpu_mlp_t *w)

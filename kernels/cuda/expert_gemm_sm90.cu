@@ -148,15 +148,6 @@ static __device__ __forceinline__ void sm90_item(int t, int nb, int n_tiles, int
     *b = g * GROUP_BLOCKS + rem % gsize;
 }
 
-/* Block scales (F8 = 2): the scale of A row `row` and of weight row `wrow` (global, e * n +
- * local) for the 128-wide k slice ks; a_scale is [rows][kbn], b_scale [num_experts * n][kbn]
- * (the 128 x 128 blocks expanded per weight row). */
-__device__ __forceinline__ float sm90_f8_block_scale(const moe_gemm_kparams &p, int64_t row,
-                                                     int64_t wrow, int ks, int kbn)
-{
-    return __ldg(p.a_scale + row * kbn + ks) * __ldg(p.b_scale + wrow * kbn + ks);
-}
-
 /* FP8 (F8 = 1): e4m3 A and B, f32 accumulation; the epilogue multiplies each output by the
  * A row's scale and the weight row's scale (per-tensor scales come expanded per row). */
 __device__ __forceinline__ float sm90_f8_scale(const moe_gemm_kparams &p, int64_t row, int e,
@@ -285,40 +276,51 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>::T
     const int kbn = (p.k + 127) / 128; /* 128-wide k slices (block scales) */
     /* d += part (F8 = 2: times the block scales of each element's A row and weight row). The
      * element -> (row, column) map of a wgmma accumulator: row 16 warp + lane/4 + 8 ((i%4)/2),
-     * column 8 (i/4) + 2 (lane%4) + i%2. */
+     * column 8 (i/4) + 2 (lane%4) + i%2.
+     * Block scales: a weight tile (WR rows, WR | 128, aligned in its own matrix: gate, up or
+     * down) lies in one 128-row block, so its rows share one scale per k slice -- loaded once per
+     * slice, not per element (the backend's per-row scales repeat it; layer.c keeps TP slices
+     * 128-aligned). A thread's accumulators touch 2 A rows (normal) or ACC/2 tokens (swap-AB). */
     auto promote = [&](acc_t d, acc_t pp, int ks, int e, int64_t row0, int jt) {
+        if (F8 != 2) {
+#pragma unroll
+            for (int h = 0; h < C::NACC; h++)
+#pragma unroll
+                for (int i = 0; i < C::ACC; i++) {
+                    reg_fence(pp[h][i]);
+                    d[h][i] += pp[h][i];
+                }
+            return;
+        }
+        /* slices past k (a last stage's zero fill) have no scales: nothing to add */
+        const bool kin = ks < kbn;
+        const int nlim = EPI == MOE_GEMM_EPI_STORE ? p.n : p.n / 2;
+        constexpr int NA = SWAP ? C::ACC / 2 : 2;
+        float sb[C::NACC], sa[NA];
+#pragma unroll
+        for (int h = 0; h < C::NACC; h++) {
+            /* the half hh of weight tile rows (gate or up for *_MUL) this accumulator set holds:
+             * swap-AB rows 64 h + 16 warp .. + 15 (WR >= 32: one half), normal: slice h */
+            const int hh = SWAP ? (64 * h + 16 * warp) / WR : h;
+            const int lc0 = EPI == MOE_GEMM_EPI_STORE ? jt * HALVES * WR + hh * WR : jt * WR;
+            const int wl0 = EPI == MOE_GEMM_EPI_STORE ? lc0 : hh * (p.n / 2) + lc0;
+            sb[h] =
+                kin && lc0 < nlim ? __ldg(p.b_scale + ((int64_t)e * p.n + wl0) * kbn + ks) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < NA; j++) {
+            /* normal: rows r16 + 8 j; swap-AB: token columns 8 (j/2) + 2 (lane%4) + j%2 */
+            const int64_t arow = SWAP ? row0 + 8 * (j >> 1) + 2 * (lane & 3) + (j & 1)
+                                      : row0 + wg * 64 + 16 * warp + (lane >> 2) + 8 * j;
+            sa[j] = kin ? __ldg(p.a_scale + arow * kbn + ks) : 0.0f;
+        }
 #pragma unroll
         for (int h = 0; h < C::NACC; h++)
 #pragma unroll
             for (int i = 0; i < C::ACC; i++) {
                 reg_fence(pp[h][i]);
-                if (F8 != 2) {
-                    d[h][i] += pp[h][i];
-                    continue;
-                }
-                const int r16 = 16 * (warp) + (lane >> 2) + 8 * ((i & 3) >> 1);
-                const int c8 = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-                int64_t arow;
-                int wl, hh, within;
-                if (SWAP) { /* tile row 64 h + r16 = weight row, column = token */
-                    const int r = 64 * h + r16;
-                    hh = r / WR;
-                    within = r % WR;
-                    arow = row0 + c8;
-                } else { /* row = token, column = weight row of slice h */
-                    hh = h;
-                    within = c8;
-                    arow = row0 + wg * 64 + r16;
-                }
-                const int lc = EPI == MOE_GEMM_EPI_STORE ? jt * HALVES * WR + hh * WR + within
-                                                         : jt * WR + within;
-                const bool ok = lc < (EPI == MOE_GEMM_EPI_STORE ? p.n : p.n / 2);
-                wl = EPI == MOE_GEMM_EPI_STORE ? lc : hh * (p.n / 2) + lc;
-                /* slices past k (a last stage's zero fill) have no scales: nothing to add */
-                const float sc = ok && ks < kbn
-                                     ? sm90_f8_block_scale(p, arow, (int64_t)e * p.n + wl, ks, kbn)
-                                     : 0.0f;
-                d[h][i] += pp[h][i] * sc;
+                const int j = SWAP ? 2 * (i >> 2) + (i & 1) : (i & 3) >> 1;
+                d[h][i] += pp[h][i] * (sa[j] * sb[h]);
             }
     };
     int s = 0, ph = 0;

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// e4m3 rows with one scale per row (W8A8 activations): amax by a warp, then the conversion.
+// e4m3 rows with one scale per row (W8A8 activations): amax by a warp, then the conversion;
+// or the row's expert's static scale.
 #include "kernels/quant.h"
 
 #include <cuda_bf16.h>
@@ -69,9 +70,15 @@ __global__ void __launch_bounds__(Q_THREADS) quant_rows_kernel(moe_quant_rows_ar
         }
         return;
     }
+    float st = 0.0f; /* the row's expert's static scale; the same for the whole CTA */
     if (a.static_scale) {
+        const int32_t e = a.block_expert[row / a.block_rows];
+        if (e >= 0)
+            st = a.static_scale[e];
+    }
+    if (st > 0.0f) { /* as the CPU's `!(s > 0)`: 0 (and NaN) mean dynamic */
         if (threadIdx.x == 0)
-            row_scale = *a.static_scale;
+            row_scale = st;
     } else {
         float m = 0.0f;
 #pragma unroll 4
@@ -119,6 +126,11 @@ extern "C" moe_status_t moe_quant_rows_launch(const moe_quant_rows_args_t *a, vo
     if (a->group && (a->group != 128 || a->static_scale))
         return moe_error(MOE_STATUS_INVALID_ARGUMENT,
                          "e4m3 rows: group = %d (0 or 128, without a static scale)", a->group);
+    if (a->static_scale && (!a->block_expert || a->block_rows <= 0))
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT,
+                         "e4m3 rows: static scales per expert need the block table (block_expert "
+                         "%s, block_rows %d)",
+                         a->block_expert ? "set" : "NULL", a->block_rows);
     if (a->rows > INT32_MAX)
         return moe_error(MOE_STATUS_INVALID_ARGUMENT, "e4m3 rows: %lld rows", (long long)a->rows);
     const unsigned grid = (unsigned)a->rows;

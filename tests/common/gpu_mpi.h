@@ -107,11 +107,14 @@ static inline int gt_group_teardown(void **state)
         return rc_;                                                                                \
     }
 
-/* y (host) = layer(x (host)) on runtime rt (weights from moe_gen_set_weights(seed)); device
- * buffers, y poisoned with NaN first, when it is a CUDA runtime. */
-static inline void gt_run_layer(moe_runtime_t *rt, moe_layer_config_t c, uint64_t seed,
-                                const float *x, int64_t n, const float *logits, float *y,
-                                int64_t max_tokens_across_ranks)
+/* y (host) = layer(x (host)) on runtime rt (weights from moe_gen_set_weights(seed), or
+ * `static_scales`: moe_gen_set_weights_static(seed)), as `steps` forwards of n tokens each on
+ * one layer (rows r n .. r n + n - 1 in step r); device buffers, y poisoned with NaN first,
+ * when it is a CUDA runtime. */
+static inline void gt_run_layer_steps(moe_runtime_t *rt, moe_layer_config_t c, uint64_t seed,
+                                      int static_scales, const float *x, int64_t n, int steps,
+                                      const float *logits, float *y,
+                                      int64_t max_tokens_across_ranks)
 {
     moe_runtime_info_t ri;
     moe_layer_t *l = NULL;
@@ -122,39 +125,58 @@ static inline void gt_run_layer(moe_runtime_t *rt, moe_layer_config_t c, uint64_
 
     TU_OK(moe_runtime_get_info(rt, &ri));
     TU_OK(moe_layer_create(rt, &c, &l));
-    TU_OK(moe_gen_set_weights(l, &c, seed));
-    a.num_tokens = n;
-    a.max_tokens_across_ranks = max_tokens_across_ranks;
+    if (static_scales)
+        TU_OK(moe_gen_set_weights_static(l, &c, seed));
+    else
+        TU_OK(moe_gen_set_weights(l, &c, seed));
     if (ri.backend == MOE_BACKEND_CUDA) {
         assert_int_equal(cudaMalloc(&dx, bytes), cudaSuccess);
         assert_int_equal(cudaMalloc(&dy, bytes), cudaSuccess);
-        assert_int_equal(cudaMemcpy(dx, x, bytes - sizeof(float), cudaMemcpyHostToDevice), 0);
-        assert_int_equal(cudaMemset(dy, 0xff, bytes), cudaSuccess); /* NaN poison */
-        if (logits) {
+        if (logits)
             assert_int_equal(cudaMalloc(&dl, sizeof(float) * (size_t)(n * c.num_experts + 1)), 0);
-            assert_int_equal(cudaMemcpy(dl, logits, sizeof(float) * (size_t)(n * c.num_experts),
-                                        cudaMemcpyHostToDevice),
-                             0);
-        }
-        a.x = dx;
-        a.y = dy;
-        a.router_logits = dl;
-    } else {
-        for (i = 0; i < n * c.hidden; i++)
-            y[i] = NAN;
-        a.x = x;
-        a.y = y;
-        a.router_logits = logits;
     }
-    TU_OK(moe_layer_forward(l, &a));
+    for (int r = 0; r < steps; r++) {
+        const float *xr = x + (size_t)r * n * c.hidden;
+        const float *lr = logits ? logits + (size_t)r * n * c.num_experts : NULL;
+        float *yr = y + (size_t)r * n * c.hidden;
+        a.num_tokens = n;
+        a.max_tokens_across_ranks = max_tokens_across_ranks;
+        if (ri.backend == MOE_BACKEND_CUDA) {
+            assert_int_equal(cudaMemcpy(dx, xr, bytes - sizeof(float), cudaMemcpyHostToDevice), 0);
+            assert_int_equal(cudaMemset(dy, 0xff, bytes), cudaSuccess); /* NaN poison */
+            if (lr)
+                assert_int_equal(cudaMemcpy(dl, lr, sizeof(float) * (size_t)(n * c.num_experts),
+                                            cudaMemcpyHostToDevice),
+                                 0);
+            a.x = dx;
+            a.y = dy;
+            a.router_logits = dl;
+        } else {
+            for (i = 0; i < n * c.hidden; i++)
+                yr[i] = NAN;
+            a.x = xr;
+            a.y = yr;
+            a.router_logits = lr;
+        }
+        TU_OK(moe_layer_forward(l, &a));
+        if (ri.backend == MOE_BACKEND_CUDA) {
+            assert_int_equal(cudaDeviceSynchronize(), cudaSuccess);
+            assert_int_equal(cudaMemcpy(yr, dy, bytes - sizeof(float), cudaMemcpyDeviceToHost), 0);
+        }
+    }
     if (ri.backend == MOE_BACKEND_CUDA) {
-        assert_int_equal(cudaDeviceSynchronize(), cudaSuccess);
-        assert_int_equal(cudaMemcpy(y, dy, bytes - sizeof(float), cudaMemcpyDeviceToHost), 0);
         cudaFree(dx);
         cudaFree(dy);
         cudaFree(dl);
     }
     TU_OK(moe_layer_destroy(l));
+}
+
+static inline void gt_run_layer(moe_runtime_t *rt, moe_layer_config_t c, uint64_t seed,
+                                const float *x, int64_t n, const float *logits, float *y,
+                                int64_t max_tokens_across_ranks)
+{
+    gt_run_layer_steps(rt, c, seed, 0, x, n, 1, logits, y, max_tokens_across_ranks);
 }
 
 #endif /* MOE_GPU_MPI_H */

@@ -53,6 +53,11 @@ static const shape_t shapes[] = {
     {"gptoss_w13", 2, 5760, 2880, {3, 20}},
     {"gptoss_w2", 2, 2880, 2880, {3, 20}},
     {"odd", 3, 208, 1032, {1, 65, 7}},
+    /* one expert, as the shared MLP runs (test_gpu_fp8's DeepSeek-like shape: H 2048, shared
+     * 512), and its routed I 384 (three 128-wide k slices in a four-slice stage) */
+    {"shared_w13", 1, 1024, 2048, {7}},
+    {"shared_w2", 1, 2048, 512, {1}},
+    {"i384_w2", 4, 2048, 384, {1, 0, 7, 2}},
 };
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
@@ -122,7 +127,8 @@ static uint8_t e4m3_shift(uint8_t c, int d)
  * kb (the product of the two block factors varies along k, so a slice's scales read from the
  * wrong k block show):
  * per-row codes (x8, w8) fold the block factor in, block codes (x8b, w8b) leave it to the
- * block scales. */
+ * block scales; the weights' block scales also vary by expert and 128-row block, as a
+ * checkpoint's do (within a block the rows share them; ws[row]'s variation is in w8b). */
 typedef struct inputs {
     const shape_t *s;
     int total_rows;
@@ -136,7 +142,7 @@ typedef struct inputs {
     void *d_b8;     /* device e4m3 weights */
     float *d_bs;    /* device [num_experts * n] scales of the weight rows */
     void *d_b8b;    /* device e4m3 weights for block scales */
-    float *d_bsb;   /* device [num_experts * n][kbn] block scales (per weight row) */
+    float *d_bsb;   /* device [num_experts * n][kbn] block scales (expanded per weight row) */
 } inputs_t;
 
 static void make_inputs(const shape_t *s, inputs_t *in)
@@ -171,14 +177,20 @@ static void make_inputs(const shape_t *s, inputs_t *in)
     /* magnitude ~ 2/sqrt(k): codes ~1 times 2^-(log2(k)/2) per row, varied by row */
     const int wexp = -(int)(log2((double)k) / 2.0);
     for (size_t row = 0; row < (size_t)s->num_experts * n; row++) {
+        /* Block scales are one per 128 x 128 block of each matrix: g, a factor per expert and
+         * 128-row block (blocks of gate and up coincide with those of the whole when n/2 is a
+         * multiple of 128; else one per expert), the row's own factor in its codes. */
+        const size_t e = row / n, local = row % n;
+        const int g = (int)((e + ((n / 2) % 128 == 0 ? local / 128 : 0)) % 3);
         ws[row] = ldexpf(1.0f, wexp - (int)(row % 3));
         for (size_t i = 0; i < k; i++) {
-            w8b[row * k + i] = rnd_e4m3();
-            w8[row * k + i] = e4m3_shift(w8b[row * k + i], (int)((i / 256) % 2));
+            const uint8_t q = rnd_e4m3();
+            w8b[row * k + i] = e4m3_shift(q, g - (int)(row % 3));
+            w8[row * k + i] = e4m3_shift(q, (int)((i / 256) % 2));
             w[row * k + i] = f2bf(e4m3_value(w8[row * k + i]) * ws[row]);
         }
         for (size_t b = 0; b < kbn; b++)
-            wsb[row * kbn + b] = ws[row] * ((b / 2) % 2 ? 2.0f : 1.0f);
+            wsb[row * kbn + b] = ldexpf(1.0f, wexp - g) * ((b / 2) % 2 ? 2.0f : 1.0f);
     }
     CUDA_OK(cudaMalloc(&in->d_b, wcount * 2));
     CUDA_OK(cudaMemcpy(in->d_b, w, wcount * 2, cudaMemcpyHostToDevice));

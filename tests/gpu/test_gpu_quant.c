@@ -1,20 +1,34 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* GPU e4m3 activation quantisation (the W8A8 path's moe_quant_rows_launch) against the CPU
  * reference (moe_cpu_fp8_quantize_rows): per row and per 1 x 128 group, bf16 and f32 input,
- * rows of zeros, NaN, values that saturate at +-448 under a static scale, a partial last group,
- * rows past *num_blocks left alone; outputs poisoned first. Codes and scales must be equal. */
+ * rows of zeros, NaN, values that saturate at +-448 under a static scale, static scales per
+ * expert through the block table (experts with 0 and padding blocks dynamic), a partial last
+ * group, rows past *num_blocks left alone; outputs poisoned first. Codes and scales must be
+ * equal. */
 #include "gpu_test.h"
 
 #include "kernels/cpu/moe_cpu.h"
 #include "kernels/quant.h"
 
-/* One case: rows x cols of random values (scaled by 10^(row % 5 - 2)), a few specials. */
-static void check_quant(int64_t rows, int cols, int group, moe_dtype_t dtype, float static_scale,
-                        int used_blocks, int block_rows)
+/* Block b's expert in the static cases: every block expert 0 with one expert, else a spread
+ * over -1 (padding) .. num_experts - 1. */
+static int32_t block_expert_of(int64_t b, int num_experts)
 {
-    const int64_t n = rows * cols;
+    return num_experts == 1 ? 0 : (int32_t)((b * 5 + 2) % (num_experts + 1)) - 1;
+}
+
+/* One case: rows x cols of random values (scaled by 10^(row % 5 - 2)), a few specials.
+ * static_scale (NULL: none): device-side scales of num_experts experts, row r's expert given by
+ * block_expert_of(r / block_rows); the CPU reference quantises each row with its expert's scale
+ * (0 and padding blocks: dynamic). */
+static void check_quant(int64_t rows, int cols, int group, moe_dtype_t dtype,
+                        const float *static_scale, int num_experts, int used_blocks, int block_rows)
+{
+    const int64_t n = rows * cols, nb = (rows + block_rows - 1) / block_rows;
     const int ng = group ? (cols + group - 1) / group : 1;
     const int64_t used = used_blocks >= 0 ? (int64_t)used_blocks * block_rows : rows;
+    int32_t *be = malloc(sizeof(int32_t) * (size_t)(nb + 1)), *dbe = NULL;
+    int nstatic = 0;
     float *x = malloc(sizeof(float) * (size_t)(n + 1));
     uint16_t *xb = malloc(2 * (size_t)(n + 1));
     uint8_t *want = malloc((size_t)(n + 1)), *got = malloc((size_t)(n + 1));
@@ -37,19 +51,28 @@ static void check_quant(int64_t rows, int cols, int group, moe_dtype_t dtype, fl
             x[r * cols + i] = moe_bf16_to_f32(moe_f32_to_bf16(v)); /* bf16-exact either way */
             xb[r * cols + i] = moe_f32_to_bf16(v);
         }
-    moe_cpu_fp8_quantize_rows(x, used, cols, group, static_scale, want, ws);
+    for (i = 0; i < nb; i++)
+        be[i] = block_expert_of(i, num_experts);
+    for (r = 0; r < used; r++) { /* row by row: each with its expert's static scale or none */
+        const int32_t e = static_scale ? be[r / block_rows] : -1;
+        const float st = e >= 0 ? static_scale[e] : 0.0f;
+        nstatic += st > 0.0f;
+        moe_cpu_fp8_quantize_rows(x + r * cols, 1, cols, group, st, want + r * cols, ws + r * ng);
+    }
     dx = dtype == MOE_DTYPE_BF16 ? gt_dup(xb, 2 * (size_t)n) : gt_dup(x, 4 * (size_t)n);
     dq = gt_dalloc((size_t)n);
     dscale = gt_dalloc(sizeof(float) * (size_t)(rows * ng));
     gt_poison(dq, 0x55, (size_t)n);
     gt_poison(dscale, 0xff, sizeof(float) * (size_t)(rows * ng));
-    if (static_scale > 0.0f)
-        dstatic = gt_dup(&static_scale, sizeof(float));
+    if (static_scale) {
+        dstatic = gt_dup(static_scale, sizeof(float) * (size_t)num_experts);
+        dbe = gt_dup(be, sizeof(int32_t) * (size_t)nb);
+    }
     if (used_blocks >= 0)
         dnb = gt_dup(&used_blocks, sizeof(int32_t));
     {
-        moe_quant_rows_args_t a = {dx,   dtype,   rows, dnb,    block_rows,
-                                   cols, dstatic, dq,   dscale, group};
+        moe_quant_rows_args_t a = {dx,      dtype, rows, dnb,    block_rows, cols,
+                                   dstatic, dbe,   dq,   dscale, group};
         gt_ok(moe_quant_rows_launch(&a, NULL), "quant rows");
     }
     gt_get(got, dq, (size_t)n);
@@ -66,15 +89,19 @@ static void check_quant(int64_t rows, int cols, int group, moe_dtype_t dtype, fl
             bad += r < used ? gs[r * ng + i] != ws[r * ng + i] : bits != 0xffffffffu;
         }
     }
-    fprintf(stderr, "quant %lld x %d, group %d, %s, static %g, rows used %lld: %lld mismatches\n",
-            (long long)rows, cols, group, moe_dtype_name(dtype), (double)static_scale,
-            (long long)used, (long long)bad);
+    fprintf(stderr,
+            "quant %lld x %d, group %d, %s, %d static expert scales (%d rows static), rows used "
+            "%lld: %lld mismatches\n",
+            (long long)rows, cols, group, moe_dtype_name(dtype), static_scale ? num_experts : 0,
+            nstatic, (long long)used, (long long)bad);
     assert_int_equal(bad, 0);
     moe_gpu_free(dx);
     moe_gpu_free(dq);
     moe_gpu_free(dscale);
     moe_gpu_free(dstatic);
     moe_gpu_free(dnb);
+    moe_gpu_free(dbe);
+    free(be);
     free(x);
     free(xb);
     free(want);
@@ -86,31 +113,47 @@ static void check_quant(int64_t rows, int cols, int group, moe_dtype_t dtype, fl
 static void test_quant_rows(void **state)
 {
     (void)state;
-    check_quant(40, 2048, 0, MOE_DTYPE_BF16, 0.0f, -1, 16);
-    check_quant(40, 14336, 0, MOE_DTYPE_BF16, 0.0f, -1, 16); /* Mixtral's h rows */
-    check_quant(33, 1032, 0, MOE_DTYPE_F32, 0.0f, -1, 16);
-    check_quant(64, 2048, 0, MOE_DTYPE_BF16, 0.0f, 2, 16); /* rows past 2 blocks untouched */
+    check_quant(40, 2048, 0, MOE_DTYPE_BF16, NULL, 0, -1, 16);
+    check_quant(40, 14336, 0, MOE_DTYPE_BF16, NULL, 0, -1, 16); /* Mixtral's h rows */
+    check_quant(33, 1032, 0, MOE_DTYPE_F32, NULL, 0, -1, 16);
+    check_quant(64, 2048, 0, MOE_DTYPE_BF16, NULL, 0, 2, 16); /* rows past 2 blocks untouched */
 }
 
 static void test_quant_groups(void **state)
 {
     (void)state;
-    check_quant(40, 2048, 128, MOE_DTYPE_BF16, 0.0f, -1, 16);
-    check_quant(25, 384, 128, MOE_DTYPE_BF16, 0.0f, -1, 16);
-    check_quant(17, 200, 128, MOE_DTYPE_F32, 0.0f, -1, 16); /* a partial last group */
-    check_quant(48, 7168, 128, MOE_DTYPE_BF16, 0.0f, 1, 16);
+    check_quant(40, 2048, 128, MOE_DTYPE_BF16, NULL, 0, -1, 16);
+    check_quant(25, 384, 128, MOE_DTYPE_BF16, NULL, 0, -1, 16);
+    check_quant(17, 200, 128, MOE_DTYPE_F32, NULL, 0, -1, 16); /* a partial last group */
+    check_quant(48, 7168, 128, MOE_DTYPE_BF16, NULL, 0, 1, 16);
 }
 
 /* A static scale small enough that most values saturate at +-448 (never NaN), NaN stays NaN. */
 static void test_quant_static_saturates(void **state)
 {
+    static const float small = 1e-3f, quarter = 0.25f;
     (void)state;
-    check_quant(20, 1024, 0, MOE_DTYPE_BF16, 1e-3f, -1, 16);
-    check_quant(20, 1024, 0, MOE_DTYPE_F32, 0.25f, -1, 16);
+    check_quant(20, 1024, 0, MOE_DTYPE_BF16, &small, 1, -1, 16);
+    check_quant(20, 1024, 0, MOE_DTYPE_F32, &quarter, 1, -1, 16);
+}
+
+/* Static scales per expert (a checkpoint's input_scale per expert): row r takes the scale of
+ * block r / block_rows's expert; experts with 0 and padding blocks (-1) are dynamic; some
+ * scales saturate, some are near the rows' own. */
+static void test_quant_static_per_expert(void **state)
+{
+    static const float sc[6] = {1e-3f, 0.0f, 0.05f, 0.0f, 2.0f / 448.0f, 0.25f};
+    (void)state;
+    check_quant(200, 2048, 0, MOE_DTYPE_BF16, sc, 6, -1, 16);
+    check_quant(90, 1032, 0, MOE_DTYPE_F32, sc, 5, -1, 8);      /* a partial last block */
+    check_quant(64, 14336, 0, MOE_DTYPE_BF16, sc, 6, -1, 64);   /* Mixtral's h rows */
+    check_quant(128, 2048, 0, MOE_DTYPE_BF16, sc, 6, 5, 16);    /* rows past 5 blocks untouched */
+    check_quant(40, 512, 0, MOE_DTYPE_BF16, sc + 1, 1, -1, 16); /* one expert, 0: all dynamic */
 }
 
 static void test_quant_rejects(void **state)
 {
+    static const float one = 1.0f;
     moe_quant_rows_args_t a;
     (void)state;
     memset(&a, 0, sizeof(a));
@@ -122,6 +165,9 @@ static void test_quant_rejects(void **state)
     a.group = 64;
     assert_int_equal(moe_quant_rows_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
     a.group = 0;
+    a.static_scale = &one; /* static scales without the block table */
+    assert_int_equal(moe_quant_rows_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
+    a.static_scale = NULL;
     a.x_dtype = MOE_DTYPE_FP8_E4M3;
     assert_int_equal(moe_quant_rows_launch(&a, NULL), MOE_STATUS_NOT_SUPPORTED);
 }
@@ -130,6 +176,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_quant_rows),
     cmocka_unit_test(test_quant_groups),
     cmocka_unit_test(test_quant_static_saturates),
+    cmocka_unit_test(test_quant_static_per_expert),
     cmocka_unit_test(test_quant_rejects),
 };
 

@@ -1,8 +1,10 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* FP8 W8A8 on the GPU (e4m3 weights and activations, f32 accumulation) against the CPU
- * backend's W8A8 reference: per-tensor, per-channel and 128 x 128 block scales, four shapes,
- * 0/1/7/64/512 tokens, on one GPU and under EP = world; the W8A8 error against W8A16 on the same
- * weights is reported; a forced variant of the wrong dtype is refused at create. */
+ * backend's W8A8 reference: per-tensor, per-channel and 128 x 128 block scales, per-tensor with
+ * static activation scales (a checkpoint's input_scale; some experts' dynamic), seven shapes,
+ * 0/1/7/64/512 tokens (and 4096 for two), on one GPU and under EP = world; the W8A8 error
+ * against W8A16 on the same weights is reported; a forced variant of the wrong dtype is refused
+ * at create. */
 #include "gpu_mpi.h"
 
 #include <cuda_runtime.h>
@@ -18,13 +20,18 @@ typedef struct fp8_shape {
     const char *name;
     int experts, top_k, hidden, intermediate, shared;
     moe_scale_kind_t scales;
+    int static_scales; /* weights from moe_gen_set_weights_static (input_scale per matrix) */
+    int big;           /* also at 4096 tokens (the CPU reference's time: two shapes only) */
 } fp8_shape_t;
 
 static const fp8_shape_t shapes[] = {
-    {"mixtral-like, per-tensor", 8, 2, 1024, 1792, 0, MOE_SCALE_PER_TENSOR},
-    {"qwen3-like, per-channel", 16, 8, 1024, 384, 0, MOE_SCALE_PER_CHANNEL},
-    {"dsv3-like, per-tensor, shared", 16, 4, 2048, 256, 512, MOE_SCALE_PER_TENSOR},
-    {"dsv3-like, block, shared", 16, 4, 2048, 384, 512, MOE_SCALE_BLOCK_128},
+    {"mixtral-like, per-tensor", 8, 2, 1024, 1792, 0, MOE_SCALE_PER_TENSOR, 0, 0},
+    {"qwen3-like, per-channel", 16, 8, 1024, 384, 0, MOE_SCALE_PER_CHANNEL, 0, 1},
+    {"dsv3-like, per-tensor, shared", 16, 4, 2048, 256, 512, MOE_SCALE_PER_TENSOR, 0, 0},
+    {"dsv3-like, block, shared", 16, 4, 2048, 384, 512, MOE_SCALE_BLOCK_128, 0, 0},
+    {"dsv3-like, block", 16, 4, 2048, 384, 0, MOE_SCALE_BLOCK_128, 0, 1},
+    {"mixtral-like, per-tensor, static", 8, 2, 1024, 1792, 0, MOE_SCALE_PER_TENSOR, 1, 0},
+    {"dsv3-like, per-tensor, shared, static", 16, 4, 2048, 256, 512, MOE_SCALE_PER_TENSOR, 1, 0},
 };
 
 static moe_layer_config_t config_of(const fp8_shape_t *s, moe_fp8_math_t math, int64_t cap)
@@ -48,35 +55,51 @@ static moe_layer_config_t config_of(const fp8_shape_t *s, moe_fp8_math_t math, i
     return c;
 }
 
-/* One shape at n tokens: GPU W8A8 (one GPU, then EP over the world) against CPU W8A8. */
+/* One shape at n tokens: GPU W8A8 (one GPU, then EP over the world) against CPU W8A8. Below 16
+ * tokens the layer runs ceil(16 / n) steps of n tokens (distinct ones), and the error is over
+ * all of them: one token's error is a single draw whose tail passes 1e-2 for every scale kind
+ * (an element of h that the two sides round to neighbouring e4m3 values moves the output by a
+ * few 1e-3 -- docs/KERNELS.md, "FP8 W8A8"), so the 1e-2 bound is one on the layer's error, not
+ * on one draw. The worst single token is printed. */
 static void check_shape(const fp8_shape_t *s, int64_t n)
 {
     const uint64_t seed = tu_seed("gpu_fp8");
-    const int64_t cap = 512;
+    const int steps = n > 0 && n < 16 ? (int)((16 + n - 1) / n) : 1;
+    const int64_t nt = n * steps; /* tokens over all steps */
+    const int64_t cap = nt > 512 ? nt : 512;
     moe_layer_config_t c8 = config_of(s, MOE_FP8_MATH_W8A8, cap);
     moe_layer_config_t c16 = config_of(s, MOE_FP8_MATH_W8A16, cap);
-    const size_t len = (size_t)(n * s->hidden + 1);
+    const size_t len = (size_t)(nt * s->hidden + 1);
     float *x = malloc(sizeof(float) * len), *ref = malloc(sizeof(float) * len);
     float *ref16 = malloc(sizeof(float) * len), *y = malloc(sizeof(float) * len);
-    double e1, e2, eq;
+    double e1, e2, eq, worst = 0.0;
+    int64_t t, tw = 0;
     assert_true(x && ref && ref16 && y);
-    moe_gen_tokens(seed, n * rank, n, s->hidden, x);
-    gt_run_layer(gt_rts.cpu_self, c8, seed, x, n, NULL, ref, 0);
-    gt_run_layer(gt_rts.cpu_self, c16, seed, x, n, NULL, ref16, 0);
-    gt_run_layer(gt_rts.gpu_self, c8, seed, x, n, NULL, y, 0);
-    assert_int_equal(tu_count_nan(y, n * s->hidden), 0);
-    e1 = n ? tu_rel_err(y, ref, n * s->hidden) : 0.0;
+    moe_gen_tokens(seed, nt * rank, nt, s->hidden, x);
+    /* the CPU reference is row-independent: all steps' tokens in one */
+    gt_run_layer_steps(gt_rts.cpu_self, c8, seed, s->static_scales, x, nt, 1, NULL, ref, 0);
+    if (n <= 512) /* (the W8A16 comparison is a sanity check: not repeated at 4096) */
+        gt_run_layer_steps(gt_rts.cpu_self, c16, seed, s->static_scales, x, nt, 1, NULL, ref16, 0);
+    gt_run_layer_steps(gt_rts.gpu_self, c8, seed, s->static_scales, x, n, steps, NULL, y, 0);
+    assert_int_equal(tu_count_nan(y, nt * s->hidden), 0);
+    e1 = n ? tu_rel_err(y, ref, nt * s->hidden) : 0.0;
     c8.ep_size = world;
-    gt_run_layer(gt_rts.gpu, c8, seed, x, n, NULL, y, 0);
-    assert_int_equal(tu_count_nan(y, n * s->hidden), 0);
-    e2 = n ? tu_rel_err(y, ref, n * s->hidden) : 0.0;
-    eq = n ? tu_rel_err(ref, ref16, n * s->hidden) : 0.0;
-    print_message("rank %d: %-30s %4lld tokens: W8A8 GPU vs CPU rel err %.3g (one GPU), %.3g (EP "
-                  "%d); CPU W8A8 vs W8A16 %.3g\n",
-                  rank, s->name, (long long)n, e1, e2, world, eq);
+    gt_run_layer_steps(gt_rts.gpu, c8, seed, s->static_scales, x, n, steps, NULL, y, 0);
+    assert_int_equal(tu_count_nan(y, nt * s->hidden), 0);
+    e2 = n ? tu_rel_err(y, ref, nt * s->hidden) : 0.0;
+    eq = n && n <= 512 ? tu_rel_err(ref, ref16, nt * s->hidden) : 0.0;
+    for (t = 0; t < nt; t++) { /* the worst token (one e4m3 rounding of h apart shows there) */
+        const double et = tu_rel_err(y + t * s->hidden, ref + t * s->hidden, s->hidden);
+        if (et > worst)
+            worst = et, tw = t;
+    }
+    print_message(
+        "rank %d: %-38s %4lld tokens x %2d steps: W8A8 GPU vs CPU rel err %.3g (one GPU), "
+        "%.3g (EP %d; worst token %lld: %.3g); CPU W8A8 vs W8A16 %.3g\n",
+        rank, s->name, (long long)n, steps, e1, e2, world, (long long)(nt * rank + tw), worst, eq);
     /* every case prints before the verdict; the activations' quantisation is visible (the two
      * arithmetics differ), but bounded */
-    failures += !(e1 <= 1e-2 && e2 <= 1e-2 && (n == 0 || (eq > 1e-4 && eq < 0.1)));
+    failures += !(e1 <= 1e-2 && e2 <= 1e-2 && (n == 0 || n > 512 || (eq > 1e-4 && eq < 0.1)));
     free(x);
     free(ref);
     free(ref16);
@@ -85,7 +108,7 @@ static void check_shape(const fp8_shape_t *s, int64_t n)
 
 static void test_fp8_w8a8_shapes(void **state)
 {
-    static const int64_t counts[] = {0, 1, 7, 64, 512};
+    static const int64_t counts[] = {0, 1, 7, 64, 512, 4096};
     size_t i, j;
     (void)state;
     /* MOE_TEST_FP8_SHAPE=<text>: only the shapes whose name holds it, at 1 to 64 tokens (a
@@ -93,7 +116,8 @@ static void test_fp8_w8a8_shapes(void **state)
     const char *only = getenv("MOE_TEST_FP8_SHAPE");
     for (i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++)
         for (j = 0; j < sizeof(counts) / sizeof(counts[0]); j++)
-            if (!only || (strstr(shapes[i].name, only) && counts[j] > 0 && counts[j] <= 64))
+            if (only ? strstr(shapes[i].name, only) && counts[j] > 0 && counts[j] <= 64
+                     : counts[j] <= 512 || shapes[i].big)
                 check_shape(&shapes[i], counts[j]);
     assert_int_equal(failures, 0);
 }

@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* FP8 W8A8 on the CPU reference: e4m3 quantisation (saturation, NaN, ties, subnormals), activation
  * quantisation round trips, the W8A8 product on hand-computed cases, a whole layer against an
- * independent implementation of docs/SEMANTICS.md's W8A8 rules, and W8A8 vs W8A16 error. */
+ * independent implementation of docs/SEMANTICS.md's W8A8 rules, W8A8 vs W8A16 error, the static
+ * scale rule of gate/up and the generator's static scales. */
 #include "testutil.h"
 
 #include <math.h>
@@ -502,41 +503,53 @@ static void test_static_scales(void **state)
 /* W8A8 vs W8A16 of the same layer                                                             */
 /* ------------------------------------------------------------------------------------------ */
 
-static double w8a8_vs_w8a16(moe_layer_config_t c, int64_t T, uint64_t seed)
+/* y[T, H] (f32 of the bf16 output) = the layer `c` on T tokens of moe_gen_tokens(seed + 1) in
+ * bf16, weights from moe_gen_set_weights(seed) (`static_scales`: moe_gen_set_weights_static). */
+static void run_gen_layer(moe_layer_config_t c, int64_t T, uint64_t seed, int static_scales,
+                          float *y)
 {
     const int64_t H = c.hidden;
     float *x = malloc(sizeof(float) * (size_t)(T * H));
-    float *y8 = malloc(sizeof(float) * (size_t)(T * H));
-    float *y16 = malloc(sizeof(float) * (size_t)(T * H));
     uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(T * H));
     uint16_t *yb = malloc(sizeof(uint16_t) * (size_t)(T * H));
-    double err;
-    assert_true(x && y8 && y16 && xb && yb);
+    moe_layer_t *l = NULL;
+    moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
+    assert_true(x && xb && yb);
     moe_gen_tokens(seed + 1, 0, T, (int)H, x);
     moe_convert_from_f32(MOE_DTYPE_BF16, x, xb, (size_t)(T * H));
-    for (int mode = 0; mode < 2; mode++) {
-        moe_layer_t *l = NULL;
-        moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
-        float *y = mode ? y16 : y8;
-        c.fp8_math = mode ? MOE_FP8_MATH_W8A16 : MOE_FP8_MATH_W8A8;
-        TU_OK(moe_layer_create(tu_rt, &c, &l));
+    TU_OK(moe_layer_create(tu_rt, &c, &l));
+    if (static_scales)
+        TU_OK(moe_gen_set_weights_static(l, &c, seed));
+    else
         TU_OK(moe_gen_set_weights(l, &c, seed));
-        a.num_tokens = T;
-        a.dtype = MOE_DTYPE_BF16;
-        a.x = xb;
-        a.y = yb;
-        for (int64_t i = 0; i < T * H; i++)
-            yb[i] = 0x7fc0; /* bf16 NaN: every element must be written */
-        TU_OK(moe_layer_forward(l, &a));
-        moe_convert_to_f32(MOE_DTYPE_BF16, yb, y, (size_t)(T * H));
-        TU_OK(moe_layer_destroy(l));
-    }
-    err = tu_rel_err(y8, y16, T * H);
+    a.num_tokens = T;
+    a.dtype = MOE_DTYPE_BF16;
+    a.x = xb;
+    a.y = yb;
+    for (int64_t i = 0; i < T * H; i++)
+        yb[i] = 0x7fc0; /* bf16 NaN: every element must be written */
+    TU_OK(moe_layer_forward(l, &a));
+    moe_convert_to_f32(MOE_DTYPE_BF16, yb, y, (size_t)(T * H));
+    TU_OK(moe_layer_destroy(l));
     free(x);
-    free(y8);
-    free(y16);
     free(xb);
     free(yb);
+}
+
+static double w8a8_vs_w8a16(moe_layer_config_t c, int64_t T, uint64_t seed)
+{
+    const int64_t H = c.hidden;
+    float *y8 = malloc(sizeof(float) * (size_t)(T * H));
+    float *y16 = malloc(sizeof(float) * (size_t)(T * H));
+    double err;
+    assert_true(y8 && y16);
+    c.fp8_math = MOE_FP8_MATH_W8A8;
+    run_gen_layer(c, T, seed, 0, y8);
+    c.fp8_math = MOE_FP8_MATH_W8A16;
+    run_gen_layer(c, T, seed, 0, y16);
+    err = tu_rel_err(y8, y16, T * H);
+    free(y8);
+    free(y16);
     return err;
 }
 
@@ -573,6 +586,86 @@ static void test_w8a8_vs_w8a16(void **state)
             assert_true(err < 0.06);
             assert_true(err > 1e-3); /* activations were quantised */
         }
+}
+
+/* The GEMM1 input's static scale from gate's and up's (the rule the CPU reference and the CUDA
+ * backend share): the larger when both are > 0, else dynamic (0). */
+static void test_pair_static_scale(void **state)
+{
+    (void)state;
+    assert_true(moe_fp8_pair_static_scale(0x1p-7f, 0x1p-6f) == 0x1p-6f);
+    assert_true(moe_fp8_pair_static_scale(0x1p-6f, 0x1p-7f) == 0x1p-6f);
+    assert_true(moe_fp8_pair_static_scale(0.5f, 0.5f) == 0.5f);
+    assert_true(moe_fp8_pair_static_scale(0.0f, 0.5f) == 0.0f);
+    assert_true(moe_fp8_pair_static_scale(0.5f, 0.0f) == 0.0f);
+    assert_true(moe_fp8_pair_static_scale(0.0f, 0.0f) == 0.0f);
+    assert_true(moe_fp8_pair_static_scale(NAN, 0.5f) == 0.0f);
+    assert_true(moe_fp8_pair_static_scale(0.5f, NAN) == 0.0f);
+    assert_true(moe_fp8_pair_static_scale(-1.0f, 0.5f) == 0.0f);
+}
+
+/* The generator's static activation scales (moe_gen_set_weights_static, what the GPU test
+ * compares the CUDA backend on): some experts' GEMM inputs static, some dynamic, by the rule in
+ * layer_gen.h; a per-tensor W8A8 layer uses them (its output moves, within the W8A8 bound of
+ * W8A16), W8A16 and per-channel layers ignore them (bitwise the same output). */
+static void test_gen_static_scales(void **state)
+{
+    enum { T = 29 };
+    uint64_t seed = tu_seed("w8a8_gen_static");
+    moe_layer_config_t c = MOE_LAYER_CONFIG_INIT;
+    float *ys, *yd, *y16;
+    double moved, err;
+    int e, n13 = 0, n2 = 0;
+    (void)state;
+    for (e = 0; e < 8; e++) {
+        const float g = moe_gen_input_scale(seed, MOE_WEIGHT_GATE_PROJ, e);
+        const float u = moe_gen_input_scale(seed, MOE_WEIGHT_UP_PROJ, e);
+        const float d = moe_gen_input_scale(seed, MOE_WEIGHT_DOWN_PROJ, e);
+        assert_true(g * 448.0f >= 1.0f && g * 448.0f < 1.25f);
+        assert_true(u == 0.0f ? e % 4 == 3 : u * 448.0f >= 1.0f && u * 448.0f < 1.25f);
+        assert_true(d == 0.0f ? e % 3 == 1 : d * 448.0f >= 10.0f && d * 448.0f < 14.0f);
+        n13 += moe_fp8_pair_static_scale(g, u) > 0.0f;
+        n2 += d > 0.0f;
+    }
+    assert_int_equal(n13, 6); /* experts 3 and 7 dynamic */
+    assert_int_equal(n2, 5);  /* experts 1, 4 and 7 dynamic */
+    assert_true(moe_gen_input_scale(seed, MOE_WEIGHT_SHARED_UP_PROJ, -1) > 0.0f);
+    assert_true(moe_gen_input_scale(seed, MOE_WEIGHT_SHARED_DOWN_PROJ, -1) > 0.0f);
+    assert_true(moe_gen_input_scale(seed, MOE_WEIGHT_ROUTER, -1) == 0.0f);
+
+    c.num_experts = 8;
+    c.top_k = 2;
+    c.hidden = 256;
+    c.intermediate = 384;
+    c.num_shared_experts = 1;
+    c.max_tokens_per_rank = 32;
+    c.weight_dtype = MOE_DTYPE_FP8_E4M3;
+    c.scale_kind = MOE_SCALE_PER_TENSOR;
+    ys = malloc(sizeof(float) * T * 256);
+    yd = malloc(sizeof(float) * T * 256);
+    y16 = malloc(sizeof(float) * T * 256);
+    assert_true(ys && yd && y16);
+    c.fp8_math = MOE_FP8_MATH_W8A8;
+    run_gen_layer(c, T, seed, 1, ys);
+    run_gen_layer(c, T, seed, 0, yd);
+    c.fp8_math = MOE_FP8_MATH_W8A16;
+    run_gen_layer(c, T, seed, 0, y16);
+    moved = tu_rel_err(ys, yd, T * 256);
+    err = tu_rel_err(ys, y16, T * 256);
+    fprintf(stderr, "generator's static scales, W8A8 per-tensor: vs dynamic %.4f, vs W8A16 %.4f\n",
+            moved, err);
+    assert_true(moved > 1e-3);        /* the static scales were used */
+    assert_true(err < 0.06);          /* test_w8a8_vs_w8a16's bound */
+    run_gen_layer(c, T, seed, 1, ys); /* W8A16 ignores them */
+    assert_memory_equal(ys, y16, sizeof(float) * T * 256);
+    c.scale_kind = MOE_SCALE_PER_CHANNEL; /* so do per-channel weights (weights.c drops them) */
+    c.fp8_math = MOE_FP8_MATH_W8A8;
+    run_gen_layer(c, T, seed, 1, ys);
+    run_gen_layer(c, T, seed, 0, yd);
+    assert_memory_equal(ys, yd, sizeof(float) * T * 256);
+    free(ys);
+    free(yd);
+    free(y16);
 }
 
 /* Config: fp8_math values named; W8A8 needs FP8 weights; W8A16 and AUTO are fine anywhere. */
@@ -657,6 +750,8 @@ int main(void)
         cmocka_unit_test(test_layer_vs_independent),
         cmocka_unit_test(test_static_scales),
         cmocka_unit_test(test_w8a8_vs_w8a16),
+        cmocka_unit_test(test_pair_static_scale),
+        cmocka_unit_test(test_gen_static_scales),
         cmocka_unit_test(test_config),
         cmocka_unit_test(test_set_time_scales),
     };
