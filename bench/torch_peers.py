@@ -6,6 +6,12 @@ Prints one table per preset; with --moe-json (moe-bench --json files) the libmoe
 beside them, with the limit and each column's score = limit / time.
 
   python3 bench/torch_peers.py --tokens 1,8,64,512,2048,8192 --moe-json out/mixtral.json ...
+
+--dtype fp8: W8A8 peers (e4m3 weights with per-output-channel scales, activations quantised
+per token on the fly, f32 accumulation): a per-expert loop of torch._scaled_mm, and
+torch._scaled_grouped_mm where this torch has it. Torch has no 128 x 128 block-scaled grouped
+GEMM, so these peers are the per-row-scale arithmetic at the same bytes; the limit counts one
+byte per weight and the fp8 tensor-core rate.
 """
 import argparse
 import json
@@ -22,6 +28,8 @@ PRESETS = {
 }
 HBM = 4.8e12
 BF16 = 989e12
+FP8 = 1979e12
+E4M3_MAX = 448.0
 
 
 def route(x, p, w):
@@ -81,6 +89,69 @@ def grouped(x, p, w):
     return y.to(x.dtype)
 
 
+def quant_rows(x):
+    """e4m3 rows with one dynamic scale per row (amax / 448), as libmoe's W8A8 path."""
+    s = x.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / E4M3_MAX
+    q = (x.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, s
+
+
+def fp8_weights(w):
+    """e4m3 weights with one scale per output row (per-tensor scales are the same, expanded)."""
+    out = {"router": w["router"], "bias": w["bias"]}
+    for n in ("w13", "w2"):
+        t = w[n].float()
+        s = t.abs().amax(dim=-1).clamp_min(1e-12) / E4M3_MAX  # [E, rows]
+        out[n] = (t / s[..., None]).to(torch.float8_e4m3fn)
+        out[n + "_s"] = s
+    return out
+
+
+def scaled(a, sa, b, sb):
+    """a [m, k] e4m3 x b [n, k] e4m3 -> bf16 [m, n], row scales sa [m, 1] and sb [n]."""
+    return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb[None, :].contiguous(),
+                            out_dtype=torch.bfloat16)
+
+
+def fp8_loop(x, p, w):
+    """The per-expert loop with torch._scaled_mm (host sync per step, like the HF loop)."""
+    ids, wt = route(x, p, w)
+    y = torch.zeros_like(x)
+    mask = F.one_hot(ids, num_classes=p["E"]).permute(2, 1, 0)
+    hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+    for e in hit.flatten().tolist():
+        slot, tok = torch.where(mask[e])
+        q, s = quant_rows(x[tok])
+        g, u = scaled(q, s, w["w13"][e], w["w13_s"][e]).chunk(2, dim=-1)
+        q, s = quant_rows(F.silu(g) * u)
+        out = scaled(q, s, w["w2"][e], w["w2_s"][e])
+        out = out * wt[tok, slot, None].to(out.dtype)
+        y.index_add_(0, tok, out.to(y.dtype))
+    return y
+
+
+def fp8_grouped(x, p, w):
+    """torch._scaled_grouped_mm over the sorted rows (row-wise scales, no host sync)."""
+    ids, wt = route(x, p, w)
+    k, E = p["k"], p["E"]
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    tok = order // k
+    counts = torch.zeros(E, dtype=torch.int32, device=x.device)
+    counts.index_add_(0, flat.int(), torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    q, s = quant_rows(x[tok])
+    h = torch._scaled_grouped_mm(q, w["w13"].transpose(-2, -1), s.flatten(), w["w13_s"],
+                                 offs=offs, out_dtype=torch.bfloat16)
+    g, u = h.chunk(2, dim=-1)
+    q, s = quant_rows(F.silu(g) * u)
+    out = torch._scaled_grouped_mm(q, w["w2"].transpose(-2, -1), s.flatten(), w["w2_s"],
+                                   offs=offs, out_dtype=torch.bfloat16)
+    out = out.float() * wt.flatten()[order, None]
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, tok, out)
+    return y.to(x.dtype)
+
+
 def time_us(fn, graph, seconds=0.3):
     """Median GPU time of one call (CUDA events; CUDA-graph replay when `graph`)."""
     s = torch.cuda.Stream()
@@ -116,10 +187,19 @@ def time_us(fn, graph, seconds=0.3):
     return t[n // 2], g is not None
 
 
-def limit_us(p, m, distinct):
+def limit_us(p, m, distinct, fp8=False):
     flops = 2.0 * m * p["k"] * 3 * p["H"] * p["I"]
-    byts = distinct * 3.0 * p["H"] * p["I"] * 2
-    return max(byts / HBM, flops / BF16) * 1e6
+    byts = distinct * 3.0 * p["H"] * p["I"] * (1 if fp8 else 2)
+    return max(byts / HBM, flops / (FP8 if fp8 else BF16)) * 1e6
+
+
+def try_time(fn, graph):
+    """time_us, or NaN where this torch lacks the op or refuses the shape."""
+    try:
+        return time_us(fn, graph)[0]
+    except (RuntimeError, AttributeError, NotImplementedError) as exc:
+        print(f"#   ({type(exc).__name__}: {str(exc).splitlines()[0][:100]})", file=sys.stderr)
+        return float("nan")
 
 
 def main():
@@ -127,6 +207,7 @@ def main():
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--tokens", default="1,8,64,512,2048,8192")
     ap.add_argument("--graph-max", type=int, default=512)
+    ap.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
     ap.add_argument("--moe-json", nargs="*", default=[], help="moe-bench --json outputs")
     ap.add_argument("--json", help="write this script's results here")
     ap.add_argument("--markdown", help="append the side-by-side tables here (markdown)")
@@ -150,21 +231,28 @@ def main():
             "w13": (torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16) / H ** 0.5),
             "w2": (torch.randn(E, H, I, device=dev, dtype=torch.bfloat16) / I ** 0.5),
         }
+        fp8 = a.dtype == "fp8"
+        if fp8:
+            w = fp8_weights(w)
+        loop, grp = (fp8_loop, fp8_grouped) if fp8 else (hf_loop, grouped)
         xall = torch.randn(max(tokens), H, device=dev, dtype=torch.bfloat16)
-        print(f"\n# {name}: E{E} k{p['k']} H{H} I{I}")
+        print(f"\n# {name}: E{E} k{p['k']} H{H} I{I} {a.dtype}")
         print(f"# {'tokens':>7} {'experts':>7} {'limit':>9} {'libmoe':>9} {'score':>6} "
               f"{'hf_loop':>9} {'score':>6} {'grouped':>9} {'score':>6}")
-        md.append(f"\n### {name} (E{E} k{p['k']} H{H} I{I}), µs (score = limit / time)\n")
-        md.append("| tokens | experts hit | limit | libmoe | hf loop | torch._grouped_mm |")
+        md.append(f"\n### {name} (E{E} k{p['k']} H{H} I{I}, {a.dtype}), µs "
+                  "(score = limit / time)\n")
+        md.append("| tokens | experts hit | limit | libmoe | "
+                  + ("_scaled_mm loop | torch._scaled_grouped_mm |" if fp8
+                     else "hf loop | torch._grouped_mm |"))
         md.append("| ---: | ---: | ---: | ---: | ---: | ---: |")
         for m in tokens:
             x = xall[:m]
             with torch.no_grad():
                 ids, _ = route(x, p, w)
                 distinct = int(torch.unique(ids).numel())
-                lim = limit_us(p, m, distinct)
-                t_loop, _ = time_us(lambda: hf_loop(x, p, w), graph=False)
-                t_grp, _ = time_us(lambda: grouped(x, p, w), graph=m <= a.graph_max)
+                lim = limit_us(p, m, distinct, fp8)
+                t_loop = try_time(lambda: loop(x, p, w), graph=False)
+                t_grp = try_time(lambda: grp(x, p, w), graph=m <= a.graph_max)
             lm = moe.get(name, {}).get(m)
             t_moe = lm["time_us"] if lm else float("nan")
             lim_m = lm["limit_us"] if lm else lim
@@ -173,7 +261,7 @@ def main():
             md.append(f"| {m} | {lm['distinct_experts'] if lm else distinct} | {lim_m:.1f} | "
                       f"{t_moe:.1f} ({lim_m / t_moe:.2f}) | {t_loop:.1f} ({lim / t_loop:.2f}) | "
                       f"{t_grp:.1f} ({lim / t_grp:.2f}) |")
-            results.append(dict(preset=name, m=m, distinct=distinct, limit_us=lim,
+            results.append(dict(preset=name, dtype=a.dtype, m=m, distinct=distinct, limit_us=lim,
                                 hf_loop_us=t_loop, grouped_mm_us=t_grp, libmoe_us=t_moe))
         del w, xall
         torch.cuda.empty_cache()

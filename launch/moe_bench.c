@@ -30,6 +30,10 @@
 #define BF16_FLOPS_PER_S 989e12
 #define FP8_FLOPS_PER_S 1979e12
 #define MAX_POINTS 64
+#define FIRST_CALL_COUNTS 20  /* --first-call's default: this many new token counts */
+#define FIRST_CALL_REPEATS 7  /* steady steps per count after the first; their median */
+#define FIRST_CALL_TARGET 1.1 /* first / steady at a new count, at most */
+#define CREATE_TARGET 2.0     /* the first forward after create / steady, at most */
 
 #define CUDA_OK(call) MOE_TOOL_CUDA_OK("moe-bench", call)
 #define MOE_OK(call) MOE_TOOL_OK("moe-bench", call)
@@ -47,10 +51,14 @@ typedef struct options {
     moe_layer_config_t cfg;
     int64_t tokens[MAX_POINTS];
     int num_tokens;
+    int tokens_given;  /* --tokens was given (--first-call: else a spread over the capacity) */
+    int64_t capacity;  /* --capacity: max_tokens_per_rank (0: the largest count) */
+    int64_t probe;     /* --first-call: the count of the first forward after create */
     int64_t graph_max; /* graph-replay steps of at most this many tokens */
     double seconds;    /* time spent per point, roughly */
     int help;
     int explain;             /* --explain: per point, what the layer runs and why */
+    int first_call;          /* --first-call: first step at new counts against the steady one */
     int fp8;                 /* --dtype fp8: W8A8 */
     moe_scale_kind_t scales; /* --scales (fp8; default per-tensor) */
     FILE *json_file;         /* opened before the run, so a bad path fails before minutes of work */
@@ -69,7 +77,14 @@ static void usage(void)
            "                 [--tokens 1,8,64,512,2048,8192] [--graph-max M] [--seconds S]\n"
            "                 [--json FILE] [--explain] [--dtype bf16|fp8 [--scales "
            "tensor|channel|block]]\n"
-           "         (fp8: e4m3 weights and activations, W8A8, f32 accumulation)\n"
+           "                 [--capacity C]\n"
+           "         (fp8: e4m3 weights and activations, W8A8, f32 accumulation; --capacity:\n"
+           "         the layer's max_tokens_per_rank, default the largest of --tokens)\n"
+           "       mpirun -np N moe-bench --first-call [--capacity C] [--tokens LIST] [shape]\n"
+           "         (every rank: the time of the first step at each of 20 token counts the\n"
+           "         layer never ran, default odd counts spread over 1..C, C = 8192, over the\n"
+           "         steady step at that count; and of the first forward after create. Eager\n"
+           "         steps on any backend (MOE_BACKEND), wall clock to moe_layer_synchronize)\n"
            "       mpirun -np N moe-bench --dispatch-only [--max-tokens T] [--capacity C] "
            "[--told]\n"
            "         (expert-parallel dispatch/combine next to NCCL all-to-all; --capacity: a\n"
@@ -121,8 +136,9 @@ static int parse(int argc, char **argv, options_t *o)
     for (i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         int ok = 1;
-        if (!strcmp(a, "--explain")) {
-            o->explain = 1;
+        if (!strcmp(a, "--explain") || !strcmp(a, "--first-call")) { /* the flags */
+            o->explain |= !strcmp(a, "--explain");
+            o->first_call |= !strcmp(a, "--first-call");
             continue;
         }
         if (!v)
@@ -138,7 +154,9 @@ static int parse(int argc, char **argv, options_t *o)
         }
         ok = 1;
         if (!strcmp(a, "--tokens")) {
-            ok = parse_tokens(v, o);
+            ok = o->tokens_given = parse_tokens(v, o);
+        } else if (!strcmp(a, "--capacity")) {
+            ok = !moe_cli_int(a, v, 1, MAX_M, &o->capacity, o->err, sizeof(o->err));
         } else if (!strcmp(a, "--graph-max")) {
             ok = !moe_cli_int(a, v, 0, MAX_M, &o->graph_max, o->err, sizeof(o->err));
         } else if (!strcmp(a, "--seconds")) {
@@ -154,19 +172,91 @@ static int parse(int argc, char **argv, options_t *o)
     return 1;
 }
 
-/* Local checks before any collective: the buffers' sizes, and rank 0's --json file. */
+/* --first-call's default counts: FIRST_CALL_COUNTS odd counts spread geometrically over
+ * 1..capacity (dense among the small batches of decoding, up to the largest odd count). */
+static int spread_tokens(options_t *o)
+{
+    const int n = FIRST_CALL_COUNTS;
+    const int64_t top = o->capacity - !(o->capacity & 1);
+    int64_t m, prev = -1;
+    int i;
+    if (top < 2 * n - 1)
+        return REJECT("--capacity %lld: --first-call's %d odd token counts need a capacity of at "
+                      "least %d (or give --tokens)",
+                      (long long)o->capacity, n, 2 * n - 1);
+    for (i = 0; i < n; i++) {
+        m = (int64_t)pow((double)top, (double)i / (n - 1)) | 1;
+        m = m > prev ? m : prev + 2;
+        m = m < top - 2 * (n - 1 - i) ? m : top - 2 * (n - 1 - i); /* room for the rest */
+        o->tokens[i] = prev = m;
+    }
+    o->num_tokens = n;
+    return 1;
+}
+
+/* Whether m is among the first n counts of t. */
+static int listed(const int64_t *t, int n, int64_t m)
+{
+    int i;
+    for (i = 0; i < n && t[i] != m; i++)
+        ;
+    return i < n;
+}
+
+/* --first-call: each count once, and a count outside them for the first forward after create
+ * (64, else the largest free one below; a list of MAX_POINTS counts that holds all of 1..64
+ * leaves 65 free). */
+static int first_call_counts(options_t *o)
+{
+    int i;
+    for (i = 1; i < o->num_tokens; i++)
+        if (listed(o->tokens, i, o->tokens[i]))
+            return REJECT("--tokens: %lld twice (--first-call times the first step at each count)",
+                          (long long)o->tokens[i]);
+    o->probe = o->capacity < 64 ? o->capacity : 64;
+    while (o->probe > 0 && listed(o->tokens, o->num_tokens, o->probe))
+        o->probe--;
+    if (!o->probe && o->capacity > 64)
+        o->probe = 65;
+    if (!o->probe)
+        return REJECT("--tokens lists every count in 1..%lld: --first-call needs one more for the "
+                      "first forward after create",
+                      (long long)o->capacity);
+    return 1;
+}
+
+/* Local checks before any collective: the counts and the capacity, the buffers' sizes, and rank
+ * 0's --json file. Then the layer's capacity and arithmetic into o->cfg. */
 static int resolve(options_t *o, int rank)
 {
     int64_t max_m = 0;
-    int i;
+    int i, n = 0;
+    if (o->first_call && !o->tokens_given) {
+        o->capacity = o->capacity ? o->capacity : 8192;
+        if (!spread_tokens(o))
+            return 0;
+    }
+    for (i = 0; i < o->num_tokens; i++) /* the default counts up to --capacity */
+        if (o->tokens_given || !o->capacity || o->tokens[i] <= o->capacity)
+            o->tokens[n++] = o->tokens[i];
+    o->num_tokens = n;
     for (i = 0; i < o->num_tokens; i++)
         max_m = o->tokens[i] > max_m ? o->tokens[i] : max_m;
-    /* x, y: max_m x hidden bf16; topk ids max_m x top_k; weights up to E x H x 2 bytes */
-    if (max_m * o->cfg.hidden > (INT64_C(1) << 36))
-        return REJECT("--tokens %lld x --hidden %d: %lld values per buffer is too many",
-                      (long long)max_m, o->cfg.hidden, (long long)(max_m * o->cfg.hidden));
+    if (o->capacity && max_m > o->capacity)
+        return REJECT("--tokens %lld is over --capacity %lld", (long long)max_m,
+                      (long long)o->capacity);
+    o->capacity = o->capacity ? o->capacity : max_m;
+    if (o->first_call && !first_call_counts(o))
+        return 0;
+    /* x, y: capacity x hidden bf16; topk ids capacity x top_k; weights up to E x H x 2 bytes */
+    if (o->capacity * o->cfg.hidden > (INT64_C(1) << 36))
+        return REJECT("capacity %lld x --hidden %d: %lld values per buffer is too many",
+                      (long long)o->capacity, o->cfg.hidden,
+                      (long long)(o->capacity * o->cfg.hidden));
     if (o->json && rank == 0 && !(o->json_file = fopen(o->json, "w")))
         return REJECT("--json %s: cannot write: %s", o->json, strerror(errno));
+    o->cfg.max_tokens_per_rank = o->capacity;
+    moe_gen_apply_fp8(&o->cfg, o->fp8, o->scales);
     return 1;
 }
 
@@ -186,6 +276,7 @@ static int agree_options(const options_t *o, int bad)
     const moe_cli_field_t f[] = {
         {"--help", o->help, 0},
         {"--explain", o->explain, 0},
+        {"--first-call", o->first_call, 0},
         {"--experts", o->cfg.num_experts, 0},
         {"--top-k", o->cfg.top_k, 0},
         {"--hidden", o->cfg.hidden, 0},
@@ -193,6 +284,7 @@ static int agree_options(const options_t *o, int bad)
         {"--preset", moe_cli_hash(o->preset), 1},
         {"--graph-max", o->graph_max, 0},
         {"--tokens", (int64_t)(token_list_hash(o, h) >> 1), 1},
+        {"--capacity", o->capacity, 0}, /* after --tokens: its default is their largest */
         {"--dtype", o->fp8, 0},
         {"--scales", o->scales, 0},
     };
@@ -392,20 +484,27 @@ static void run_point(moe_layer_t *layer, const options_t *o, moe_forward_args_t
     cudaEventDestroy(e1);
 }
 
+/* The JSON reports' opening: "{" and the layer's shape, ending in ", ". */
+static void json_shape(FILE *f, const options_t *o)
+{
+    const moe_layer_config_t *c = &o->cfg;
+    fprintf(f,
+            "{\"preset\": \"%s\", \"experts\": %d, \"top_k\": %d, \"hidden\": %d, "
+            "\"intermediate\": %d, ",
+            o->preset, c->num_experts, c->top_k, c->hidden, c->intermediate);
+}
+
 /* Into the file opened at start; nonzero if a write failed. */
 static int write_json(const options_t *o, const char *gpu, double copy, double blas,
                       const point_t *p, int n)
 {
     FILE *f = o->json_file;
-    const moe_layer_config_t *c = &o->cfg;
     int i;
+    json_shape(f, o);
     fprintf(f,
-            "{\"preset\": \"%s\", \"gpu\": \"%s\", \"experts\": %d, \"top_k\": %d, "
-            "\"hidden\": %d, \"intermediate\": %d, \"copy_gbps\": %.1f, "
-            "\"cublas_bf16_tflops\": %.1f, \"hbm_bytes_per_s\": %.3g, \"bf16_flops_per_s\": %.3g, "
-            "\"points\": [",
-            o->preset, gpu, c->num_experts, c->top_k, c->hidden, c->intermediate, copy, blas,
-            HBM_BYTES_PER_S, BF16_FLOPS_PER_S);
+            "\"gpu\": \"%s\", \"copy_gbps\": %.1f, \"cublas_bf16_tflops\": %.1f, "
+            "\"hbm_bytes_per_s\": %.3g, \"bf16_flops_per_s\": %.3g, \"points\": [",
+            gpu, copy, blas, HBM_BYTES_PER_S, BF16_FLOPS_PER_S);
     for (i = 0; i < n; i++)
         fprintf(f,
                 "%s\n  {\"m\": %lld, \"distinct_experts\": %d, \"graph\": %d, \"iters\": %d, "
@@ -422,6 +521,280 @@ static int write_json(const options_t *o, const char *gpu, double copy, double b
     return (ferror(f) != 0) | (fclose(f) != 0);
 }
 
+/* `bytes` where the backend's forward reads and writes them (device memory for CUDA, host
+ * memory for the CPU backend), a copy of `src` unless it is NULL. */
+static void *io_alloc(int cuda, size_t bytes, const void *src)
+{
+    void *p = NULL;
+    if (cuda) {
+        CUDA_OK(cudaMalloc(&p, bytes));
+        if (src)
+            CUDA_OK(cudaMemcpy(p, src, bytes, cudaMemcpyHostToDevice));
+        return p;
+    }
+    if (!(p = malloc(bytes ? bytes : 1))) {
+        fprintf(stderr, "moe-bench: out of host memory (%zu bytes)\n", bytes);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    if (src)
+        memcpy(p, src, bytes);
+    return p;
+}
+
+static void io_free(int cuda, void *p)
+{
+    if (cuda)
+        cudaFree(p);
+    else
+        free(p);
+}
+
+/* The steps' input: capacity x hidden random bf16, where the backend reads it. */
+static void *make_x(int cuda, const options_t *o)
+{
+    const size_t n = (size_t)(o->capacity * o->cfg.hidden);
+    uint16_t *h = io_alloc(0, 2 * n, NULL);
+    uint64_t st = 777;
+    void *x;
+    moe_gen_fill_bf16(h, n, 1.0f, &st);
+    if (!cuda)
+        return h;
+    x = io_alloc(1, 2 * n, h);
+    free(h);
+    return x;
+}
+
+/* Collective: the layer of the options with weights (timing needs no real values) and its info.
+ * The wall seconds of moe_layer_create and of setting the weights, from a barrier, into t[0],
+ * t[1]. */
+static moe_layer_t *make_layer(moe_runtime_t *rt, const options_t *o, moe_layer_info_t *info,
+                               double t[2])
+{
+    moe_layer_t *layer = NULL;
+    double t0;
+    MPI_Barrier(MPI_COMM_WORLD);
+    t0 = MPI_Wtime();
+    MOE_OK(moe_layer_create(rt, &o->cfg, &layer));
+    t[0] = MPI_Wtime() - t0;
+    MOE_OK(moe_layer_get_info(layer, info));
+    t0 = MPI_Wtime();
+    MOE_OK(moe_gen_set_weights_fast(layer, &o->cfg));
+    t[1] = MPI_Wtime() - t0;
+    return layer;
+}
+
+static void print_title(const options_t *o)
+{
+    const moe_layer_config_t *c = &o->cfg;
+    time_t now = time(NULL);
+    char date[32];
+    strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", gmtime(&now));
+    printf("# moe-bench %s: %s E%d k%d H%d I%d%s, %s weights, x/y bf16\n", date, o->preset,
+           c->num_experts, c->top_k, c->hidden, c->intermediate,
+           c->num_shared_experts ? " + shared" : "",
+           !o->fp8                                  ? "bf16"
+           : c->scale_kind == MOE_SCALE_PER_CHANNEL ? "fp8 e4m3 W8A8 per-channel"
+           : c->scale_kind == MOE_SCALE_BLOCK_128   ? "fp8 e4m3 W8A8 128x128-block"
+                                                    : "fp8 e4m3 W8A8 per-tensor");
+}
+
+static void print_explain(const moe_layer_t *layer, int64_t m)
+{
+    char why[2048]; /* the variants, their tables (tune file paths) and the transport */
+    MOE_OK(moe_layer_explain(layer, m, why, sizeof(why)));
+    printf("  %8s explain: %s\n", "", why);
+}
+
+/* ---- --first-call ---------------------------------------------------------------------------
+ * Per rank, `per` doubles: create and weights seconds, then (first, steady) seconds of the first
+ * forward after create (at o->probe), then of each count. */
+enum { FC_CREATE, FC_WEIGHTS, FC_PROBE, FC_COUNTS = FC_PROBE + 2 };
+
+/* Collective: one step of m tokens after a barrier; wall seconds from the forward call until its
+ * work has finished on this rank (eager: a CUDA graph would replay what the first call set up). */
+static double timed_step(moe_layer_t *layer, moe_forward_args_t a, int64_t m)
+{
+    double t0;
+    a.num_tokens = m;
+    a.max_tokens_across_ranks = m; /* as a serving engine tells it: every rank runs m */
+    MPI_Barrier(MPI_COMM_WORLD);
+    t0 = MPI_Wtime();
+    MOE_OK(moe_layer_forward(layer, &a));
+    MOE_OK(moe_layer_synchronize(layer, a.stream));
+    return MPI_Wtime() - t0;
+}
+
+/* The first step of m tokens on this layer into t[0], the median of the next
+ * FIRST_CALL_REPEATS into t[1]. */
+static void first_and_steady(moe_layer_t *layer, moe_forward_args_t a, int64_t m, double t[2])
+{
+    double s[FIRST_CALL_REPEATS];
+    int i;
+    t[0] = timed_step(layer, a, m);
+    for (i = 0; i < FIRST_CALL_REPEATS; i++)
+        s[i] = timed_step(layer, a, m);
+    qsort(s, FIRST_CALL_REPEATS, sizeof(double), cmp_double);
+    t[1] = s[FIRST_CALL_REPEATS / 2];
+}
+
+/* Every rank's all[r * per + i] (divided by all[r * per + i + 1] when ratio) times scale, into f
+ * with fmt, sep between them. Returns the rank with the largest value. */
+static int put_ranks(FILE *f, const char *fmt, const char *sep, const double *all, int world,
+                     int per, int i, int ratio, double scale)
+{
+    int r, worst = 0;
+    double v, max = -1.0;
+    for (r = 0; r < world; r++) {
+        const double *t = all + (size_t)r * per + i;
+        v = scale * t[0] / (ratio ? t[1] : 1.0);
+        fprintf(f, "%s", r ? sep : "");
+        fprintf(f, fmt, v);
+        if (v > max)
+            max = v, worst = r;
+    }
+    return worst;
+}
+
+/* One step's numbers in JSON: its count, and per rank first and steady times and their ratio. */
+static void json_step(FILE *f, const double *all, int world, int per, int i, int64_t m)
+{
+    fprintf(f, "{\"m\": %lld, \"first_us\": [", (long long)m);
+    put_ranks(f, "%.1f", ", ", all, world, per, i, 0, 1e6);
+    fprintf(f, "], \"steady_us\": [");
+    put_ranks(f, "%.1f", ", ", all, world, per, i + 1, 0, 1e6);
+    fprintf(f, "], \"ratio\": [");
+    put_ranks(f, "%.3f", ", ", all, world, per, i, 1, 1.0);
+    fprintf(f, "]}");
+}
+
+/* Into the file opened at start; nonzero if a write failed. */
+static int first_call_json(const options_t *o, const char *backend, const double *all, int world,
+                           int per, double max_ratio, double after_create)
+{
+    FILE *f = o->json_file;
+    int i;
+    json_shape(f, o);
+    fprintf(f,
+            "\"mode\": \"first-call\", \"backend\": \"%s\", \"ranks\": %d, \"capacity\": %lld, "
+            "\"repeats\": %d, \"target_ratio\": %.2f, \"target_first_forward\": %.2f, "
+            "\"max_ratio\": %.3f, \"first_forward_ratio_max\": %.3f,\n \"create_ms\": [",
+            backend, world, (long long)o->capacity, FIRST_CALL_REPEATS, FIRST_CALL_TARGET,
+            CREATE_TARGET, max_ratio, after_create);
+    put_ranks(f, "%.3f", ", ", all, world, per, FC_CREATE, 0, 1e3);
+    fprintf(f, "], \"weights_ms\": [");
+    put_ranks(f, "%.3f", ", ", all, world, per, FC_WEIGHTS, 0, 1e3);
+    fprintf(f, "],\n \"first_forward\": ");
+    json_step(f, all, world, per, FC_PROBE, o->probe);
+    fprintf(f, ",\n \"points\": [");
+    for (i = 0; i < o->num_tokens; i++) {
+        fprintf(f, "%s\n  ", i ? "," : "");
+        json_step(f, all, world, per, FC_COUNTS + 2 * i, o->tokens[i]);
+    }
+    fprintf(f, "\n]}\n");
+    return (ferror(f) != 0) | (fclose(f) != 0);
+}
+
+/* Rank 0: the table of every rank's numbers `all` (see FC_*) and the verdicts. */
+static void first_call_report(const options_t *o, const moe_runtime_info_t *ri,
+                              const moe_layer_t *layer, const double *all, int per)
+{
+    const int world = ri->world_size;
+    const double *t;
+    double max_ratio = 0, after_create, v;
+    int i, r, at = 0, at_rank = 0;
+    print_title(o);
+    printf("# --first-call: backend %s, %d rank(s), capacity %lld tokens per rank; eager steps "
+           "(no CUDA graph: a graph would hide the first-call cost), max_tokens_across_ranks = "
+           "the step's tokens\n",
+           moe_backend_name(ri->backend), world, (long long)o->capacity);
+    printf("# time: wall clock from moe_layer_forward to moe_layer_synchronize, after a barrier; "
+           "steady: median of the %d steps after the first; ratio = first / steady\n#\n"
+           "# moe_layer_create (ms), per rank:",
+           FIRST_CALL_REPEATS);
+    put_ranks(stdout, " %.3f", "", all, world, per, FC_CREATE, 0, 1e3);
+    printf("\n# weights set (ms), per rank:     ");
+    put_ranks(stdout, " %.3f", "", all, world, per, FC_WEIGHTS, 0, 1e3);
+    printf("\n# first forward after create (%lld tokens), ratio per rank:", (long long)o->probe);
+    t = all + (size_t)per * put_ranks(stdout, " %.3f", "", all, world, per, FC_PROBE, 1, 1.0) +
+        FC_PROBE;
+    after_create = t[0] / t[1];
+    printf("  (the max rank: %.1f / %.1f us)%s\n#\n# %8s", 1e6 * t[0], 1e6 * t[1],
+           after_create > CREATE_TARGET ? "  OVER 2.0" : "", "tokens");
+    for (r = 0; r < world; r++) {
+        char name[16];
+        snprintf(name, sizeof(name), "rank%d", r);
+        printf(" %7s", name);
+    }
+    printf(" %7s %12s %12s  (times: the max rank's)\n", "max", "first(us)", "steady(us)");
+    for (i = 0; i < o->num_tokens; i++) {
+        printf("  %8lld", (long long)o->tokens[i]);
+        r = put_ranks(stdout, " %7.3f", "", all, world, per, FC_COUNTS + 2 * i, 1, 1.0);
+        t = all + (size_t)per * r + FC_COUNTS + 2 * i;
+        v = t[0] / t[1];
+        printf(" %7.3f %12.1f %12.1f%s\n", v, 1e6 * t[0], 1e6 * t[1],
+               v > FIRST_CALL_TARGET ? "  OVER 1.1" : "");
+        if (o->explain)
+            print_explain(layer, o->tokens[i]);
+        if (v > max_ratio)
+            max_ratio = v, at = i, at_rank = r;
+    }
+    printf("# first call / steady: max %.3f (%lld tokens, rank %d) over %d new counts x %d "
+           "rank(s), target <= %.1f: %s; first forward after create / steady: max %.3f, target "
+           "<= %.1f: %s\n",
+           max_ratio, (long long)o->tokens[at], at_rank, o->num_tokens, world, FIRST_CALL_TARGET,
+           max_ratio > FIRST_CALL_TARGET ? "OVER" : "ok", after_create, CREATE_TARGET,
+           after_create > CREATE_TARGET ? "OVER" : "ok");
+    if (o->json_file && first_call_json(o, moe_backend_name(ri->backend), all, world, per,
+                                        max_ratio, after_create)) {
+        fprintf(stderr, "moe-bench: --json %s: write failed\n", o->json);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+}
+
+/* --first-call (see usage()): every rank runs the same steps in lockstep (they are collective)
+ * and times its own; rank 0 gathers and prints. The backend is the runtime's AUTO choice
+ * (MOE_BACKEND, else CUDA where a GPU is visible). */
+static void first_call(const options_t *o, int rank)
+{
+    moe_runtime_config_t rc = MOE_RUNTIME_CONFIG_INIT;
+    moe_runtime_t *rt = NULL;
+    moe_runtime_info_t ri;
+    moe_layer_info_t info;
+    moe_layer_t *layer;
+    moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
+    cudaStream_t s = NULL;
+    const int per = FC_COUNTS + 2 * o->num_tokens;
+    const size_t y_bytes = 2 * (size_t)(o->capacity * o->cfg.hidden);
+    double t[FC_COUNTS + 2 * MAX_POINTS], *all = NULL;
+    int i, cuda;
+
+    MOE_OK(moe_runtime_create_mpi(&rc, MPI_COMM_WORLD, &rt));
+    MOE_OK(moe_runtime_get_info(rt, &ri));
+    cuda = ri.backend == MOE_BACKEND_CUDA;
+    if (cuda)
+        CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    layer = make_layer(rt, o, &info, t);
+    a.dtype = MOE_DTYPE_BF16;
+    a.x = make_x(cuda, o);
+    a.y = io_alloc(cuda, y_bytes, NULL);
+    a.stream = s;
+    first_and_steady(layer, a, o->probe, t + FC_PROBE);
+    for (i = 0; i < o->num_tokens; i++)
+        first_and_steady(layer, a, o->tokens[i], t + FC_COUNTS + 2 * i);
+    if (rank == 0)
+        all = io_alloc(0, sizeof(double) * (size_t)per * (size_t)ri.world_size, NULL);
+    MPI_Gather(t, per, MPI_DOUBLE, all, per, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+    if (rank == 0)
+        first_call_report(o, &ri, layer, all, per);
+    free(all);
+    io_free(cuda, (void *)a.x);
+    io_free(cuda, a.y);
+    if (cuda)
+        cudaStreamDestroy(s);
+    moe_layer_destroy(layer);
+    moe_runtime_destroy(rt);
+}
+
 int main(int argc, char **argv)
 {
     options_t o;
@@ -434,14 +807,9 @@ int main(int argc, char **argv)
     cudaStream_t s;
     void *d_x, *d_y;
     int32_t *d_ids;
-    uint16_t *hx;
-    uint64_t st = 777;
-    int64_t max_m = 0;
-    double copy, blas, score_sum = 0;
+    double copy, blas, score_sum = 0, t[2];
     int i, dev = 0, rank = 0, bad;
     moe_layer_info_t info;
-    time_t now = time(NULL);
-    char date[32];
 
     MPI_Init(&argc, &argv);
     for (i = 1; i < argc; i++)
@@ -464,36 +832,24 @@ int main(int argc, char **argv)
         MPI_Finalize();
         return 0;
     }
-    for (i = 0; i < o.num_tokens; i++)
-        max_m = o.tokens[i] > max_m ? o.tokens[i] : max_m;
-    o.cfg.max_tokens_per_rank = max_m;
-    moe_gen_apply_fp8(&o.cfg, o.fp8, o.scales);
+    if (o.first_call) {
+        first_call(&o, rank);
+        MPI_Finalize();
+        return 0;
+    }
     rc.backend = MOE_BACKEND_CUDA;
     MOE_OK(moe_runtime_create_mpi(&rc, MPI_COMM_WORLD, &rt));
     CUDA_OK(cudaGetDevice(&dev));
     CUDA_OK(cudaGetDeviceProperties(&prop, dev));
     CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    MOE_OK(moe_layer_create(rt, &o.cfg, &layer));
-    MOE_OK(moe_layer_get_info(layer, &info));
-    MOE_OK(moe_gen_set_weights_fast(layer, &o.cfg));
-
-    hx = malloc(2 * (size_t)(max_m * o.cfg.hidden));
-    moe_gen_fill_bf16(hx, (size_t)(max_m * o.cfg.hidden), 1.0f, &st);
-    CUDA_OK(cudaMalloc(&d_x, 2 * (size_t)(max_m * o.cfg.hidden)));
-    CUDA_OK(cudaMalloc(&d_y, 2 * (size_t)(max_m * o.cfg.hidden)));
-    CUDA_OK(cudaMalloc((void **)&d_ids, sizeof(int32_t) * (size_t)(max_m * o.cfg.top_k)));
-    CUDA_OK(cudaMemcpy(d_x, hx, 2 * (size_t)(max_m * o.cfg.hidden), cudaMemcpyHostToDevice));
-    free(hx);
+    layer = make_layer(rt, &o, &info, t);
+    d_x = make_x(1, &o);
+    d_y = io_alloc(1, 2 * (size_t)(o.capacity * o.cfg.hidden), NULL);
+    d_ids = io_alloc(1, sizeof(int32_t) * (size_t)(o.capacity * o.cfg.top_k), NULL);
 
     copy = copy_gbps(s);
     blas = cublas_tflops(s);
-    strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", gmtime(&now));
-    printf("# moe-bench %s: %s E%d k%d H%d I%d%s, %s weights, x/y bf16\n", date, o.preset,
-           o.cfg.num_experts, o.cfg.top_k, o.cfg.hidden, o.cfg.intermediate,
-           o.cfg.num_shared_experts ? " + shared" : "",
-           !o.fp8                                      ? "bf16"
-           : o.cfg.scale_kind == MOE_SCALE_PER_CHANNEL ? "fp8 e4m3 W8A8 per-channel"
-                                                       : "fp8 e4m3 W8A8 per-tensor");
+    print_title(&o);
     printf("# GPU %d: %s, %d SMs; weights %.2f GB, workspace %.2f GB\n", dev, prop.name,
            prop.multiProcessorCount, info.weight_bytes / 1e9, info.workspace_bytes / 1e9);
     printf("# measured: device copy %.0f GB/s (read+write), cuBLAS bf16 8192^3 %.0f TFLOP/s\n",
@@ -521,11 +877,8 @@ int main(int argc, char **argv)
                "experts %.1f  shared %.1f  combine %.1f\n",
                "", p->phases.route_us, p->phases.dispatch_us, p->phases.expert_us,
                p->phases.shared_us, p->phases.combine_us);
-        if (o.explain) {
-            char why[2048]; /* the variants, their tables (tune file paths) and the transport */
-            MOE_OK(moe_layer_explain(layer, p->m, why, sizeof(why)));
-            printf("  %8s explain: %s\n", "", why);
-        }
+        if (o.explain)
+            print_explain(layer, p->m);
         fflush(stdout);
         score_sum += p->limit_us / p->time_us;
     }

@@ -416,10 +416,23 @@ static void tune_gemm(const bench_t *b, options_t *o, int arch, moe_oracle_group
                 win[i] = j;
         best[i] = win[i] >= 0 ? us[win[i]][i] : 0;
         if (rank == 0) {
+            /* the built-in table's pick here, and what tuning gains over it */
+            const moe_oracle_query_t q = {arch,       g->dtype,       g->scale, g->ep_size,
+                                          g->tp_size, MOE_ORACLE_ANY, at[i]};
+            moe_oracle_choice_t c;
+            int d = -1;
+            if (moe_oracle_pick_gemm(NULL, &q, &c))
+                for (j = 0; j < nc; j++)
+                    if (!strcmp(names[j], c.name))
+                        d = j;
             printf("   %12.3g %8lld", at[i], (long long)T[i]);
             for (j = 0; j < nc; j++)
                 printf(" %*.1f", (int)strlen(names[j]), us[j][i]);
-            printf("   best %s\n", win[i] >= 0 ? names[win[i]] : "(none)");
+            printf("   best %s", win[i] >= 0 ? names[win[i]] : "(none)");
+            if (d >= 0 && win[i] >= 0 && us[d][i] < HUGE_VAL)
+                printf(", default %s: %.1f us, best saves %.1f%%", names[d], us[d][i],
+                       100.0 * (1.0 - best[i] / us[d][i]));
+            printf("\n");
         }
     }
     make_buckets(g, at, win, best, names, np);

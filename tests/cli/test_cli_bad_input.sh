@@ -188,6 +188,14 @@ if [ -n "$moe_bench" ]; then
         "${mpirun[@]}" -np 1 "$moe_bench" --tokens 1,8 : -np 1 "$moe_bench" --tokens 1,16
     expect bench-dispatch-max 2 "--max-tokens 0: out of range" \
         b --dispatch-only --max-tokens 0
+    expect bench-capacity-zero 2 "--capacity 0: out of range" b --capacity 0
+    expect bench-tokens-over-capacity 2 "--tokens 600 is over --capacity 512" \
+        b --tokens 1,600 --capacity 512
+    expect bench-first-call-twice 2 "--tokens: 8 twice" b --first-call --tokens 1,8,8
+    expect bench-first-call-capacity 2 "--capacity 30: --first-call's 20 odd token counts" \
+        b --first-call --capacity 30
+    expect bench-first-call-no-probe 2 "--tokens lists every count in 1..3" \
+        b --first-call --tokens 1,2,3
 fi
 
 echo "$pass passed, $fail failed"
