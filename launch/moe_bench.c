@@ -34,6 +34,7 @@
 #define FIRST_CALL_REPEATS 7  /* steady steps per count after the first; their median */
 #define FIRST_CALL_TARGET 1.1 /* first / steady at a new count, at most */
 #define CREATE_TARGET 2.0     /* the first forward after create / steady, at most */
+#define MAX_ROTATE 16         /* copies of the layer the table's steps rotate over, at most */
 
 #define CUDA_OK(call) MOE_TOOL_CUDA_OK("moe-bench", call)
 #define MOE_OK(call) MOE_TOOL_OK("moe-bench", call)
@@ -60,6 +61,7 @@ typedef struct options {
     int explain;             /* --explain: per point, what the layer runs and why */
     int first_call;          /* --first-call: first step at new counts against the steady one */
     int fp8;                 /* --dtype fp8: W8A8 */
+    int rotate;              /* --rotate: copies of the layer (0: enough to defeat the L2) */
     moe_scale_kind_t scales; /* --scales (fp8; default per-tensor) */
     FILE *json_file;         /* opened before the run, so a bad path fails before minutes of work */
     char err[512];           /* why this rank rejected its options */
@@ -77,9 +79,14 @@ static void usage(void)
            "                 [--tokens 1,8,64,512,2048,8192] [--graph-max M] [--seconds S]\n"
            "                 [--json FILE] [--explain] [--dtype bf16|fp8 [--scales "
            "tensor|channel|block]]\n"
-           "                 [--capacity C]\n"
+           "                 [--capacity C] [--rotate R]\n"
            "         (fp8: e4m3 weights and activations, W8A8, f32 accumulation; --capacity:\n"
-           "         the layer's max_tokens_per_rank, default the largest of --tokens)\n"
+           "         the layer's max_tokens_per_rank, default the largest of --tokens; --rotate:\n"
+           "         step i runs copy i %% R of the layer, each with its own weights, default\n"
+           "         the fewest copies whose weights a step reads add up to 2 x L2, at most %d\n"
+           "         and what fits in half the free memory; 1: one layer, as before. Backend:\n"
+           "         MOE_BACKEND, else CUDA where a GPU is visible; on the CPU backend the\n"
+           "         steps are eager, timed by the wall clock)\n"
            "       mpirun -np N moe-bench --first-call [--capacity C] [--tokens LIST] [shape]\n"
            "         (every rank: the time of the first step at each of 20 token counts the\n"
            "         layer never ran, default odd counts spread over 1..C, C = 8192, over the\n"
@@ -91,7 +98,7 @@ static void usage(void)
            "         serving engine's max_tokens_per_rank for every point; --told: pass\n"
            "         max_tokens_across_ranks = the point's tokens)\n"
            "presets: %s\n",
-           moe_gen_preset_names());
+           MAX_ROTATE, moe_gen_preset_names());
 }
 
 /* A comma-separated list of token counts, each in 1..MAX_M, at most MAX_POINTS of them. */
@@ -121,6 +128,7 @@ static int parse_tokens(const char *s, options_t *o)
 /* The command line into *o; 0 with o->err on the first bad option. */
 static int parse(int argc, char **argv, options_t *o)
 {
+    int64_t r;
     int i;
     moe_layer_config_t init = MOE_LAYER_CONFIG_INIT;
     memset(o, 0, sizeof(*o));
@@ -157,6 +165,9 @@ static int parse(int argc, char **argv, options_t *o)
             ok = o->tokens_given = parse_tokens(v, o);
         } else if (!strcmp(a, "--capacity")) {
             ok = !moe_cli_int(a, v, 1, MAX_M, &o->capacity, o->err, sizeof(o->err));
+        } else if (!strcmp(a, "--rotate")) {
+            ok = !moe_cli_int(a, v, 1, MAX_ROTATE, &r, o->err, sizeof(o->err));
+            o->rotate = (int)r;
         } else if (!strcmp(a, "--graph-max")) {
             ok = !moe_cli_int(a, v, 0, MAX_M, &o->graph_max, o->err, sizeof(o->err));
         } else if (!strcmp(a, "--seconds")) {
@@ -283,6 +294,7 @@ static int agree_options(const options_t *o, int bad)
         {"--intermediate", o->cfg.intermediate, 0},
         {"--preset", moe_cli_hash(o->preset), 1},
         {"--graph-max", o->graph_max, 0},
+        {"--rotate", o->rotate, 0},
         {"--tokens", (int64_t)(token_list_hash(o, h) >> 1), 1},
         {"--capacity", o->capacity, 0}, /* after --tokens: its default is their largest */
         {"--dtype", o->fp8, 0},
@@ -368,159 +380,6 @@ static double cublas_tflops(cudaStream_t s)
     return 20.0 * 2.0 * (double)n * n * n / (ms * 1e-3) / 1e12;
 }
 
-/* Distinct experts hit by the step's actual routing. */
-static int count_distinct(moe_layer_t *layer, moe_forward_args_t a, int32_t *d_ids, int E, int k,
-                          cudaStream_t s)
-{
-    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(a.num_tokens * k));
-    unsigned char *hit = calloc((size_t)E, 1);
-    int64_t i;
-    int n = 0;
-    a.topk_ids = d_ids;
-    MOE_OK(moe_layer_forward(layer, &a));
-    CUDA_OK(cudaStreamSynchronize(s));
-    CUDA_OK(cudaMemcpy(ids, d_ids, sizeof(int32_t) * (size_t)(a.num_tokens * k),
-                       cudaMemcpyDeviceToHost));
-    for (i = 0; i < a.num_tokens * k; i++)
-        if (ids[i] >= 0 && ids[i] < E && !hit[ids[i]]) {
-            hit[ids[i]] = 1;
-            n++;
-        }
-    free(ids);
-    free(hit);
-    return n;
-}
-
-static void run_point(moe_layer_t *layer, const options_t *o, moe_forward_args_t a, int32_t *d_ids,
-                      cudaStream_t s, point_t *p)
-{
-    const moe_layer_config_t *c = &o->cfg;
-    cudaGraph_t graph = NULL;
-    cudaGraphExec_t exec = NULL;
-    cudaEvent_t e0, e1, *ev;
-    double *t, first;
-    float ms;
-    int i, n;
-
-    p->m = a.num_tokens;
-    p->distinct = count_distinct(layer, a, d_ids, c->num_experts, c->top_k, s);
-    p->graph = a.num_tokens <= o->graph_max;
-    if (p->graph) {
-        CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-        MOE_OK(moe_layer_forward(layer, &a));
-        CUDA_OK(cudaStreamEndCapture(s, &graph));
-        CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-    }
-    CUDA_OK(cudaEventCreate(&e0));
-    CUDA_OK(cudaEventCreate(&e1));
-    /* warm-up, and one timed step to size the run */
-    for (i = 0; i < 4; i++) {
-        CUDA_OK(cudaEventRecord(e0, s));
-        if (p->graph)
-            CUDA_OK(cudaGraphLaunch(exec, s));
-        else
-            MOE_OK(moe_layer_forward(layer, &a));
-        CUDA_OK(cudaEventRecord(e1, s));
-    }
-    CUDA_OK(cudaEventSynchronize(e1));
-    CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
-    first = ms * 1e-3;
-    n = (int)(o->seconds / (first > 1e-6 ? first : 1e-6));
-    n = n < 20 ? 20 : (n > 1000 ? 1000 : n);
-    /* every rank runs the same number of steps (a step is collective over the ranks) */
-    MPI_Allreduce(MPI_IN_PLACE, &n, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    /* Back to back, an event between steps: the queue never drains, so each interval is the
-     * GPU's time for one step (no host launch latency inside it). */
-    t = malloc(sizeof(double) * (size_t)n);
-    ev = malloc(sizeof(cudaEvent_t) * (size_t)(n + 1));
-    for (i = 0; i <= n; i++)
-        CUDA_OK(cudaEventCreate(&ev[i]));
-    CUDA_OK(cudaEventRecord(ev[0], s));
-    for (i = 0; i < n; i++) {
-        if (p->graph)
-            CUDA_OK(cudaGraphLaunch(exec, s));
-        else
-            MOE_OK(moe_layer_forward(layer, &a));
-        CUDA_OK(cudaEventRecord(ev[i + 1], s));
-    }
-    CUDA_OK(cudaEventSynchronize(ev[n]));
-    for (i = 0; i < n; i++) {
-        CUDA_OK(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]));
-        t[i] = ms * 1e3;
-    }
-    for (i = 0; i <= n; i++)
-        cudaEventDestroy(ev[i]);
-    free(ev);
-    /* One more step with the library's per-phase events (it synchronises; not timed above). */
-    setenv("MOE_PROFILE", "1", 1);
-    MOE_OK(moe_layer_forward(layer, &a));
-    unsetenv("MOE_PROFILE");
-    MOE_OK(moe_layer_get_stats(layer, &p->phases));
-    qsort(t, (size_t)n, sizeof(double), cmp_double);
-    p->iters = n;
-    p->time_us = t[n / 2];
-    p->min_us = t[0];
-    p->flops = 2.0 * (double)a.num_tokens * c->top_k * 3.0 * c->hidden * c->intermediate;
-    {
-        /* fp8: 1 byte per weight (+ one f32 scale per row) at the FP8 tensor-core rate */
-        const int f8 = c->weight_dtype == MOE_DTYPE_FP8_E4M3;
-        const double wb = f8 ? 1.0 + 4.0 / c->hidden : 2.0;
-        const double rate = f8 ? FP8_FLOPS_PER_S : BF16_FLOPS_PER_S;
-        /* uniform routing: each expert is missed by a token with probability 1 - k/E */
-        const double E = c->num_experts, k = c->top_k;
-        const double touched = E * (1.0 - pow(1.0 - k / E, (double)a.num_tokens));
-        p->bytes = (double)p->distinct * 3.0 * c->hidden * c->intermediate * wb;
-        p->limit_us = fmax(p->bytes / HBM_BYTES_PER_S, p->flops / rate) * 1e6;
-        p->limit_exp_us = fmax(touched * 3.0 * c->hidden * c->intermediate * wb / HBM_BYTES_PER_S,
-                               p->flops / rate) *
-                          1e6;
-    }
-    free(t);
-    if (exec)
-        cudaGraphExecDestroy(exec);
-    if (graph)
-        cudaGraphDestroy(graph);
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
-}
-
-/* The JSON reports' opening: "{" and the layer's shape, ending in ", ". */
-static void json_shape(FILE *f, const options_t *o)
-{
-    const moe_layer_config_t *c = &o->cfg;
-    fprintf(f,
-            "{\"preset\": \"%s\", \"experts\": %d, \"top_k\": %d, \"hidden\": %d, "
-            "\"intermediate\": %d, ",
-            o->preset, c->num_experts, c->top_k, c->hidden, c->intermediate);
-}
-
-/* Into the file opened at start; nonzero if a write failed. */
-static int write_json(const options_t *o, const char *gpu, double copy, double blas,
-                      const point_t *p, int n)
-{
-    FILE *f = o->json_file;
-    int i;
-    json_shape(f, o);
-    fprintf(f,
-            "\"gpu\": \"%s\", \"copy_gbps\": %.1f, \"cublas_bf16_tflops\": %.1f, "
-            "\"hbm_bytes_per_s\": %.3g, \"bf16_flops_per_s\": %.3g, \"points\": [",
-            gpu, copy, blas, HBM_BYTES_PER_S, BF16_FLOPS_PER_S);
-    for (i = 0; i < n; i++)
-        fprintf(f,
-                "%s\n  {\"m\": %lld, \"distinct_experts\": %d, \"graph\": %d, \"iters\": %d, "
-                "\"time_us\": %.2f, \"min_us\": %.2f, \"tflops\": %.2f, \"weight_gbps\": %.1f, "
-                "\"limit_us\": %.2f, \"limit_expected_us\": %.2f, \"score\": %.3f, "
-                "\"phases_us\": {\"route\": %.1f, "
-                "\"permute\": %.1f, \"experts\": %.1f, \"shared\": %.1f, \"combine\": %.1f}}",
-                i ? "," : "", (long long)p[i].m, p[i].distinct, p[i].graph, p[i].iters,
-                p[i].time_us, p[i].min_us, p[i].flops / p[i].time_us / 1e6,
-                p[i].bytes / p[i].time_us / 1e3, p[i].limit_us, p[i].limit_exp_us,
-                p[i].limit_us / p[i].time_us, p[i].phases.route_us, p[i].phases.dispatch_us,
-                p[i].phases.expert_us, p[i].phases.shared_us, p[i].phases.combine_us);
-    fprintf(f, "\n]}\n");
-    return (ferror(f) != 0) | (fclose(f) != 0);
-}
-
 /* `bytes` where the backend's forward reads and writes them (device memory for CUDA, host
  * memory for the CPU backend), a copy of `src` unless it is NULL. */
 static void *io_alloc(int cuda, size_t bytes, const void *src)
@@ -547,6 +406,251 @@ static void io_free(int cuda, void *p)
         cudaFree(p);
     else
         free(p);
+}
+
+/* The table's layers: copies of one config, each with its own weights (its own memory), so a
+ * step that runs another copy than the step before reads its weights from HBM, not L2. */
+typedef struct bench {
+    int cuda;        /* CUDA backend; else the CPU backend (wall clock, eager steps) */
+    cudaStream_t s;  /* CUDA: the steps' stream (NULL on the CPU backend) */
+    double l2_bytes; /* the GPU's L2 (0: CPU backend) */
+    int rotate;      /* step i runs layers[i % rotate] */
+    moe_layer_t *layers[MAX_ROTATE];
+    char why[320]; /* how rotate was chosen */
+} bench_t;
+
+/* Bytes of one expert weight as the limits count them: fp8 1 (+ one f32 scale per row), else 2
+ * (bf16). */
+static double weight_size(const moe_layer_config_t *c)
+{
+    return c->weight_dtype == MOE_DTYPE_FP8_E4M3 ? 1.0 + 4.0 / c->hidden : 2.0;
+}
+
+/* b->rotate and b->why: --rotate, else the fewest copies whose weights one step reads at least
+ * (this rank's slice of the experts one token routes to, and of the shared MLP) add up to 2 x L2
+ * (so each copy's weights are evicted before its next step), at most MAX_ROTATE and 1 + what
+ * fits in half the device memory free after the first copy; 1 on the CPU backend. Collective:
+ * the fewest over the ranks (the copies are created collectively). */
+static void choose_rotate(bench_t *b, const options_t *o, const moe_layer_info_t *info)
+{
+    const moe_layer_config_t *c = &o->cfg;
+    const int k = c->top_k < info->num_local_experts ? c->top_k : info->num_local_experts;
+    const double rows = (double)k * (info->intermediate_end - info->intermediate_begin) +
+                        (info->shared_end - info->shared_begin);
+    const double step = fmin(3.0 * c->hidden * rows * weight_size(c), (double)info->weight_bytes);
+    const double copy = info->weight_bytes > 0 ? (double)info->weight_bytes : 1.0;
+    size_t free_b = 0, total_b = 0;
+    int want, fit, mine;
+    char *w = b->why;
+    const size_t len = sizeof(b->why);
+
+    if (o->rotate) {
+        b->rotate = o->rotate;
+        snprintf(w, len, "--rotate %d", o->rotate);
+    } else if (b->l2_bytes <= 0) {
+        b->rotate = 1;
+        snprintf(w, len, "no GPU L2 (backend cpu)");
+    } else {
+        want = step >= 2.0 * b->l2_bytes ? 1 : (int)fmin(MAX_ROTATE, ceil(2 * b->l2_bytes / step));
+        CUDA_OK(cudaMemGetInfo(&free_b, &total_b));
+        fit = 1 + (int)fmin(MAX_ROTATE, 0.5 * (double)free_b / copy);
+        b->rotate = want < fit ? want : fit;
+        if (want == 1)
+            snprintf(w, len, "a step reads >= %.1f MB of weights, >= 2 x L2 alone", step / 1e6);
+        else if (b->rotate == want)
+            snprintf(w, len, "a step reads >= %.1f MB of weights: %d copies %s 2 x L2", step / 1e6,
+                     want, want * step >= 2 * b->l2_bytes ? ">=" : "(the most) <");
+        else
+            snprintf(w, len,
+                     "a step reads >= %.1f MB of weights: %d copies wanted, %d fit%s in half the "
+                     "free device memory (%.2f GB free, %.2f GB a copy)",
+                     step / 1e6, want, fit, fit == 1 ? " (no second copy)" : "", free_b / 1e9,
+                     copy / 1e9);
+    }
+    mine = b->rotate;
+    MPI_Allreduce(MPI_IN_PLACE, &b->rotate, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    if (b->rotate < mine) /* o->rotate is the same on every rank: only a computed one differs */
+        snprintf(w + strlen(w), len - strlen(w), "; %d: another rank's fewest", b->rotate);
+}
+
+/* Distinct experts hit by the step's actual routing (on the first copy). */
+static int count_distinct(const bench_t *b, moe_forward_args_t a, int32_t *d_ids, int E, int k)
+{
+    const size_t n_ids = (size_t)(a.num_tokens * k);
+    int32_t *ids = io_alloc(0, sizeof(int32_t) * n_ids, NULL);
+    unsigned char *hit = calloc((size_t)E, 1);
+    size_t i;
+    int n = 0;
+    a.topk_ids = d_ids;
+    MOE_OK(moe_layer_forward(b->layers[0], &a));
+    MOE_OK(moe_layer_synchronize(b->layers[0], a.stream));
+    if (b->cuda)
+        CUDA_OK(cudaMemcpy(ids, d_ids, sizeof(int32_t) * n_ids, cudaMemcpyDeviceToHost));
+    else
+        memcpy(ids, d_ids, sizeof(int32_t) * n_ids);
+    for (i = 0; i < n_ids; i++)
+        if (ids[i] >= 0 && ids[i] < E && !hit[ids[i]]) {
+            hit[ids[i]] = 1;
+            n++;
+        }
+    free(ids);
+    free(hit);
+    return n;
+}
+
+/* Step i: copy i % rotate, its graph (exec, graph mode) or an eager forward. */
+static void step(const bench_t *b, const cudaGraphExec_t *exec, const moe_forward_args_t *a, int i)
+{
+    const int r = i % b->rotate;
+    if (exec)
+        CUDA_OK(cudaGraphLaunch(exec[r], b->s));
+    else
+        MOE_OK(moe_layer_forward(b->layers[r], a));
+}
+
+/* Steps first .. first + n - 1 back to back, each one's microseconds into t. CUDA: an event
+ * between steps, so the queue never drains and each interval is the GPU's time for one step (no
+ * host launch latency inside it). CPU backend: the wall clock between steps (its forward
+ * returns when its work is done). */
+static void time_steps(const bench_t *b, const cudaGraphExec_t *exec, const moe_forward_args_t *a,
+                       int first, int n, double *t)
+{
+    cudaEvent_t *ev;
+    double t0 = MPI_Wtime(), t1;
+    float ms;
+    int i;
+    if (!b->cuda) {
+        for (i = 0; i < n; i++) {
+            step(b, exec, a, first + i);
+            MOE_OK(moe_layer_synchronize(b->layers[(first + i) % b->rotate], NULL));
+            t1 = MPI_Wtime();
+            t[i] = (t1 - t0) * 1e6;
+            t0 = t1;
+        }
+        return;
+    }
+    ev = io_alloc(0, sizeof(cudaEvent_t) * (size_t)(n + 1), NULL);
+    for (i = 0; i <= n; i++)
+        CUDA_OK(cudaEventCreate(&ev[i]));
+    CUDA_OK(cudaEventRecord(ev[0], b->s));
+    for (i = 0; i < n; i++) {
+        step(b, exec, a, first + i);
+        CUDA_OK(cudaEventRecord(ev[i + 1], b->s));
+    }
+    CUDA_OK(cudaEventSynchronize(ev[n]));
+    for (i = 0; i < n; i++) {
+        CUDA_OK(cudaEventElapsedTime(&ms, ev[i], ev[i + 1]));
+        t[i] = ms * 1e3;
+    }
+    for (i = 0; i <= n; i++)
+        cudaEventDestroy(ev[i]);
+    free(ev);
+}
+
+static void run_point(const bench_t *b, const options_t *o, moe_forward_args_t a, int32_t *d_ids,
+                      point_t *p)
+{
+    const moe_layer_config_t *c = &o->cfg;
+    cudaGraph_t graph[MAX_ROTATE] = {NULL};
+    cudaGraphExec_t exec[MAX_ROTATE] = {NULL};
+    const int warm = b->rotate > 4 ? b->rotate : 4; /* every copy's graph launched once */
+    double *t, tw[MAX_ROTATE > 4 ? MAX_ROTATE : 4], first;
+    int i, n;
+
+    p->m = a.num_tokens;
+    p->distinct = count_distinct(b, a, d_ids, c->num_experts, c->top_k);
+    /* every copy's first step at this count eager (as the first copy's above), before capture */
+    for (i = 1; i < b->rotate; i++) {
+        MOE_OK(moe_layer_forward(b->layers[i], &a));
+        MOE_OK(moe_layer_synchronize(b->layers[i], a.stream));
+    }
+    p->graph = b->cuda && a.num_tokens <= o->graph_max;
+    for (i = 0; p->graph && i < b->rotate; i++) {
+        CUDA_OK(cudaStreamBeginCapture(b->s, cudaStreamCaptureModeThreadLocal));
+        MOE_OK(moe_layer_forward(b->layers[i], &a));
+        CUDA_OK(cudaStreamEndCapture(b->s, &graph[i]));
+        CUDA_OK(cudaGraphInstantiate(&exec[i], graph[i], 0));
+    }
+    /* warm-up; its last step sizes the run */
+    time_steps(b, p->graph ? exec : NULL, &a, 0, warm, tw);
+    first = tw[warm - 1] * 1e-6;
+    n = (int)(o->seconds / (first > 1e-6 ? first : 1e-6));
+    n = n < 20 ? 20 : (n > 1000 ? 1000 : n);
+    /* every rank runs the same number of steps (a step is collective over the ranks) */
+    MPI_Allreduce(MPI_IN_PLACE, &n, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    t = io_alloc(0, sizeof(double) * (size_t)n, NULL);
+    /* on from the warm-up's copies: no copy runs twice in a row */
+    time_steps(b, p->graph ? exec : NULL, &a, warm, n, t);
+    /* One more step with the library's per-phase events (it synchronises; not timed above). */
+    setenv("MOE_PROFILE", "1", 1);
+    MOE_OK(moe_layer_forward(b->layers[0], &a));
+    unsetenv("MOE_PROFILE");
+    MOE_OK(moe_layer_get_stats(b->layers[0], &p->phases));
+    qsort(t, (size_t)n, sizeof(double), cmp_double);
+    p->iters = n;
+    p->time_us = t[n / 2];
+    p->min_us = t[0];
+    p->flops = 2.0 * (double)a.num_tokens * c->top_k * 3.0 * c->hidden * c->intermediate;
+    {
+        /* fp8: at the FP8 tensor-core rate */
+        const double wb = weight_size(c);
+        const double rate =
+            c->weight_dtype == MOE_DTYPE_FP8_E4M3 ? FP8_FLOPS_PER_S : BF16_FLOPS_PER_S;
+        /* uniform routing: each expert is missed by a token with probability 1 - k/E */
+        const double E = c->num_experts, k = c->top_k;
+        const double touched = E * (1.0 - pow(1.0 - k / E, (double)a.num_tokens));
+        p->bytes = (double)p->distinct * 3.0 * c->hidden * c->intermediate * wb;
+        p->limit_us = fmax(p->bytes / HBM_BYTES_PER_S, p->flops / rate) * 1e6;
+        p->limit_exp_us = fmax(touched * 3.0 * c->hidden * c->intermediate * wb / HBM_BYTES_PER_S,
+                               p->flops / rate) *
+                          1e6;
+    }
+    free(t);
+    for (i = 0; i < b->rotate; i++) {
+        if (exec[i])
+            cudaGraphExecDestroy(exec[i]);
+        if (graph[i])
+            cudaGraphDestroy(graph[i]);
+    }
+}
+
+/* The JSON reports' opening: "{" and the layer's shape, ending in ", ". */
+static void json_shape(FILE *f, const options_t *o)
+{
+    const moe_layer_config_t *c = &o->cfg;
+    fprintf(f,
+            "{\"preset\": \"%s\", \"experts\": %d, \"top_k\": %d, \"hidden\": %d, "
+            "\"intermediate\": %d, ",
+            o->preset, c->num_experts, c->top_k, c->hidden, c->intermediate);
+}
+
+/* Into the file opened at start; nonzero if a write failed. */
+static int write_json(const options_t *o, const bench_t *b, const char *gpu, double copy,
+                      double blas, const point_t *p, int n)
+{
+    FILE *f = o->json_file;
+    int i;
+    json_shape(f, o);
+    fprintf(f,
+            "\"backend\": \"%s\", \"gpu\": \"%s\", \"l2_bytes\": %.0f, \"rotate\": %d, "
+            "\"copy_gbps\": %.1f, \"cublas_bf16_tflops\": %.1f, \"hbm_bytes_per_s\": %.3g, "
+            "\"bf16_flops_per_s\": %.3g, \"points\": [",
+            b->cuda ? "cuda" : "cpu", gpu, b->l2_bytes, b->rotate, copy, blas, HBM_BYTES_PER_S,
+            BF16_FLOPS_PER_S);
+    for (i = 0; i < n; i++)
+        fprintf(f,
+                "%s\n  {\"m\": %lld, \"distinct_experts\": %d, \"graph\": %d, \"iters\": %d, "
+                "\"time_us\": %.2f, \"min_us\": %.2f, \"tflops\": %.2f, \"weight_gbps\": %.1f, "
+                "\"limit_us\": %.2f, \"limit_expected_us\": %.2f, \"score\": %.3f, "
+                "\"phases_us\": {\"route\": %.1f, "
+                "\"permute\": %.1f, \"experts\": %.1f, \"shared\": %.1f, \"combine\": %.1f}}",
+                i ? "," : "", (long long)p[i].m, p[i].distinct, p[i].graph, p[i].iters,
+                p[i].time_us, p[i].min_us, p[i].flops / p[i].time_us / 1e6,
+                p[i].bytes / p[i].time_us / 1e3, p[i].limit_us, p[i].limit_exp_us,
+                p[i].limit_us / p[i].time_us, p[i].phases.route_us, p[i].phases.dispatch_us,
+                p[i].phases.expert_us, p[i].phases.shared_us, p[i].phases.combine_us);
+    fprintf(f, "\n]}\n");
+    return (ferror(f) != 0) | (fclose(f) != 0);
 }
 
 /* The steps' input: capacity x hidden random bf16, where the backend reads it. */
@@ -795,21 +899,108 @@ static void first_call(const options_t *o, int rank)
     moe_runtime_destroy(rt);
 }
 
+/* The table (see usage()): per token count, the step's time against the limit. The backend is
+ * the runtime's AUTO choice (MOE_BACKEND, else CUDA where a GPU is visible); the CPU backend
+ * runs eager steps timed by the wall clock, with no reference rates. */
+static void table(const options_t *o)
+{
+    moe_runtime_config_t rc = MOE_RUNTIME_CONFIG_INIT;
+    moe_runtime_t *rt = NULL;
+    moe_runtime_info_t ri;
+    moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
+    moe_layer_info_t info, info_i;
+    struct cudaDeviceProp prop;
+    point_t pts[MAX_POINTS];
+    bench_t b;
+    int32_t *d_ids;
+    double copy = 0, blas = 0, score_sum = 0, t[2];
+    int i, dev = 0, l2 = 0;
+
+    memset(&b, 0, sizeof(b));
+    MOE_OK(moe_runtime_create_mpi(&rc, MPI_COMM_WORLD, &rt));
+    MOE_OK(moe_runtime_get_info(rt, &ri));
+    b.cuda = ri.backend == MOE_BACKEND_CUDA;
+    if (b.cuda) {
+        CUDA_OK(cudaGetDevice(&dev));
+        CUDA_OK(cudaGetDeviceProperties(&prop, dev));
+        CUDA_OK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
+        CUDA_OK(cudaStreamCreateWithFlags(&b.s, cudaStreamNonBlocking));
+        b.l2_bytes = l2;
+    }
+    b.layers[0] = make_layer(rt, o, &info, t);
+    a.dtype = MOE_DTYPE_BF16;
+    a.x = make_x(b.cuda, o);
+    a.y = io_alloc(b.cuda, 2 * (size_t)(o->capacity * o->cfg.hidden), NULL);
+    a.stream = b.s;
+    d_ids = io_alloc(b.cuda, sizeof(int32_t) * (size_t)(o->capacity * o->cfg.top_k), NULL);
+    if (b.cuda) {
+        copy = copy_gbps(b.s);
+        blas = cublas_tflops(b.s);
+    }
+    choose_rotate(&b, o, &info); /* after the reference rates: their buffers are freed */
+    for (i = 1; i < b.rotate; i++)
+        b.layers[i] = make_layer(rt, o, &info_i, t);
+
+    print_title(o);
+    if (b.cuda) {
+        printf("# GPU %d: %s, %d SMs; weights %.2f GB, workspace %.2f GB\n", dev, prop.name,
+               prop.multiProcessorCount, info.weight_bytes / 1e9, info.workspace_bytes / 1e9);
+        printf("# measured: device copy %.0f GB/s (read+write), cuBLAS bf16 8192^3 %.0f "
+               "TFLOP/s\n",
+               copy, blas);
+    } else {
+        printf("# backend %s, %d rank(s): eager steps, wall clock each; weights %.2f GB\n",
+               moe_backend_name(ri.backend), ri.world_size, info.weight_bytes / 1e9);
+    }
+    printf("# weights rotated over %d cop%s (L2 %.1f MB): %s\n", b.rotate,
+           b.rotate > 1 ? "ies" : "y", b.l2_bytes / 1e6, b.why);
+    printf("# limit = max(touched expert bytes / %.1f TB/s, flops / %.0f TFLOP/s); "
+           "score = limit / time\n",
+           HBM_BYTES_PER_S / 1e12, (o->fp8 ? FP8_FLOPS_PER_S : BF16_FLOPS_PER_S) / 1e12);
+    printf("# limit_exp = the same with the experts a uniform routing would touch, "
+           "E (1 - (1 - k/E)^M)\n");
+    printf("#\n# %8s %8s %6s %6s %10s %10s %9s %9s %10s %10s %7s\n", "tokens", "experts", "mode",
+           "iters", "time(us)", "min(us)", "TFLOP/s", "GB/s", "limit(us)", "limit_exp", "score");
+    for (i = 0; i < o->num_tokens; i++) {
+        point_t *p = &pts[i];
+        a.num_tokens = o->tokens[i];
+        run_point(&b, o, a, d_ids, p);
+        printf("  %8lld %8d %6s %6d %10.1f %10.1f %9.1f %9.0f %10.1f %10.1f %7.3f\n",
+               (long long)p->m, p->distinct,
+               p->graph ? "graph"
+               : b.cuda ? "stream"
+                        : "eager",
+               p->iters, p->time_us, p->min_us, p->flops / p->time_us / 1e6,
+               p->bytes / p->time_us / 1e3, p->limit_us, p->limit_exp_us, p->limit_us / p->time_us);
+        printf("  %8s phases (one profiled step, us): route %.1f  permute+gather %.1f  "
+               "experts %.1f  shared %.1f  combine %.1f\n",
+               "", p->phases.route_us, p->phases.dispatch_us, p->phases.expert_us,
+               p->phases.shared_us, p->phases.combine_us);
+        if (o->explain)
+            print_explain(b.layers[0], p->m);
+        fflush(stdout);
+        score_sum += p->limit_us / p->time_us;
+    }
+    printf("# avg score: %.3f over %d token counts\n", score_sum / o->num_tokens, o->num_tokens);
+    if (o->json_file &&
+        write_json(o, &b, b.cuda ? prop.name : "none", copy, blas, pts, o->num_tokens)) {
+        fprintf(stderr, "moe-bench: --json %s: write failed\n", o->json);
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    io_free(b.cuda, (void *)a.x);
+    io_free(b.cuda, a.y);
+    io_free(b.cuda, d_ids);
+    if (b.cuda)
+        cudaStreamDestroy(b.s);
+    for (i = 0; i < b.rotate; i++)
+        moe_layer_destroy(b.layers[i]);
+    moe_runtime_destroy(rt);
+}
+
 int main(int argc, char **argv)
 {
     options_t o;
-    moe_runtime_config_t rc = MOE_RUNTIME_CONFIG_INIT;
-    moe_runtime_t *rt = NULL;
-    moe_layer_t *layer = NULL;
-    moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
-    struct cudaDeviceProp prop;
-    point_t pts[MAX_POINTS];
-    cudaStream_t s;
-    void *d_x, *d_y;
-    int32_t *d_ids;
-    double copy, blas, score_sum = 0, t[2];
-    int i, dev = 0, rank = 0, bad;
-    moe_layer_info_t info;
+    int i, rank = 0, bad;
 
     MPI_Init(&argc, &argv);
     for (i = 1; i < argc; i++)
@@ -832,65 +1023,10 @@ int main(int argc, char **argv)
         MPI_Finalize();
         return 0;
     }
-    if (o.first_call) {
+    if (o.first_call)
         first_call(&o, rank);
-        MPI_Finalize();
-        return 0;
-    }
-    rc.backend = MOE_BACKEND_CUDA;
-    MOE_OK(moe_runtime_create_mpi(&rc, MPI_COMM_WORLD, &rt));
-    CUDA_OK(cudaGetDevice(&dev));
-    CUDA_OK(cudaGetDeviceProperties(&prop, dev));
-    CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    layer = make_layer(rt, &o, &info, t);
-    d_x = make_x(1, &o);
-    d_y = io_alloc(1, 2 * (size_t)(o.capacity * o.cfg.hidden), NULL);
-    d_ids = io_alloc(1, sizeof(int32_t) * (size_t)(o.capacity * o.cfg.top_k), NULL);
-
-    copy = copy_gbps(s);
-    blas = cublas_tflops(s);
-    print_title(&o);
-    printf("# GPU %d: %s, %d SMs; weights %.2f GB, workspace %.2f GB\n", dev, prop.name,
-           prop.multiProcessorCount, info.weight_bytes / 1e9, info.workspace_bytes / 1e9);
-    printf("# measured: device copy %.0f GB/s (read+write), cuBLAS bf16 8192^3 %.0f TFLOP/s\n",
-           copy, blas);
-    printf("# limit = max(touched expert bytes / %.1f TB/s, flops / %.0f TFLOP/s); "
-           "score = limit / time\n",
-           HBM_BYTES_PER_S / 1e12, (o.fp8 ? FP8_FLOPS_PER_S : BF16_FLOPS_PER_S) / 1e12);
-    printf("# limit_exp = the same with the experts a uniform routing would touch, "
-           "E (1 - (1 - k/E)^M)\n");
-    printf("#\n# %8s %8s %6s %6s %10s %10s %9s %9s %10s %10s %7s\n", "tokens", "experts", "mode",
-           "iters", "time(us)", "min(us)", "TFLOP/s", "GB/s", "limit(us)", "limit_exp", "score");
-    a.dtype = MOE_DTYPE_BF16;
-    a.x = d_x;
-    a.y = d_y;
-    a.stream = s;
-    for (i = 0; i < o.num_tokens; i++) {
-        point_t *p = &pts[i];
-        a.num_tokens = o.tokens[i];
-        run_point(layer, &o, a, d_ids, s, p);
-        printf("  %8lld %8d %6s %6d %10.1f %10.1f %9.1f %9.0f %10.1f %10.1f %7.3f\n",
-               (long long)p->m, p->distinct, p->graph ? "graph" : "stream", p->iters, p->time_us,
-               p->min_us, p->flops / p->time_us / 1e6, p->bytes / p->time_us / 1e3, p->limit_us,
-               p->limit_exp_us, p->limit_us / p->time_us);
-        printf("  %8s phases (one profiled step, us): route %.1f  permute+gather %.1f  "
-               "experts %.1f  shared %.1f  combine %.1f\n",
-               "", p->phases.route_us, p->phases.dispatch_us, p->phases.expert_us,
-               p->phases.shared_us, p->phases.combine_us);
-        if (o.explain)
-            print_explain(layer, p->m);
-        fflush(stdout);
-        score_sum += p->limit_us / p->time_us;
-    }
-    printf("# avg score: %.3f over %d token counts\n", score_sum / o.num_tokens, o.num_tokens);
-    if (o.json_file && write_json(&o, prop.name, copy, blas, pts, o.num_tokens)) {
-        fprintf(stderr, "moe-bench: --json %s: write failed\n", o.json);
-        MPI_Abort(MPI_COMM_WORLD, 1);
-    }
-    cudaFree(d_x), cudaFree(d_y), cudaFree(d_ids);
-    cudaStreamDestroy(s);
-    moe_layer_destroy(layer);
-    moe_runtime_destroy(rt);
+    else
+        table(&o);
     MPI_Finalize();
     return 0;
 }

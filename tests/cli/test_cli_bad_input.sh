@@ -182,6 +182,10 @@ if [ -n "$moe_bench" ]; then
     expect bench-tokens-zero 2 "--tokens 0: out of range" b --tokens 1,0,8
     expect bench-tokens-empty 2 "--tokens 1,,8: expected counts" b --tokens 1,,8
     expect bench-graph-max 2 "--graph-max -3: out of range" b --graph-max -3
+    expect bench-rotate-zero 2 "--rotate 0: out of range (1..16)" b --rotate 0
+    expect bench-rotate-huge 2 "--rotate 17: out of range (1..16)" b --rotate 17
+    expect bench-mpmd-rotate 2 "--rotate is 2 on rank 0 but 3 on rank 1" \
+        "${mpirun[@]}" -np 1 "$moe_bench" --rotate 2 : -np 1 "$moe_bench" --rotate 3
     expect bench-json-unwritable 2 "--json $tmp/no/dir/b.json: cannot write" \
         b --json "$tmp/no/dir/b.json"
     expect bench-mpmd-tokens 2 "--tokens differs between rank 0 and rank 1" \

@@ -5,22 +5,8 @@
 #   test_cli_first_call.sh MOE_BENCH
 set -u
 moe_bench=$1
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 MOE_BACKEND=cpu
-export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl=self,vader,tcp
-tmp=$(mktemp -d "${TMPDIR:-/tmp}/moe-first-call-XXXXXX")
-trap 'rm -rf "$tmp"' EXIT
-fail=0
-
-check() { # check WHAT CONDITION...: one verdict line
-    local what=$1
-    shift
-    if "$@"; then
-        echo "ok: $what"
-    else
-        echo "FAIL: $what"
-        fail=1
-    fi
-}
+# shellcheck source=bench_cli_common.sh
+. "$(dirname "$0")/bench_cli_common.sh"
 
 for np in 1 2; do
     out=$tmp/out$np json=$tmp/fc$np.json

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# moe-bench's table on the CPU backend, one rank and two: the header's rotation line (forced by
+# --rotate, else 1 copy: no GPU L2), a row and a phases line per token count, the JSON's rotate
+# and points; never the timings.
+#   test_cli_bench_table.sh MOE_BENCH
+set -u
+moe_bench=$1
+# shellcheck source=bench_cli_common.sh
+. "$(dirname "$0")/bench_cli_common.sh"
+
+# a row: tokens, experts, mode, iters, then time, min, TFLOP/s, GB/s, limit, limit_exp, score
+row='^ +(1|8|64) +[0-9]+ +eager +[0-9]+( +[0-9]+(\.[0-9]+)?){7}$'
+# NP ROTATE(- for none) HEADER: one run, every rank prints its table
+for run in "1 2 rotated over 2 copies (L2 0.0 MB): --rotate 2" \
+    "1 - rotated over 1 copy (L2 0.0 MB): no GPU L2 (backend cpu)" \
+    "2 3 rotated over 3 copies (L2 0.0 MB): --rotate 3"; do
+    read -r np rot header <<<"$run"
+    name="np $np rotate $rot"
+    out=$tmp/out json=$tmp/t.json
+    opt=()
+    [ "$rot" = - ] || opt=(--rotate "$rot")
+    timeout 120 mpirun --oversubscribe --bind-to none -x MOE_BACKEND -np "$np" "$moe_bench" \
+        --experts 4 --top-k 2 --hidden 32 --intermediate 32 --tokens 1,8,64 --seconds 0.01 \
+        "${opt[@]}" --json "$json" >"$out" 2>&1
+    rc=$?
+    check "$name: exit 0 (got $rc)" [ $rc -eq 0 ]
+    check "$name: header \"$header\" per rank" [ "$(grep -cxF "# weights $header" "$out")" -eq "$np" ]
+    check "$name: 3 rows per rank" [ "$(grep -cE "$row" "$out")" -eq $((3 * np)) ]
+    check "$name: 3 phases lines per rank" \
+        [ "$(grep -cE '^ +phases \(one profiled step, us\): route ' "$out")" -eq $((3 * np)) ]
+    check "$name: JSON rotate" grep -q "\"backend\": \"cpu\", .*\"rotate\": ${rot/-/1}," "$json"
+    check "$name: JSON of 3 points" [ "$(grep -o '"m": ' "$json" | wc -l)" -eq 3 ]
+    [ $fail -eq 0 ] || cat "$out"
+done
+[ $fail -eq 0 ]
