@@ -205,8 +205,8 @@ typedef struct moe_layer_config {
     int skip_weight_check;
     /* FP8 layers: W8A16 or W8A8 arithmetic (MOE_FP8_MATH_AUTO: the backend's choice, today
      * W8A16). W8A8 with a weight_dtype other than FP8_E4M3 is rejected (INVALID_ARGUMENT); W8A16
-     * and AUTO are what every non-FP8 layer computes anyway. The CUDA backend rejects W8A8 for
-     * now (MOE_STATUS_NOT_SUPPORTED). */
+     * and AUTO are what every non-FP8 layer computes anyway. The CUDA backend computes W8A8 on
+     * sm_90a GPUs and rejects it on older ones (MOE_STATUS_NOT_SUPPORTED). */
     moe_fp8_math_t fp8_math;
 } moe_layer_config_t;
 
