@@ -55,24 +55,23 @@ def route(x, p, w):
     return ids, wt
 
 
-def hf_loop(x, p, w):
-    """transformers' MoE block: a Python loop over the experts that were hit."""
+def expert_loop(x, p, w, mlp):
+    """transformers' MoE block: a Python loop over the experts that were hit, mlp(rows, w, e)."""
     ids, wt = route(x, p, w)
     y = torch.zeros_like(x)
     mask = F.one_hot(ids, num_classes=p["E"]).permute(2, 1, 0)
     hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
     for e in hit.flatten().tolist():
         slot, tok = torch.where(mask[e])
-        cur = x[tok]
-        g, u = (cur @ w["w13"][e].t()).chunk(2, dim=-1)
-        out = (F.silu(g) * u) @ w["w2"][e].t()
+        out = mlp(x[tok], w, e)
         out = out * wt[tok, slot, None].to(out.dtype)
         y.index_add_(0, tok, out.to(y.dtype))
     return y
 
 
-def grouped(x, p, w):
-    """Sort rows by expert and run both projections with torch._grouped_mm (no host sync)."""
+def sorted_rows(x, p, w, mlp):
+    """Rows sorted by expert, mlp(rows, w, offs) on all of them at once (no host sync), then the
+    weighted sum back per token in f32."""
     ids, wt = route(x, p, w)
     k, E = p["k"], p["E"]
     flat = ids.flatten()
@@ -81,12 +80,20 @@ def grouped(x, p, w):
     counts = torch.zeros(E, dtype=torch.int32, device=x.device)
     counts.index_add_(0, flat.int(), torch.ones_like(flat, dtype=torch.int32))
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    xs = x[tok]
-    g, u = torch._grouped_mm(xs, w["w13"].transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-    out = torch._grouped_mm((F.silu(g) * u).contiguous(), w["w2"].transpose(-2, -1), offs=offs)
-    out = out.float() * wt.flatten()[order, None]
+    out = mlp(x[tok], w, offs).float() * wt.flatten()[order, None]
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, tok, out)
     return y.to(x.dtype)
+
+
+def bf16_expert(cur, w, e):
+    g, u = (cur @ w["w13"][e].t()).chunk(2, dim=-1)
+    return (F.silu(g) * u) @ w["w2"][e].t()
+
+
+def bf16_grouped(xs, w, offs):
+    """Both projections with torch._grouped_mm."""
+    g, u = torch._grouped_mm(xs, w["w13"].transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+    return torch._grouped_mm((F.silu(g) * u).contiguous(), w["w2"].transpose(-2, -1), offs=offs)
 
 
 def quant_rows(x):
@@ -107,49 +114,24 @@ def fp8_weights(w):
     return out
 
 
-def scaled(a, sa, b, sb):
-    """a [m, k] e4m3 x b [n, k] e4m3 -> bf16 [m, n], row scales sa [m, 1] and sb [n]."""
-    return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb[None, :].contiguous(),
-                            out_dtype=torch.bfloat16)
+def fp8_expert(cur, w, e):
+    """One expert with torch._scaled_mm (a [m, k] x b [n, k], row scales of both)."""
+    def scaled(a, b, sb):
+        q, sa = quant_rows(a)
+        return torch._scaled_mm(q, b.t(), scale_a=sa, scale_b=sb[None, :].contiguous(),
+                                out_dtype=torch.bfloat16)
+    g, u = scaled(cur, w["w13"][e], w["w13_s"][e]).chunk(2, dim=-1)
+    return scaled(F.silu(g) * u, w["w2"][e], w["w2_s"][e])
 
 
-def fp8_loop(x, p, w):
-    """The per-expert loop with torch._scaled_mm (host sync per step, like the HF loop)."""
-    ids, wt = route(x, p, w)
-    y = torch.zeros_like(x)
-    mask = F.one_hot(ids, num_classes=p["E"]).permute(2, 1, 0)
-    hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
-    for e in hit.flatten().tolist():
-        slot, tok = torch.where(mask[e])
-        q, s = quant_rows(x[tok])
-        g, u = scaled(q, s, w["w13"][e], w["w13_s"][e]).chunk(2, dim=-1)
-        q, s = quant_rows(F.silu(g) * u)
-        out = scaled(q, s, w["w2"][e], w["w2_s"][e])
-        out = out * wt[tok, slot, None].to(out.dtype)
-        y.index_add_(0, tok, out.to(y.dtype))
-    return y
-
-
-def fp8_grouped(x, p, w):
-    """torch._scaled_grouped_mm over the sorted rows (row-wise scales, no host sync)."""
-    ids, wt = route(x, p, w)
-    k, E = p["k"], p["E"]
-    flat = ids.flatten()
-    order = torch.argsort(flat, stable=True)
-    tok = order // k
-    counts = torch.zeros(E, dtype=torch.int32, device=x.device)
-    counts.index_add_(0, flat.int(), torch.ones_like(flat, dtype=torch.int32))
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    q, s = quant_rows(x[tok])
-    h = torch._scaled_grouped_mm(q, w["w13"].transpose(-2, -1), s.flatten(), w["w13_s"],
-                                 offs=offs, out_dtype=torch.bfloat16)
-    g, u = h.chunk(2, dim=-1)
-    q, s = quant_rows(F.silu(g) * u)
-    out = torch._scaled_grouped_mm(q, w["w2"].transpose(-2, -1), s.flatten(), w["w2_s"],
-                                   offs=offs, out_dtype=torch.bfloat16)
-    out = out.float() * wt.flatten()[order, None]
-    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, tok, out)
-    return y.to(x.dtype)
+def fp8_grouped(xs, w, offs):
+    """Both projections with torch._scaled_grouped_mm (row-wise scales)."""
+    def scaled(a, n):
+        q, s = quant_rows(a)
+        return torch._scaled_grouped_mm(q, w[n].transpose(-2, -1), s.flatten(), w[n + "_s"],
+                                        offs=offs, out_dtype=torch.bfloat16)
+    g, u = scaled(xs, "w13").chunk(2, dim=-1)
+    return scaled(F.silu(g) * u, "w2")
 
 
 def time_us(fn, graph, seconds=0.3):
@@ -234,7 +216,7 @@ def main():
         fp8 = a.dtype == "fp8"
         if fp8:
             w = fp8_weights(w)
-        loop, grp = (fp8_loop, fp8_grouped) if fp8 else (hf_loop, grouped)
+        loop, grp = (fp8_expert, fp8_grouped) if fp8 else (bf16_expert, bf16_grouped)
         xall = torch.randn(max(tokens), H, device=dev, dtype=torch.bfloat16)
         print(f"\n# {name}: E{E} k{p['k']} H{H} I{I} {a.dtype}")
         print(f"# {'tokens':>7} {'experts':>7} {'limit':>9} {'libmoe':>9} {'score':>6} "
@@ -251,8 +233,8 @@ def main():
                 ids, _ = route(x, p, w)
                 distinct = int(torch.unique(ids).numel())
                 lim = limit_us(p, m, distinct, fp8)
-                t_loop = try_time(lambda: loop(x, p, w), graph=False)
-                t_grp = try_time(lambda: grp(x, p, w), graph=m <= a.graph_max)
+                t_loop = try_time(lambda: expert_loop(x, p, w, loop), graph=False)
+                t_grp = try_time(lambda: sorted_rows(x, p, w, grp), graph=m <= a.graph_max)
             lm = moe.get(name, {}).get(m)
             t_moe = lm["time_us"] if lm else float("nan")
             lim_m = lm["limit_us"] if lm else lim

@@ -24,18 +24,8 @@ fi
     echo "usage: $0 [--cuda-bin DIR] FILE..." >&2
     exit 2
 }
-fail=0
-
-check() { # check WHAT CONDITION...: one verdict line
-    local what=$1
-    shift
-    if "$@"; then
-        echo "ok: $what"
-    else
-        echo "FAIL: $what"
-        fail=1
-    fi
-}
+# shellcheck source=../common/check.sh
+. "$(dirname "$0")/../common/check.sh" # check WHAT CONDITION...: one verdict line; fail=1 on a miss
 
 # ---- matchers (stdin -> stdout), exercised on fake inputs below ---------------------------
 # Run-time compilers and loaders of code from memory: NVRTC, nvJitLink, cuModuleLoad*
