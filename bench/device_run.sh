@@ -1,33 +1,91 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# One call on the GPU machine (device tool, carry .device, kind nvidia-h200-x2): build, the GPU
-# tests (one GPU and mpirun -np 2), the expert-parallel dispatch benchmark and a weak-scaling
-# check; logs under $OUT. Usage: bash bench/device_run.sh [quick]
+# One call on the GPU machine (device tool, carry .device): build, then one MODE, each within a
+# call's 10 minutes; logs under $OUT. Usage: bash bench/device_run.sh [MODE]
+#   tests (default)  the GPU tests (one GPU, and mpirun -np <GPUs>; with one GPU the ranks
+#                    share it: MOE_TEST_SHARED_GPU=1, lsa only)
+#   quick            the same
+#   ep               (2+ GPUs) dispatch bench at a serving capacity, weak scaling, first call
+#   fp8              moe-bench fp8 tables (three presets, per-tensor and block) + torch peers
+#   tune             moe-tune bf16 + fp8 for the three presets (EP = all GPUs when 2+)
+#   rotate           moe-bench with and without L2 rotation (issue 13's bench check)
 set -uo pipefail
+# shellcheck source=/dev/null # written by shared/device/prepare.sh, not in the repository
 source .device/env.sh
 export LIBRARY_PATH=/opt/dep/usr/lib/x86_64-linux-gnu:${LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+mode=${1:-tests}
 nvidia-smi -L
 ngpu=$(nvidia-smi -L | wc -l)
-cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOE_TEST_GPU_NP="$ngpu" \
+np=$((ngpu >= 2 ? ngpu : 2))
+cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOE_TEST_GPU_NP="$np" \
     >"$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
 start=$(date +%s)
 cmake --build build-gpu -j"$(nproc)" >"$OUT/build.log" 2>&1 ||
     { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
 echo "build: $(($(date +%s) - start)) s"
-timeout 300 ctest --test-dir build-gpu -L gpu -R "${GPU_TESTS:-.}" --output-on-failure --timeout 240 \
-    >"$OUT/ctest_gpu.log" 2>&1
-grep -E "Test +#|tests passed|rel err|FAIL|ERROR" "$OUT/ctest_gpu.log" | head -60
-[ "${1:-}" = quick ] && exit 0
-if [ "$ngpu" -ge 2 ]; then
-    timeout 150 mpirun -np "$ngpu" build-gpu/launch/moe-bench --dispatch-only 2>&1 |
-        tee "$OUT/dispatch.log"
+export MOE_REQUIRE_GPU=1 MOE_TIMEOUT_MS=20000
+[ "$ngpu" -ge 2 ] || export MOE_TEST_SHARED_GPU=1
+B=build-gpu/launch
+presets="mixtral-8x7b qwen3-30b-a3b deepseek-v3-ep8"
+quiet() { grep -vE "dlopen|pmix|Perhaps"; }
+case $mode in
+tests | quick)
+    timeout 540 ctest --test-dir build-gpu -L gpu -R "${GPU_TESTS:-.}" -j3 --output-on-failure \
+        --timeout 400 >"$OUT/ctest_gpu.log" 2>&1
+    grep -E "Test +#|tests passed|FAIL|ERROR" "$OUT/ctest_gpu.log" | head -60
+    ;;
+ep)
+    [ "$ngpu" -ge 2 ] || { echo "ep: needs 2+ GPUs (this machine has $ngpu)"; exit 1; }
+    for t in allgather lsa p2p; do
+        echo "== dispatch, capacity 8192, told, transport $t"
+        timeout 120 mpirun -np "$ngpu" $B/moe-bench --dispatch-only --capacity 8192 --told \
+            --transport $t 2>&1 | quiet | tee -a "$OUT/dispatch.log" | tail -12
+    done
     for T in 64 512; do
-        for np in 1 "$ngpu"; do
-            echo "== weak scaling: qwen3-30b-a3b, $np GPU(s), $((T * np)) tokens"
-            timeout 90 mpirun -np "$np" build-gpu/launch/moe-run --preset qwen3-30b-a3b \
-                --tokens $((T * np)) --iters 30 --warmup 3 2>&1 | grep -E "phase|tokens/s|checksum"
+        for n in 1 "$ngpu"; do
+            echo "== weak scaling: qwen3-30b-a3b, $n GPU(s), $((T * n)) tokens"
+            timeout 90 mpirun -np "$n" $B/moe-run --preset qwen3-30b-a3b \
+                --tokens $((T * n)) --iters 30 --warmup 3 2>&1 | grep -E "phase|tokens/s|checksum"
         done
     done 2>&1 | tee "$OUT/weak.log"
-fi
+    timeout 120 mpirun -np "$ngpu" $B/moe-bench --first-call --preset deepseek-v3-ep8 2>&1 |
+        quiet | tail -26
+    ;;
+fp8)
+    j=/tmp/fp8json
+    mkdir -p $j
+    for p in $presets; do
+        for s in tensor block; do
+            timeout 90 $B/moe-bench --preset "$p" --dtype fp8 --scales $s \
+                --tokens 1,8,64,512,2048,8192 --seconds 0.2 --json "$j/$p.$s.json" 2>&1 | quiet |
+                grep -vE "^#  *(limit|time)" | head -16
+        done
+    done
+    timeout 200 python3 bench/torch_peers.py --dtype fp8 --moe-json $j/*.tensor.json \
+        --markdown "$OUT/peers_fp8.md" 2>&1 | grep -v "^#   ("
+    ;;
+tune)
+    for p in $presets; do
+        for d in "" "--dtype fp8 --scales tensor"; do
+            # shellcheck disable=SC2086 # $d: two options or none
+            timeout 150 mpirun -np "$([ "$ngpu" -ge 2 ] && echo "$ngpu" || echo 1)" $B/moe-tune \
+                --preset "$p" $d --out "$OUT/tune.json" --iters 10 2>&1 | quiet | cut -c1-260
+        done
+    done
+    ;;
+rotate)
+    for r in "" "--rotate 1"; do
+        # shellcheck disable=SC2086 # $r: one option or none
+        timeout 90 $B/moe-bench --preset qwen3-30b-a3b --dtype fp8 --tokens 1,8,64,512 $r 2>&1 |
+            quiet | grep -vE "phases" | head -14
+    done
+    timeout 90 $B/moe-bench --preset qwen3-30b-a3b --tokens 1,1024 --graph-max 0 2>&1 | quiet |
+        grep -vE "phases" | head -12
+    ;;
+*)
+    echo "usage: $0 [tests|quick|ep|fp8|tune|rotate]" >&2
+    exit 2
+    ;;
+esac
