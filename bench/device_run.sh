@@ -43,6 +43,15 @@ ep)
         timeout 120 mpirun -np "$ngpu" $B/moe-bench --dispatch-only --capacity 8192 --told \
             --transport $t 2>&1 | quiet | tee -a "$OUT/dispatch.log" | tail -12
     done
+    # issue 10's table: 8 tokens per rank at a growing capacity, every transport
+    for t in allgather lsa p2p; do
+        for c in 8 64 512 4096 8192; do
+            echo "== E64 k8 H7168 I2048, 8 tokens/rank, capacity $c, transport $t"
+            MOE_EP_TRANSPORT=$t timeout 60 mpirun -np "$ngpu" -x MOE_EP_TRANSPORT $B/moe-bench \
+                --experts 64 --top-k 8 --hidden 7168 --intermediate 2048 --tokens 8 \
+                --capacity $c --seconds 0.1 2>&1 | quiet | grep -E "^ +8 " | head -1
+        done
+    done
     for T in 64 512; do
         for n in 1 "$ngpu"; do
             echo "== weak scaling: qwen3-30b-a3b, $n GPU(s), $((T * n)) tokens"
