@@ -49,7 +49,7 @@ kernels() {
     awk '/^Fatbin /{kind = $2; arch = "?"; src = "?"}
          /^arch = /{arch = $3}
          /^identifier = /{src = $3}
-         kind == "elf" && /STO_ENTRY/{print arch, src, $NF}'
+         kind == "elf" && ($3 == "STO_ENTRY" || $4 == "ENTRY") {print arch, src, $NF}'
 }
 
 # kernels' output -> "SOURCE KERNEL" in an sm_80 ELF but in no sm_90a ELF of that source.
@@ -104,6 +104,20 @@ STT_FUNC         STB_GLOBAL STO_ENTRY      route_a
 STT_FUNC         STB_GLOBAL STO_ENTRY      route_b'
 check "self-test: kernels() lists the ELF kernels only" \
     test "$(kernels <<<"$fake_symbols" | wc -l)" -eq 3
+# cuobjdump 13.5's layout of the same (13.2 writes the one above)
+# shellcheck disable=SC2016 # the $ in the fake dump is literal
+fake_symbols_135='
+Fatbin elf code:
+================
+arch = sm_90a
+identifier = /src/kernels/cuda/route.cu
+
+symbols:
+FUNC          LOCAL   DEFAULT    ENTRY                                route_a
+NOTYPE        WEAK    DEFAULT    RESERVED_SHARED                      __nv_reservedSMEM_offset_0_alias
+FUNC          WEAK    DEFAULT    -                                    $__internal_0_$__cuda_sm20_div_s64'
+check "self-test: kernels() reads cuobjdump 13.5's symbol table too" \
+    test "$(kernels <<<"$fake_symbols_135")" = "sm_90a /src/kernels/cuda/route.cu route_a"
 check "self-test: missing_sm90a() finds a kernel with no sm_90a SASS" \
     test "$(kernels <<<"$fake_symbols" | missing_sm90a)" = "/src/kernels/cuda/route.cu route_b"
 
