@@ -65,14 +65,35 @@ int moe_cli_double(const char *opt, const char *s, double min, double max, doubl
     return 0;
 }
 
+#define FNV_PRIME 1099511628211ULL
+
 int64_t moe_cli_hash(const char *s)
 {
-    uint64_t h = 1469598103934665603ULL;
+    uint64_t h = MOE_CLI_HASH_SEED;
     if (!s)
         return 0;
     for (; *s; s++)
-        h = (h ^ (unsigned char)*s) * 1099511628211ULL;
+        h = (h ^ (unsigned char)*s) * FNV_PRIME;
     return (int64_t)(h >> 1); /* never 0 for a string, so NULL and "" differ */
+}
+
+uint64_t moe_cli_hash_list(uint64_t h, const int64_t *v, int n)
+{
+    int i;
+    for (i = 0; i < n; i++)
+        h = (h ^ (uint64_t)v[i]) * FNV_PRIME;
+    return h;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+void moe_cli_sort(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof(double), cmp_double);
 }
 
 /* Slots per rank: error flag, tool, field count, the fields. */

@@ -35,6 +35,14 @@ typedef struct moe_cli_field {
 /* FNV-1a of a string (0 for NULL): how a string-valued option enters a moe_cli_field_t. */
 int64_t moe_cli_hash(const char *s);
 
+/* FNV-1a over v[0..n), one 64-bit value at a time, continuing from h (MOE_CLI_HASH_SEED to
+ * start): how a list-valued option enters a moe_cli_field_t, as (int64_t)(h >> 1), hashed. */
+#define MOE_CLI_HASH_SEED 1469598103934665603ULL
+uint64_t moe_cli_hash_list(uint64_t h, const int64_t *v, int n);
+
+/* v[0..n) in ascending order (the tools' step times, for their medians). */
+void moe_cli_sort(double *v, int n);
+
 /* Collective over MPI_COMM_WORLD, and the first collective a tool makes. Every rank passes
  * `local_error` (nonzero: this rank rejected its options and holds the message in `error`) and
  * the same list of fields. Returns 0 when no rank failed and all agree. Otherwise returns 2 on

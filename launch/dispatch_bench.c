@@ -60,12 +60,6 @@ int moe_dispatch_bench_main(int argc, char **argv)
             DIE("%s: %s: %s", #call, moe_status_string(s_), moe_last_error());                     \
     } while (0)
 
-static int cmpd(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
 /* NCCL grouped send/recv all-to-all of `bytes` per rank (split evenly over the peers),
  * captured once in a graph and replayed; median microseconds. */
 static double nccl_a2a_us(ncclComm_t comm, int world, size_t bytes, void *sbuf, void *rbuf,
@@ -102,7 +96,7 @@ static double nccl_a2a_us(ncclComm_t comm, int world, size_t bytes, void *sbuf, 
         CK(cudaEventElapsedTime(&ms, e0, e1));
         t[i] = ms * 1e3;
     }
-    qsort(t, (size_t)iters, sizeof(double), cmpd);
+    moe_cli_sort(t, iters);
     med = t[iters / 2];
     free(t);
     cudaEventDestroy(e0);
@@ -212,9 +206,9 @@ static point_t run_point(moe_runtime_t *rt, moe_layer_config_t cfg, int64_t T, i
         bytes = st.bytes_sent;
     }
     setenv("MOE_PROFILE", "0", 1);
-    qsort(d, (size_t)iters, sizeof(double), cmpd);
-    qsort(c, (size_t)iters, sizeof(double), cmpd);
-    qsort(tot, (size_t)iters, sizeof(double), cmpd);
+    moe_cli_sort(d, iters);
+    moe_cli_sort(c, iters);
+    moe_cli_sort(tot, iters);
     v[0] = d[iters / 2];
     v[1] = c[iters / 2];
     v[2] = tot[iters / 2];

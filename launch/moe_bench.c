@@ -272,18 +272,10 @@ static int resolve(options_t *o, int rank)
 }
 
 /* FNV-1a over the token counts, so a list enters one field. */
-static uint64_t token_list_hash(const options_t *o, uint64_t h)
-{
-    int i;
-    for (i = 0; i < o->num_tokens; i++)
-        h = (h ^ (uint64_t)o->tokens[i]) * 1099511628211ULL;
-    return h;
-}
-
 /* The options that shape the collectives, the same on every rank (cli.h). 0: go on. */
 static int agree_options(const options_t *o, int bad)
 {
-    uint64_t h = 1469598103934665603ULL;
+    const uint64_t h = moe_cli_hash_list(MOE_CLI_HASH_SEED, o->tokens, o->num_tokens);
     const moe_cli_field_t f[] = {
         {"--help", o->help, 0},
         {"--explain", o->explain, 0},
@@ -295,18 +287,12 @@ static int agree_options(const options_t *o, int bad)
         {"--preset", moe_cli_hash(o->preset), 1},
         {"--graph-max", o->graph_max, 0},
         {"--rotate", o->rotate, 0},
-        {"--tokens", (int64_t)(token_list_hash(o, h) >> 1), 1},
+        {"--tokens", (int64_t)(h >> 1), 1},
         {"--capacity", o->capacity, 0}, /* after --tokens: its default is their largest */
         {"--dtype", o->fp8, 0},
         {"--scales", o->scales, 0},
     };
     return moe_cli_agree("moe-bench", bad, o->err, f, (int)(sizeof(f) / sizeof(f[0])));
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    const double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
 }
 
 /* Device-to-device copy rate, counting read + write bytes (as the figure in the device notes). */
@@ -586,7 +572,7 @@ static void run_point(const bench_t *b, const options_t *o, moe_forward_args_t a
     MOE_OK(moe_layer_forward(b->layers[0], &a));
     unsetenv("MOE_PROFILE");
     MOE_OK(moe_layer_get_stats(b->layers[0], &p->phases));
-    qsort(t, (size_t)n, sizeof(double), cmp_double);
+    moe_cli_sort(t, n);
     p->iters = n;
     p->time_us = t[n / 2];
     p->min_us = t[0];
@@ -737,7 +723,7 @@ static void first_and_steady(moe_layer_t *layer, moe_forward_args_t a, int64_t m
     t[0] = timed_step(layer, a, m);
     for (i = 0; i < FIRST_CALL_REPEATS; i++)
         s[i] = timed_step(layer, a, m);
-    qsort(s, FIRST_CALL_REPEATS, sizeof(double), cmp_double);
+    moe_cli_sort(s, FIRST_CALL_REPEATS);
     t[1] = s[FIRST_CALL_REPEATS / 2];
 }
 

@@ -241,12 +241,13 @@ static int check_out(options_t *o, const char *gpu, int arch)
 
 static int agree_options(const options_t *o, int bad)
 {
-    uint64_t h = 1469598103934665603ULL;
+    int64_t rows64[MAX_POINTS]; /* rows per expert in 1/64ths: whole numbers to hash */
+    uint64_t h;
     int i;
     for (i = 0; i < o->num_rows; i++)
-        h = (h ^ (uint64_t)(o->rows[i] * 64.0)) * 1099511628211ULL;
-    for (i = 0; i < o->num_tokens; i++)
-        h = (h ^ (uint64_t)o->tokens[i]) * 1099511628211ULL;
+        rows64[i] = (int64_t)(o->rows[i] * 64.0);
+    h = moe_cli_hash_list(MOE_CLI_HASH_SEED, rows64, o->num_rows);
+    h = moe_cli_hash_list(h, o->tokens, o->num_tokens);
     {
         const moe_cli_field_t f[] = {
             {"--help", o->help, 0},
@@ -264,12 +265,6 @@ static int agree_options(const options_t *o, int bad)
         };
         return moe_cli_agree("moe-tune", bad, o->err, f, (int)(sizeof(f) / sizeof(f[0])));
     }
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    const double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
 }
 
 /* The device buffers every run shares: x, y of the largest step. */
@@ -315,7 +310,7 @@ static double time_steps(const bench_t *b, moe_layer_t *layer, int64_t T)
     }
     for (i = 0; i <= b->iters; i++)
         cudaEventDestroy(ev[i]);
-    qsort(t, (size_t)b->iters, sizeof(double), cmp_double);
+    moe_cli_sort(t, b->iters);
     med = t[b->iters / 2];
     MPI_Allreduce(MPI_IN_PLACE, &med, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     free(ev);
