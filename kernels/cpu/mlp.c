@@ -89,6 +89,16 @@ static moe_status_t down_proj(const moe_cpu_mlp_t *w, const float *h, int64_t n,
     return MOE_STATUS_SUCCESS;
 }
 
+moe_status_t moe_cpu_mlp_buffers(int64_t n, int64_t is, const char *what, float **g, float **u)
+{
+    *g = malloc(sizeof(float) * (size_t)(n * (is > 0 ? is : 1)));
+    *u = malloc(sizeof(float) * (size_t)(n * (is > 0 ? is : 1)));
+    if (!*g || !*u)
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "%s: %lld x %lld floats", what, (long long)n,
+                         (long long)is);
+    return MOE_STATUS_SUCCESS;
+}
+
 moe_status_t moe_cpu_mlp(const moe_cpu_mlp_t *w, moe_activation_t act, const float *x, int64_t n,
                          float *out)
 {
@@ -98,13 +108,7 @@ moe_status_t moe_cpu_mlp(const moe_cpu_mlp_t *w, moe_activation_t act, const flo
 
     if (n == 0)
         return MOE_STATUS_SUCCESS;
-    g = malloc(sizeof(float) * (size_t)(n * (is > 0 ? is : 1)));
-    u = malloc(sizeof(float) * (size_t)(n * (is > 0 ? is : 1)));
-    if (!g || !u) {
-        st = moe_error(MOE_STATUS_OUT_OF_MEMORY, "cpu mlp: %lld x %lld floats", (long long)n,
-                       (long long)is);
-        goto out;
-    }
+    MOE_CHECK_GOTO(moe_cpu_mlp_buffers(n, is, "cpu mlp", &g, &u), st, out);
     MOE_CHECK_GOTO(moe_cpu_matmul_nt(x, n, &w->gate, g), st, out);
     MOE_CHECK_GOTO(moe_cpu_matmul_nt(x, n, &w->up, u), st, out);
     moe_cpu_act_mul(act, g, u, g, n * is);

@@ -63,6 +63,10 @@ typedef struct moe_cpu_mlp {
     float input_scale[3];
 } moe_cpu_mlp_t;
 
+/* The gate and up products of an MLP on n rows: *g and *u, [n, is] f32 each, for the caller to
+ * free (also after a failure, which names `what`). */
+moe_status_t moe_cpu_mlp_buffers(int64_t n, int64_t is, const char *what, float **g, float **u);
+
 /* out[n, H] = down . (act(gate . x) * (up . x)) over the slice: unweighted partial sums.
  * The down projection reduces over the MOE_CPU_TREE_LEAVES tree when the slice is aligned to
  * it, else sequentially. */

@@ -155,13 +155,7 @@ moe_status_t moe_cpu_mlp_w8a8(const moe_cpu_mlp_t *w, moe_activation_t act, cons
 
     if (n == 0)
         return MOE_STATUS_SUCCESS;
-    g = malloc(sizeof(float) * (size_t)(n * (is > 0 ? is : 1)));
-    u = malloc(sizeof(float) * (size_t)(n * (is > 0 ? is : 1)));
-    if (!g || !u) {
-        st = moe_error(MOE_STATUS_OUT_OF_MEMORY, "cpu w8a8 mlp: %lld x %lld floats", (long long)n,
-                       (long long)is);
-        goto out;
-    }
+    MOE_CHECK_GOTO(moe_cpu_mlp_buffers(n, is, "cpu w8a8 mlp", &g, &u), st, out);
     MOE_CHECK_GOTO(quantize_for(&w->gate, x, n, H, gate_up_static_scale(w), 1, &qa, &sa), st, out);
     MOE_CHECK_GOTO(moe_cpu_matmul_w8a8(qa, sa, n, &w->gate, g), st, out);
     MOE_CHECK_GOTO(moe_cpu_matmul_w8a8(qa, sa, n, &w->up, u), st, out);
