@@ -581,29 +581,27 @@ static moe_status_t p2p_rows(cuda_layer_t *s, void *stream)
     MOE_CHECK(moe_gpu_memcpy_d2h_async(got, s->rctrl, sizeof(int32_t) * (size_t)W * MOE_A2A_CTRL,
                                        stream));
     MOE_CHECK(moe_nccl_wait(s->nccl, stream));
+    /* a row's four parts, each array m rows per rank: the bf16 row, its ids, its weights and its
+     * token index; sent (then received) in this order */
+    const struct {
+        const char *send;
+        char *recv;
+        size_t row_bytes;
+    } part[4] = {{(const char *)s->sx, (char *)s->rx, 2 * (size_t)H},
+                 {(const char *)s->sids, (char *)s->rids, 4 * (size_t)k},
+                 {(const char *)s->sw, (char *)s->rw, 4 * (size_t)k},
+                 {(const char *)s->stok, (char *)s->rtok, 4}};
+    int p;
     MOE_CHECK(moe_nccl_group_start());
     for (r = 0; r < W && st == MOE_STATUS_SUCCESS; r++) {
         const int64_t n = sent[r], g = got[r * MOE_A2A_CTRL + MOE_A2A_COUNT];
-        if (n > 0) {
-            st = moe_nccl_send(s->nccl, (char *)s->sx + 2 * r * m * H, 2 * (size_t)(n * H), r,
-                               stream);
-            if (st == MOE_STATUS_SUCCESS)
-                st = moe_nccl_send(s->nccl, s->sids + r * m * k, 4 * (size_t)(n * k), r, stream);
-            if (st == MOE_STATUS_SUCCESS)
-                st = moe_nccl_send(s->nccl, s->sw + r * m * k, 4 * (size_t)(n * k), r, stream);
-            if (st == MOE_STATUS_SUCCESS)
-                st = moe_nccl_send(s->nccl, s->stok + r * m, 4 * (size_t)n, r, stream);
-        }
-        if (g > 0 && st == MOE_STATUS_SUCCESS) {
-            st = moe_nccl_recv(s->nccl, (char *)s->rx + 2 * r * m * H, 2 * (size_t)(g * H), r,
-                               stream);
-            if (st == MOE_STATUS_SUCCESS)
-                st = moe_nccl_recv(s->nccl, s->rids + r * m * k, 4 * (size_t)(g * k), r, stream);
-            if (st == MOE_STATUS_SUCCESS)
-                st = moe_nccl_recv(s->nccl, s->rw + r * m * k, 4 * (size_t)(g * k), r, stream);
-            if (st == MOE_STATUS_SUCCESS)
-                st = moe_nccl_recv(s->nccl, s->rtok + r * m, 4 * (size_t)g, r, stream);
-        }
+        const size_t at = (size_t)(r * m); /* rank r's region: its first row */
+        for (p = 0; p < 4 && n > 0 && st == MOE_STATUS_SUCCESS; p++)
+            st = moe_nccl_send(s->nccl, part[p].send + at * part[p].row_bytes,
+                               (size_t)n * part[p].row_bytes, r, stream);
+        for (p = 0; p < 4 && g > 0 && st == MOE_STATUS_SUCCESS; p++)
+            st = moe_nccl_recv(s->nccl, part[p].recv + at * part[p].row_bytes,
+                               (size_t)g * part[p].row_bytes, r, stream);
     }
     end = moe_nccl_group_end(s->nccl);
     MOE_CHECK(st);
