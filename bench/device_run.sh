@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# One call on the GPU machine (device tool, carry .device): build, then one MODE, each within a
-# call's 10 minutes; logs under $OUT. Usage: bash bench/device_run.sh [MODE]
+# One call on the GPU machine (device tool, carry .device): build, then the MODEs in turn (each
+# alone fits a call's 10 minutes); logs under $OUT. Usage: bash bench/device_run.sh [MODE...]
 #   tests (default)  the GPU tests (one GPU, and mpirun -np <GPUs>; with one GPU the ranks
 #                    share it: MOE_TEST_SHARED_GPU=1, lsa only)
 #   quick            the same
 #   ep               (2+ GPUs) dispatch bench at a serving capacity, weak scaling, first call
+#   bf16             moe-bench bf16 tables with phases (three presets, M = 1 .. 8192)
 #   fp8              moe-bench fp8 tables (three presets, per-tensor and block) + torch peers
-#   tune             moe-tune bf16 + fp8 for the three presets (EP = all GPUs when 2+)
+#   tune             moe-tune bf16 + fp8 for the three presets or $TUNE_PRESETS (EP = all GPUs
+#                    when 2+)
 #   rotate           moe-bench with and without L2 rotation (issue 13's bench check)
 set -uo pipefail
 # shellcheck source=/dev/null # written by shared/device/prepare.sh, not in the repository
@@ -15,7 +17,7 @@ source .device/env.sh
 export LIBRARY_PATH=/opt/dep/usr/lib/x86_64-linux-gnu:${LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-mode=${1:-tests}
+modes=${*:-tests}
 nvidia-smi -L
 ngpu=$(nvidia-smi -L | wc -l)
 np=$((ngpu >= 2 ? ngpu : 2))
@@ -30,6 +32,7 @@ export MOE_REQUIRE_GPU=1 MOE_TIMEOUT_MS=20000
 B=build-gpu/launch
 presets="mixtral-8x7b qwen3-30b-a3b deepseek-v3-ep8"
 quiet() { grep -vE "dlopen|pmix|Perhaps"; }
+for mode in $modes; do
 case $mode in
 tests | quick)
     timeout 540 ctest --test-dir build-gpu -L gpu -R "${GPU_TESTS:-.}" -j3 --output-on-failure \
@@ -62,6 +65,12 @@ ep)
     timeout 120 mpirun -np "$ngpu" $B/moe-bench --first-call --preset deepseek-v3-ep8 2>&1 |
         quiet | tail -26
     ;;
+bf16)
+    for p in $presets; do
+        timeout 120 $B/moe-bench --preset "$p" --tokens 1,8,64,512,2048,8192 --seconds 0.2 \
+            --json "$OUT/$p.bf16.json" 2>&1 | quiet | grep -vE "^#  *(limit|time)" | head -20
+    done
+    ;;
 fp8)
     j=/tmp/fp8json
     mkdir -p $j
@@ -76,7 +85,7 @@ fp8)
         --markdown "$OUT/peers_fp8.md" 2>&1 | grep -v "^#   ("
     ;;
 tune)
-    for p in $presets; do
+    for p in ${TUNE_PRESETS:-$presets}; do
         for d in "" "--dtype fp8 --scales tensor"; do
             # shellcheck disable=SC2086 # $d: two options or none
             timeout 150 mpirun -np "$([ "$ngpu" -ge 2 ] && echo "$ngpu" || echo 1)" $B/moe-tune \
@@ -94,7 +103,8 @@ rotate)
         grep -vE "phases" | head -12
     ;;
 *)
-    echo "usage: $0 [tests|quick|ep|fp8|tune|rotate]" >&2
+    echo "usage: $0 [tests|quick|ep|bf16|fp8|tune|rotate]..." >&2
     exit 2
     ;;
 esac
+done

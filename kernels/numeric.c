@@ -170,6 +170,29 @@ void moe_convert_to_f32(moe_dtype_t dtype, const void *src, float *dst, size_t n
     }
 }
 
+/* The bf16 that keeps the top 16 bits of f (truncation toward zero). */
+static uint16_t bf16_trunc(float f, float *kept)
+{
+    uint32_t u = f32_bits(f) & 0xffff0000u;
+    memcpy(kept, &u, sizeof(u));
+    return (uint16_t)(u >> 16);
+}
+
+void moe_split_bf16x3(const float *w, uint16_t *hi, uint16_t *mid, uint16_t *lo, size_t n)
+{
+    size_t i;
+    for (i = 0; i < n; i++) {
+        float h, m, l;
+        hi[i] = bf16_trunc(w[i], &h);
+        if (!isfinite(w[i])) {
+            mid[i] = lo[i] = 0;
+            continue;
+        }
+        mid[i] = bf16_trunc(w[i] - h, &m);
+        lo[i] = bf16_trunc((w[i] - h) - m, &l);
+    }
+}
+
 void moe_convert_from_f32(moe_dtype_t dtype, const float *src, void *dst, size_t n)
 {
     size_t i;

@@ -41,6 +41,13 @@ float moe_fp8_dynamic_scale(float amax);
  * both are > 0, else 0 (dynamic per row). The CPU reference and the CUDA backend both use it. */
 float moe_fp8_pair_static_scale(float gate, float up);
 
+/* Splits f32 values into three bf16 planes with w = hi + mid + lo exactly (each step
+ * truncates, so every remainder is exact; bf16 keeps f32's exponent range, so three 8-bit
+ * significands hold f32's 24, down to |w| ~ 2^-110 where lo's bits would be subnormal). Products
+ * of a bf16 value with each plane are exact in f32, which lets bf16 tensor cores compute an
+ * f32-weight product to f32 accuracy (the router logits). Inf/NaN go to hi; mid = lo = 0. */
+void moe_split_bf16x3(const float *w, uint16_t *hi, uint16_t *mid, uint16_t *lo, size_t n);
+
 /* Bulk conversions; MOE_DTYPE_F32 is a copy. */
 void moe_convert_to_f32(moe_dtype_t dtype, const void *src, float *dst, size_t n);
 void moe_convert_from_f32(moe_dtype_t dtype, const float *src, void *dst, size_t n);

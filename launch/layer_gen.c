@@ -3,6 +3,7 @@
  * activation scales: runtime/weights.h's set-weight entry, the checkpoint loader's). */
 #include "layer_gen.h"
 #include "cli.h"
+#include "kernels/numeric.h"
 #include "runtime/weights.h"
 
 #include <math.h>
@@ -231,51 +232,88 @@ void moe_gen_fill_bf16(uint16_t *p, size_t n, float a, uint64_t *state)
     }
 }
 
+/* The scale array shape of an FP8 matrix [rows, cols] of scale kind k. */
+static void fp8_scale_shape(moe_scale_kind_t k, int64_t rows, int64_t cols, moe_tensor_t *t)
+{
+    t->scale_rows = k == MOE_SCALE_PER_CHANNEL ? rows
+                    : k == MOE_SCALE_BLOCK_128 ? (rows + 127) / 128
+                                               : 1;
+    t->scale_cols = k == MOE_SCALE_BLOCK_128 ? (cols + 127) / 128 : 1;
+}
+
+/* One expert matrix kind from the shared buffer: bf16 as generated, or (FP8 layers) the e4m3
+ * codes of the same values with one scale everywhere, so that no set-time quantisation runs. */
+static moe_status_t set_fast(moe_layer_t *layer, const moe_layer_config_t *c,
+                             moe_weight_kind_t kind, int expert, int64_t rows, int64_t cols,
+                             const uint16_t *bf16, const uint8_t *fp8, const float *scales)
+{
+    moe_tensor_t t = {MOE_DTYPE_BF16, rows, cols, bf16, NULL, 0, 0};
+    if (fp8) {
+        t.dtype = MOE_DTYPE_FP8_E4M3;
+        t.data = fp8;
+        t.scale = scales;
+        fp8_scale_shape(c->scale_kind, rows, cols, &t);
+    }
+    return moe_layer_set_weight(layer, kind, expert, &t);
+}
+
 moe_status_t moe_gen_set_weights_fast(moe_layer_t *layer, const moe_layer_config_t *c)
 {
+    static const moe_weight_kind_t routed[3] = {MOE_WEIGHT_GATE_PROJ, MOE_WEIGHT_UP_PROJ,
+                                                MOE_WEIGHT_DOWN_PROJ};
+    static const moe_weight_kind_t shared[3] = {
+        MOE_WEIGHT_SHARED_GATE_PROJ, MOE_WEIGHT_SHARED_UP_PROJ, MOE_WEIGHT_SHARED_DOWN_PROJ};
     const int64_t H = c->hidden, I = c->intermediate, E = c->num_experts;
     const int64_t S = c->num_shared_experts > 0 ? c->shared_intermediate : 0;
-    int64_t big = (I > S ? I : S) * H, e;
+    const int64_t widest = (I > S ? I : S) > H ? (I > S ? I : S) : H;
+    const float a = 1.0f / sqrtf((float)H), scale = a / MOE_FP8_E4M3_MAX;
+    int64_t big = (I > S ? I : S) * H, e, i, nscale = widest;
     uint64_t st = 0x9e3779b97f4a7c15ULL;
     moe_tensor_t t = {MOE_DTYPE_BF16, 0, 0, NULL, NULL, 0, 0};
     moe_status_t r = MOE_STATUS_SUCCESS;
     uint16_t *buf;
+    uint8_t *q = NULL;
+    float *scales = NULL;
 
     big = big > E * H ? big : E * H;
     buf = malloc(2 * (size_t)big);
-    if (!buf)
+    if (c->weight_dtype == MOE_DTYPE_FP8_E4M3) {
+        nscale = nscale > (widest + 127) / 128 * ((widest + 127) / 128)
+                     ? nscale
+                     : (widest + 127) / 128 * ((widest + 127) / 128);
+        q = malloc((size_t)big);
+        scales = malloc(sizeof(float) * (size_t)nscale);
+    }
+    if (!buf || (c->weight_dtype == MOE_DTYPE_FP8_E4M3 && (!q || !scales))) {
+        free(buf), free(q), free(scales);
         return MOE_STATUS_OUT_OF_MEMORY;
+    }
+    moe_gen_fill_bf16(buf, (size_t)big, a, &st);
+    for (i = 0; q && i < big; i++)
+        q[i] = moe_fp8e4m3_quantize(moe_bf16_to_f32(buf[i]), scale);
+    for (i = 0; scales && i < nscale; i++)
+        scales[i] = scale;
     t.data = buf;
-    moe_gen_fill_bf16(buf, (size_t)big, 1.0f / sqrtf((float)H), &st);
     t.rows = E, t.cols = H;
     r = moe_layer_set_weight(layer, MOE_WEIGHT_ROUTER, -1, &t);
     if (r == MOE_STATUS_SUCCESS && c->use_score_bias) {
         t.rows = 1, t.cols = E;
         r = moe_layer_set_weight(layer, MOE_WEIGHT_ROUTER_BIAS, -1, &t);
     }
-    for (e = 0; e < E && r == MOE_STATUS_SUCCESS; e++) {
-        t.rows = I, t.cols = H;
-        r = moe_layer_set_weight(layer, MOE_WEIGHT_GATE_PROJ, (int)e, &t);
-        if (r == MOE_STATUS_SUCCESS)
-            r = moe_layer_set_weight(layer, MOE_WEIGHT_UP_PROJ, (int)e, &t);
-        t.rows = H, t.cols = I;
-        if (r == MOE_STATUS_SUCCESS)
-            r = moe_layer_set_weight(layer, MOE_WEIGHT_DOWN_PROJ, (int)e, &t);
+    for (e = -1; e < E && r == MOE_STATUS_SUCCESS; e++) { /* -1: the shared MLP */
+        const moe_weight_kind_t *kinds = e < 0 ? shared : routed;
+        const int64_t inner = e < 0 ? S : I;
+        if (e < 0 && S == 0)
+            continue;
+        for (i = 0; i < 3 && r == MOE_STATUS_SUCCESS; i++)
+            r = set_fast(layer, c, kinds[i], (int)e, i < 2 ? inner : H, i < 2 ? H : inner, buf, q,
+                         scales);
     }
-    if (S > 0 && r == MOE_STATUS_SUCCESS) {
-        t.rows = S, t.cols = H;
-        r = moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_GATE_PROJ, -1, &t);
-        if (r == MOE_STATUS_SUCCESS)
-            r = moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_UP_PROJ, -1, &t);
-        t.rows = H, t.cols = S;
-        if (r == MOE_STATUS_SUCCESS)
-            r = moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_DOWN_PROJ, -1, &t);
-        if (r == MOE_STATUS_SUCCESS && c->shared_expert_gate) {
-            t.rows = 1, t.cols = H;
-            r = moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_EXPERT_GATE, -1, &t);
-        }
+    if (S > 0 && r == MOE_STATUS_SUCCESS && c->shared_expert_gate) {
+        t.rows = 1, t.cols = H;
+        r = moe_layer_set_weight(layer, MOE_WEIGHT_SHARED_EXPERT_GATE, -1, &t);
     }
-    free(buf);
+    free(buf), free(q), free(scales);
     return r;
 }
 

@@ -59,8 +59,9 @@ void moe_gen_apply_fp8(moe_layer_config_t *cfg, int fp8, moe_scale_kind_t scales
 /* Uniform random bf16 in [-a, a) (the top half of an f32: truncation is fine for timing). */
 void moe_gen_fill_bf16(uint16_t *p, size_t n, float a, uint64_t *state);
 
-/* Every weight of the layer from one shared random bf16 buffer: fast at any size, for the
- * benchmarks and moe-tune (timing does not depend on the values). */
+/* Every weight of the layer from one shared random bf16 buffer (FP8 layers: its e4m3 codes with
+ * one scale, in the layer's scale kind, so nothing is quantised at set time): fast at any size,
+ * for the benchmarks and moe-tune (timing does not depend on the values). */
 moe_status_t moe_gen_set_weights_fast(moe_layer_t *layer, const moe_layer_config_t *cfg);
 
 #ifdef __cplusplus

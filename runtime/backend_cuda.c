@@ -155,6 +155,7 @@ static void plan_weights(cuda_layer_t *s, carve_t *c)
         }
     }
     s->router = moe_cuda_take(c, sizeof(float) * (size_t)s->E_total * H); /* every expert's row */
+    s->router3 = moe_cuda_take(c, 3 * sizeof(uint16_t) * (size_t)s->E_total * H);
     s->bias = moe_cuda_take(c, sizeof(float) * (size_t)s->E_total);
     if (ss > 0) {
         s->sw13 = moe_cuda_take(c, eb * 2 * ss * H);
@@ -450,6 +451,27 @@ static moe_status_t store_f32(float *dst, const moe_matrix_t *m)
     return st;
 }
 
+/* The router as f32 (the SIMT kernels, f32 x) and split in three bf16 planes (tensor cores,
+ * bf16 x; moe_split_bf16x3). */
+static moe_status_t store_router(cuda_layer_t *s, const moe_matrix_t *m)
+{
+    const size_t n = (size_t)m->rows * (size_t)m->cols;
+    float *f = malloc(sizeof(float) * (n ? n : 1));
+    uint16_t *planes = malloc(3 * sizeof(uint16_t) * (n ? n : 1));
+    moe_status_t st;
+    if (!f || !planes) {
+        free(f), free(planes);
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "router split: %zu floats", n);
+    }
+    moe_convert_to_f32(m->dtype, m->data, f, n);
+    moe_split_bf16x3(f, planes, planes + n, planes + 2 * n, n);
+    st = moe_gpu_memcpy_h2d(s->router, f, sizeof(float) * n);
+    if (st == MOE_STATUS_SUCCESS)
+        st = moe_gpu_memcpy_h2d(s->router3, planes, 3 * sizeof(uint16_t) * n);
+    free(f), free(planes);
+    return st;
+}
+
 /* Copies a host bf16 matrix, or converts it to bf16 first (round to nearest even): f32, or
  * FP8 e4m3 dequantised with its per-tensor or 128x128 block scales exactly as the CPU reference
  * reads it (moe_cpu_matrix_row). FP8 layers compute in bf16 on the GPU until FP8 kernels are
@@ -588,7 +610,7 @@ static moe_status_t cuda_store_weight(moe_layer_t *l, moe_weight_kind_t kind, in
 
     switch (kind) {
     case MOE_WEIGHT_ROUTER:
-        return store_f32(s->router, m);
+        return store_router(s, m);
     case MOE_WEIGHT_ROUTER_BIAS:
         return store_f32(s->bias, m);
     case MOE_WEIGHT_SHARED_EXPERT_GATE:
@@ -737,7 +759,7 @@ moe_status_t moe_cuda_route(moe_layer_t *l, const moe_forward_args_t *a, int32_t
 
     if (!logits) {
         moe_route_logits_args_t g = {a->x,          a->dtype,   s->router, s->logits,
-                                     a->num_tokens, s->E_total, s->H};
+                                     a->num_tokens, s->E_total, s->H,      s->router3};
         MOE_CHECK(moe_route_logits_launch(&g, a->stream));
         logits = s->logits;
     }
@@ -836,7 +858,8 @@ moe_status_t moe_cuda_shared_experts(cuda_layer_t *s, const void *x, moe_dtype_t
 moe_status_t moe_cuda_shared_gate(moe_layer_t *l, const moe_forward_args_t *a)
 {
     cuda_layer_t *s = l->state;
-    moe_route_logits_args_t g = {a->x, a->dtype, s->sgate, s->s_gate_logit, a->num_tokens, 1, s->H};
+    moe_route_logits_args_t g = {a->x,          a->dtype, s->sgate, s->s_gate_logit,
+                                 a->num_tokens, 1,        s->H,     NULL};
     if (!l->cfg.shared_expert_gate || a->num_tokens == 0)
         return MOE_STATUS_SUCCESS;
     return moe_route_logits_launch(&g, a->stream);

@@ -34,6 +34,7 @@ typedef struct cuda_layer {
     void *w13;                        /* bf16 [E][2 is][H]: gate rows then up rows */
     void *w2;                         /* bf16 [E][H][is] */
     float *router;                    /* f32 [E][H] */
+    uint16_t *router3;                /* bf16 [3][E][H]: router split hi, mid, lo (tensor cores) */
     float *bias;                      /* f32 [E] */
     void *sw13;                       /* bf16 [2 ss][H] */
     void *sw2;                        /* bf16 [H][ss] */

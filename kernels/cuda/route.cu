@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Routing kernels: router logits (blocked SIMT GEMM, f32 accumulation) and fused top-k scoring. */
+/* Routing kernels: router logits (bf16 tensor cores on a three-way split of the f32 weight, or
+ * blocked SIMT f32) and fused top-k scoring. */
 #include "kernels/route.h"
 
 #include <cuda_bf16.h>
@@ -201,12 +202,168 @@ __global__ void __launch_bounds__(BLK_WARPS * 32)
     }
 }
 
+/* Tensor-core path: bf16 x against w given as three bf16 planes (w = hi + mid + lo exactly,
+ * moe_split_bf16x3), mma.sync m16n8k16 with f32 accumulation; every product is exact, so this is
+ * an f32 dot product with another summation order. A block holds MT x 16 tokens by NT x 8 rows.
+ * Its TC_WARPS warps split hidden into TC_KC-wide chunks (warp w: chunks w, w + TC_WARPS, ...)
+ * and the block then sums the warps' partials in warp order. A lane loads 16 contiguous values
+ * of a row (two 16-byte loads) and gives them to four mmas as its k slots {2c, 2c+1, 2c+8,
+ * 2c+9}: A and B use the same permutation of k, so each mma adds an exact sub-sum of the dot
+ * product. For one output the sequence of operations depends on hidden only, never on the tile
+ * shape or the token count: a token's logits are bitwise the same in every batch. */
+constexpr int TC_WARPS = 8, TC_KC = 64;
+
+__device__ __forceinline__ void mma_bf16_16816(float *d, uint32_t a0, uint32_t a1, uint32_t a2,
+                                               uint32_t a3, uint32_t b0, uint32_t b1)
+{
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+/* 16 bf16 at p (two 16-byte loads; either may be out of range: zeros) as eight words. */
+__device__ __forceinline__ void load16_words(const uint16_t *p, bool ok0, bool ok1, uint32_t *w)
+{
+    const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+    const uint4 u0 = ok0 ? __ldg(reinterpret_cast<const uint4 *>(p)) : z;
+    const uint4 u1 = ok1 ? __ldg(reinterpret_cast<const uint4 *>(p + 8)) : z;
+    w[0] = u0.x, w[1] = u0.y, w[2] = u0.z, w[3] = u0.w;
+    w[4] = u1.x, w[5] = u1.y, w[6] = u1.z, w[7] = u1.w;
+}
+
+template <int MT, int NT>
+__global__ void __launch_bounds__(TC_WARPS * 32)
+    logits_tc_kernel(const uint16_t *__restrict__ x, const uint16_t *__restrict__ w3,
+                     float *__restrict__ logits, int num_tokens, int num_rows, int hidden)
+{
+    moe_pdl_wait();
+    __shared__ float red[TC_WARPS][16][NT * 8 + 1];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    const int t0 = blockIdx.x * MT * 16, r0 = blockIdx.y * NT * 8;
+    const size_t plane = (size_t)num_rows * hidden;
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int m = 0; m < MT; m++)
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                acc[m][n][q] = 0.0f;
+
+#pragma unroll(MT *NT <= 2 ? 2 : 1)
+    for (int k0 = warp * TC_KC; k0 < hidden; k0 += TC_WARPS * TC_KC) {
+        const int k = k0 + 16 * c;
+        const bool ok0 = k < hidden, ok1 = k + 8 < hidden;
+        uint32_t a[MT][2][8]; /* [m tile][token g, g + 8][word] */
+#pragma unroll
+        for (int m = 0; m < MT; m++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int t = t0 + m * 16 + g + 8 * h;
+                const bool tv = t < num_tokens;
+                load16_words(x + (size_t)(tv ? t : 0) * hidden + k, tv && ok0, tv && ok1, a[m][h]);
+            }
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            const int r = r0 + n * 8 + g;
+            const bool rv = r < num_rows;
+            const uint16_t *q = w3 + (size_t)(rv ? r : 0) * hidden + k;
+            uint32_t b[3][8];
+#pragma unroll
+            for (int p = 0; p < 3; p++)
+                load16_words(q + p * plane, rv && ok0, rv && ok1, b[p]);
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int p = 2; p >= 0; p--) /* lo, mid, hi: the small parts first */
+#pragma unroll
+                    for (int m = 0; m < MT; m++)
+                        mma_bf16_16816(acc[m][n], a[m][0][2 * j], a[m][1][2 * j],
+                                       a[m][0][2 * j + 1], a[m][1][2 * j + 1], b[p][2 * j],
+                                       b[p][2 * j + 1]);
+        }
+    }
+
+#pragma unroll
+    for (int m = 0; m < MT; m++) {
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            red[warp][g][n * 8 + 2 * c] = acc[m][n][0];
+            red[warp][g][n * 8 + 2 * c + 1] = acc[m][n][1];
+            red[warp][g + 8][n * 8 + 2 * c] = acc[m][n][2];
+            red[warp][g + 8][n * 8 + 2 * c + 1] = acc[m][n][3];
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < 16 * NT * 8; i += TC_WARPS * 32) {
+            const int row = i / (NT * 8), col = i % (NT * 8);
+            const int t = t0 + m * 16 + row, r = r0 + col;
+            if (t < num_tokens && r < num_rows) {
+                float v = 0.0f;
+#pragma unroll
+                for (int w = 0; w < TC_WARPS; w++)
+                    v += red[w][row][col];
+                logits[(size_t)t * num_rows + r] = v;
+            }
+        }
+        __syncthreads(); /* red is reused by the next m tile */
+    }
+}
+
+template <int MT, int NT> cudaError_t launch_tc(const moe_route_logits_args_t *a, cudaStream_t s)
+{
+    const int nt = (int)a->num_tokens;
+    dim3 grid((nt + MT * 16 - 1) / (MT * 16), (a->num_rows + NT * 8 - 1) / (NT * 8));
+    return moe_launch((logits_tc_kernel<MT, NT>), grid, dim3(TC_WARPS * 32), 0, s,
+                      (const uint16_t *)a->x, a->w_split, a->logits, nt, a->num_rows, a->hidden);
+}
+
+/* The largest tile that still gives a wave of blocks (more rows and tokens per block: less L2
+ * traffic), else the smallest; NT = 1 when there are at most 8 rows. */
+moe_status_t launch_logits_tc(const moe_route_logits_args_t *a, cudaStream_t s, int sms)
+{
+    static const int tiles[][2] = {{4, 4}, {2, 4}, {4, 1}, {1, 4}, {2, 1}, {1, 1}};
+    const int64_t want = sms > 0 ? sms : 132;
+    int i, pick = 5;
+    for (i = 0; i < 5; i++) {
+        const int mt = tiles[i][0], ntl = tiles[i][1];
+        if (ntl > 1 && a->num_rows <= 8)
+            continue;
+        if ((a->num_tokens + mt * 16 - 1) / (mt * 16) * ((a->num_rows + ntl * 8 - 1) / (ntl * 8)) >=
+            want) {
+            pick = i;
+            break;
+        }
+    }
+    switch (pick) {
+    case 0:
+        MOE_CUDA_CHECK((launch_tc<4, 4>(a, s)));
+        break;
+    case 1:
+        MOE_CUDA_CHECK((launch_tc<2, 4>(a, s)));
+        break;
+    case 2:
+        MOE_CUDA_CHECK((launch_tc<4, 1>(a, s)));
+        break;
+    case 3:
+        MOE_CUDA_CHECK((launch_tc<1, 4>(a, s)));
+        break;
+    case 4:
+        MOE_CUDA_CHECK((launch_tc<2, 1>(a, s)));
+        break;
+    default:
+        MOE_CUDA_CHECK((launch_tc<1, 1>(a, s)));
+        break;
+    }
+    MOE_CUDA_CHECK_LAUNCH("logits_tc_kernel");
+    return MOE_STATUS_SUCCESS;
+}
+
 template <typename T> moe_status_t launch_logits(const moe_route_logits_args_t *a, cudaStream_t s)
 {
     const T *x = (const T *)a->x;
     const int nt = (int)a->num_tokens;
     if (a->hidden % 8 == 0 && moe_aligned16(a->x) && moe_aligned16(a->w)) {
-        /* token groups per block: enough blocks for about two waves of 8 per SM, no more */
         static int sms_cache[MOE_MAX_DEVICES];
         int dev = 0;
         MOE_CUDA_CHECK(cudaGetDevice(&dev));
@@ -215,6 +372,9 @@ template <typename T> moe_status_t launch_logits(const moe_route_logits_args_t *
             return cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, d) == cudaSuccess ? n
                                                                                                 : 0;
         });
+        if (a->x_dtype == MOE_DTYPE_BF16 && a->w_split && moe_aligned16(a->w_split))
+            return launch_logits_tc(a, s, sms);
+        /* token groups per block: enough blocks for about two waves of 8 per SM, no more */
         const int64_t row_blocks = (a->num_rows + BLK_ROWS - 1) / BLK_ROWS;
         const int64_t blocks1 = (int64_t)((nt + BLK_TOK - 1) / BLK_TOK) * row_blocks;
         const int64_t want = 16 * (int64_t)(sms > 0 ? sms : 132);

@@ -3,6 +3,7 @@
 #include "gpu_test.h"
 
 #include "kernels/cpu/moe_cpu.h"
+#include "kernels/numeric.h"
 #include "kernels/route.h"
 
 typedef struct route_case {
@@ -103,12 +104,28 @@ static void test_route_ties(void **state)
     }
 }
 
-/* Router logits kernel (both the GEMV and the tiled path) against a double-precision dot. */
-static void check_logits(int E, int H, int64_t T, moe_dtype_t xt)
+/* Router weights [E][H] and, for the tensor-core path, their three bf16 planes on the device. */
+static float *router_weights(int E, int H, uint16_t **d_split)
+{
+    const size_t n = (size_t)E * H;
+    float *w = malloc(sizeof(float) * n);
+    uint16_t *planes = malloc(3 * sizeof(uint16_t) * n);
+    size_t i;
+    for (i = 0; i < n; i++)
+        w[i] = gt_uniform() / sqrtf((float)H);
+    moe_split_bf16x3(w, planes, planes + n, planes + 2 * n, n);
+    *d_split = gt_dup(planes, 3 * sizeof(uint16_t) * n);
+    free(planes);
+    return w;
+}
+
+/* Router logits (the GEMV, tiled and blocked SIMT paths, and with `split` the tensor-core path)
+ * against a double-precision dot, outputs poisoned first. */
+static void check_logits(int E, int H, int64_t T, moe_dtype_t xt, int split)
 {
     const size_t nx = (size_t)T * H, nl = (size_t)T * E;
-    float *x = malloc(sizeof(float) * nx + 4), *w = malloc(sizeof(float) * (size_t)E * H);
-    uint16_t *xb = malloc(2 * nx + 4);
+    float *x = malloc(sizeof(float) * nx + 4), *w;
+    uint16_t *xb = malloc(2 * nx + 4), *d_split;
     float *out = malloc(sizeof(float) * nl + 4);
     void *d_x;
     float *d_w, *d_l;
@@ -116,14 +133,13 @@ static void check_logits(int E, int H, int64_t T, moe_dtype_t xt)
     int e, h;
 
     gt_fill_bf16(x, xb, nx, 1.0f);
-    for (e = 0; e < E * H; e++)
-        w[e] = gt_uniform() / sqrtf((float)H);
+    w = router_weights(E, H, &d_split);
     d_x = xt == MOE_DTYPE_BF16 ? gt_dup(xb, 2 * nx + 4) : gt_dup(x, 4 * nx + 4);
     d_w = gt_dup(w, sizeof(float) * (size_t)E * H);
     d_l = gt_dalloc(sizeof(float) * nl + 4);
     gt_poison(d_l, GT_POISON_FLOAT, sizeof(float) * nl + 4);
     {
-        moe_route_logits_args_t a = {d_x, xt, d_w, d_l, T, E, H};
+        moe_route_logits_args_t a = {d_x, xt, d_w, d_l, T, E, H, split ? d_split : NULL};
         gt_ok(moe_route_logits_launch(&a, NULL), "logits");
     }
     gt_get(out, d_l, sizeof(float) * nl);
@@ -135,30 +151,90 @@ static void check_logits(int E, int H, int64_t T, moe_dtype_t xt)
                 mag += fabs((double)x[t * H + h] * w[(size_t)e * H + h]);
             }
             if (!(fabs(out[t * E + e] - ref) <= 1e-5 * mag + 1e-6)) {
-                fprintf(stderr, "logits E%d H%d T%lld %s: [%lld, %d] gpu %.9g ref %.9g\n", E, H,
-                        (long long)T, moe_dtype_name(xt), (long long)t, e, (double)out[t * E + e],
-                        ref);
+                fprintf(stderr, "logits E%d H%d T%lld %s%s: [%lld, %d] gpu %.9g ref %.9g\n", E, H,
+                        (long long)T, moe_dtype_name(xt), split ? " split" : "", (long long)t, e,
+                        (double)out[t * E + e], ref);
                 fail();
             }
         }
     free(x), free(w), free(xb), free(out);
-    moe_gpu_free(d_x), moe_gpu_free(d_w), moe_gpu_free(d_l);
+    moe_gpu_free(d_x), moe_gpu_free(d_w), moe_gpu_free(d_l), moe_gpu_free(d_split);
 }
 
 static void test_route_logits(void **state)
 {
-    static const int shapes[][2] = {{8, 4096}, {128, 2048}, {32, 7168},
-                                    {1, 2048}, {60, 200},   {5, 203}};
+    static const int shapes[][2] = {{8, 4096}, {128, 2048}, {32, 7168}, {1, 2048},
+                                    {60, 200}, {5, 203},    {9, 136}};
     static const int64_t tokens[] = {1, 3, 17, 33, 64, 255};
     size_t s, t;
     (void)state;
     for (s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++)
         for (t = 0; t < sizeof(tokens) / sizeof(tokens[0]); t++) {
-            check_logits(shapes[s][0], shapes[s][1], tokens[t], MOE_DTYPE_F32);
-            check_logits(shapes[s][0], shapes[s][1], tokens[t], MOE_DTYPE_BF16);
+            check_logits(shapes[s][0], shapes[s][1], tokens[t], MOE_DTYPE_F32, 0);
+            check_logits(shapes[s][0], shapes[s][1], tokens[t], MOE_DTYPE_BF16, 0);
+            check_logits(shapes[s][0], shapes[s][1], tokens[t], MOE_DTYPE_BF16, 1);
         }
-    check_logits(128, 2048, 1024, MOE_DTYPE_BF16);
-    check_logits(8, 512, 8192, MOE_DTYPE_F32);
+    check_logits(128, 2048, 1024, MOE_DTYPE_BF16, 0);
+    check_logits(128, 2048, 4096, MOE_DTYPE_BF16, 1); /* the largest tensor-core tiles */
+    check_logits(8, 4096, 8192, MOE_DTYPE_BF16, 1);
+    check_logits(8, 512, 8192, MOE_DTYPE_F32, 0);
+}
+
+/* Tensor-core logits of tokens first..first+n-1 of d_x into host out ([n][E]). */
+static void tc_logits(const void *d_x, const uint16_t *d_split, float *d_l, int64_t first,
+                      int64_t n, int E, int H, float *out)
+{
+    moe_route_logits_args_t a;
+    memset(&a, 0, sizeof(a));
+    a.x = (const uint16_t *)d_x + first * H;
+    a.x_dtype = MOE_DTYPE_BF16;
+    a.w = (const float *)d_split; /* 16-byte aligned; the f32 weight is not read on this path */
+    a.logits = d_l;
+    a.num_tokens = n;
+    a.num_rows = E;
+    a.hidden = H;
+    a.w_split = d_split;
+    gt_poison(d_l, GT_POISON_FLOAT, sizeof(float) * (size_t)n * E);
+    gt_ok(moe_route_logits_launch(&a, NULL), "logits");
+    gt_get(out, d_l, sizeof(float) * (size_t)n * E);
+}
+
+/* The tensor-core logits of a token are bitwise the same whatever the batch around it: the
+ * launcher picks other tiles at other token counts, but never another order of summation. */
+static void test_route_logits_batch_invariant(void **state)
+{
+    static const int shapes[][2] = {{128, 2048}, {8, 4096}, {32, 7168}, {60, 200}};
+    static const int64_t counts[] = {1, 5, 16, 100, 700, 2047};
+    const int64_t T = 4096;
+    size_t s, c;
+    (void)state;
+    for (s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+        const int E = shapes[s][0], H = shapes[s][1];
+        float *xf = malloc(sizeof(float) * (size_t)T * H), *w;
+        float *full = malloc(sizeof(float) * (size_t)T * E),
+              *part = malloc(sizeof(float) * (size_t)T * E);
+        uint16_t *xb = malloc(2 * (size_t)T * H), *d_split;
+        float *d_l = gt_dalloc(sizeof(float) * (size_t)T * E);
+        void *d_x;
+        int64_t i;
+        gt_fill_bf16(xf, xb, (size_t)T * H, 1.0f);
+        w = router_weights(E, H, &d_split);
+        d_x = gt_dup(xb, 2 * (size_t)T * H);
+        tc_logits(d_x, d_split, d_l, 0, T, E, H, full);
+        for (c = 0; c < sizeof(counts) / sizeof(counts[0]); c++) {
+            const int64_t n = counts[c], first = T - n; /* a batch ending at the last token */
+            tc_logits(d_x, d_split, d_l, first, n, E, H, part);
+            for (i = 0; i < n * E; i++)
+                if (memcmp(&part[i], &full[(size_t)first * E + i], sizeof(float)) != 0) {
+                    fprintf(stderr, "E%d H%d: token %lld: %.9g in a batch of %lld, %.9g in %lld\n",
+                            E, H, (long long)(first + i / E), (double)part[i], (long long)n,
+                            (double)full[(size_t)first * E + i], (long long)T);
+                    fail();
+                }
+        }
+        free(xf), free(xb), free(w), free(full), free(part);
+        moe_gpu_free(d_x), moe_gpu_free(d_l), moe_gpu_free(d_split);
+    }
 }
 
 static void test_route_rejects(void **state)
@@ -178,9 +254,8 @@ static void test_route_rejects(void **state)
 }
 
 static const struct CMUnitTest tests[] = {
-    cmocka_unit_test(test_route_random),
-    cmocka_unit_test(test_route_ties),
-    cmocka_unit_test(test_route_logits),
+    cmocka_unit_test(test_route_random),  cmocka_unit_test(test_route_ties),
+    cmocka_unit_test(test_route_logits),  cmocka_unit_test(test_route_logits_batch_invariant),
     cmocka_unit_test(test_route_rejects),
 };
 

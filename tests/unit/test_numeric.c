@@ -3,6 +3,7 @@
 #include "testutil.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels/numeric.h"
@@ -157,6 +158,50 @@ static void test_convert_empty_null(void **state)
     }
 }
 
+/* hi + mid + lo == w exactly (summed in double, then compared as f32 bits) over random bit
+ * patterns of every exponent that keeps lo normal, with the edge values; non-finite w in hi. */
+static void test_split_bf16x3(void **state)
+{
+    enum { N = 200000 };
+    static const float edges[] = {0.0f,
+                                  -0.0f,
+                                  1.0f,
+                                  -1.0f,
+                                  3.4028235e38f,
+                                  -3.4028235e38f,
+                                  1.1754944e-38f * 1048576.0f * 1024.0f * 1024.0f};
+    float *w = malloc(sizeof(float) * N);
+    uint16_t *p = malloc(3 * sizeof(uint16_t) * N);
+    uint32_t r = 12345u;
+    size_t i;
+    (void)state;
+    for (i = 0; i < N; i++) {
+        uint32_t u;
+        r = r * 1664525u + 1013904223u;
+        /* exponents 2^-100 .. 2^127, any significand and sign */
+        u = (r & 0x807fffffu) | ((27u + (r >> 8) % 227u) << 23);
+        memcpy(&w[i], &u, sizeof(u));
+    }
+    memcpy(w, edges, sizeof(edges));
+    moe_split_bf16x3(w, p, p + N, p + 2 * N, N);
+    for (i = 0; i < N; i++) {
+        const double sum = (double)moe_bf16_to_f32(p[i]) + (double)moe_bf16_to_f32(p[N + i]) +
+                           (double)moe_bf16_to_f32(p[2 * N + i]);
+        if (sum != (double)w[i]) {
+            print_error("split %zu: %.9g != %.9g\n", i, sum, (double)w[i]);
+            fail();
+        }
+    }
+    w[0] = INFINITY, w[1] = -INFINITY, w[2] = NAN;
+    moe_split_bf16x3(w, p, p + 3, p + 6, 3);
+    assert_true(isinf(moe_bf16_to_f32(p[0])) && moe_bf16_to_f32(p[0]) > 0);
+    assert_true(isinf(moe_bf16_to_f32(p[1])) && moe_bf16_to_f32(p[1]) < 0);
+    assert_true(isnan(moe_bf16_to_f32(p[2])));
+    for (i = 3; i < 9; i++)
+        assert_int_equal(p[i], 0);
+    free(w), free(p);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -170,6 +215,7 @@ int main(void)
         cmocka_unit_test(test_f16_all_codes_round_trip),
         cmocka_unit_test(test_bulk_conversions),
         cmocka_unit_test(test_convert_empty_null),
+        cmocka_unit_test(test_split_bf16x3),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
