@@ -10,6 +10,7 @@
 #   fp8              moe-bench fp8 tables (three presets, per-tensor and block) + torch peers
 #   tune             moe-tune bf16 + fp8 for the three presets or $TUNE_PRESETS (EP = all GPUs
 #                    when 2+)
+#   first            moe-bench --first-call under mpirun -np <GPUs, at least 2>
 #   rotate           moe-bench with and without L2 rotation (issue 13's bench check)
 set -uo pipefail
 # shellcheck source=/dev/null # written by shared/device/prepare.sh, not in the repository
@@ -93,6 +94,13 @@ tune)
         done
     done
     ;;
+first)
+    # the first step at 20 new token counts on every rank (np = the GPUs, 2 sharing one GPU)
+    for p in deepseek-v3-ep8 qwen3-30b-a3b; do
+        timeout 150 mpirun -np "$np" $B/moe-bench --first-call --preset "$p" 2>&1 | quiet |
+            tail -30
+    done
+    ;;
 rotate)
     for r in "" "--rotate 1"; do
         # shellcheck disable=SC2086 # $r: one option or none
@@ -103,7 +111,7 @@ rotate)
         grep -vE "phases" | head -12
     ;;
 *)
-    echo "usage: $0 [tests|quick|ep|bf16|fp8|tune|rotate]..." >&2
+    echo "usage: $0 [tests|quick|ep|bf16|fp8|tune|first|rotate]..." >&2
     exit 2
     ;;
 esac
