@@ -32,6 +32,12 @@ typedef struct moe_quant_rows_args {
     float *scale; /* device [rows], or [rows][ceil(cols / 128)] with group */
     int group;    /* 0: one scale per row; 128: one per 1 x 128 group (block weights,
                      DeepSeek-V3); static_scale must be NULL then */
+    /* Optional gather (the permute's copy fused in): row r quantises x row
+     * src_slot[r] / src_k (a token of x [tokens][cols]; src_slot: the permute's slot_of_row,
+     * device [rows]), or a row of zeros where src_slot[r] < 0 (padding); F32 x is rounded to
+     * bf16 first, as the gather's bf16 copy would be. NULL: row r is x row r. */
+    const int32_t *src_slot;
+    int src_k;
 } moe_quant_rows_args_t;
 
 moe_status_t moe_quant_rows_launch(const moe_quant_rows_args_t *args, void *stream);

@@ -104,7 +104,8 @@ static void plan_workspace(cuda_layer_t *s, carve_t *c)
     s->slot_of_row = moe_cuda_take(c, sizeof(int32_t) * (size_t)max_rows);
     s->perm_scratch_count = moe_permute_scratch_count(rows, s->E);
     s->perm_scratch = moe_cuda_take(c, sizeof(int32_t) * (size_t)s->perm_scratch_count);
-    s->a = moe_cuda_take(c, 2 * (size_t)max_rows * (size_t)s->H);
+    if (!s->f8) /* W8A8 quantises GEMM 1's rows straight from x (no bf16 copy) */
+        s->a = moe_cuda_take(c, 2 * (size_t)max_rows * (size_t)s->H);
     s->h = moe_cuda_take(c, 2 * (size_t)max_rows * (size_t)s->is);
     s->o = moe_cuda_take(c, 2 * (size_t)max_rows * (size_t)s->H);
     if (s->f8) {
@@ -686,7 +687,11 @@ const moe_gemm_variant_t *moe_cuda_variant_for(const cuda_layer_t *s, double row
  * row first (a -> a8, h -> h8), e4m3 weights with per-row scales; in13 / in2 (optional): each
  * expert's static scale of that input (0: dynamic). */
 typedef struct mlp_io {
-    const void *a;
+    const void *a; /* bf16 rows; W8A8 with src_slot: NULL, GEMM 1's input gathered from x */
+    const void *x; /* W8A8 gather: tokens [T][H] of x_dtype, row r = x[src_slot[r] / k] */
+    moe_dtype_t x_dtype;
+    const int32_t *src_slot;
+    int src_k;
     void *h, *o;
     uint8_t *a8, *h8;
     float *as, *hs;
@@ -718,8 +723,14 @@ static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_
     g.scale_kind = MOE_SCALE_NONE;
     if (s->f8) {
         moe_quant_rows_args_t q = {
-            m->a,    MOE_DTYPE_BF16, rows,  num_blocks, v->block_rows,       s->H,
-            m->in13, block_expert,   m->a8, m->as,      s->f8 == 2 ? 128 : 0};
+            m->a,         MOE_DTYPE_BF16, rows,  num_blocks,           v->block_rows, s->H, m->in13,
+            block_expert, m->a8,          m->as, s->f8 == 2 ? 128 : 0, NULL,          0};
+        if (m->src_slot) { /* the permute's gather fused in: no bf16 copy of the rows */
+            q.x = m->x;
+            q.x_dtype = m->x_dtype;
+            q.src_slot = m->src_slot;
+            q.src_k = m->src_k;
+        }
         MOE_CHECK(moe_quant_rows_launch(&q, stream));
         g.a = m->a8;
         g.a_scale = m->as;
@@ -736,8 +747,9 @@ static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_
     g.epilogue = MOE_GEMM_EPI_STORE;
     if (s->f8) {
         moe_quant_rows_args_t q = {
-            m->h,   MOE_DTYPE_BF16, rows,  num_blocks, v->block_rows,       (int)m->inter,
-            m->in2, block_expert,   m->h8, m->hs,      s->f8 == 2 ? 128 : 0};
+            m->h,   MOE_DTYPE_BF16, rows,  num_blocks, v->block_rows,        (int)m->inter,
+            m->in2, block_expert,   m->h8, m->hs,      s->f8 == 2 ? 128 : 0, NULL,
+            0};
         MOE_CHECK(moe_quant_rows_launch(&q, stream));
         g.a = m->h8;
         g.a_scale = m->hs;
@@ -823,12 +835,21 @@ moe_status_t moe_cuda_routed_experts(cuda_layer_t *s, const void *x, moe_dtype_t
         return moe_error(MOE_STATUS_INTERNAL_ERROR, "variant %s needs %d blocks > planned %d",
                          v->name, mb, s->max_blocks);
     MOE_CHECK(moe_permute_launch(&p, stream));
-    MOE_CHECK(moe_gather_launch(&g, stream));
+    if (!s->f8) /* W8A8: GEMM 1's quantisation gathers the rows itself */
+        MOE_CHECK(moe_gather_launch(&g, stream));
     MOE_CHECK(moe_cuda_record(s, EV_PERMUTE, stream));
     {
         const float *in13 = s->has_in[0] ? s->in13 : NULL, *in2 = s->has_in[1] ? s->in2 : NULL;
-        const mlp_io_t m = {s->a,  s->h,    s->o,   s->a8, s->h8, s->as, s->hs, s->w13,
-                            s->w2, s->w13s, s->w2s, in13,  in2,   s->is, s->E};
+        mlp_io_t m = {
+            s->a,   NULL,  MOE_DTYPE_INVALID, NULL,   0,    s->h, s->o,  s->a8, s->h8, s->as, s->hs,
+            s->w13, s->w2, s->w13s,           s->w2s, in13, in2,  s->is, s->E};
+        if (s->f8) {
+            m.a = NULL;
+            m.x = x;
+            m.x_dtype = x_dtype;
+            m.src_slot = s->slot_of_row;
+            m.src_k = (int)s->k;
+        }
         return run_mlp_gemms(s, v, &m, s->block_expert, s->num_blocks, mb, stream);
     }
 }
@@ -848,8 +869,10 @@ moe_status_t moe_cuda_shared_experts(cuda_layer_t *s, const void *x, moe_dtype_t
     MOE_CHECK(moe_rows_launch(&r, stream));
     {
         const float *in13 = s->has_in[2] ? s->sin13 : NULL, *in2 = s->has_in[3] ? s->sin2 : NULL;
-        const mlp_io_t m = {s->sa,  s->sh,    s->so,   s->sa8, s->sh8, s->sas, s->shs, s->sw13,
-                            s->sw2, s->sw13s, s->sw2s, in13,   in2,    s->ss,  1};
+        const mlp_io_t m = {
+            s->sa,  NULL,   MOE_DTYPE_INVALID, NULL,   0,        s->sh,   s->so, s->sa8, s->sh8,
+            s->sas, s->shs, s->sw13,           s->sw2, s->sw13s, s->sw2s, in13,  in2,    s->ss,
+            1};
         return run_mlp_gemms(s, v, &m, s->s_block_expert, s->s_num_blocks, mb, stream);
     }
 }

@@ -36,6 +36,24 @@ __device__ __forceinline__ void store_e4m3x8(uint8_t *q, const float *v, float s
 
 constexpr int Q_THREADS = 128; // one CTA per row: long rows (I = 14336) need many loads in flight
 
+// v[0..8) = the row's values c .. c + 7: zeros for a padding row (x NULL); with `round`, f32
+// values rounded to bf16 (the gather's copy, fused: a no-op for bf16 x).
+template <typename T>
+__device__ __forceinline__ void load_row8(const T *x, int c, bool round, float *v)
+{
+    if (!x) {
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            v[i] = 0.0f;
+        return;
+    }
+    moe_load8(x + c, v);
+    if (round)
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            v[i] = __bfloat162float(__float2bfloat16_rn(v[i]));
+}
+
 template <typename T>
 __global__ void __launch_bounds__(Q_THREADS) quant_rows_kernel(moe_quant_rows_args_t a)
 {
@@ -45,7 +63,14 @@ __global__ void __launch_bounds__(Q_THREADS) quant_rows_kernel(moe_quant_rows_ar
     const int64_t row = blockIdx.x;
     if (a.num_blocks && row >= (int64_t)*a.num_blocks * a.block_rows)
         return;
-    const T *x = static_cast<const T *>(a.x) + row * a.cols;
+    const T *x = static_cast<const T *>(a.x);
+    const bool round = a.src_slot && sizeof(T) == 4; // f32 x: as the bf16 gather would copy it
+    if (a.src_slot) {
+        const int32_t slot = a.src_slot[row];
+        x = slot >= 0 ? x + (int64_t)(slot / a.src_k) * a.cols : nullptr;
+    } else {
+        x += row * a.cols;
+    }
     if (a.group) { /* 1 x 128 groups: 16 lanes (one half-warp) per group of 8-wide vectors */
         const int nvec = a.cols / 8, ng = (a.cols + 127) / 128;
         uint8_t *q = a.q + row * a.cols;
@@ -53,7 +78,7 @@ __global__ void __launch_bounds__(Q_THREADS) quant_rows_kernel(moe_quant_rows_ar
             const int v = v0 + threadIdx.x;
             float vals[8], m = 0.0f;
             if (v < nvec) {
-                moe_load8(x + (int64_t)v * 8, vals);
+                load_row8(x, v * 8, round, vals);
 #pragma unroll
                 for (int i = 0; i < 8; i++)
                     m = fmaxf(m, fabsf(vals[i]));
@@ -84,7 +109,7 @@ __global__ void __launch_bounds__(Q_THREADS) quant_rows_kernel(moe_quant_rows_ar
 #pragma unroll 4
         for (int c = threadIdx.x * 8; c < a.cols; c += Q_THREADS * 8) {
             float v[8];
-            moe_load8(x + c, v);
+            load_row8(x, c, round, v);
 #pragma unroll
             for (int i = 0; i < 8; i++)
                 m = fmaxf(m, fabsf(v[i])); // fmaxf drops NaN: a NaN value stays NaN below
@@ -109,7 +134,7 @@ __global__ void __launch_bounds__(Q_THREADS) quant_rows_kernel(moe_quant_rows_ar
 #pragma unroll 4
     for (int c = threadIdx.x * 8; c < a.cols; c += Q_THREADS * 8) {
         float v[8];
-        moe_load8(x + c, v);
+        load_row8(x, c, round, v);
         store_e4m3x8(q + c, v, s);
     }
 }
@@ -131,6 +156,9 @@ extern "C" moe_status_t moe_quant_rows_launch(const moe_quant_rows_args_t *a, vo
                          "e4m3 rows: static scales per expert need the block table (block_expert "
                          "%s, block_rows %d)",
                          a->block_expert ? "set" : "NULL", a->block_rows);
+    if (a->src_slot && a->src_k <= 0)
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT, "e4m3 rows: gather with src_k = %d",
+                         a->src_k);
     if (a->rows > INT32_MAX)
         return moe_error(MOE_STATUS_INVALID_ARGUMENT, "e4m3 rows: %lld rows", (long long)a->rows);
     const unsigned grid = (unsigned)a->rows;

@@ -3,8 +3,9 @@
  * reference (moe_cpu_fp8_quantize_rows): per row and per 1 x 128 group, bf16 and f32 input,
  * rows of zeros, NaN, values that saturate at +-448 under a static scale, static scales per
  * expert through the block table (experts with 0 and padding blocks dynamic), a partial last
- * group, rows past *num_blocks left alone; outputs poisoned first. Codes and scales must be
- * equal. */
+ * group, rows past *num_blocks left alone, the permute's gather fused in (rows from their
+ * tokens, padding rows zero, f32 x rounded to bf16 first); outputs poisoned first. Codes and
+ * scales must be equal. */
 #include "gpu_test.h"
 
 #include "kernels/cpu/moe_cpu.h"
@@ -71,8 +72,8 @@ static void check_quant(int64_t rows, int cols, int group, moe_dtype_t dtype,
     if (used_blocks >= 0)
         dnb = gt_dup(&used_blocks, sizeof(int32_t));
     {
-        moe_quant_rows_args_t a = {dx,      dtype, rows, dnb,    block_rows, cols,
-                                   dstatic, dbe,   dq,   dscale, group};
+        moe_quant_rows_args_t a = {dx,  dtype, rows,   dnb,   block_rows, cols, dstatic,
+                                   dbe, dq,    dscale, group, NULL,       0};
         gt_ok(moe_quant_rows_launch(&a, NULL), "quant rows");
     }
     gt_get(got, dq, (size_t)n);
@@ -151,6 +152,82 @@ static void test_quant_static_per_expert(void **state)
     check_quant(40, 512, 0, MOE_DTYPE_BF16, sc + 1, 1, -1, 16); /* one expert, 0: all dynamic */
 }
 
+/* The permute's gather fused in: row r quantises token src_slot[r] / k of x (f32 x rounded to
+ * bf16 first, as the gather's copy would be), a zero row where src_slot[r] < 0; compared with
+ * the CPU's gather-then-quantise, code for code and scale for scale. */
+static void check_gather(int64_t tokens, int k, int64_t rows, int cols, int group,
+                         moe_dtype_t dtype)
+{
+    const int64_t n = rows * cols, nx = tokens * cols;
+    const int ng = group ? (cols + group - 1) / group : 1;
+    float *x = malloc(sizeof(float) * (size_t)(nx + 1)), *row = malloc(sizeof(float) * cols);
+    uint16_t *xb = malloc(2 * (size_t)(nx + 1));
+    int32_t *slot = malloc(sizeof(int32_t) * (size_t)rows);
+    uint8_t *want = malloc((size_t)n), *got = malloc((size_t)n);
+    float *ws = malloc(sizeof(float) * (size_t)(rows * ng)),
+          *gs = malloc(sizeof(float) * (size_t)(rows * ng));
+    void *dx;
+    int32_t *dslot;
+    uint8_t *dq;
+    float *dscale;
+    int64_t r, i, bad = 0;
+
+    gt_fill_bf16(x, xb, (size_t)nx, 1.0f);
+    for (i = 0; i < nx; i++) /* f32 values between bf16 ones: the rounding shows */
+        x[i] = x[i] * (1.0f + 1.0f / 512.0f) * powf(10.0f, (float)(i / cols % 5) - 2.0f);
+    for (i = 0; i < nx; i++)
+        xb[i] = moe_f32_to_bf16(x[i]);
+    for (r = 0; r < rows; r++) {
+        slot[r] = r % 5 == 4 ? -1 : (int32_t)((r * 7 + 3) % (tokens * k));
+        for (i = 0; i < cols; i++)
+            row[i] = slot[r] < 0 ? 0.0f : moe_bf16_to_f32(xb[(slot[r] / k) * cols + i]);
+        moe_cpu_fp8_quantize_rows(row, 1, cols, group, 0.0f, want + r * cols, ws + r * ng);
+    }
+    dx = dtype == MOE_DTYPE_BF16 ? gt_dup(xb, 2 * (size_t)nx) : gt_dup(x, 4 * (size_t)nx);
+    dslot = gt_dup(slot, sizeof(int32_t) * (size_t)rows);
+    dq = gt_dalloc((size_t)n);
+    dscale = gt_dalloc(sizeof(float) * (size_t)(rows * ng));
+    gt_poison(dq, 0x55, (size_t)n);
+    gt_poison(dscale, 0xff, sizeof(float) * (size_t)(rows * ng));
+    {
+        moe_quant_rows_args_t a = {dx,   dtype, rows,   NULL,  16,    cols, NULL,
+                                   NULL, dq,    dscale, group, dslot, k};
+        gt_ok(moe_quant_rows_launch(&a, NULL), "quant rows, gathered");
+    }
+    gt_get(got, dq, (size_t)n);
+    gt_get(gs, dscale, sizeof(float) * (size_t)(rows * ng));
+    for (i = 0; i < n; i++)
+        bad += got[i] != want[i];
+    for (i = 0; i < rows * ng; i++)
+        bad += gs[i] != ws[i];
+    fprintf(stderr,
+            "quant gathered: %lld rows of %lld tokens x %d (k %d), group %d, %s: %lld mismatches\n",
+            (long long)rows, (long long)tokens, cols, k, group, moe_dtype_name(dtype),
+            (long long)bad);
+    assert_int_equal(bad, 0);
+    moe_gpu_free(dx);
+    moe_gpu_free(dslot);
+    moe_gpu_free(dq);
+    moe_gpu_free(dscale);
+    free(x);
+    free(row);
+    free(xb);
+    free(slot);
+    free(want);
+    free(got);
+    free(ws);
+    free(gs);
+}
+
+static void test_quant_gather(void **state)
+{
+    (void)state;
+    check_gather(9, 2, 48, 2048, 0, MOE_DTYPE_BF16);
+    check_gather(9, 2, 48, 2048, 0, MOE_DTYPE_F32);
+    check_gather(5, 8, 64, 7168, 128, MOE_DTYPE_BF16);
+    check_gather(7, 4, 40, 200, 128, MOE_DTYPE_F32); /* a partial last group */
+}
+
 static void test_quant_rejects(void **state)
 {
     static const float one = 1.0f;
@@ -168,6 +245,9 @@ static void test_quant_rejects(void **state)
     a.static_scale = &one; /* static scales without the block table */
     assert_int_equal(moe_quant_rows_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
     a.static_scale = NULL;
+    a.src_slot = (const int32_t *)&one; /* a gather without its k */
+    assert_int_equal(moe_quant_rows_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
+    a.src_slot = NULL;
     a.x_dtype = MOE_DTYPE_FP8_E4M3;
     assert_int_equal(moe_quant_rows_launch(&a, NULL), MOE_STATUS_NOT_SUPPORTED);
 }
@@ -177,6 +257,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_quant_groups),
     cmocka_unit_test(test_quant_static_saturates),
     cmocka_unit_test(test_quant_static_per_expert),
+    cmocka_unit_test(test_quant_gather),
     cmocka_unit_test(test_quant_rejects),
 };
 
