@@ -75,22 +75,24 @@ bf16)
 fp8)
     j=/tmp/fp8json
     mkdir -p $j
-    for p in $presets; do
-        for s in tensor block; do
-            timeout 90 $B/moe-bench --preset "$p" --dtype fp8 --scales $s \
+    for p in ${FP8_PRESETS:-$presets}; do
+        for s in ${FP8_SCALES:-tensor block}; do
+            timeout 90 $B/moe-bench --preset "$p" --dtype fp8 --scales "$s" \
                 --tokens 1,8,64,512,2048,8192 --seconds 0.2 --json "$j/$p.$s.json" 2>&1 | quiet |
-                grep -vE "^#  *(limit|time)" | head -16
+                grep -vE "^#  *(limit|time)" | head -20
         done
     done
-    timeout 200 python3 bench/torch_peers.py --dtype fp8 --moe-json $j/*.tensor.json \
-        --markdown "$OUT/peers_fp8.md" 2>&1 | grep -v "^#   ("
+    [ -n "${FP8_PRESETS:-}" ] ||
+        timeout 200 python3 bench/torch_peers.py --dtype fp8 --moe-json $j/*.tensor.json \
+            --markdown "$OUT/peers_fp8.md" 2>&1 | grep -v "^#   ("
     ;;
 tune)
     for p in ${TUNE_PRESETS:-$presets}; do
         for d in "" "--dtype fp8 --scales tensor"; do
             # shellcheck disable=SC2086 # $d: two options or none
             timeout 150 mpirun -np "$([ "$ngpu" -ge 2 ] && echo "$ngpu" || echo 1)" $B/moe-tune \
-                --preset "$p" $d --out "$OUT/tune.json" --iters 10 2>&1 | quiet | cut -c1-260
+                --preset "$p" $d --out "$OUT/tune.json" --iters 10 2>&1 | quiet |
+                tee -a "$OUT/tune.log" | grep -E "^# moe-tune|best" | sed -E 's/^ +//; s/  +/ /g'
         done
     done
     ;;
