@@ -13,22 +13,20 @@
 #include "kernels/expert_gemm.h"
 #include "kernels/oracle.h"
 
-/* ---- the thresholds as kernels/expert_gemm.c had them before the oracle (a fixture) ---- */
+/* ---- the built-in thresholds as measured (bench/RESULTS.md, "Tuned defaults"; a fixture) -- */
 
 typedef struct old_bucket {
     double max;
     const char *name;
 } old_bucket_t;
 
-static const old_bucket_t old_sm90[] = {{2.0, "sm90_swapab_n8"},
-                                        {16.0, "sm90_swapab_n16"},
-                                        {32.0, "sm90_swapab_w128_n32"},
-                                        {96.0, "sm90_wgmma_tma_m64n256"},
+static const old_bucket_t old_sm90[] = {{5.66, "sm90_swapab_n8"},
+                                        {11.3, "sm90_swapab_n16"},
+                                        {22.6, "sm90_swapab_w128_n32"},
+                                        {45.3, "sm90_wgmma_tma_m64n256"},
                                         {1e300, "sm90_wgmma_tma_m128n256"}};
-static const old_bucket_t old_fp8[] = {{16.0, "sm90_fp8_swapab_n16"},
-                                       {32.0, "sm90_fp8_swapab_n32"},
-                                       {96.0, "sm90_fp8_m64n128"},
-                                       {1e300, "sm90_fp8_m128n128"}};
+static const old_bucket_t old_fp8[] = {
+    {22.6, "sm90_fp8_swapab_n16"}, {45.3, "sm90_fp8_swapab_n32"}, {1e300, "sm90_fp8_m128n128"}};
 static const old_bucket_t old_fp8b[] = {{16.0, "sm90_fp8_block_swapab_n16"},
                                         {32.0, "sm90_fp8_block_swapab_n32"},
                                         {96.0, "sm90_fp8_block_m64n128"},
@@ -46,7 +44,7 @@ static const char *old_pick(const old_bucket_t *b, int n, double rows)
 static const char *old_select(int arch, moe_dtype_t d, moe_scale_kind_t s, double rows)
 {
     if (d == MOE_DTYPE_FP8_E4M3 && s == MOE_SCALE_PER_CHANNEL)
-        return arch == 90 ? old_pick(old_fp8, 4, rows) : NULL;
+        return arch == 90 ? old_pick(old_fp8, 3, rows) : NULL;
     if (d == MOE_DTYPE_FP8_E4M3 && s == MOE_SCALE_BLOCK_128)
         return arch == 90 ? old_pick(old_fp8b, 4, rows) : NULL;
     if (d != MOE_DTYPE_BF16 || s != MOE_SCALE_NONE)
@@ -76,9 +74,10 @@ static void old_explain(int arch, double rows, char *text, size_t len)
     snprintf(text, len, "simt_ref (no tuned variant for sm_%d)", arch);
 }
 
-static const double rows_list[] = {0,    0.25, 1,   1.99, 2,   2.0001, 3,    7.5, 8,
-                                   15.9, 16,   17,  31.9, 32,  32.1,   48,   64,  95.,
-                                   96,   96.5, 128, 255,  256, 1000,   4096, 1e5, 1e9};
+static const double rows_list[] = {0,    0.25, 1,    1.99, 2,    2.0001, 3,   5.66, 5.67,
+                                   7.5,  8,    11.3, 11.4, 15.9, 16,     17,  22.6, 22.7,
+                                   31.9, 32,   32.1, 45.3, 45.4, 48,     64,  95.,  96,
+                                   96.5, 128,  255,  256,  1000, 4096,   1e5, 1e9};
 #define NUM_ROWS ((int)(sizeof(rows_list) / sizeof(rows_list[0])))
 static const int arch_list[] = {60, 70, 75, 80, 86, 89, 90, 100, 120};
 static const struct {
@@ -95,7 +94,7 @@ static void assert_same_name(const char *a, const char *b, const char *what, int
                  b ? b : "(none)");
 }
 
-/* The defaults (and a default oracle) pick what the fixed thresholds picked. */
+/* The defaults (and a default oracle) pick what the measured thresholds say. */
 static void test_defaults_match_old_table(void **state)
 {
     moe_oracle_t o;
@@ -610,13 +609,52 @@ static void test_forced(void **state)
     }
 }
 
+/* bench/tune-h200.json (moe-tune on the H200 for the three presets, bf16 and fp8) loads for
+ * each of its shapes, and picks what the measurement found best. */
+static void test_shipped_h200_file(void **state)
+{
+    static const struct {
+        moe_oracle_shape_t shape;
+        moe_dtype_t dtype;
+        double rows;
+        const char *want;
+    } cases[] = {
+        {{4096, 14336, 8, 2}, MOE_DTYPE_BF16, 64, "sm90_wgmma_tma_m128n256"},
+        {{4096, 14336, 8, 2}, MOE_DTYPE_FP8_E4M3, 64, "sm90_fp8_m128n128"},
+        {{2048, 768, 128, 8}, MOE_DTYPE_BF16, 1, "sm90_swapab_n8"},
+        {{2048, 768, 128, 8}, MOE_DTYPE_FP8_E4M3, 32, "sm90_fp8_swapab_n32"},
+        {{7168, 2048, 32, 8}, MOE_DTYPE_BF16, 16, "sm90_swapab_w128_n32"},
+        {{7168, 2048, 32, 8}, MOE_DTYPE_FP8_E4M3, 64, "sm90_fp8_m64n128"},
+    };
+    (void)state;
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        moe_oracle_target_t t = {"NVIDIA H200", 90, cases[i].shape};
+        moe_oracle_t o;
+        moe_oracle_choice_t c;
+        const moe_oracle_query_t q = {90,
+                                      cases[i].dtype,
+                                      cases[i].dtype == MOE_DTYPE_BF16 ? MOE_SCALE_NONE
+                                                                       : MOE_SCALE_PER_CHANNEL,
+                                      1,
+                                      1,
+                                      MOE_ORACLE_ANY,
+                                      cases[i].rows};
+        moe_oracle_init(&o);
+        assert_int_equal(moe_oracle_load(&o, MOE_TUNE_H200, &t), 2); /* bf16 and fp8 */
+        assert_string_equal(o.warning, "");
+        assert_int_equal(moe_oracle_pick_gemm(&o, &q, &c), 1);
+        assert_string_equal(c.name, cases[i].want);
+        assert_int_equal(c.source, MOE_ORACLE_TUNED);
+        moe_oracle_free(&o);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_defaults_match_old_table),
-        cmocka_unit_test(test_round_trip),
-        cmocka_unit_test(test_bad_tune_files),
-        cmocka_unit_test(test_forced),
+        cmocka_unit_test(test_defaults_match_old_table), cmocka_unit_test(test_round_trip),
+        cmocka_unit_test(test_bad_tune_files),           cmocka_unit_test(test_forced),
+        cmocka_unit_test(test_shipped_h200_file),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
