@@ -11,6 +11,7 @@
 #   tune             moe-tune bf16 + fp8 for the three presets or $TUNE_PRESETS (EP = all GPUs
 #                    when 2+)
 #   first            moe-bench --first-call under mpirun -np <GPUs, at least 2>
+#   kernels          GPU time per kernel of one layer step (ncu; KERNEL_PRESET, KERNEL_TOKENS)
 #   rotate           moe-bench with and without L2 rotation (issue 13's bench check)
 set -uo pipefail
 # shellcheck source=/dev/null # written by shared/device/prepare.sh, not in the repository
@@ -103,6 +104,22 @@ first)
             tail -30
     done
     ;;
+kernels)
+    # GPU time per kernel of one step (Nsight Compute; caches flushed before each kernel)
+    command -v ncu >/dev/null || { echo "kernels: no ncu on this machine"; continue; }
+    for T in ${KERNEL_TOKENS:-1 8192}; do
+        echo "== ${KERNEL_PRESET:-qwen3-30b-a3b} bf16, $T tokens: us per kernel, the last step"
+        timeout 240 ncu --csv --print-units base --print-kernel-base function \
+            --metrics gpu__time_duration.sum \
+            $B/moe-run --backend cuda \
+            --preset "${KERNEL_PRESET:-qwen3-30b-a3b}" --tokens "$T" --iters 1 --warmup 1 \
+            >"$OUT/ncu.csv" 2>"$OUT/ncu.err"
+        awk -F'","' '/gpu__time_duration/ { n = $5; v = $NF;
+            gsub(/[,"]/, "", v); printf "%9.1f  %s\n", v / 1000.0, substr(n, 1, 70) }' \
+            "$OUT/ncu.csv" | tail -14
+        grep -q gpu__time_duration "$OUT/ncu.csv" || tail -5 "$OUT/ncu.err"
+    done
+    ;;
 rotate)
     for r in "" "--rotate 1"; do
         # shellcheck disable=SC2086 # $r: one option or none
@@ -113,7 +130,7 @@ rotate)
         grep -vE "phases" | head -12
     ;;
 *)
-    echo "usage: $0 [tests|quick|ep|bf16|fp8|tune|first|rotate]..." >&2
+    echo "usage: $0 [tests|quick|ep|bf16|fp8|tune|first|kernels|rotate]..." >&2
     exit 2
     ;;
 esac

@@ -124,7 +124,7 @@ static void usage(void)
            "                       (its sizes come from DIR: no --preset/--experts/... with it;\n"
            "                       --dtype f32|bf16 converts its weights at load)\n"
            "  --fp8-math w8a16|w8a8   FP8 layers' arithmetic (default: the backend's, W8A16\n"
-           "                       today; w8a8: the CPU backend only for now)\n"
+           "                       today; w8a8: CPU, and CUDA on sm_90)\n"
            "  --layers N           N layers (a model's worth), run in turn each step; reports\n"
            "                       the memory per rank (weights + the one shared workspace)\n"
            "  --json FILE          also write the results as JSON\n"

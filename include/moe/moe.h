@@ -73,14 +73,15 @@ typedef enum moe_scale_kind {
 
 /* The arithmetic of FP8 (FP8_E4M3) layers; docs/SEMANTICS.md gives both exactly. */
 typedef enum moe_fp8_math {
-    /* The backend's choice: today W8A16 on every backend; it will become W8A8 on backends
-     * that have FP8 kernels (the CUDA backend once it runs FP8 GEMMs). */
+    /* The backend's choice: W8A16 on every backend today, so that the CPU and GPU defaults
+     * give the same numbers; W8A8 must be asked for. */
     MOE_FP8_MATH_AUTO = 0,
     /* FP8 weights dequantised, activations not quantised (f32 on the CPU, bf16 on the GPU). */
     MOE_FP8_MATH_W8A16 = 1,
     /* Activations quantised to e4m3 too (one dynamic scale per token, or per 1x128 group along
      * K with 128x128 block weights; or the matrix's static input scale), f32 accumulation of
-     * e4m3 x e4m3 products. CPU backend only for now. Needs weight_dtype FP8_E4M3. */
+     * e4m3 x e4m3 products. The CPU backend and the CUDA backend on sm_90 (e4m3 wgmma; sm_80
+     * refuses it at create). Needs weight_dtype FP8_E4M3. */
     MOE_FP8_MATH_W8A8 = 2
 } moe_fp8_math_t;
 

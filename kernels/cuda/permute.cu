@@ -264,22 +264,37 @@ __global__ void __launch_bounds__(META_THREADS)
     warp_place(ids, begin, end, E, lane, wcnt + w * E, base, row_of_slot, slot_of_row);
 }
 
-/* Copies one row of hidden values into bf16 dst (8 per 16-byte store when VEC), or zeroes it. */
+/* Copies one row of hidden values into bf16 dst (8 per 16-byte store when VEC), or zeroes it.
+ * VEC: each thread issues COPY_UNROLL loads before its stores, so that a row's bytes are in
+ * flight together (one load at a time left the copy latency-bound at about half the HBM rate). */
+constexpr int COPY_UNROLL = 4;
+
 template <typename T, bool VEC>
 __device__ __forceinline__ void copy_row(const T *src, __nv_bfloat16 *dst, int hidden)
 {
     if (VEC) {
         uint4 *d = reinterpret_cast<uint4 *>(dst);
-        for (int c = threadIdx.x; c < hidden / 8; c += blockDim.x) {
-            if (!src) {
-                d[c] = make_uint4(0, 0, 0, 0);
-            } else if (sizeof(T) == 2) {
-                d[c] = reinterpret_cast<const uint4 *>(src)[c];
-            } else {
-                float v[8];
-                moe_load8(reinterpret_cast<const float *>(src) + 8 * c, v);
-                d[c] = moe_pack8(v);
+        const int n = hidden / 8, step = blockDim.x;
+        for (int c0 = threadIdx.x; c0 < n; c0 += step * COPY_UNROLL) {
+            uint4 v[COPY_UNROLL];
+#pragma unroll
+            for (int u = 0; u < COPY_UNROLL; u++) {
+                const int c = c0 + u * step;
+                v[u] = make_uint4(0, 0, 0, 0);
+                if (c < n && src) {
+                    if (sizeof(T) == 2) {
+                        v[u] = __ldg(reinterpret_cast<const uint4 *>(src) + c);
+                    } else {
+                        float f[8];
+                        moe_load8(reinterpret_cast<const float *>(src) + 8 * c, f);
+                        v[u] = moe_pack8(f);
+                    }
+                }
             }
+#pragma unroll
+            for (int u = 0; u < COPY_UNROLL; u++)
+                if (c0 + u * step < n)
+                    d[c0 + u * step] = v[u];
         }
     } else {
         for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
