@@ -27,10 +27,11 @@ typedef struct moe_route_logits_args {
     int64_t num_tokens;
     int num_rows, hidden;
     /* Optional: w split as moe_split_bf16x3 does, device [3][num_rows][hidden] bf16 (hi, mid,
-     * lo planes), 16-byte aligned. With bf16 x and hidden % 8 == 0 the logits then run on
-     * tensor cores (mma.sync bf16, f32 accumulation; products exact, so the accuracy of the f32
-     * kernel) in an order that is the same at every token count: a token's logits are bitwise
-     * the same in any batch. NULL: the f32 SIMT kernels. */
+     * lo planes), 16-byte aligned. With hidden % 8 == 0 and 16-byte aligned x the logits then
+     * run on tensor cores (mma.sync bf16, f32 accumulation; bf16 x times each plane is exact,
+     * f32 x is split in three planes too: the accuracy of the f32 kernel) in an order that is
+     * the same at every token count: a token's logits are bitwise the same in any batch. NULL:
+     * the f32 SIMT kernels. */
     const uint16_t *w_split;
 } moe_route_logits_args_t;
 

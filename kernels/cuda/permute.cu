@@ -322,6 +322,50 @@ __global__ void gather_kernel(const T *__restrict__ x, int hidden, int top_k,
     copy_row<T, VEC>(src, a + (size_t)row * hidden, hidden);
 }
 
+/* The vectorised gather: GATHER_ROWS rows per CTA as one flat range of 16-byte units, with
+ * COPY_UNROLL loads in flight per thread. One CTA per row made the CTA launch rate the limit
+ * (65536 rows of 4 KB at Qwen3 M = 8192: 211 us, about a third of the HBM rate). */
+constexpr int GATHER_ROWS = 8, GATHER_THREADS = 256;
+
+template <typename T>
+__global__ void __launch_bounds__(GATHER_THREADS)
+    gather_rows_kernel(const T *__restrict__ x, int hidden, int top_k,
+                       const int32_t *__restrict__ slot_of_row,
+                       const int32_t *__restrict__ num_blocks, int br,
+                       __nv_bfloat16 *__restrict__ a)
+{
+    moe_pdl_wait();
+    const int n = hidden / 8, row0 = blockIdx.x * GATHER_ROWS;
+    const int live = min(GATHER_ROWS, *num_blocks * br - row0);
+    if (live <= 0)
+        return;
+    const int total = live * n;
+    uint4 *d = reinterpret_cast<uint4 *>(a + (size_t)row0 * hidden);
+    for (int i0 = threadIdx.x; i0 < total; i0 += GATHER_THREADS * COPY_UNROLL) {
+        uint4 v[COPY_UNROLL];
+#pragma unroll
+        for (int u = 0; u < COPY_UNROLL; u++) {
+            const int i = i0 + u * GATHER_THREADS, r = i / n, c = i - r * n;
+            const int slot = i < total ? __ldg(slot_of_row + row0 + r) : -1;
+            v[u] = make_uint4(0, 0, 0, 0);
+            if (slot >= 0) {
+                const T *src = x + (size_t)(slot / top_k) * hidden + 8 * c;
+                if (sizeof(T) == 2) {
+                    v[u] = __ldg(reinterpret_cast<const uint4 *>(src));
+                } else {
+                    float f[8];
+                    moe_load8(reinterpret_cast<const float *>(src), f);
+                    v[u] = moe_pack8(f);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < COPY_UNROLL; u++) /* row r's unit c is unit r * n + c of the range */
+            if (i0 + u * GATHER_THREADS < total)
+                d[i0 + u * GATHER_THREADS] = v[u];
+    }
+}
+
 template <typename T, bool VEC>
 __global__ void rows_kernel(const T *__restrict__ x, int num_tokens, int hidden, int br,
                             int max_blocks, __nv_bfloat16 *__restrict__ a,
@@ -352,9 +396,10 @@ moe_status_t launch_gather(const moe_gather_args_t *g, unsigned rows, cudaStream
     const bool vec = g->hidden % 8 == 0 && moe_aligned16(g->x) && moe_aligned16(g->a);
     const int th = row_threads(g->hidden, vec);
     if (vec)
-        MOE_CUDA_CHECK(moe_launch((gather_kernel<T, true>), dim3(rows), dim3(th), 0, s,
-                                  (const T *)g->x, g->hidden, g->top_k, g->slot_of_row,
-                                  g->num_blocks, g->block_rows, (__nv_bfloat16 *)g->a));
+        MOE_CUDA_CHECK(
+            moe_launch((gather_rows_kernel<T>), dim3((rows + GATHER_ROWS - 1) / GATHER_ROWS),
+                       dim3(GATHER_THREADS), 0, s, (const T *)g->x, g->hidden, g->top_k,
+                       g->slot_of_row, g->num_blocks, g->block_rows, (__nv_bfloat16 *)g->a));
     else
         MOE_CUDA_CHECK(moe_launch((gather_kernel<T, false>), dim3(rows), dim3(th), 0, s,
                                   (const T *)g->x, g->hidden, g->top_k, g->slot_of_row,
@@ -414,7 +459,7 @@ moe_status_t raise_smem_limit()
 
 template <typename T> moe_status_t prepare_rows()
 {
-    MOE_CUDA_PREPARE((gather_kernel<T, true>));
+    MOE_CUDA_PREPARE((gather_rows_kernel<T>));
     MOE_CUDA_PREPARE((gather_kernel<T, false>));
     MOE_CUDA_PREPARE((rows_kernel<T, true>));
     MOE_CUDA_PREPARE((rows_kernel<T, false>));

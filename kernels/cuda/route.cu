@@ -202,15 +202,18 @@ __global__ void __launch_bounds__(BLK_WARPS * 32)
     }
 }
 
-/* Tensor-core path: bf16 x against w given as three bf16 planes (w = hi + mid + lo exactly,
- * moe_split_bf16x3), mma.sync m16n8k16 with f32 accumulation; every product is exact, so this is
- * an f32 dot product with another summation order. A block holds MT x 16 tokens by NT x 8 rows.
- * Its TC_WARPS warps split hidden into TC_KC-wide chunks (warp w: chunks w, w + TC_WARPS, ...)
- * and the block then sums the warps' partials in warp order. A lane loads 16 contiguous values
- * of a row (two 16-byte loads) and gives them to four mmas as its k slots {2c, 2c+1, 2c+8,
- * 2c+9}: A and B use the same permutation of k, so each mma adds an exact sub-sum of the dot
- * product. For one output the sequence of operations depends on hidden only, never on the tile
- * shape or the token count: a token's logits are bitwise the same in every batch. */
+/* Tensor-core path: x against w given as three bf16 planes (w = hi + mid + lo exactly,
+ * moe_split_bf16x3), mma.sync m16n8k16 with f32 accumulation. bf16 x times each plane is exact,
+ * so the three products make an f32 dot product with another summation order. f32 x is split
+ * the same way as it is loaded, and the six products whose planes sum to at most 2^-16 of the
+ * leading one are taken (the three dropped ones are below f32 rounding, 2^-24 relative).
+ * A block holds MT x 16 tokens by NT x 8 rows. Its TC_WARPS warps split hidden into
+ * TC_KC-wide chunks (warp w: chunks w, w + TC_WARPS, ...) and the block then sums the warps'
+ * partials in warp order. A lane loads 16 contiguous values of a row and gives them to four
+ * mmas as its k slots {2c, 2c+1, 2c+8, 2c+9}: A and B use the same permutation of k, so each mma
+ * adds an exact sub-sum of the dot product. For one output the sequence of operations depends
+ * on hidden only, never on the tile shape or the token count: a token's logits are bitwise the
+ * same in every batch. */
 constexpr int TC_WARPS = 8, TC_KC = 64;
 
 __device__ __forceinline__ void mma_bf16_16816(float *d, uint32_t a0, uint32_t a1, uint32_t a2,
@@ -232,12 +235,63 @@ __device__ __forceinline__ void load16_words(const uint16_t *p, bool ok0, bool o
     w[4] = u1.x, w[5] = u1.y, w[6] = u1.z, w[7] = u1.w;
 }
 
-template <int MT, int NT>
+/* The top 16 bits of v (a bf16 by truncation), in place in an f32's bits. */
+__device__ __forceinline__ uint32_t top16(float v)
+{
+    return __float_as_uint(v) & 0xffff0000u;
+}
+
+/* 16 f32 at p (either half may be out of range: zeros) split exactly as moe_split_bf16x3 does,
+ * as eight words per plane: w[0] hi, w[1] mid, w[2] lo. */
+__device__ __forceinline__ void load16_words(const float *p, bool ok0, bool ok1, uint32_t (*w)[8])
+{
+    const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float4 f[4];
+    f[0] = ok0 ? __ldg(reinterpret_cast<const float4 *>(p)) : z;
+    f[1] = ok0 ? __ldg(reinterpret_cast<const float4 *>(p) + 1) : z;
+    f[2] = ok1 ? __ldg(reinterpret_cast<const float4 *>(p) + 2) : z;
+    f[3] = ok1 ? __ldg(reinterpret_cast<const float4 *>(p) + 3) : z;
+    const float *v = reinterpret_cast<const float *>(f);
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        uint32_t part[2][3];
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const float x = v[2 * i + e];
+            const uint32_t h = top16(x);
+            const float r1 = x - __uint_as_float(h);
+            const uint32_t m = top16(r1);
+            part[e][0] = h, part[e][1] = m, part[e][2] = top16(r1 - __uint_as_float(m));
+        }
+#pragma unroll
+        for (int q = 0; q < 3; q++) /* element 2i in the low half, as in memory */
+            w[q][i] = (part[0][q] >> 16) | part[1][q];
+    }
+}
+
+/* x planes held per value: 1 for bf16 x, 3 (hi, mid, lo) for f32 x. */
+template <typename XT> struct x_planes {
+    static constexpr int n = sizeof(XT) == 4 ? 3 : 1;
+};
+
+/* The products of one k slice, smallest first: bf16 x: (x, w_lo), (x, w_mid), (x, w_hi); f32
+ * x: every (x_p, w_q) with p + q <= 2, by falling p + q. */
+__device__ __forceinline__ constexpr int term_x(int xp, int i)
+{
+    return xp == 3 ? (i == 0 ? 2 : i == 1 ? 1 : i == 3 ? 1 : 0) : 0;
+}
+__device__ __forceinline__ constexpr int term_w(int xp, int i)
+{
+    return xp == 3 ? (i == 1 ? 1 : i == 2 ? 2 : i == 4 ? 1 : 0) : 2 - i;
+}
+
+template <typename XT, int MT, int NT>
 __global__ void __launch_bounds__(TC_WARPS * 32)
-    logits_tc_kernel(const uint16_t *__restrict__ x, const uint16_t *__restrict__ w3,
+    logits_tc_kernel(const XT *__restrict__ x, const uint16_t *__restrict__ w3,
                      float *__restrict__ logits, int num_tokens, int num_rows, int hidden)
 {
     moe_pdl_wait();
+    constexpr int XP = x_planes<XT>::n, TERMS = XP == 3 ? 6 : 3;
     __shared__ float red[TC_WARPS][16][NT * 8 + 1];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int t0 = blockIdx.x * MT * 16, r0 = blockIdx.y * NT * 8;
@@ -255,14 +309,19 @@ __global__ void __launch_bounds__(TC_WARPS * 32)
     for (int k0 = warp * TC_KC; k0 < hidden; k0 += TC_WARPS * TC_KC) {
         const int k = k0 + 16 * c;
         const bool ok0 = k < hidden, ok1 = k + 8 < hidden;
-        uint32_t a[MT][2][8]; /* [m tile][token g, g + 8][word] */
+        uint32_t a[MT][2][XP][8]; /* [m tile][token g, g + 8][x plane][word] */
 #pragma unroll
         for (int m = 0; m < MT; m++)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int t = t0 + m * 16 + g + 8 * h;
                 const bool tv = t < num_tokens;
-                load16_words(x + (size_t)(tv ? t : 0) * hidden + k, tv && ok0, tv && ok1, a[m][h]);
+                const XT *p = x + (size_t)(tv ? t : 0) * hidden + k;
+                if constexpr (XP == 3)
+                    load16_words(p, tv && ok0, tv && ok1, a[m][h]);
+                else
+                    load16_words(reinterpret_cast<const uint16_t *>(p), tv && ok0, tv && ok1,
+                                 a[m][h][0]);
             }
 #pragma unroll
         for (int n = 0; n < NT; n++) {
@@ -276,12 +335,14 @@ __global__ void __launch_bounds__(TC_WARPS * 32)
 #pragma unroll
             for (int j = 0; j < 4; j++)
 #pragma unroll
-                for (int p = 2; p >= 0; p--) /* lo, mid, hi: the small parts first */
+                for (int i = 0; i < TERMS; i++) {
+                    const int px = term_x(XP, i), pw = term_w(XP, i);
 #pragma unroll
                     for (int m = 0; m < MT; m++)
-                        mma_bf16_16816(acc[m][n], a[m][0][2 * j], a[m][1][2 * j],
-                                       a[m][0][2 * j + 1], a[m][1][2 * j + 1], b[p][2 * j],
-                                       b[p][2 * j + 1]);
+                        mma_bf16_16816(acc[m][n], a[m][0][px][2 * j], a[m][1][px][2 * j],
+                                       a[m][0][px][2 * j + 1], a[m][1][px][2 * j + 1], b[pw][2 * j],
+                                       b[pw][2 * j + 1]);
+                }
         }
     }
 
@@ -310,16 +371,19 @@ __global__ void __launch_bounds__(TC_WARPS * 32)
     }
 }
 
-template <int MT, int NT> cudaError_t launch_tc(const moe_route_logits_args_t *a, cudaStream_t s)
+template <typename XT, int MT, int NT>
+cudaError_t launch_tc(const moe_route_logits_args_t *a, cudaStream_t s)
 {
     const int nt = (int)a->num_tokens;
     dim3 grid((nt + MT * 16 - 1) / (MT * 16), (a->num_rows + NT * 8 - 1) / (NT * 8));
-    return moe_launch((logits_tc_kernel<MT, NT>), grid, dim3(TC_WARPS * 32), 0, s,
-                      (const uint16_t *)a->x, a->w_split, a->logits, nt, a->num_rows, a->hidden);
+    return moe_launch((logits_tc_kernel<XT, MT, NT>), grid, dim3(TC_WARPS * 32), 0, s,
+                      (const XT *)a->x, a->w_split, a->logits, nt, a->num_rows, a->hidden);
 }
 
 /* The largest tile that still gives a wave of blocks (more rows and tokens per block: less L2
- * traffic), else the smallest; NT = 1 when there are at most 8 rows. */
+ * traffic), else the smallest; NT = 1 when there are at most 8 rows; f32 x (three planes in
+ * registers) at most two m tiles. */
+template <typename XT>
 moe_status_t launch_logits_tc(const moe_route_logits_args_t *a, cudaStream_t s, int sms)
 {
     static const int tiles[][2] = {{4, 4}, {2, 4}, {4, 1}, {1, 4}, {2, 1}, {1, 1}};
@@ -327,7 +391,7 @@ moe_status_t launch_logits_tc(const moe_route_logits_args_t *a, cudaStream_t s, 
     int i, pick = 5;
     for (i = 0; i < 5; i++) {
         const int mt = tiles[i][0], ntl = tiles[i][1];
-        if (ntl > 1 && a->num_rows <= 8)
+        if ((ntl > 1 && a->num_rows <= 8) || (mt > 2 && x_planes<XT>::n > 1))
             continue;
         if ((a->num_tokens + mt * 16 - 1) / (mt * 16) * ((a->num_rows + ntl * 8 - 1) / (ntl * 8)) >=
             want) {
@@ -337,22 +401,24 @@ moe_status_t launch_logits_tc(const moe_route_logits_args_t *a, cudaStream_t s, 
     }
     switch (pick) {
     case 0:
-        MOE_CUDA_CHECK((launch_tc<4, 4>(a, s)));
+        if constexpr (x_planes<XT>::n == 1)
+            MOE_CUDA_CHECK((launch_tc<XT, 4, 4>(a, s)));
         break;
     case 1:
-        MOE_CUDA_CHECK((launch_tc<2, 4>(a, s)));
+        MOE_CUDA_CHECK((launch_tc<XT, 2, 4>(a, s)));
         break;
     case 2:
-        MOE_CUDA_CHECK((launch_tc<4, 1>(a, s)));
+        if constexpr (x_planes<XT>::n == 1)
+            MOE_CUDA_CHECK((launch_tc<XT, 4, 1>(a, s)));
         break;
     case 3:
-        MOE_CUDA_CHECK((launch_tc<1, 4>(a, s)));
+        MOE_CUDA_CHECK((launch_tc<XT, 1, 4>(a, s)));
         break;
     case 4:
-        MOE_CUDA_CHECK((launch_tc<2, 1>(a, s)));
+        MOE_CUDA_CHECK((launch_tc<XT, 2, 1>(a, s)));
         break;
     default:
-        MOE_CUDA_CHECK((launch_tc<1, 1>(a, s)));
+        MOE_CUDA_CHECK((launch_tc<XT, 1, 1>(a, s)));
         break;
     }
     MOE_CUDA_CHECK_LAUNCH("logits_tc_kernel");
@@ -372,8 +438,8 @@ template <typename T> moe_status_t launch_logits(const moe_route_logits_args_t *
             return cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, d) == cudaSuccess ? n
                                                                                                 : 0;
         });
-        if (a->x_dtype == MOE_DTYPE_BF16 && a->w_split && moe_aligned16(a->w_split))
-            return launch_logits_tc(a, s, sms);
+        if (a->w_split && moe_aligned16(a->w_split))
+            return launch_logits_tc<T>(a, s, sms);
         /* token groups per block: enough blocks for about two waves of 8 per SM, no more */
         const int64_t row_blocks = (a->num_rows + BLK_ROWS - 1) / BLK_ROWS;
         const int64_t blocks1 = (int64_t)((nt + BLK_TOK - 1) / BLK_TOK) * row_blocks;

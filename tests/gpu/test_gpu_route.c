@@ -133,6 +133,8 @@ static void check_logits(int E, int H, int64_t T, moe_dtype_t xt, int split)
     int e, h;
 
     gt_fill_bf16(x, xb, nx, 1.0f);
+    for (size_t i = 0; xt == MOE_DTYPE_F32 && i < nx; i++) /* f32 x with all 24 bits in use */
+        x[i] *= 1.0f + 0.3f * gt_uniform();
     w = router_weights(E, H, &d_split);
     d_x = xt == MOE_DTYPE_BF16 ? gt_dup(xb, 2 * nx + 4) : gt_dup(x, 4 * nx + 4);
     d_w = gt_dup(w, sizeof(float) * (size_t)E * H);
@@ -173,21 +175,23 @@ static void test_route_logits(void **state)
             check_logits(shapes[s][0], shapes[s][1], tokens[t], MOE_DTYPE_F32, 0);
             check_logits(shapes[s][0], shapes[s][1], tokens[t], MOE_DTYPE_BF16, 0);
             check_logits(shapes[s][0], shapes[s][1], tokens[t], MOE_DTYPE_BF16, 1);
+            check_logits(shapes[s][0], shapes[s][1], tokens[t], MOE_DTYPE_F32, 1);
         }
     check_logits(128, 2048, 1024, MOE_DTYPE_BF16, 0);
     check_logits(128, 2048, 4096, MOE_DTYPE_BF16, 1); /* the largest tensor-core tiles */
     check_logits(8, 4096, 8192, MOE_DTYPE_BF16, 1);
+    check_logits(128, 2048, 4096, MOE_DTYPE_F32, 1);
     check_logits(8, 512, 8192, MOE_DTYPE_F32, 0);
 }
 
 /* Tensor-core logits of tokens first..first+n-1 of d_x into host out ([n][E]). */
-static void tc_logits(const void *d_x, const uint16_t *d_split, float *d_l, int64_t first,
-                      int64_t n, int E, int H, float *out)
+static void tc_logits(const void *d_x, moe_dtype_t xt, const uint16_t *d_split, float *d_l,
+                      int64_t first, int64_t n, int E, int H, float *out)
 {
     moe_route_logits_args_t a;
     memset(&a, 0, sizeof(a));
-    a.x = (const uint16_t *)d_x + first * H;
-    a.x_dtype = MOE_DTYPE_BF16;
+    a.x = (const char *)d_x + (size_t)first * H * (xt == MOE_DTYPE_F32 ? 4 : 2);
+    a.x_dtype = xt;
     a.w = (const float *)d_split; /* 16-byte aligned; the f32 weight is not read on this path */
     a.logits = d_l;
     a.num_tokens = n;
@@ -207,34 +211,41 @@ static void test_route_logits_batch_invariant(void **state)
     static const int64_t counts[] = {1, 5, 16, 100, 700, 2047};
     const int64_t T = 4096;
     size_t s, c;
+    int f32;
     (void)state;
-    for (s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
-        const int E = shapes[s][0], H = shapes[s][1];
-        float *xf = malloc(sizeof(float) * (size_t)T * H), *w;
-        float *full = malloc(sizeof(float) * (size_t)T * E),
-              *part = malloc(sizeof(float) * (size_t)T * E);
-        uint16_t *xb = malloc(2 * (size_t)T * H), *d_split;
-        float *d_l = gt_dalloc(sizeof(float) * (size_t)T * E);
-        void *d_x;
-        int64_t i;
-        gt_fill_bf16(xf, xb, (size_t)T * H, 1.0f);
-        w = router_weights(E, H, &d_split);
-        d_x = gt_dup(xb, 2 * (size_t)T * H);
-        tc_logits(d_x, d_split, d_l, 0, T, E, H, full);
-        for (c = 0; c < sizeof(counts) / sizeof(counts[0]); c++) {
-            const int64_t n = counts[c], first = T - n; /* a batch ending at the last token */
-            tc_logits(d_x, d_split, d_l, first, n, E, H, part);
-            for (i = 0; i < n * E; i++)
-                if (memcmp(&part[i], &full[(size_t)first * E + i], sizeof(float)) != 0) {
-                    fprintf(stderr, "E%d H%d: token %lld: %.9g in a batch of %lld, %.9g in %lld\n",
-                            E, H, (long long)(first + i / E), (double)part[i], (long long)n,
-                            (double)full[(size_t)first * E + i], (long long)T);
-                    fail();
-                }
+    for (s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++)
+        for (f32 = 0; f32 < 2; f32++) {
+            const int E = shapes[s][0], H = shapes[s][1];
+            const moe_dtype_t xt = f32 ? MOE_DTYPE_F32 : MOE_DTYPE_BF16;
+            float *xf = malloc(sizeof(float) * (size_t)T * H), *w;
+            float *full = malloc(sizeof(float) * (size_t)T * E);
+            float *part = malloc(sizeof(float) * (size_t)T * E);
+            uint16_t *xb = malloc(2 * (size_t)T * H), *d_split;
+            float *d_l = gt_dalloc(sizeof(float) * (size_t)T * E);
+            void *d_x;
+            int64_t i;
+            gt_fill_bf16(xf, xb, (size_t)T * H, 1.0f);
+            for (i = 0; f32 && i < T * H; i++) /* f32 values with all 24 bits in use */
+                xf[i] *= 1.0f + 0.3f * gt_uniform();
+            w = router_weights(E, H, &d_split);
+            d_x = f32 ? gt_dup(xf, 4 * (size_t)T * H) : gt_dup(xb, 2 * (size_t)T * H);
+            tc_logits(d_x, xt, d_split, d_l, 0, T, E, H, full);
+            for (c = 0; c < sizeof(counts) / sizeof(counts[0]); c++) {
+                const int64_t n = counts[c], first = T - n; /* a batch ending at the last token */
+                tc_logits(d_x, xt, d_split, d_l, first, n, E, H, part);
+                for (i = 0; i < n * E; i++)
+                    if (memcmp(&part[i], &full[(size_t)first * E + i], sizeof(float)) != 0) {
+                        fprintf(stderr,
+                                "E%d H%d %s: token %lld: %.9g in a batch of %lld, %.9g in %lld\n",
+                                E, H, moe_dtype_name(xt), (long long)(first + i / E),
+                                (double)part[i], (long long)n, (double)full[(size_t)first * E + i],
+                                (long long)T);
+                        fail();
+                    }
+            }
+            free(xf), free(xb), free(w), free(full), free(part);
+            moe_gpu_free(d_x), moe_gpu_free(d_l), moe_gpu_free(d_split);
         }
-        free(xf), free(xb), free(w), free(full), free(part);
-        moe_gpu_free(d_x), moe_gpu_free(d_l), moe_gpu_free(d_split);
-    }
 }
 
 static void test_route_rejects(void **state)
