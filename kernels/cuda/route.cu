@@ -399,28 +399,12 @@ moe_status_t launch_logits_tc(const moe_route_logits_args_t *a, cudaStream_t s, 
             break;
         }
     }
-    switch (pick) {
-    case 0:
-        if constexpr (x_planes<XT>::n == 1)
-            MOE_CUDA_CHECK((launch_tc<XT, 4, 4>(a, s)));
-        break;
-    case 1:
-        MOE_CUDA_CHECK((launch_tc<XT, 2, 4>(a, s)));
-        break;
-    case 2:
-        if constexpr (x_planes<XT>::n == 1)
-            MOE_CUDA_CHECK((launch_tc<XT, 4, 1>(a, s)));
-        break;
-    case 3:
-        MOE_CUDA_CHECK((launch_tc<XT, 1, 4>(a, s)));
-        break;
-    case 4:
-        MOE_CUDA_CHECK((launch_tc<XT, 2, 1>(a, s)));
-        break;
-    default:
-        MOE_CUDA_CHECK((launch_tc<XT, 1, 1>(a, s)));
-        break;
-    }
+    /* f32 x never picks MT = 4 (skipped above): its entries are the MT = 2 kernels */
+    constexpr int MT4 = x_planes<XT>::n == 1 ? 4 : 2;
+    static cudaError_t (*const launch[])(const moe_route_logits_args_t *, cudaStream_t) = {
+        launch_tc<XT, MT4, 4>, launch_tc<XT, 2, 4>, launch_tc<XT, MT4, 1>,
+        launch_tc<XT, 1, 4>,   launch_tc<XT, 2, 1>, launch_tc<XT, 1, 1>};
+    MOE_CUDA_CHECK(launch[pick](a, s));
     MOE_CUDA_CHECK_LAUNCH("logits_tc_kernel");
     return MOE_STATUS_SUCCESS;
 }
