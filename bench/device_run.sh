@@ -11,7 +11,8 @@
 #   tune             moe-tune bf16 + fp8 for the three presets or $TUNE_PRESETS (EP = all GPUs
 #                    when 2+)
 #   first            moe-bench --first-call under mpirun -np <GPUs, at least 2>
-#   kernels          GPU time per kernel of one layer step (ncu; KERNEL_PRESET, KERNEL_TOKENS)
+#   kernels          GPU time per kernel of one layer step (ncu; KERNEL_PRESET, KERNEL_TOKENS,
+#                    KERNEL_X = bf16 or f32 tokens)
 #   rotate           moe-bench with and without L2 rotation (issue 13's bench check)
 set -uo pipefail
 # shellcheck source=/dev/null # written by shared/device/prepare.sh, not in the repository
@@ -108,10 +109,10 @@ kernels)
     # GPU time per kernel of one step (Nsight Compute; caches flushed before each kernel)
     command -v ncu >/dev/null || { echo "kernels: no ncu on this machine"; continue; }
     for T in ${KERNEL_TOKENS:-1 8192}; do
-        echo "== ${KERNEL_PRESET:-qwen3-30b-a3b} bf16, $T tokens: us per kernel, the last step"
+        echo "== ${KERNEL_PRESET:-qwen3-30b-a3b} bf16, x ${KERNEL_X:-bf16}, $T tokens: us per kernel"
         timeout 240 ncu --csv --print-units base --print-kernel-base function \
             --metrics gpu__time_duration.sum \
-            $B/moe-run --backend cuda \
+            $B/moe-run --backend cuda --x-dtype "${KERNEL_X:-bf16}" \
             --preset "${KERNEL_PRESET:-qwen3-30b-a3b}" --tokens "$T" --iters 1 --warmup 1 \
             >"$OUT/ncu.csv" 2>"$OUT/ncu.err"
         awk -F'","' '/gpu__time_duration/ { n = $5; v = $NF;

@@ -13,6 +13,7 @@
 
 #include "cli.h"
 #include "layer_gen.h"
+#include "kernels/numeric.h"
 #include "moe/moe.h"
 #include "moe/moe_mpi.h"
 #ifdef MOE_RUN_HAVE_MODEL
@@ -29,6 +30,8 @@ typedef struct opts {
     const char *preset, *json, *dispatch, *backend, *dtype, *scoring;
     const char *model, *input, *output;
     const char *fp8_math_name; /* --fp8-math */
+    const char *x_dtype_name;  /* --x-dtype */
+    moe_dtype_t x_dtype;       /* x and y of the forward: F32 (default) or BF16 */
     moe_fp8_math_t fp8_math;
     const char *synthetic; /* the first option that shapes a synthetic layer (not --model's) */
     int layer_index;
@@ -123,6 +126,8 @@ static void usage(void)
            "  --model DIR --layer N [--input FILE] [--output FILE]   a checkpoint's layer\n"
            "                       (its sizes come from DIR: no --preset/--experts/... with it;\n"
            "                       --dtype f32|bf16 converts its weights at load)\n"
+           "  --x-dtype f32|bf16   the tokens' dtype in and out of the layer (default f32;\n"
+           "                       bf16 is what serving engines pass)\n"
            "  --fp8-math w8a16|w8a8   FP8 layers' arithmetic (default: the backend's, W8A16\n"
            "                       today; w8a8: CPU, and CUDA on sm_90)\n"
            "  --layers N           N layers (a model's worth), run in turn each step; reports\n"
@@ -247,6 +252,8 @@ static int parse_one(opts_t *o, const char *a, const char *v, int *used)
         o->dtype = v;
     } else if (!strcmp(a, "--fp8-math")) {
         o->fp8_math_name = v;
+    } else if (!strcmp(a, "--x-dtype")) {
+        o->x_dtype_name = v;
     } else if (!strcmp(a, "--layers")) {
         return int_field(o, a, v, 1, MAX_LAYERS, &o->num_layers);
     } else if (!strcmp(a, "--tokens")) {
@@ -367,47 +374,68 @@ static int parse(int argc, char **argv, opts_t *o)
         o->fp8_math = MOE_FP8_MATH_W8A8;
     else
         return REJECT("--fp8-math %s: expected w8a16 or w8a8", o->fp8_math_name);
+    if (!o->x_dtype_name || !strcmp(o->x_dtype_name, "f32"))
+        o->x_dtype = MOE_DTYPE_F32;
+    else if (!strcmp(o->x_dtype_name, "bf16"))
+        o->x_dtype = MOE_DTYPE_BF16;
+    else
+        return REJECT("--x-dtype %s: expected f32 or bf16", o->x_dtype_name);
     return modes(o);
 }
 
 /* Buffers the layer reads and writes: host memory, or device memory for the CUDA backend. */
 typedef struct io {
+    int bf16; /* x and y are bf16 (host copies in xb, yb) */
+    uint16_t *xb, *yb;
     int device;
     void *x, *y; /* what forward sees */
     float *hx, *hy;
 } io_t;
 
-static void io_setup(io_t *io, int cuda, const float *hx, int64_t n)
+/* x (n values, f32 on the host) where forward reads it, as f32 or (bf16) rounded to bf16. */
+static void io_setup(io_t *io, int cuda, int bf16, const float *hx, int64_t n)
 {
+    const size_t es = bf16 ? 2 : 4;
     io->device = cuda;
+    io->bf16 = bf16;
     io->hx = (float *)hx;
     io->hy = malloc(sizeof(float) * (size_t)(n + 1));
-    if (!io->hy)
+    if (bf16) {
+        io->xb = malloc(2 * (size_t)(n + 1));
+        io->yb = malloc(2 * (size_t)(n + 1));
+    }
+    if (!io->hy || (bf16 && (!io->xb || !io->yb)))
         DIE("out of host memory for %lld outputs", (long long)n);
+    if (bf16)
+        moe_convert_from_f32(MOE_DTYPE_BF16, hx, io->xb, (size_t)n);
     if (!cuda) {
-        io->x = io->hx;
-        io->y = io->hy;
+        io->x = bf16 ? (void *)io->xb : (void *)io->hx;
+        io->y = bf16 ? (void *)io->yb : (void *)io->hy;
         return;
     }
 #ifdef MOE_HAVE_CUDA
-    if (cudaMalloc(&io->x, sizeof(float) * (size_t)(n + 1)) != cudaSuccess ||
-        cudaMalloc(&io->y, sizeof(float) * (size_t)(n + 1)) != cudaSuccess ||
-        cudaMemcpy(io->x, hx, sizeof(float) * (size_t)n, cudaMemcpyHostToDevice) != cudaSuccess)
-        DIE("cuda: cannot place %lld floats on the device", (long long)n);
+    if (cudaMalloc(&io->x, es * (size_t)(n + 1)) != cudaSuccess ||
+        cudaMalloc(&io->y, es * (size_t)(n + 1)) != cudaSuccess ||
+        cudaMemcpy(io->x, bf16 ? (const void *)io->xb : (const void *)hx, es * (size_t)n,
+                   cudaMemcpyHostToDevice) != cudaSuccess)
+        DIE("cuda: cannot place %lld inputs on the device", (long long)n);
+#else
+    (void)es;
 #endif
 }
 
+/* y back to the host as f32 (hy). */
 static void io_fetch(io_t *io, int64_t n)
 {
 #ifdef MOE_HAVE_CUDA
-    if (io->device && (cudaDeviceSynchronize() != cudaSuccess ||
-                       cudaMemcpy(io->hy, io->y, sizeof(float) * (size_t)n,
-                                  cudaMemcpyDeviceToHost) != cudaSuccess))
+    if (io->device &&
+        (cudaDeviceSynchronize() != cudaSuccess ||
+         cudaMemcpy(io->bf16 ? (void *)io->yb : (void *)io->hy, io->y,
+                    (io->bf16 ? 2 : 4) * (size_t)n, cudaMemcpyDeviceToHost) != cudaSuccess))
         DIE("cuda: cannot read the output back");
-#else
-    (void)io;
-    (void)n;
 #endif
+    if (io->bf16)
+        moe_convert_to_f32(MOE_DTYPE_BF16, io->yb, io->hy, (size_t)n);
 }
 
 static void io_free(io_t *io)
@@ -419,6 +447,8 @@ static void io_free(io_t *io)
     }
 #endif
     free(io->hy);
+    free(io->xb);
+    free(io->yb);
 }
 
 static double median(double *v, int n)
@@ -727,6 +757,7 @@ static int agree_options(const opts_t *o, int bad)
         {"--topk-group", c->topk_group, 0},
         {"--dtype", c->weight_dtype, 0},
         {"--fp8-math", c->fp8_math, 0},
+        {"--x-dtype", o->x_dtype, 0},
         {"--ep", o->ep, 0},
         {"--tp", o->tp, 0},
         {"--dispatch", c->dispatch, 0},
@@ -793,7 +824,7 @@ int main(int argc, char **argv)
         printf(
             "# libmoe %d.%d.%d moe-run: backend %s%s, %d rank(s), ep %d x tp %d, dispatch %s%s\n"
             "# layer %s: E%d k%d H%d I%d shared %d (I %d) dtype %s%s scoring %s%s, "
-            "tokens %lld, seed %llu\n",
+            "x %s, tokens %lld, seed %llu\n",
             MOE_VERSION_MAJOR, MOE_VERSION_MINOR, MOE_VERSION_PATCH, moe_backend_name(ri.backend),
             ri.backend == MOE_BACKEND_CPU ? " (no GPU backend in use)" : "", world, li.ep_size,
             li.tp_size, o.dispatch ? o.dispatch : "auto", li.deterministic ? ", deterministic" : "",
@@ -804,7 +835,8 @@ int main(int argc, char **argv)
             : o.cfg.fp8_math == MOE_FP8_MATH_W8A16 ? " (W8A16)"
                                                    : "",
             o.cfg.scoring == MOE_SCORING_SIGMOID ? "sigmoid" : "softmax",
-            o.cfg.n_group > 1 ? " grouped" : "", (long long)o.tokens, (unsigned long long)o.seed);
+            o.cfg.n_group > 1 ? " grouped" : "", moe_dtype_name(o.x_dtype), (long long)o.tokens,
+            (unsigned long long)o.seed);
     x = malloc(sizeof(float) * (size_t)(my_tokens * o.cfg.hidden + 1));
     if (!x)
         DIE("out of memory for %lld tokens", (long long)my_tokens);
@@ -828,9 +860,10 @@ int main(int argc, char **argv)
     CHECK(moe_layer_get_info(layers_g[0], &li));
     print_rank_map(&ri, &li, my_tokens, world);
     print_memory(&ri, o.num_layers, dev_before);
-    io_setup(&io, ri.backend == MOE_BACKEND_CUDA, x, my_tokens * o.cfg.hidden);
+    io_setup(&io, ri.backend == MOE_BACKEND_CUDA, o.x_dtype == MOE_DTYPE_BF16, x,
+             my_tokens * o.cfg.hidden);
     fa.num_tokens = my_tokens;
-    fa.dtype = MOE_DTYPE_F32;
+    fa.dtype = o.x_dtype;
     fa.x = io.x;
     fa.y = io.y;
     memset(&res, 0, sizeof(res));

@@ -80,6 +80,7 @@ expect backend-unknown 2 "--backend gpu: expected auto, cpu or cuda" run1 --back
 expect fp8-math-unknown 2 "--fp8-math w4a8: expected w8a16 or w8a8" run1 --fp8-math w4a8
 expect fp8-math-bf16 2 "--fp8-math w8a8: the layer's weights are bf16, not FP8" \
     run1 --dtype bf16 --fp8-math w8a8
+expect x-dtype-unknown 2 "--x-dtype f16: expected f32 or bf16" run1 --x-dtype f16
 
 # ---- MOE_TIMEOUT_MS: an error naming it, never a crash (moe_runtime_create rejects it) ---------
 for v in -1 0 4294967295 abc 86400001; do
@@ -93,6 +94,8 @@ expect mpmd-iters 2 "--iters is 1 on rank 0 but 2 on rank 1" \
 count_in_output "options differ among ranks: --iters is 1 on rank 0 but 2 on rank 1" 2
 expect mpmd-warmup 2 "--warmup is 0 on rank 0 but 1 on rank 1" \
     "${mpirun[@]}" -np 1 "$moe_run" --warmup 0 : -np 1 "$moe_run" --warmup 1
+expect mpmd-x-dtype 2 "options differ among ranks: --x-dtype is" \
+    "${mpirun[@]}" -np 1 "$moe_run" --backend cpu : -np 1 "$moe_run" --backend cpu --x-dtype bf16
 # a real input file: moe-run's own output (hidden_states [8, 256] for preset tiny)
 if timeout 120 "$moe_run" --backend cpu --tokens 8 --iters 1 --warmup 0 \
     --output "$tmp/in.safetensors" >"$tmp/mk.log" 2>&1; then
