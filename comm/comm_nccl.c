@@ -310,8 +310,11 @@ moe_status_t moe_nccl_group_start(void)
 
 moe_status_t moe_nccl_group_end(moe_nccl_t *n)
 {
+    /* closed whatever the communicator's state: a group left open would defer every later
+     * NCCL call of this thread, on any communicator */
+    const ncclResult_t r = ncclGroupEnd();
     MOE_CHECK(usable(n, "group"));
-    return issued(ncclGroupEnd(), "ncclGroupEnd");
+    return issued(r, "ncclGroupEnd");
 }
 
 moe_status_t moe_nccl_check(moe_nccl_t *n)

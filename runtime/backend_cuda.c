@@ -336,6 +336,7 @@ static void init_shape(moe_layer_t *l, cuda_layer_t *s)
     s->first_local = l->plan.first_local_expert;
     s->deterministic = l->cfg.deterministic;
     s->tm = l->cfg.max_tokens_per_rank;
+    s->m = s->tm; /* EP rows per rank until a step says otherwise */
     s->f8 = l->cfg.weight_dtype == MOE_DTYPE_FP8_E4M3 && l->cfg.fp8_math == MOE_FP8_MATH_W8A8
                 ? (l->cfg.scale_kind == MOE_SCALE_BLOCK_128 ? 2 : 1)
                 : 0;

@@ -290,6 +290,15 @@ static moe_status_t pick_transport(moe_layer_t *l, cuda_layer_t *s)
 
 moe_status_t moe_cuda_ep_choose(moe_layer_t *l, cuda_layer_t *s)
 {
+    /* With TP every rank of an EP group adds a GEMM-2 partial to the same (token, slot) entry,
+     * and NCCL sums them in bf16 in an order of its own choosing (by message size): neither
+     * exact nor fixed, so the deterministic guarantee does not hold there. */
+    if (s->deterministic && l->plan.tp_size > 1)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                         "deterministic = 1 with tp_size %d on the CUDA backend: the tensor-"
+                         "parallel partials are summed by NCCL in bf16, in no fixed order (use "
+                         "tp_size 1, or the CPU backend)",
+                         l->plan.tp_size);
     MOE_CHECK(pick_transport(l, s));
     return moe_gpu_sm_count(s->device, &s->num_sms);
 }
@@ -827,16 +836,21 @@ moe_status_t moe_cuda_ep_forward(moe_layer_t *l, const moe_forward_args_t *a, mo
     cuda_layer_t *s = l->state;
     const int64_t W = s->world;
     const moe_forward_args_t *ok = local == MOE_STATUS_SUCCESS ? a : NULL; /* NULL: failed */
-    void *stream = ok ? a->stream : s->last_stream;
+    /* the caller's stream even when its other arguments failed, so that the next step and
+     * moe_layer_synchronize(stream) are ordered after this one's collectives */
+    void *stream = a ? a->stream : s->last_stream;
     const int64_t T = ok ? a->num_tokens : 0;
     int64_t tm;
 
     /* Rows per rank this step: max_tokens_across_ranks (the same on every rank) where given,
      * so a decode step moves and computes its tokens, not the capacity. A rank whose other
-     * arguments failed still uses a valid value of it (the collectives' sizes must match). */
-    s->m = s->tm;
-    if (a && a->max_tokens_across_ranks > 0 && a->max_tokens_across_ranks <= s->tm)
-        s->m = a->max_tokens_across_ranks;
+     * arguments failed still uses a valid value of it (the collectives' sizes must match); a
+     * rank with no arguments at all (args NULL) keeps the previous step's value, the likeliest
+     * to match its peers' (a mismatch ends in the bounded timeout, as moe.h says). */
+    if (a)
+        s->m = a->max_tokens_across_ranks > 0 && a->max_tokens_across_ranks <= s->tm
+                   ? a->max_tokens_across_ranks
+                   : s->tm;
     tm = s->m;
 
     if (s->transport == MOE_EP_P2P && ok) {

@@ -304,6 +304,10 @@ static void test_transport_refused(void **state)
     assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_NOT_SUPPORTED);
     assert_non_null(strstr(moe_last_error(), "tp_size"));
     unsetenv("MOE_EP_TRANSPORT");
+    /* deterministic with TP: NCCL would sum the TP partials in bf16 in no fixed order */
+    c.deterministic = 1;
+    assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_NOT_SUPPORTED);
+    assert_non_null(strstr(moe_last_error(), "deterministic = 1 with tp_size"));
     assert_null(l);
 }
 
