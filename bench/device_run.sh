@@ -44,6 +44,12 @@ tests | quick)
     ;;
 ep)
     [ "$ngpu" -ge 2 ] || { echo "ep: needs 2+ GPUs (this machine has $ngpu)"; exit 1; }
+    # a stopped peer under each transport (ctest's run covers the default, lsa)
+    for t in allgather p2p; do
+        echo "== test_gpu_faults, transport $t"
+        MOE_EP_TRANSPORT=$t timeout 60 mpirun -np "$ngpu" -x MOE_EP_TRANSPORT \
+            build-gpu/tests/mpi/test_gpu_faults 2>&1 | quiet | tail -4
+    done
     for t in allgather lsa p2p; do
         echo "== dispatch, capacity 8192, told, transport $t"
         timeout 120 mpirun -np "$ngpu" $B/moe-bench --dispatch-only --capacity 8192 --told \
