@@ -79,6 +79,12 @@ moe_status_t moe_gpu_ipc_close(void *ptr);
 moe_status_t moe_gpu_sm_count(int device, int *sms);
 /* 1 when this device can load/store the memory of `peer_device` directly (NVLink or PCIe P2P). */
 int moe_gpu_can_access_peer(int device, int peer_device);
+/* A GPU's PCI bus id ("0000:19:00.0", moe_gpu_pci_bus_id in kernels/gpu_topo.h) names it the
+ * same in every process of a host, whatever each one's CUDA_VISIBLE_DEVICES (device ordinals
+ * do not). 1 when `device` is the GPU with that bus id, or can access it directly and it is
+ * visible in this process; 0 otherwise (and for an empty id). */
+#define MOE_GPU_BUS_ID_BYTES 16
+int moe_gpu_can_access_peer_bus(int device, const char *peer_bus_id);
 
 #ifdef __cplusplus
 }

@@ -17,6 +17,7 @@
 #include "kernels/combine.h"
 #include "kernels/ep.h"
 #include "kernels/gpu.h"
+#include "kernels/gpu_topo.h"
 #include "kernels/permute.h"
 #include "kernels/route.h"
 #include "runtime/backend_cuda.h"
@@ -113,8 +114,11 @@ static moe_status_t sym_reserve(moe_runtime_t *rt, size_t bytes)
         if (r != me)
             st = moe_gpu_ipc_open(all + (size_t)r * MOE_GPU_IPC_HANDLE_BYTES, (void **)&y->peer[r]);
     free(all);
-    if (st == MOE_STATUS_SUCCESS) /* every rank mapped every buffer before the first store */
-        st = moe_comm_barrier(rt->comm);
+    /* One verdict, and the barrier before the first store: every rank mapped every buffer, or
+     * every rank fails (a rank whose map failed must not leave the others in a barrier). */
+    st = moe_comm_agree(rt->comm, st);
+    if (st != MOE_STATUS_SUCCESS)
+        y->bytes = 0; /* unusable: a later layer maps it again rather than store through it */
     return st;
 fail:
     free(y);
@@ -174,7 +178,11 @@ static moe_status_t pick_transport(moe_layer_t *l, cuda_layer_t *s)
 {
     const char *forced = NULL, *ename = NULL, *env;
     const int W = s->world, me = l->plan.rank, tp = l->plan.tp_size;
-    int32_t mine[4], *all;
+    /* per rank: the request, its device ordinal (unused by peers), on this host, the tuned
+     * transport, then its GPU's PCI bus id (device ordinals mean nothing in another process
+     * with another CUDA_VISIBLE_DEVICES) */
+    enum { FIXED = 4, WORDS = FIXED + MOE_GPU_BUS_ID_BYTES / 4 };
+    int32_t mine[WORDS], *all;
     int64_t cnt[64], dsp[64];
     int want, tuned, local_rank = 0, local_size = 0, lsa_ok, r, same = 1, tuned_same = 1;
     moe_status_t st;
@@ -207,25 +215,32 @@ static moe_status_t pick_transport(moe_layer_t *l, cuda_layer_t *s)
                                "%s=%s: built for up to 64 ranks (world %d)", ename, env, W);
     tuned = want < 0 ? tuned_transport(l, s) : -1;
     MOE_CHECK(moe_comm_node_rank(l->rt->comm, &local_rank, &local_size));
-    all = malloc(sizeof(int32_t) * 4 * (size_t)W);
+    all = malloc(sizeof(int32_t) * WORDS * (size_t)W);
     if (!all)
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "transport agreement");
     for (r = 0; r < W; r++) {
-        cnt[r] = 4;
-        dsp[r] = 4 * r;
+        cnt[r] = WORDS;
+        dsp[r] = WORDS * r;
     }
+    memset(mine, 0, sizeof(mine));
     mine[0] = want;
     mine[1] = s->device;
     mine[2] = local_size == W && W <= MOE_A2A_MAX_WORLD;
     mine[3] = tuned;
-    st = moe_comm_allgatherv(l->rt->comm, mine, 4, all, cnt, dsp, sizeof(int32_t));
+    if (moe_gpu_pci_bus_id(s->device, (char *)(mine + FIXED), MOE_GPU_BUS_ID_BYTES) !=
+        MOE_STATUS_SUCCESS)
+        memset(mine + FIXED, 0, MOE_GPU_BUS_ID_BYTES); /* unknown: no lsa with this rank */
+    ((char *)(mine + FIXED))[MOE_GPU_BUS_ID_BYTES - 1] = '\0';
+    st = moe_comm_allgatherv(l->rt->comm, mine, WORDS, all, cnt, dsp, sizeof(int32_t));
     lsa_ok = tp == 1 && W <= MOE_A2A_MAX_WORLD;
     for (r = 0; r < W && st == MOE_STATUS_SUCCESS; r++) {
-        same &= all[4 * r] == want;
-        tuned_same &= all[4 * r + 3] == tuned;
-        lsa_ok &= all[4 * r + 2] != 0;
+        char *bus = (char *)(all + WORDS * r + FIXED);
+        bus[MOE_GPU_BUS_ID_BYTES - 1] = '\0';
+        same &= all[WORDS * r] == want;
+        tuned_same &= all[WORDS * r + 3] == tuned;
+        lsa_ok &= all[WORDS * r + 2] != 0;
         if (r != me && lsa_ok)
-            lsa_ok &= moe_gpu_can_access_peer(s->device, all[4 * r + 1]);
+            lsa_ok &= moe_gpu_can_access_peer_bus(s->device, bus);
     }
     free(all);
     MOE_CHECK(st);
@@ -853,7 +868,7 @@ moe_status_t moe_cuda_ep_forward(moe_layer_t *l, const moe_forward_args_t *a, mo
                    : s->tm;
     tm = s->m;
 
-    if (s->transport == MOE_EP_P2P && ok) {
+    if (s->transport == MOE_EP_P2P) { /* every rank: a failed one would wait on the host too */
         int capturing = 0;
         MOE_CHECK(moe_gpu_stream_is_capturing(stream, &capturing));
         if (capturing) /* before the first collective: the peers time out, bounded */

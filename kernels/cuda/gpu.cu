@@ -116,8 +116,13 @@ moe_status_t moe_gpu_memcpy_d2h(void *dst, const void *src, size_t bytes)
 
 moe_status_t moe_gpu_memset(void *dst, int value, size_t bytes)
 {
-    if (bytes)
+    /* cudaMemset of device memory may return before the device has done it: wait for it, so
+     * that no other stream (a caller's non-blocking one, a peer's stores through IPC) can
+     * meet the bytes before they are set */
+    if (bytes) {
         MOE_CUDA_CHECK(cudaMemset(dst, value, bytes));
+        MOE_CUDA_CHECK(cudaStreamSynchronize(0));
+    }
     return MOE_STATUS_SUCCESS;
 }
 
@@ -292,6 +297,23 @@ moe_status_t moe_gpu_sm_count(int device, int *sms)
 {
     MOE_CUDA_CHECK(cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device));
     return MOE_STATUS_SUCCESS;
+}
+
+int moe_gpu_can_access_peer_bus(int device, const char *peer_bus_id)
+{
+    char mine[MOE_GPU_BUS_ID_BYTES];
+    int peer = -1;
+    if (!peer_bus_id[0] || cudaDeviceGetPCIBusId(mine, (int)sizeof(mine), device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    if (!strcmp(mine, peer_bus_id)) /* the same GPU (ranks sharing it) */
+        return 1;
+    if (cudaDeviceGetByPCIBusId(&peer, peer_bus_id) != cudaSuccess) { /* not visible here */
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return moe_gpu_can_access_peer(device, peer);
 }
 
 int moe_gpu_can_access_peer(int device, int peer_device)
