@@ -67,12 +67,18 @@ typedef struct moe_a2a_dispatch_args {
 
 moe_status_t moe_a2a_dispatch_launch(const moe_a2a_dispatch_args_t *args, void *stream);
 
+/* The sticky verdict word: (rank << 8) | status of the first failure, and this bit once any
+ * wait of the step timed out, whatever came first (a peer's bad arguments, say): a timeout
+ * must short-circuit the later waits and mark the runtime broken in every case. */
+#define MOE_A2A_STICKY_TIMEOUT (1 << 30)
+
 /* Wait (one CTA): for each peer s, until ctrl[s][word] reaches *seq (wrap-safe) or the
  * deadline; then counts[s] = ctrl[s][COUNT], statuses[s] = ctrl[s][STATUS] (word = SENT);
  * with word = RETURNED a nonzero RET_STATUS (the peer lost this rank's rows) sets *sticky to
  * (s << 8) | MOE_STATUS_PEER_FAILURE.
  * word < 0: no wait (p2p: the words came by NCCL). On a timeout the peer's count is 0, its
- * status MOE_STATUS_TIMEOUT, and *sticky (when 0) = (s << 8) | MOE_STATUS_TIMEOUT. */
+ * status MOE_STATUS_TIMEOUT, *sticky (when 0) = (s << 8) | MOE_STATUS_TIMEOUT, and
+ * MOE_A2A_STICKY_TIMEOUT is set in it. */
 typedef struct moe_a2a_wait_args {
     const int32_t *ctrl; /* [W][MOE_A2A_CTRL] */
     int world, word;

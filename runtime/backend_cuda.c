@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/a2a.h"
 #include "kernels/combine.h"
 #include "kernels/cpu/moe_cpu.h"
 #include "kernels/ep.h"
@@ -1018,13 +1019,16 @@ static moe_status_t cuda_synchronize(moe_layer_t *l, void *stream)
     if (v == 0)
         return MOE_STATUS_SUCCESS;
     *s->sticky = 0;
-    if ((v & 0xff) == MOE_STATUS_TIMEOUT) {
-        moe_cuda_ep_timed_out(l, v >> 8);
+    if (v & MOE_A2A_STICKY_TIMEOUT) { /* the first failure's rank: the timed-out one, or one
+                                       * whose bad arguments came first */
+        const int rank = (v & ~MOE_A2A_STICKY_TIMEOUT) >> 8;
+        moe_cuda_ep_timed_out(l, rank);
         return moe_error(MOE_STATUS_TIMEOUT,
-                         "the all-to-all waited %d ms (the runtime's timeout) for rank %d, which "
-                         "never sent its rows or results (dead or stalled); this runtime's "
+                         "the all-to-all waited %d ms (the runtime's timeout) for a rank (%d%s) "
+                         "that never sent its rows or results (dead or stalled); this runtime's "
                          "all-to-all is unusable now",
-                         l->rt->timeout_ms, v >> 8);
+                         l->rt->timeout_ms, rank,
+                         (v & 0xff) == MOE_STATUS_TIMEOUT ? "" : ", or the first to fail before");
     }
     if ((v & 0xff) == MOE_STATUS_NUMERIC_ERROR)
         return moe_error(MOE_STATUS_NUMERIC_ERROR,

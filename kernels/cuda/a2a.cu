@@ -35,6 +35,22 @@ __device__ __forceinline__ int64_t global_ns()
     return (int64_t)t;
 }
 
+// This step already timed out on some wait (the sticky word's timeout bit).
+__device__ __forceinline__ bool step_timed_out(const int32_t *sticky)
+{
+    return sticky && (*(volatile const int32_t *)sticky & MOE_A2A_STICKY_TIMEOUT);
+}
+
+// Records a timeout waiting for rank s: the first failure's code when none came before, and
+// the timeout bit always.
+__device__ __forceinline__ void note_timeout(int32_t *sticky, int s)
+{
+    if (!sticky)
+        return;
+    atomicCAS(sticky, 0, (s << 8) | MOE_STATUS_TIMEOUT);
+    atomicOr(sticky, MOE_A2A_STICKY_TIMEOUT);
+}
+
 // Spins until ctrl[word] reaches seq (wrap-safe), at most timeout_ns; false on a timeout, and
 // at once when this step already timed out on an earlier wait (*sticky holds a TIMEOUT): one
 // dead peer costs one timeout per step, not one per wait.
@@ -43,8 +59,7 @@ __device__ bool wait_word(const int32_t *ctrl, uint32_t seq, int64_t timeout_ns,
 {
     const int64_t t0 = global_ns();
     while ((int32_t)(load_acquire_sys(ctrl) - seq) < 0) {
-        if (global_ns() - t0 > timeout_ns ||
-            (sticky && (*(volatile const int32_t *)sticky & 0xff) == MOE_STATUS_TIMEOUT))
+        if (global_ns() - t0 > timeout_ns || step_timed_out(sticky))
             return false;
         __nanosleep(64);
     }
@@ -232,8 +247,8 @@ __global__ void a2a_wait_kernel(moe_a2a_wait_args_t a)
     bool ok = true;
     if (a.word >= 0)
         ok = wait_word(c + a.word, *a.seq, a.timeout_ns, a.sticky);
-    if (!ok && a.sticky)
-        atomicCAS(a.sticky, 0, (s << 8) | MOE_STATUS_TIMEOUT);
+    if (!ok)
+        note_timeout(a.sticky, s);
     if (ok && a.word == MOE_A2A_RETURNED && a.sticky &&
         ((volatile const int32_t *)c)[MOE_A2A_RET_STATUS])
         atomicCAS(a.sticky, 0, (s << 8) | MOE_STATUS_PEER_FAILURE);
@@ -307,8 +322,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_combine_kernel(moe_a2a_combin
     if (!last_cta(a.done))
         return;
     if (threadIdx.x < W && a.dst_ctrl[threadIdx.x]) {
-        const int32_t lost =
-            a.sticky && (*(volatile const int32_t *)a.sticky & 0xff) == MOE_STATUS_TIMEOUT;
+        const int32_t lost = step_timed_out(a.sticky);
         ((volatile int32_t *)a.dst_ctrl[threadIdx.x])[MOE_A2A_RET_STATUS] = lost;
         __threadfence_system();
         store_release_sys(a.dst_ctrl[threadIdx.x] + MOE_A2A_RETURNED, *a.seq);
@@ -328,8 +342,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_finish_kernel(moe_a2a_finish_
         !wait_word(a.ctrl + threadIdx.x * MOE_A2A_CTRL + MOE_A2A_RETURNED, *a.seq, a.timeout_ns,
                    a.sticky)) {
         timed_out = 1;
-        if (a.sticky)
-            atomicCAS(a.sticky, 0, (threadIdx.x << 8) | MOE_STATUS_TIMEOUT);
+        note_timeout(a.sticky, threadIdx.x);
     } else if (a.ctrl && threadIdx.x < W && a.sticky &&
                ((volatile const int32_t *)
                     a.ctrl)[threadIdx.x * MOE_A2A_CTRL + MOE_A2A_RET_STATUS]) {
