@@ -43,12 +43,13 @@ typedef struct moe_a2a_dispatch_args {
     moe_dtype_t x_dtype;
     int64_t num_tokens; /* T <= region_rows */
     int hidden, top_k, rank, world;
-    int64_t region_rows;                  /* m */
-    const int32_t *ids;                   /* device [T][k] global expert ids */
-    const float *weights;                 /* device [T][k] */
-    const int32_t *owner;                 /* device [num_experts]: rank of each expert */
-    const int32_t *status;                /* device scalar: this rank's status code for the step */
-    const uint32_t *seq;                  /* device scalar: the step's sequence number */
+    int64_t region_rows;   /* m */
+    const int32_t *ids;    /* device [T][k] global expert ids */
+    const float *weights;  /* device [T][k] */
+    const int32_t *owner;  /* device [num_experts]: rank of each expert */
+    const int32_t *status; /* device scalar: this rank's status code for the step */
+    const uint32_t *seq;   /* device scalar: the step's sequence number */
+    const int32_t *dead;   /* device scalar or NULL: nonzero, nothing is stored into peers */
     void *dst_x[MOE_A2A_MAX_WORLD];       /* region `rank` of rank d's arrays (bf16 [m][H]) */
     int32_t *dst_ids[MOE_A2A_MAX_WORLD];  /* [m][k] */
     float *dst_w[MOE_A2A_MAX_WORLD];      /* [m][k] */
@@ -86,6 +87,7 @@ typedef struct moe_a2a_wait_args {
     int64_t timeout_ns;
     int32_t *counts, *statuses; /* out [W] each, or NULL */
     int32_t *sticky;            /* host-mapped, or NULL */
+    int32_t *dead; /* device scalar or NULL: set on a timeout; nonzero, no wait waits */
 } moe_a2a_wait_args_t;
 
 moe_status_t moe_a2a_wait_launch(const moe_a2a_wait_args_t *args, void *stream);
@@ -109,6 +111,7 @@ typedef struct moe_a2a_combine_args {
     int32_t *done; /* persistent scalar, 0 between launches */
     int num_sms;
     const int32_t *sticky; /* this rank's verdict: a TIMEOUT there goes out as RET_STATUS */
+    const int32_t *dead;   /* device scalar or NULL: nonzero, nothing is stored into peers */
 } moe_a2a_combine_args_t;
 
 moe_status_t moe_a2a_combine_launch(const moe_a2a_combine_args_t *args, void *stream);
@@ -123,6 +126,7 @@ typedef struct moe_a2a_finish_args {
     const uint32_t *seq;
     int64_t timeout_ns;
     int32_t *sticky;
+    int32_t *dead; /* as in moe_a2a_wait_args_t */
     int64_t num_tokens, region_rows;
     int hidden, world;
     const void *shared_out;         /* bf16 [T][H] or NULL */

@@ -31,7 +31,10 @@ typedef struct cuda_sym {
     int world, rank;
     char *peer[MOE_A2A_MAX_WORLD]; /* peer[rank] = local */
     uint32_t *seq;                 /* device scalar: the runtime's EP step count */
-    int broken; /* a wait timed out: the ranks' sequence numbers are out of step for good */
+    int32_t *dead; /* device scalar (after seq): a wait of this rank timed out, so its kernels
+                      store nothing into peers any more (a rank that stopped waiting runs
+                      ahead; its stores could land in a region a peer still reads) */
+    int broken;    /* a wait timed out: the ranks' sequence numbers are out of step for good */
     int broken_rank;
 } cuda_sym_t;
 
@@ -85,7 +88,9 @@ static moe_status_t sym_reserve(moe_runtime_t *rt, size_t bytes)
             return moe_error(MOE_STATUS_OUT_OF_MEMORY, "IPC buffer state");
         y->world = W;
         y->rank = me;
-        MOE_CHECK_GOTO(moe_gpu_malloc((void **)&y->seq, sizeof(uint32_t)), st, fail);
+        MOE_CHECK_GOTO(moe_gpu_malloc((void **)&y->seq, 2 * sizeof(uint32_t)), st, fail);
+        y->dead = (int32_t *)(y->seq + 1);
+        MOE_CHECK_GOTO(moe_gpu_memset(y->seq, 0, 2 * sizeof(uint32_t)), st, fail);
         rt->gpu_sym = y;
         rt->gpu_sym_free = sym_free;
     } else {
@@ -702,6 +707,7 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     d.owner = s->owner;
     d.status = s->flag;
     d.seq = seq;
+    d.dead = y ? y->dead : NULL;
     for (r = 0; r < W; r++) {
         if (y) { /* region `me` of rank r's arrays */
             char *b = y->peer[r];
@@ -735,6 +741,7 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     wa.world = W;
     wa.word = y ? MOE_A2A_SENT : -1;
     wa.seq = seq;
+    wa.dead = y ? y->dead : NULL;
     wa.timeout_ns = timeout_ns;
     wa.counts = s->counts_all;
     wa.statuses = s->flags_all;
@@ -773,6 +780,7 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     c.deterministic = s->deterministic;
     c.region_rows = m;
     c.seq = seq;
+    c.dead = y ? y->dead : NULL;
     for (r = 0; r < W; r++) {
         if (y) {
             char *b = y->peer[r] + s->off_ret;
@@ -796,6 +804,7 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
         f.pos = s->pos;
         f.ctrl = y ? s->rctrl : NULL;
         f.seq = seq;
+        f.dead = y ? y->dead : NULL;
         f.timeout_ns = timeout_ns;
         f.sticky = s->sticky;
         f.num_tokens = T;

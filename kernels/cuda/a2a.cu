@@ -41,10 +41,30 @@ __device__ __forceinline__ bool step_timed_out(const int32_t *sticky)
     return sticky && (*(volatile const int32_t *)sticky & MOE_A2A_STICKY_TIMEOUT);
 }
 
-// Records a timeout waiting for rank s: the first failure's code when none came before, and
-// the timeout bit always.
-__device__ __forceinline__ void note_timeout(int32_t *sticky, int s)
+// A wait of this rank timed out in this or an earlier step (the runtime-wide word holds that
+// step's sequence number).
+__device__ __forceinline__ bool rank_dead(const int32_t *dead)
 {
+    return dead && *(volatile const int32_t *)dead;
+}
+
+// A wait of this rank timed out in an earlier step: its regions in the peers may be laid out
+// otherwise by now, so this step stores nothing into them. (The step that timed out still
+// returns what it computed, with RET_STATUS telling the peers it lost rows.)
+__device__ __forceinline__ bool rank_silenced(const int32_t *dead, const uint32_t *seq)
+{
+    if (!dead)
+        return false;
+    const int32_t d = *(volatile const int32_t *)dead;
+    return d != 0 && d != (int32_t)*seq;
+}
+
+// Records a timeout waiting for rank s in step seq: the first failure's code when none came
+// before, the timeout bit always, and (once) the step in the runtime-wide word.
+__device__ __forceinline__ void note_timeout(int32_t *sticky, int32_t *dead, uint32_t seq, int s)
+{
+    if (dead)
+        atomicCAS(dead, 0, seq ? (int32_t)seq : 1);
     if (!sticky)
         return;
     atomicCAS(sticky, 0, (s << 8) | MOE_STATUS_TIMEOUT);
@@ -52,14 +72,15 @@ __device__ __forceinline__ void note_timeout(int32_t *sticky, int s)
 }
 
 // Spins until ctrl[word] reaches seq (wrap-safe), at most timeout_ns; false on a timeout, and
-// at once when this step already timed out on an earlier wait (*sticky holds a TIMEOUT): one
-// dead peer costs one timeout per step, not one per wait.
+// at once when this rank already timed out (this layer's step: the sticky timeout bit; any
+// layer, any earlier step: the runtime-wide word): one dead peer costs one timeout, not one
+// per wait or per layer before the caller synchronizes.
 __device__ bool wait_word(const int32_t *ctrl, uint32_t seq, int64_t timeout_ns,
-                          const int32_t *sticky)
+                          const int32_t *sticky, const int32_t *dead)
 {
     const int64_t t0 = global_ns();
     while ((int32_t)(load_acquire_sys(ctrl) - seq) < 0) {
-        if (global_ns() - t0 > timeout_ns || step_timed_out(sticky))
+        if (global_ns() - t0 > timeout_ns || step_timed_out(sticky) || rank_dead(dead))
             return false;
         __nanosleep(64);
     }
@@ -160,6 +181,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_send_kernel(moe_a2a_dispatch_
               lane = threadIdx.x & 31;
     const int64_t m = a.region_rows;
     const TX *x = static_cast<const TX *>(a.x);
+    const bool quiet = rank_silenced(a.dead, a.seq); /* positions, counts; nothing to peers */
     int64_t b, e;
 
     chunk_of(a.num_tokens, blockIdx.x, gridDim.x, &b, &e);
@@ -199,7 +221,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_send_kernel(moe_a2a_dispatch_
         }
         // rows: one warp per (token, destination)
         const int n = (int)(e - p0 < A2A_THREADS ? e - p0 : A2A_THREADS);
-        for (int q = warp; q < n * W; q += A2A_WARPS) {
+        for (int q = warp; q < n * W && !quiet; q += A2A_WARPS) {
             const int i = q / W, d = q % W;
             if (!(mask_s[i] >> d & 1))
                 continue;
@@ -225,7 +247,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_send_kernel(moe_a2a_dispatch_
             total += (int)a.chain[c * MOE_A2A_MAX_WORLD + d];
         a.counts[d] = total;
         const int32_t status = *a.status;
-        if (a.dst_ctrl[d]) {
+        if (a.dst_ctrl[d] && !quiet) {
             volatile int32_t *c = a.dst_ctrl[d];
             c[MOE_A2A_COUNT] = total;
             c[MOE_A2A_STATUS] = status;
@@ -246,9 +268,9 @@ __global__ void a2a_wait_kernel(moe_a2a_wait_args_t a)
     const int32_t *c = a.ctrl + s * MOE_A2A_CTRL;
     bool ok = true;
     if (a.word >= 0)
-        ok = wait_word(c + a.word, *a.seq, a.timeout_ns, a.sticky);
+        ok = wait_word(c + a.word, *a.seq, a.timeout_ns, a.sticky, a.dead);
     if (!ok)
-        note_timeout(a.sticky, s);
+        note_timeout(a.sticky, a.dead, *a.seq, s);
     if (ok && a.word == MOE_A2A_RETURNED && a.sticky &&
         ((volatile const int32_t *)c)[MOE_A2A_RET_STATUS])
         atomicCAS(a.sticky, 0, (s << 8) | MOE_STATUS_PEER_FAILURE);
@@ -279,8 +301,9 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_combine_kernel(moe_a2a_combin
     const int W = a.world, k = a.top_k, H = a.hidden, lane = threadIdx.x & 31;
     const int64_t m = a.region_rows;
     const __nv_bfloat16 *rows = static_cast<const __nv_bfloat16 *>(a.rows);
+    const bool quiet = rank_silenced(a.dead, a.seq); /* nothing into the peers */
     int64_t total = 0;
-    for (int q = 0; q < W; q++)
+    for (int q = 0; q < W && !quiet; q++)
         total += a.counts[q];
     for (int64_t r = (int64_t)blockIdx.x * A2A_WARPS + threadIdx.x / 32; r < total;
          r += (int64_t)gridDim.x * A2A_WARPS) {
@@ -321,7 +344,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_combine_kernel(moe_a2a_combin
     }
     if (!last_cta(a.done))
         return;
-    if (threadIdx.x < W && a.dst_ctrl[threadIdx.x]) {
+    if (threadIdx.x < W && a.dst_ctrl[threadIdx.x] && !quiet) {
         const int32_t lost = step_timed_out(a.sticky);
         ((volatile int32_t *)a.dst_ctrl[threadIdx.x])[MOE_A2A_RET_STATUS] = lost;
         __threadfence_system();
@@ -340,9 +363,9 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_finish_kernel(moe_a2a_finish_
     __syncthreads();
     if (a.ctrl && threadIdx.x < W &&
         !wait_word(a.ctrl + threadIdx.x * MOE_A2A_CTRL + MOE_A2A_RETURNED, *a.seq, a.timeout_ns,
-                   a.sticky)) {
+                   a.sticky, a.dead)) {
         timed_out = 1;
-        note_timeout(a.sticky, threadIdx.x);
+        note_timeout(a.sticky, a.dead, *a.seq, threadIdx.x);
     } else if (a.ctrl && threadIdx.x < W && a.sticky &&
                ((volatile const int32_t *)
                     a.ctrl)[threadIdx.x * MOE_A2A_CTRL + MOE_A2A_RET_STATUS]) {
