@@ -72,6 +72,9 @@ moe_status_t moe_a2a_dispatch_launch(const moe_a2a_dispatch_args_t *args, void *
  * wait of the step timed out, whatever came first (a peer's bad arguments, say): a timeout
  * must short-circuit the later waits and mark the runtime broken in every case. */
 #define MOE_A2A_STICKY_TIMEOUT (1 << 30)
+/* ... and this bit when a peer's COUNT exceeded this rank's rows per region (the ranks disagree
+ * on max_tokens_across_ranks): the step fails on every rank rather than read past a region. */
+#define MOE_A2A_STICKY_ROWS (1 << 29)
 
 /* Wait (one CTA): for each peer s, until ctrl[s][word] reaches *seq (wrap-safe) or the
  * deadline; then counts[s] = ctrl[s][COUNT], statuses[s] = ctrl[s][STATUS] (word = SENT);
@@ -87,7 +90,8 @@ typedef struct moe_a2a_wait_args {
     int64_t timeout_ns;
     int32_t *counts, *statuses; /* out [W] each, or NULL */
     int32_t *sticky;            /* host-mapped, or NULL */
-    int32_t *dead; /* device scalar or NULL: set on a timeout; nonzero, no wait waits */
+    int32_t *dead;       /* device scalar or NULL: set on a timeout; nonzero, no wait waits */
+    int64_t region_rows; /* m (with counts): a larger COUNT sets MOE_A2A_STICKY_ROWS */
 } moe_a2a_wait_args_t;
 
 moe_status_t moe_a2a_wait_launch(const moe_a2a_wait_args_t *args, void *stream);

@@ -1030,6 +1030,11 @@ static moe_status_t cuda_synchronize(moe_layer_t *l, void *stream)
                          l->rt->timeout_ms, rank,
                          (v & 0xff) == MOE_STATUS_TIMEOUT ? "" : ", or the first to fail before");
     }
+    if (v & MOE_A2A_STICKY_ROWS)
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT,
+                         "rank %d sent more rows than this rank's max_tokens_across_ranks "
+                         "allows: the ranks passed different values; the step was skipped",
+                         (v & ~MOE_A2A_STICKY_ROWS) >> 8);
     if ((v & 0xff) == MOE_STATUS_NUMERIC_ERROR)
         return moe_error(MOE_STATUS_NUMERIC_ERROR,
                          "check_inputs: rank %d's x or router logits hold NaN or Inf; the step "

@@ -744,6 +744,7 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     wa.dead = y ? y->dead : NULL;
     wa.timeout_ns = timeout_ns;
     wa.counts = s->counts_all;
+    wa.region_rows = m;
     wa.statuses = s->flags_all;
     wa.sticky = s->sticky;
     MOE_CHECK(moe_a2a_wait_launch(&wa, stream));

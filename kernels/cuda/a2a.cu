@@ -274,10 +274,21 @@ __global__ void a2a_wait_kernel(moe_a2a_wait_args_t a)
     if (ok && a.word == MOE_A2A_RETURNED && a.sticky &&
         ((volatile const int32_t *)c)[MOE_A2A_RET_STATUS])
         atomicCAS(a.sticky, 0, (s << 8) | MOE_STATUS_PEER_FAILURE);
-    if (a.counts)
-        a.counts[s] = ok ? ((volatile const int32_t *)c)[MOE_A2A_COUNT] : 0;
+    int32_t status = ok ? ((volatile const int32_t *)c)[MOE_A2A_STATUS] : MOE_STATUS_TIMEOUT;
+    if (a.counts) {
+        int32_t n = ok ? ((volatile const int32_t *)c)[MOE_A2A_COUNT] : 0;
+        if (n < 0 || n > a.region_rows) { /* out of step with this rank: use none of it */
+            if (a.sticky) {
+                atomicCAS(a.sticky, 0, (s << 8) | MOE_STATUS_INVALID_ARGUMENT);
+                atomicOr(a.sticky, MOE_A2A_STICKY_ROWS);
+            }
+            status = MOE_STATUS_INVALID_ARGUMENT; /* no rank computes a row this step */
+            n = 0;
+        }
+        a.counts[s] = n;
+    }
     if (a.statuses)
-        a.statuses[s] = ok ? ((volatile const int32_t *)c)[MOE_A2A_STATUS] : MOE_STATUS_TIMEOUT;
+        a.statuses[s] = status;
 }
 
 // Region and row of the r-th received row (regions in rank order, counts[s] rows each).
