@@ -76,6 +76,9 @@ static void plan_workspace(cuda_layer_t *s, carve_t *c)
     const moe_gemm_variant_t *v[64];
     const int nv = candidate_variants(s, v, 64);
     const int64_t tm = s->max_tokens, rows = tm * s->k;
+    /* the shared MLP's rows: this rank's tokens where it holds the whole MLP (one GPU, or EP
+     * without TP), else every rank's all-gathered tokens (its TP slice) */
+    const int64_t stm = s->world == 1 || s->shared_local ? s->tm : tm;
     int64_t max_rows = 0, s_rows = 0;
     int i;
 
@@ -84,7 +87,7 @@ static void plan_workspace(cuda_layer_t *s, carve_t *c)
     for (i = 0; i < nv; i++) {
         const int br = v[i]->block_rows;
         const int64_t mb = moe_permute_max_blocks(rows, s->E, br);
-        const int64_t smb = (tm + br - 1) / br;
+        const int64_t smb = (stm + br - 1) / br;
         if (mb > s->max_blocks)
             s->max_blocks = (int)mb;
         if (mb * br > max_rows)
@@ -121,7 +124,7 @@ static void plan_workspace(cuda_layer_t *s, carve_t *c)
         s->so = moe_cuda_take(c, 2 * (size_t)s_rows * (size_t)s->H);
         s->s_block_expert = moe_cuda_take(c, sizeof(int32_t) * (size_t)s->s_max_blocks);
         s->s_num_blocks = moe_cuda_take(c, sizeof(int32_t));
-        s->s_gate_logit = moe_cuda_take(c, sizeof(float) * (size_t)tm);
+        s->s_gate_logit = moe_cuda_take(c, sizeof(float) * (size_t)stm);
         if (s->f8) {
             s->sa8 = moe_cuda_take(c, (size_t)s_rows * (size_t)s->H);
             s->sh8 = moe_cuda_take(c, (size_t)s_rows * (size_t)s->ss);
@@ -334,6 +337,8 @@ static void init_shape(moe_layer_t *l, cuda_layer_t *s)
     s->is = l->plan.i_end - l->plan.i_begin;
     s->ss = l->plan.s_end - l->plan.s_begin;
     s->world = l->plan.world;
+    /* see make_plan: without TP every rank keeps the whole shared MLP, run on its own tokens */
+    s->shared_local = s->world > 1 && s->ss > 0 && s->ss == l->plan.shared_intermediate;
     s->first_local = l->plan.first_local_expert;
     s->deterministic = l->cfg.deterministic;
     s->tm = l->cfg.max_tokens_per_rank;

@@ -426,8 +426,7 @@ static moe_status_t fill_owner(const moe_layer_t *l, cuda_layer_t *s)
 
 moe_status_t moe_cuda_ep_init(moe_layer_t *l, cuda_layer_t *s)
 {
-    /* see make_plan: without TP every rank keeps the whole shared MLP, run on its own tokens */
-    s->shared_local = s->ss > 0 && s->ss == l->plan.shared_intermediate;
+    /* s->shared_local (init_shape): the whole shared MLP here, sized for this rank's tokens */
     if (s->transport != MOE_EP_LSA) /* lsa needs no NCCL: its waits are bounded on the device */
         MOE_CHECK(ep_connect(l, s));
     MOE_CHECK(ep_fill_iota(s));
