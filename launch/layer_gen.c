@@ -265,9 +265,12 @@ moe_status_t moe_gen_set_weights_fast(moe_layer_t *layer, const moe_layer_config
         MOE_WEIGHT_SHARED_GATE_PROJ, MOE_WEIGHT_SHARED_UP_PROJ, MOE_WEIGHT_SHARED_DOWN_PROJ};
     const int64_t H = c->hidden, I = c->intermediate, E = c->num_experts;
     const int64_t S = c->num_shared_experts > 0 ? c->shared_intermediate : 0;
-    const int64_t widest = (I > S ? I : S) > H ? (I > S ? I : S) : H;
+    const int64_t imax = I > S ? I : S, widest = imax > H ? imax : H;
+    const int64_t blocks = (widest + 127) / 128; /* 128 x 128 blocks along the widest side */
     const float a = 1.0f / sqrtf((float)H), scale = a / MOE_FP8_E4M3_MAX;
-    int64_t big = (I > S ? I : S) * H, e, i, nscale = widest;
+    /* scales of the largest matrix: one per row (per-channel) or per block, at most */
+    const int64_t nscale = widest > blocks * blocks ? widest : blocks * blocks;
+    int64_t big = imax * H, e, i;
     uint64_t st = 0x9e3779b97f4a7c15ULL;
     moe_tensor_t t = {MOE_DTYPE_BF16, 0, 0, NULL, NULL, 0, 0};
     moe_status_t r = MOE_STATUS_SUCCESS;
@@ -278,9 +281,6 @@ moe_status_t moe_gen_set_weights_fast(moe_layer_t *layer, const moe_layer_config
     big = big > E * H ? big : E * H;
     buf = malloc(2 * (size_t)big);
     if (c->weight_dtype == MOE_DTYPE_FP8_E4M3) {
-        nscale = nscale > (widest + 127) / 128 * ((widest + 127) / 128)
-                     ? nscale
-                     : (widest + 127) / 128 * ((widest + 127) / 128);
         q = malloc((size_t)big);
         scales = malloc(sizeof(float) * (size_t)nscale);
     }

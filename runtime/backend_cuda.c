@@ -1014,6 +1014,7 @@ static moe_status_t cuda_synchronize(moe_layer_t *l, void *stream)
 {
     cuda_layer_t *s = l->state;
     int32_t v;
+    int rank;
     if (!s)
         return moe_error(MOE_STATUS_INVALID_STATE, "CUDA layer not initialised");
     if (s->nccl)
@@ -1024,9 +1025,8 @@ static moe_status_t cuda_synchronize(moe_layer_t *l, void *stream)
     if (v == 0)
         return MOE_STATUS_SUCCESS;
     *s->sticky = 0;
-    if (v & MOE_A2A_STICKY_TIMEOUT) { /* the first failure's rank: the timed-out one, or one
-                                       * whose bad arguments came first */
-        const int rank = (v & ~MOE_A2A_STICKY_TIMEOUT) >> 8;
+    rank = (v >> 8) & 0xffff;         /* the first failure's rank (the flag bits sit above it) */
+    if (v & MOE_A2A_STICKY_TIMEOUT) { /* the timed-out rank, or one whose failure came first */
         moe_cuda_ep_timed_out(l, rank);
         return moe_error(MOE_STATUS_TIMEOUT,
                          "the all-to-all waited %d ms (the runtime's timeout) for a rank (%d%s) "
@@ -1039,16 +1039,16 @@ static moe_status_t cuda_synchronize(moe_layer_t *l, void *stream)
         return moe_error(MOE_STATUS_INVALID_ARGUMENT,
                          "rank %d sent more rows than this rank's max_tokens_across_ranks "
                          "allows: the ranks passed different values; the step was skipped",
-                         (v & ~MOE_A2A_STICKY_ROWS) >> 8);
+                         rank);
     if ((v & 0xff) == MOE_STATUS_NUMERIC_ERROR)
         return moe_error(MOE_STATUS_NUMERIC_ERROR,
                          "check_inputs: rank %d's x or router logits hold NaN or Inf; the step "
                          "was skipped on every rank",
-                         v >> 8);
+                         rank);
     return moe_error((moe_status_t)(v & 0xff),
                      "rank %d's moe_layer_forward failed (%s; its message says why there); the "
                      "step was skipped on every rank",
-                     v >> 8, moe_status_string((moe_status_t)(v & 0xff)));
+                     rank, moe_status_string((moe_status_t)(v & 0xff)));
 }
 
 /* The variant a GEMM of this layer gets at rows_per_expert, and why. */

@@ -89,8 +89,8 @@ static moe_status_t sym_reserve(moe_runtime_t *rt, size_t bytes)
         y->world = W;
         y->rank = me;
         MOE_CHECK_GOTO(moe_gpu_malloc((void **)&y->seq, 2 * sizeof(uint32_t)), st, fail);
-        y->dead = (int32_t *)(y->seq + 1);
-        MOE_CHECK_GOTO(moe_gpu_memset(y->seq, 0, 2 * sizeof(uint32_t)), st, fail);
+        y->dead = (int32_t *)(y->seq + 1); /* zeroed once; seq is zeroed below at every reserve */
+        MOE_CHECK_GOTO(moe_gpu_memset(y->dead, 0, sizeof(int32_t)), st, fail);
         rt->gpu_sym = y;
         rt->gpu_sym_free = sym_free;
     } else {
@@ -183,10 +183,9 @@ static moe_status_t pick_transport(moe_layer_t *l, cuda_layer_t *s)
 {
     const char *forced = NULL, *ename = NULL, *env;
     const int W = s->world, me = l->plan.rank, tp = l->plan.tp_size;
-    /* per rank: the request, its device ordinal (unused by peers), on this host, the tuned
-     * transport, then its GPU's PCI bus id (device ordinals mean nothing in another process
-     * with another CUDA_VISIBLE_DEVICES) */
-    enum { FIXED = 4, WORDS = FIXED + MOE_GPU_BUS_ID_BYTES / 4 };
+    /* per rank: the request, on this host, the tuned transport, then its GPU's PCI bus id
+     * (device ordinals mean nothing in another process with another CUDA_VISIBLE_DEVICES) */
+    enum { FIXED = 3, WORDS = FIXED + MOE_GPU_BUS_ID_BYTES / 4 };
     int32_t mine[WORDS], *all;
     int64_t cnt[64], dsp[64];
     int want, tuned, local_rank = 0, local_size = 0, lsa_ok, r, same = 1, tuned_same = 1;
@@ -229,9 +228,8 @@ static moe_status_t pick_transport(moe_layer_t *l, cuda_layer_t *s)
     }
     memset(mine, 0, sizeof(mine));
     mine[0] = want;
-    mine[1] = s->device;
-    mine[2] = local_size == W && W <= MOE_A2A_MAX_WORLD;
-    mine[3] = tuned;
+    mine[1] = local_size == W && W <= MOE_A2A_MAX_WORLD;
+    mine[2] = tuned;
     if (moe_gpu_pci_bus_id(s->device, (char *)(mine + FIXED), MOE_GPU_BUS_ID_BYTES) !=
         MOE_STATUS_SUCCESS)
         memset(mine + FIXED, 0, MOE_GPU_BUS_ID_BYTES); /* unknown: no lsa with this rank */
@@ -242,8 +240,8 @@ static moe_status_t pick_transport(moe_layer_t *l, cuda_layer_t *s)
         char *bus = (char *)(all + WORDS * r + FIXED);
         bus[MOE_GPU_BUS_ID_BYTES - 1] = '\0';
         same &= all[WORDS * r] == want;
-        tuned_same &= all[WORDS * r + 3] == tuned;
-        lsa_ok &= all[WORDS * r + 2] != 0;
+        tuned_same &= all[WORDS * r + 2] == tuned;
+        lsa_ok &= all[WORDS * r + 1] != 0;
         if (r != me && lsa_ok)
             lsa_ok &= moe_gpu_can_access_peer_bus(s->device, bus);
     }
@@ -686,6 +684,7 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     const int64_t m = s->m, H = s->H;
     const int64_t timeout_ns = (int64_t)l->rt->timeout_ms * 1000000;
     const uint32_t *seq = y ? y->seq : NULL;
+    int32_t *dead = y ? y->dead : NULL;
     moe_a2a_dispatch_args_t d;
     moe_a2a_wait_args_t wa;
     moe_a2a_combine_args_t c;
@@ -706,7 +705,7 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     d.owner = s->owner;
     d.status = s->flag;
     d.seq = seq;
-    d.dead = y ? y->dead : NULL;
+    d.dead = dead;
     for (r = 0; r < W; r++) {
         if (y) { /* region `me` of rank r's arrays */
             char *b = y->peer[r];
@@ -740,7 +739,7 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     wa.world = W;
     wa.word = y ? MOE_A2A_SENT : -1;
     wa.seq = seq;
-    wa.dead = y ? y->dead : NULL;
+    wa.dead = dead;
     wa.timeout_ns = timeout_ns;
     wa.counts = s->counts_all;
     wa.region_rows = m;
@@ -780,7 +779,7 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     c.deterministic = s->deterministic;
     c.region_rows = m;
     c.seq = seq;
-    c.dead = y ? y->dead : NULL;
+    c.dead = dead;
     for (r = 0; r < W; r++) {
         if (y) {
             char *b = y->peer[r] + s->off_ret;
@@ -804,7 +803,7 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
         f.pos = s->pos;
         f.ctrl = y ? s->rctrl : NULL;
         f.seq = seq;
-        f.dead = y ? y->dead : NULL;
+        f.dead = dead;
         f.timeout_ns = timeout_ns;
         f.sticky = s->sticky;
         f.num_tokens = T;

@@ -59,16 +59,22 @@ __device__ __forceinline__ bool rank_silenced(const int32_t *dead, const uint32_
     return d != 0 && d != (int32_t)*seq;
 }
 
-// Records a timeout waiting for rank s in step seq: the first failure's code when none came
-// before, the timeout bit always, and (once) the step in the runtime-wide word.
+// A failure because of rank s: its code when no failure came before, and `bit` always.
+__device__ __forceinline__ void sticky_mark(int32_t *sticky, int s, int32_t code, int32_t bit)
+{
+    if (!sticky)
+        return;
+    atomicCAS(sticky, 0, (s << 8) | code);
+    atomicOr(sticky, bit);
+}
+
+// Records a timeout waiting for rank s in step seq: the sticky word as above, and (once) the
+// step in the runtime-wide word.
 __device__ __forceinline__ void note_timeout(int32_t *sticky, int32_t *dead, uint32_t seq, int s)
 {
     if (dead)
         atomicCAS(dead, 0, seq ? (int32_t)seq : 1);
-    if (!sticky)
-        return;
-    atomicCAS(sticky, 0, (s << 8) | MOE_STATUS_TIMEOUT);
-    atomicOr(sticky, MOE_A2A_STICKY_TIMEOUT);
+    sticky_mark(sticky, s, MOE_STATUS_TIMEOUT, MOE_A2A_STICKY_TIMEOUT);
 }
 
 // Spins until ctrl[word] reaches seq (wrap-safe), at most timeout_ns; false on a timeout, and
@@ -278,10 +284,7 @@ __global__ void a2a_wait_kernel(moe_a2a_wait_args_t a)
     if (a.counts) {
         int32_t n = ok ? ((volatile const int32_t *)c)[MOE_A2A_COUNT] : 0;
         if (n < 0 || n > a.region_rows) { /* out of step with this rank: use none of it */
-            if (a.sticky) {
-                atomicCAS(a.sticky, 0, (s << 8) | MOE_STATUS_INVALID_ARGUMENT);
-                atomicOr(a.sticky, MOE_A2A_STICKY_ROWS);
-            }
+            sticky_mark(a.sticky, s, MOE_STATUS_INVALID_ARGUMENT, MOE_A2A_STICKY_ROWS);
             status = MOE_STATUS_INVALID_ARGUMENT; /* no rank computes a row this step */
             n = 0;
         }

@@ -269,6 +269,16 @@ __global__ void __launch_bounds__(META_THREADS)
  * flight together (one load at a time left the copy latency-bound at about half the HBM rate). */
 constexpr int COPY_UNROLL = 4;
 
+/* The 8 values at src (16-byte aligned) as 8 bf16 in one 16-byte unit. */
+template <typename T> __device__ __forceinline__ uint4 load_unit(const T *src)
+{
+    if (sizeof(T) == 2)
+        return __ldg(reinterpret_cast<const uint4 *>(src));
+    float f[8];
+    moe_load8(reinterpret_cast<const float *>(src), f);
+    return moe_pack8(f);
+}
+
 template <typename T, bool VEC>
 __device__ __forceinline__ void copy_row(const T *src, __nv_bfloat16 *dst, int hidden)
 {
@@ -280,16 +290,7 @@ __device__ __forceinline__ void copy_row(const T *src, __nv_bfloat16 *dst, int h
 #pragma unroll
             for (int u = 0; u < COPY_UNROLL; u++) {
                 const int c = c0 + u * step;
-                v[u] = make_uint4(0, 0, 0, 0);
-                if (c < n && src) {
-                    if (sizeof(T) == 2) {
-                        v[u] = __ldg(reinterpret_cast<const uint4 *>(src) + c);
-                    } else {
-                        float f[8];
-                        moe_load8(reinterpret_cast<const float *>(src) + 8 * c, f);
-                        v[u] = moe_pack8(f);
-                    }
-                }
+                v[u] = c < n && src ? load_unit(src + 8 * c) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
             for (int u = 0; u < COPY_UNROLL; u++)
@@ -347,17 +348,8 @@ __global__ void __launch_bounds__(GATHER_THREADS)
         for (int u = 0; u < COPY_UNROLL; u++) {
             const int i = i0 + u * GATHER_THREADS, r = i / n, c = i - r * n;
             const int slot = i < total ? __ldg(slot_of_row + row0 + r) : -1;
-            v[u] = make_uint4(0, 0, 0, 0);
-            if (slot >= 0) {
-                const T *src = x + (size_t)(slot / top_k) * hidden + 8 * c;
-                if (sizeof(T) == 2) {
-                    v[u] = __ldg(reinterpret_cast<const uint4 *>(src));
-                } else {
-                    float f[8];
-                    moe_load8(reinterpret_cast<const float *>(src), f);
-                    v[u] = moe_pack8(f);
-                }
-            }
+            v[u] = slot >= 0 ? load_unit(x + (size_t)(slot / top_k) * hidden + 8 * c)
+                             : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int u = 0; u < COPY_UNROLL; u++) /* row r's unit c is unit r * n + c of the range */
