@@ -114,7 +114,8 @@ typedef struct moe_a2a_combine_args {
     int32_t *dst_ctrl[MOE_A2A_MAX_WORLD];
     int32_t *done; /* persistent scalar, 0 between launches */
     int num_sms;
-    const int32_t *sticky; /* this rank's verdict: a TIMEOUT there goes out as RET_STATUS */
+    const int32_t *sticky; /* this rank's verdict: a timeout or an out-of-step COUNT there
+                              goes out as RET_STATUS, so every source fails the step too */
     const int32_t *dead;   /* device scalar or NULL: nonzero, nothing is stored into peers */
 } moe_a2a_combine_args_t;
 

@@ -359,7 +359,9 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_combine_kernel(moe_a2a_combin
     if (!last_cta(a.done))
         return;
     if (threadIdx.x < W && a.dst_ctrl[threadIdx.x] && !quiet) {
-        const int32_t lost = step_timed_out(a.sticky);
+        /* rows lost here (a timeout) or not used (a peer out of step): every source hears it */
+        const int32_t lost = a.sticky && (*(volatile const int32_t *)a.sticky &
+                                          (MOE_A2A_STICKY_TIMEOUT | MOE_A2A_STICKY_ROWS)) != 0;
         ((volatile int32_t *)a.dst_ctrl[threadIdx.x])[MOE_A2A_RET_STATUS] = lost;
         __threadfence_system();
         store_release_sys(a.dst_ctrl[threadIdx.x] + MOE_A2A_RETURNED, *a.seq);
