@@ -33,6 +33,11 @@ typedef struct moe_route_logits_args {
      * the same at every token count: a token's logits are bitwise the same in any batch. NULL:
      * the f32 SIMT kernels. */
     const uint16_t *w_split;
+    /* 1: the mid and lo planes of w_split are all zero (w is exact in bf16, as checkpoints ship
+     * routers): only the hi plane is read and multiplied. The products skipped are exact zeros,
+     * so every logit has the value the three planes give (the same bits, up to the sign of a
+     * zero). 0 or 3: all three planes. */
+    int w_split_planes;
 } moe_route_logits_args_t;
 
 moe_status_t moe_route_logits_launch(const moe_route_logits_args_t *args, void *stream);

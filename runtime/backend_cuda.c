@@ -473,6 +473,12 @@ static moe_status_t store_router(cuda_layer_t *s, const moe_matrix_t *m)
     }
     moe_convert_to_f32(m->dtype, m->data, f, n);
     moe_split_bf16x3(f, planes, planes + n, planes + 2 * n, n);
+    /* a router exact in bf16 (checkpoints ship bf16 routers) has zero mid and lo planes: the
+     * logits then read and multiply one plane (the same values, moe_route_logits_args_t) */
+    s->router_planes = 1;
+    for (size_t i = n; i < 3 * n && s->router_planes == 1; i++)
+        if (planes[i] != 0)
+            s->router_planes = 3;
     st = moe_gpu_memcpy_h2d(s->router, f, sizeof(float) * n);
     if (st == MOE_STATUS_SUCCESS)
         st = moe_gpu_memcpy_h2d(s->router3, planes, 3 * sizeof(uint16_t) * n);
@@ -777,8 +783,9 @@ moe_status_t moe_cuda_route(moe_layer_t *l, const moe_forward_args_t *a, int32_t
     moe_route_args_t r;
 
     if (!logits) {
-        moe_route_logits_args_t g = {a->x,          a->dtype,   s->router, s->logits,
-                                     a->num_tokens, s->E_total, s->H,      s->router3};
+        moe_route_logits_args_t g = {a->x,      a->dtype,      s->router,
+                                     s->logits, a->num_tokens, s->E_total,
+                                     s->H,      s->router3,    s->router_planes};
         MOE_CHECK(moe_route_logits_launch(&g, a->stream));
         logits = s->logits;
     }
@@ -888,8 +895,8 @@ moe_status_t moe_cuda_shared_experts(cuda_layer_t *s, const void *x, moe_dtype_t
 moe_status_t moe_cuda_shared_gate(moe_layer_t *l, const moe_forward_args_t *a)
 {
     cuda_layer_t *s = l->state;
-    moe_route_logits_args_t g = {a->x,          a->dtype, s->sgate, s->s_gate_logit,
-                                 a->num_tokens, 1,        s->H,     NULL};
+    moe_route_logits_args_t g = {a->x, a->dtype, s->sgate, s->s_gate_logit, a->num_tokens, 1,
+                                 s->H, NULL,     0};
     if (!l->cfg.shared_expert_gate || a->num_tokens == 0)
         return MOE_STATUS_SUCCESS;
     return moe_route_logits_launch(&g, a->stream);

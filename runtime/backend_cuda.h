@@ -35,6 +35,7 @@ typedef struct cuda_layer {
     void *w2;                         /* bf16 [E][H][is] */
     float *router;                    /* f32 [E][H] */
     uint16_t *router3;                /* bf16 [3][E][H]: router split hi, mid, lo (tensor cores) */
+    int router_planes;                /* 1: mid and lo are zero (a bf16 router), else 3 */
     float *bias;                      /* f32 [E] */
     void *sw13;                       /* bf16 [2 ss][H] */
     void *sw2;                        /* bf16 [H][ss] */

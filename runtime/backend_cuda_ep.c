@@ -501,8 +501,8 @@ static moe_status_t ep_return_summed(moe_layer_t *l, const moe_forward_args_t *a
     moe_combine_args_t c;
 
     if (s->ss > 0 && !s->shared_local && l->cfg.shared_expert_gate) { /* every token's gate */
-        moe_route_logits_args_t g = {s->xall, MOE_DTYPE_BF16, s->sgate, s->s_gate_logit, W * tm,
-                                     1,       s->H,           NULL};
+        moe_route_logits_args_t g = {s->xall, MOE_DTYPE_BF16, s->sgate, s->s_gate_logit, W * tm, 1,
+                                     s->H,    NULL,           0};
         MOE_CHECK(moe_route_logits_launch(&g, stream));
     }
     memset(&c, 0, sizeof(c));

@@ -275,23 +275,29 @@ template <typename XT> struct x_planes {
 };
 
 /* The products of one k slice, smallest first: bf16 x: (x, w_lo), (x, w_mid), (x, w_hi); f32
- * x: every (x_p, w_q) with p + q <= 2, by falling p + q. */
-__device__ __forceinline__ constexpr int term_x(int xp, int i)
+ * x: every (x_p, w_q) with p + q <= 2, by falling p + q. With one w plane (wp = 1: w_mid = w_lo
+ * = 0) the same sequence without its zero products: (x, w_hi), or (x_lo, w_hi), (x_mid, w_hi),
+ * (x_hi, w_hi). */
+__device__ __forceinline__ constexpr int n_terms(int xp, int wp)
 {
-    return xp == 3 ? (i == 0 ? 2 : i == 1 ? 1 : i == 3 ? 1 : 0) : 0;
+    return xp == 3 ? (wp == 3 ? 6 : 3) : wp;
 }
-__device__ __forceinline__ constexpr int term_w(int xp, int i)
+__device__ __forceinline__ constexpr int term_x(int xp, int wp, int i)
 {
-    return xp == 3 ? (i == 1 ? 1 : i == 2 ? 2 : i == 4 ? 1 : 0) : 2 - i;
+    return xp == 3 ? (wp == 1 ? 2 - i : i == 0 ? 2 : i == 1 ? 1 : i == 3 ? 1 : 0) : 0;
+}
+__device__ __forceinline__ constexpr int term_w(int xp, int wp, int i)
+{
+    return wp == 1 ? 0 : xp == 3 ? (i == 1 ? 1 : i == 2 ? 2 : i == 4 ? 1 : 0) : 2 - i;
 }
 
-template <typename XT, int MT, int NT>
+template <typename XT, int MT, int NT, int WP>
 __global__ void __launch_bounds__(TC_WARPS * 32)
     logits_tc_kernel(const XT *__restrict__ x, const uint16_t *__restrict__ w3,
                      float *__restrict__ logits, int num_tokens, int num_rows, int hidden)
 {
     moe_pdl_wait();
-    constexpr int XP = x_planes<XT>::n, TERMS = XP == 3 ? 6 : 3;
+    constexpr int XP = x_planes<XT>::n, TERMS = n_terms(XP, WP);
     __shared__ float red[TC_WARPS][16][NT * 8 + 1];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int t0 = blockIdx.x * MT * 16, r0 = blockIdx.y * NT * 8;
@@ -328,15 +334,15 @@ __global__ void __launch_bounds__(TC_WARPS * 32)
             const int r = r0 + n * 8 + g;
             const bool rv = r < num_rows;
             const uint16_t *q = w3 + (size_t)(rv ? r : 0) * hidden + k;
-            uint32_t b[3][8];
+            uint32_t b[WP][8];
 #pragma unroll
-            for (int p = 0; p < 3; p++)
+            for (int p = 0; p < WP; p++)
                 load16_words(q + p * plane, rv && ok0, rv && ok1, b[p]);
 #pragma unroll
             for (int j = 0; j < 4; j++)
 #pragma unroll
                 for (int i = 0; i < TERMS; i++) {
-                    const int px = term_x(XP, i), pw = term_w(XP, i);
+                    const int px = term_x(XP, WP, i), pw = term_w(XP, WP, i);
 #pragma unroll
                     for (int m = 0; m < MT; m++)
                         mma_bf16_16816(acc[m][n], a[m][0][px][2 * j], a[m][1][px][2 * j],
@@ -371,12 +377,12 @@ __global__ void __launch_bounds__(TC_WARPS * 32)
     }
 }
 
-template <typename XT, int MT, int NT>
+template <typename XT, int MT, int NT, int WP>
 cudaError_t launch_tc(const moe_route_logits_args_t *a, cudaStream_t s)
 {
     const int nt = (int)a->num_tokens;
     dim3 grid((nt + MT * 16 - 1) / (MT * 16), (a->num_rows + NT * 8 - 1) / (NT * 8));
-    return moe_launch((logits_tc_kernel<XT, MT, NT>), grid, dim3(TC_WARPS * 32), 0, s,
+    return moe_launch((logits_tc_kernel<XT, MT, NT, WP>), grid, dim3(TC_WARPS * 32), 0, s,
                       (const XT *)a->x, a->w_split, a->logits, nt, a->num_rows, a->hidden);
 }
 
@@ -401,10 +407,12 @@ moe_status_t launch_logits_tc(const moe_route_logits_args_t *a, cudaStream_t s, 
     }
     /* f32 x never picks MT = 4 (skipped above): its entries are the MT = 2 kernels */
     constexpr int MT4 = x_planes<XT>::n == 1 ? 4 : 2;
-    static cudaError_t (*const launch[])(const moe_route_logits_args_t *, cudaStream_t) = {
-        launch_tc<XT, MT4, 4>, launch_tc<XT, 2, 4>, launch_tc<XT, MT4, 1>,
-        launch_tc<XT, 1, 4>,   launch_tc<XT, 2, 1>, launch_tc<XT, 1, 1>};
-    MOE_CUDA_CHECK(launch[pick](a, s));
+    static cudaError_t (*const launch[2][6])(const moe_route_logits_args_t *, cudaStream_t) = {
+        {launch_tc<XT, MT4, 4, 3>, launch_tc<XT, 2, 4, 3>, launch_tc<XT, MT4, 1, 3>,
+         launch_tc<XT, 1, 4, 3>, launch_tc<XT, 2, 1, 3>, launch_tc<XT, 1, 1, 3>},
+        {launch_tc<XT, MT4, 4, 1>, launch_tc<XT, 2, 4, 1>, launch_tc<XT, MT4, 1, 1>,
+         launch_tc<XT, 1, 4, 1>, launch_tc<XT, 2, 1, 1>, launch_tc<XT, 1, 1, 1>}};
+    MOE_CUDA_CHECK(launch[a->w_split_planes == 1][pick](a, s));
     MOE_CUDA_CHECK_LAUNCH("logits_tc_kernel");
     return MOE_STATUS_SUCCESS;
 }
@@ -659,12 +667,25 @@ extern "C" moe_status_t moe_route_logits_launch(const moe_route_logits_args_t *a
     }
 }
 
+template <typename T, int MT4, int WP> moe_status_t prepare_tc()
+{
+    MOE_CUDA_PREPARE((logits_tc_kernel<T, MT4, 4, WP>));
+    MOE_CUDA_PREPARE((logits_tc_kernel<T, 2, 4, WP>));
+    MOE_CUDA_PREPARE((logits_tc_kernel<T, MT4, 1, WP>));
+    MOE_CUDA_PREPARE((logits_tc_kernel<T, 1, 4, WP>));
+    MOE_CUDA_PREPARE((logits_tc_kernel<T, 2, 1, WP>));
+    MOE_CUDA_PREPARE((logits_tc_kernel<T, 1, 1, WP>));
+    return MOE_STATUS_SUCCESS;
+}
+
 template <typename T> moe_status_t prepare_logits()
 {
+    constexpr int MT4 = x_planes<T>::n == 1 ? 4 : 2; /* the tiles launch_logits_tc picks from */
     MOE_CUDA_PREPARE(logits_gemv_kernel<T>);
     MOE_CUDA_PREPARE(logits_tiled_kernel<T>);
     MOE_CUDA_PREPARE(logits_blk_kernel<T>);
-    return MOE_STATUS_SUCCESS;
+    MOE_CHECK((prepare_tc<T, MT4, 3>()));
+    return prepare_tc<T, MT4, 1>();
 }
 
 extern "C" moe_status_t moe_route_prepare(void)

@@ -141,7 +141,7 @@ static void check_logits(int E, int H, int64_t T, moe_dtype_t xt, int split)
     d_l = gt_dalloc(sizeof(float) * nl + 4);
     gt_poison(d_l, GT_POISON_FLOAT, sizeof(float) * nl + 4);
     {
-        moe_route_logits_args_t a = {d_x, xt, d_w, d_l, T, E, H, split ? d_split : NULL};
+        moe_route_logits_args_t a = {d_x, xt, d_w, d_l, T, E, H, split ? d_split : NULL, 0};
         gt_ok(moe_route_logits_launch(&a, NULL), "logits");
     }
     gt_get(out, d_l, sizeof(float) * nl);
@@ -184,9 +184,10 @@ static void test_route_logits(void **state)
     check_logits(8, 512, 8192, MOE_DTYPE_F32, 0);
 }
 
-/* Tensor-core logits of tokens first..first+n-1 of d_x into host out ([n][E]). */
-static void tc_logits(const void *d_x, moe_dtype_t xt, const uint16_t *d_split, float *d_l,
-                      int64_t first, int64_t n, int E, int H, float *out)
+/* Tensor-core logits of tokens first..first+n-1 of d_x into host out ([n][E]), from the three
+ * planes (planes 3) or the hi plane alone (1). */
+static void tc_logits_planes(const void *d_x, moe_dtype_t xt, const uint16_t *d_split, float *d_l,
+                             int64_t first, int64_t n, int E, int H, int planes, float *out)
 {
     moe_route_logits_args_t a;
     memset(&a, 0, sizeof(a));
@@ -198,9 +199,64 @@ static void tc_logits(const void *d_x, moe_dtype_t xt, const uint16_t *d_split, 
     a.num_rows = E;
     a.hidden = H;
     a.w_split = d_split;
+    a.w_split_planes = planes;
     gt_poison(d_l, GT_POISON_FLOAT, sizeof(float) * (size_t)n * E);
     gt_ok(moe_route_logits_launch(&a, NULL), "logits");
     gt_get(out, d_l, sizeof(float) * (size_t)n * E);
+}
+
+static void tc_logits(const void *d_x, moe_dtype_t xt, const uint16_t *d_split, float *d_l,
+                      int64_t first, int64_t n, int E, int H, float *out)
+{
+    tc_logits_planes(d_x, xt, d_split, d_l, first, n, E, H, 3, out);
+}
+
+/* A router exact in bf16 (zero mid and lo planes): the one-plane kernels give every logit the
+ * value of the three-plane ones (equal as floats: only a zero's sign may differ), for both x
+ * dtypes, the tile shapes of 1..2047 tokens and a k tail. */
+static void test_route_logits_one_plane(void **state)
+{
+    static const int shapes[][2] = {{128, 2048}, {8, 4096}, {60, 200}, {256, 7168}};
+    static const int64_t counts[] = {1, 16, 33, 700, 2047};
+    size_t s, c;
+    int f32;
+    (void)state;
+    for (s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++)
+        for (f32 = 0; f32 < 2; f32++)
+            for (c = 0; c < sizeof(counts) / sizeof(counts[0]); c++) {
+                const int E = shapes[s][0], H = shapes[s][1];
+                const int64_t T = counts[c];
+                const moe_dtype_t xt = f32 ? MOE_DTYPE_F32 : MOE_DTYPE_BF16;
+                const size_t n = (size_t)E * H;
+                float *xf = malloc(sizeof(float) * (size_t)T * H), *w = malloc(sizeof(float) * n);
+                float *three = malloc(sizeof(float) * (size_t)T * E);
+                float *one = malloc(sizeof(float) * (size_t)T * E);
+                uint16_t *xb = malloc(2 * (size_t)T * H), *planes = malloc(3 * 2 * n), *d_split;
+                float *d_l = gt_dalloc(sizeof(float) * (size_t)T * E);
+                void *d_x;
+                size_t i;
+                gt_fill_bf16(xf, xb, (size_t)T * H, 1.0f);
+                for (i = 0; f32 && i < (size_t)T * H; i++)
+                    xf[i] *= 1.0f + 0.3f * gt_uniform();
+                for (i = 0; i < n; i++) /* exact in bf16 */
+                    w[i] = moe_bf16_to_f32(moe_f32_to_bf16(gt_uniform() / sqrtf((float)H)));
+                moe_split_bf16x3(w, planes, planes + n, planes + 2 * n, n);
+                for (i = n; i < 3 * n; i++)
+                    assert_int_equal(planes[i], 0);
+                d_split = gt_dup(planes, 3 * 2 * n);
+                d_x = f32 ? gt_dup(xf, 4 * (size_t)T * H) : gt_dup(xb, 2 * (size_t)T * H);
+                tc_logits_planes(d_x, xt, d_split, d_l, 0, T, E, H, 3, three);
+                tc_logits_planes(d_x, xt, d_split, d_l, 0, T, E, H, 1, one);
+                for (i = 0; i < (size_t)T * E; i++)
+                    if (!(one[i] == three[i])) {
+                        fprintf(stderr, "E%d H%d %s T%lld: logit %zu: one plane %.9g, three %.9g\n",
+                                E, H, moe_dtype_name(xt), (long long)T, i, (double)one[i],
+                                (double)three[i]);
+                        fail();
+                    }
+                free(xf), free(w), free(three), free(one), free(xb), free(planes);
+                moe_gpu_free(d_split), moe_gpu_free(d_l), moe_gpu_free(d_x);
+            }
 }
 
 /* The tensor-core logits of a token are bitwise the same whatever the batch around it: the
@@ -267,7 +323,7 @@ static void test_route_rejects(void **state)
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_route_random),  cmocka_unit_test(test_route_ties),
     cmocka_unit_test(test_route_logits),  cmocka_unit_test(test_route_logits_batch_invariant),
-    cmocka_unit_test(test_route_rejects),
+    cmocka_unit_test(test_route_rejects), cmocka_unit_test(test_route_logits_one_plane),
 };
 
 GT_MAIN(tests)
