@@ -63,7 +63,12 @@ typedef struct moe_permute_args {
 moe_status_t moe_permute_launch(const moe_permute_args_t *args, void *stream);
 
 /* a[row] = bf16(x[slot_of_row[row] / top_k]) for the rows of the first *num_blocks blocks;
- * padding rows are zeroed. The grid is sized from max_blocks; blocks past *num_blocks exit. */
+ * padding rows are zeroed. The grid is sized from max_blocks; blocks past *num_blocks exit.
+ * With row_of_slot (the permute's) the same rows come from a scatter instead: each of the
+ * num_tokens rows of x is read once and stored into its top_k rows of a (a gather reads a token
+ * row once per copy: top_k times from DRAM when x does not fit the L2), and padding rows are not
+ * written: the grouped GEMM never lets a padding row reach a real output (test_gpu_expert_gemm
+ * puts NaN there). */
 typedef struct moe_gather_args {
     const void *x;       /* device [num_tokens, hidden], x_dtype */
     moe_dtype_t x_dtype; /* F32 or BF16 */
@@ -71,7 +76,9 @@ typedef struct moe_gather_args {
     const int32_t *slot_of_row;
     const int32_t *num_blocks;
     int block_rows, max_blocks;
-    void *a; /* device bf16 [max_blocks * block_rows, hidden] */
+    void *a;                    /* device bf16 [max_blocks * block_rows, hidden] */
+    const int32_t *row_of_slot; /* optional device [num_tokens * top_k]: the scatter form */
+    int64_t num_tokens;
 } moe_gather_args_t;
 
 moe_status_t moe_gather_launch(const moe_gather_args_t *args, void *stream);

@@ -341,6 +341,7 @@ static void init_shape(moe_layer_t *l, cuda_layer_t *s)
     s->shared_local = s->world > 1 && s->ss > 0 && s->ss == l->plan.shared_intermediate;
     s->first_local = l->plan.first_local_expert;
     s->deterministic = l->cfg.deterministic;
+    s->scatter_rows = moe_env_int("MOE_SCATTER_ROWS", 1) != 0;
     s->tm = l->cfg.max_tokens_per_rank;
     s->m = s->tm; /* EP rows per rank until a step says otherwise */
     s->f8 = l->cfg.weight_dtype == MOE_DTYPE_FP8_E4M3 && l->cfg.fp8_math == MOE_FP8_MATH_W8A8
@@ -843,7 +844,13 @@ moe_status_t moe_cuda_routed_experts(cuda_layer_t *s, const void *x, moe_dtype_t
                             s->slot_of_row,
                             s->perm_scratch,
                             s->perm_scratch_count};
-    moe_gather_args_t g = {x, x_dtype, s->H, s->k, s->slot_of_row, s->num_blocks, br, mb, s->a};
+    /* the scatter form: each token row of x read once (padding rows of a left unwritten) */
+    moe_gather_args_t g = {x,  x_dtype, s->H, s->k, s->slot_of_row, s->num_blocks, br,
+                           mb, s->a,    NULL, 0};
+    if (s->scatter_rows) {
+        g.row_of_slot = s->row_of_slot;
+        g.num_tokens = T;
+    }
 
     if (mb > s->max_blocks)
         return moe_error(MOE_STATUS_INTERNAL_ERROR, "variant %s needs %d blocks > planned %d",

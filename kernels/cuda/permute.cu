@@ -214,6 +214,8 @@ __global__ void __launch_bounds__(META_THREADS)
     warps_prefix(wcnt, part + (size_t)g * E, E);
 }
 
+constexpr int SCAN_LOADS = 8;
+
 /* Pass 2 (one CTA): part[g][e] becomes the chunk's first row within expert e (exclusive prefix
  * over the chunks, in chunk order: stable), and the block table from the totals. */
 __global__ void __launch_bounds__(META_THREADS)
@@ -227,10 +229,19 @@ __global__ void __launch_bounds__(META_THREADS)
     int *cnt = smem, *offs = cnt + E;
     for (int e = threadIdx.x; e < E; e += META_THREADS) {
         int run = 0;
-        for (int g = 0; g < G; g++) {
-            const int c = part[(size_t)g * E + e];
-            part[(size_t)g * E + e] = run;
-            run += c;
+        /* SCAN_LOADS chunks' counts loaded before any is overwritten: the loads do not wait on
+         * one another (one at a time, G dependent round trips made this kernel ~10 us) */
+        for (int g0 = 0; g0 < G; g0 += SCAN_LOADS) {
+            int c[SCAN_LOADS];
+#pragma unroll
+            for (int u = 0; u < SCAN_LOADS; u++)
+                c[u] = g0 + u < G ? part[(size_t)(g0 + u) * E + e] : 0;
+#pragma unroll
+            for (int u = 0; u < SCAN_LOADS; u++)
+                if (g0 + u < G) {
+                    part[(size_t)(g0 + u) * E + e] = run;
+                    run += c[u];
+                }
         }
         cnt[e] = run;
     }
@@ -358,6 +369,41 @@ __global__ void __launch_bounds__(GATHER_THREADS)
     }
 }
 
+/* The scatter form: SCATTER_TOKENS tokens per CTA; a thread loads COPY_UNROLL 16-byte units of
+ * a token row once and stores them into each of the token's top_k rows. */
+constexpr int SCATTER_TOKENS = 4;
+
+template <typename T>
+__global__ void __launch_bounds__(GATHER_THREADS)
+    scatter_rows_kernel(const T *__restrict__ x, int hidden, int top_k, int num_tokens,
+                        const int32_t *__restrict__ row_of_slot, __nv_bfloat16 *__restrict__ a)
+{
+    moe_pdl_wait();
+    const int n = hidden / 8;
+    for (int t = blockIdx.x * SCATTER_TOKENS;
+         t < min(num_tokens, (int)(blockIdx.x + 1) * SCATTER_TOKENS); t++) {
+        const T *src = x + (size_t)t * hidden;
+        for (int c0 = threadIdx.x; c0 < n; c0 += GATHER_THREADS * COPY_UNROLL) {
+            uint4 v[COPY_UNROLL];
+#pragma unroll
+            for (int u = 0; u < COPY_UNROLL; u++) {
+                const int c = c0 + u * GATHER_THREADS;
+                v[u] = c < n ? load_unit(src + 8 * c) : make_uint4(0, 0, 0, 0);
+            }
+            for (int j = 0; j < top_k; j++) {
+                const int row = __ldg(row_of_slot + (size_t)t * top_k + j);
+                if (row < 0)
+                    continue;
+                uint4 *d = reinterpret_cast<uint4 *>(a + (size_t)row * hidden);
+#pragma unroll
+                for (int u = 0; u < COPY_UNROLL; u++)
+                    if (c0 + u * GATHER_THREADS < n)
+                        d[c0 + u * GATHER_THREADS] = v[u];
+            }
+        }
+    }
+}
+
 template <typename T, bool VEC>
 __global__ void rows_kernel(const T *__restrict__ x, int num_tokens, int hidden, int br,
                             int max_blocks, __nv_bfloat16 *__restrict__ a,
@@ -387,7 +433,14 @@ moe_status_t launch_gather(const moe_gather_args_t *g, unsigned rows, cudaStream
 {
     const bool vec = g->hidden % 8 == 0 && moe_aligned16(g->x) && moe_aligned16(g->a);
     const int th = row_threads(g->hidden, vec);
-    if (vec)
+    if (vec && g->row_of_slot) {
+        if (g->num_tokens > 0)
+            MOE_CUDA_CHECK(
+                moe_launch((scatter_rows_kernel<T>),
+                           dim3((unsigned)((g->num_tokens + SCATTER_TOKENS - 1) / SCATTER_TOKENS)),
+                           dim3(GATHER_THREADS), 0, s, (const T *)g->x, g->hidden, g->top_k,
+                           (int)g->num_tokens, g->row_of_slot, (__nv_bfloat16 *)g->a));
+    } else if (vec)
         MOE_CUDA_CHECK(
             moe_launch((gather_rows_kernel<T>), dim3((rows + GATHER_ROWS - 1) / GATHER_ROWS),
                        dim3(GATHER_THREADS), 0, s, (const T *)g->x, g->hidden, g->top_k,
@@ -452,6 +505,7 @@ moe_status_t raise_smem_limit()
 template <typename T> moe_status_t prepare_rows()
 {
     MOE_CUDA_PREPARE((gather_rows_kernel<T>));
+    MOE_CUDA_PREPARE((scatter_rows_kernel<T>));
     MOE_CUDA_PREPARE((gather_kernel<T, false>));
     MOE_CUDA_PREPARE((rows_kernel<T, true>));
     MOE_CUDA_PREPARE((rows_kernel<T, false>));
@@ -519,6 +573,8 @@ extern "C" moe_status_t moe_gather_launch(const moe_gather_args_t *g, void *stre
                   "gather: hidden = %d, top_k = %d, block_rows = %d", g->hidden, g->top_k,
                   g->block_rows);
     MOE_ARG_CHECK(rows <= INT32_MAX, "gather: %lld rows", (long long)rows);
+    MOE_ARG_CHECK(!g->row_of_slot || (g->num_tokens >= 0 && g->num_tokens * g->top_k <= INT32_MAX),
+                  "gather: num_tokens = %lld", (long long)g->num_tokens);
     if (rows == 0)
         return MOE_STATUS_SUCCESS;
     switch (g->x_dtype) {

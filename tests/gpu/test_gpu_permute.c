@@ -106,7 +106,7 @@ static void check_case(const perm_case_t *c, int64_t T, moe_dtype_t xt, int mult
                                 d.slot_of_row,
                                 scratch,
                                 scratch_count};
-        moe_gather_args_t g = {d_x, xt, H, k, d.slot_of_row, d.num_blocks, br, mb, d_a};
+        moe_gather_args_t g = {d_x, xt, H, k, d.slot_of_row, d.num_blocks, br, mb, d_a, NULL, 0};
         gt_ok(moe_permute_launch(&p, NULL), "permute");
         gt_ok(moe_gather_launch(&g, NULL), "gather");
     }
@@ -158,6 +158,29 @@ static void check_case(const perm_case_t *c, int64_t T, moe_dtype_t xt, int mult
                 fprintf(stderr, "gather E%d k%d br%d T%lld: row %lld col %d: %04x want %04x\n", E,
                         k, br, (long long)T, (long long)r, h, a[r * H + h], want);
                 fail();
+            }
+        }
+    }
+    /* The scatter form: the same used rows; padding rows and rows past the blocks unwritten
+     * (still poisoned). */
+    {
+        moe_gather_args_t g = {d_x,           xt, H, k, d.slot_of_row, d.num_blocks, br, mb, d_a,
+                               d.row_of_slot, T};
+        uint16_t poison;
+        memset(&poison, GT_POISON_FLOAT, sizeof(poison));
+        gt_poison(d_a, GT_POISON_FLOAT, 2 * (size_t)max_rows * H);
+        gt_ok(moe_gather_launch(&g, NULL), "scatter");
+        gt_get(a, d_a, 2 * (size_t)max_rows * H);
+        for (r = 0; r < max_rows; r++) {
+            const int32_t slot = r < (int64_t)nb * br ? sor[r] : -1;
+            int h;
+            for (h = 0; h < H; h++) {
+                const uint16_t want = slot >= 0 ? xb[(slot / k) * H + h] : poison;
+                if (a[r * H + h] != want) {
+                    fprintf(stderr, "scatter E%d k%d br%d T%lld: row %lld col %d: %04x want %04x\n",
+                            E, k, br, (long long)T, (long long)r, h, a[r * H + h], want);
+                    fail();
+                }
             }
         }
     }
