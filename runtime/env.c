@@ -19,6 +19,7 @@ static const struct knob {
     {"MOE_BIND", 0, 1},
     {"MOE_PROFILE", 0, 1},
     {"MOE_GEMM_PDL", 0, 1},
+    {"MOE_GEMM_TMA_STORE", 0, 1},
     {"MOE_SCATTER_ROWS", 0, 1},
 };
 

@@ -22,6 +22,7 @@ struct moe_gemm_kparams {
     int max_blocks, num_experts, n, k, n_out, c_f32, n_tiles;
     const float *a_scale; /* FP8: [rows] per A row (block: [rows][ceil(k/128)]) */
     const float *b_scale; /* FP8: [num_experts][n] per weight row (block: [..][ceil(k/128)]) */
+    int tma_store;        /* sm_90a normal layout: bf16 c through shared memory and TMA */
 };
 
 /* The fields every variant takes straight from the launch arguments (n_out and n_tiles are
@@ -40,6 +41,7 @@ static inline moe_gemm_kparams moe_gemm_base_params(const moe_gemm_args_t *a)
     p.c_f32 = a->c_f32;
     p.n_out = 0;
     p.n_tiles = 0;
+    p.tma_store = 0;
     p.a_scale = a->a_scale;
     p.b_scale = a->b_scale;
     return p;

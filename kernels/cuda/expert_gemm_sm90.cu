@@ -61,6 +61,23 @@ static __device__ __forceinline__ void tma_load_2d(void *dst, const CUtensorMap 
                  : "memory");
 }
 
+/* 2D tile store from shared memory (bulk group); coordinates as tma_load_2d. Parts of the box
+ * past the tensor's extent are not written. */
+static __device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, uint32_t src, int c0,
+                                                    int c1)
+{
+    asm volatile(
+        "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+            (uint64_t)map),
+        "r"(src), "r"(c0), "r"(c1)
+        : "memory");
+}
+
+static __device__ __forceinline__ void named_bar_sync(int id, int threads)
+{
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 static __device__ __forceinline__ void wgmma_fence()
 {
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -116,8 +133,12 @@ template <int F8> struct sm90_elem {
 };
 constexpr int GROUP_BLOCKS = 16; /* row blocks swept together over all weight tiles (L2 reuse) */
 
-template <int SWAP, int TOK, int WR, int HALVES, int STAGES, int KB> struct sm90_cfg {
+template <int SWAP, int TOK, int WR, int HALVES, int STAGES, int KB, int F8> struct sm90_cfg {
     static constexpr int NWG = SWAP ? 1 : TOK / 64;
+    /* normal bf16 layout: the epilogue writes bf16 rows through shared memory and TMA stores
+     * (TS_BYTES per consumer warpgroup: 64 rows x 128 output columns, two 64-column boxes) */
+    static constexpr bool TS = !SWAP && !F8 && WR == 128;
+    static constexpr int TS_BYTES = 64 * WR * 2;
     static constexpr int THREADS = (NWG + 1) * 128;
     static constexpr int WN = SWAP ? TOK : WR; /* wgmma N */
     static constexpr int ACC = WN / 2;         /* f32 accumulators per thread per wgmma */
@@ -129,11 +150,14 @@ template <int SWAP, int TOK, int WR, int HALVES, int STAGES, int KB> struct sm90
     static constexpr int TOK_BYTES = KB * SUB_T;
     static constexpr int STAGE_BYTES = W_BYTES + TOK_BYTES;
     static constexpr int EPI_LD = TOK + 1; /* swap-AB staging row (floats), odd: no conflicts */
-    static constexpr int EPI_BYTES = SWAP ? (64 * WM * EPI_LD + 64) * 4 : 0; /* + row scales */
+    static constexpr int EPI_BYTES = SWAP ? (64 * WM * EPI_LD + 64) * 4 /* + row scales */
+                                     : TS ? NWG * TS_BYTES
+                                          : 0;
     static constexpr int SMEM = STAGES * STAGE_BYTES + EPI_BYTES + 2 * STAGES * 8 + 1024;
     static_assert(!SWAP || HALVES * WR == 64 || HALVES * WR == 128, "swap-AB: 64 or 128 rows");
     static_assert(TOK_BYTES % 1024 == 0 && W_BYTES % 1024 == 0, "1024 B aligned tiles");
     static_assert(SMEM <= 227 * 1024, "shared memory");
+    static_assert(EPI_BYTES % 1024 == 0 || SWAP, "TMA store buffers: 1024 B aligned");
 };
 
 /* Maps work item t to (row block b, weight tile jt); row blocks are taken GROUP_BLOCKS at a time
@@ -157,12 +181,13 @@ __device__ __forceinline__ float sm90_f8_scale(const moe_gemm_kparams &p, int64_
 }
 
 template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB, int F8>
-__global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>::THREADS, 1)
+__global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8>::THREADS, 1)
     moe_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tm_tok,
-                         const __grid_constant__ CUtensorMap tm_w, const moe_gemm_kparams p)
+                         const __grid_constant__ CUtensorMap tm_w,
+                         const __grid_constant__ CUtensorMap tm_c, const moe_gemm_kparams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using C = sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>;
+    using C = sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8>;
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     float *sepi = (float *)(smem + STAGES * C::STAGE_BYTES);
@@ -179,6 +204,8 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>::T
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tm_w) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tm_tok) : "memory");
+        if (C::TS)
+            asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tm_c) : "memory");
     }
     __syncthreads();
     /* Programmatic dependent launch: everything above overlaps the previous kernel's tail;
@@ -447,6 +474,57 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>::T
                 }
                 moe_gemm_put1(p, row0 + tk, col, v * sscale[tk]);
             }
+        } else if (C::TS && p.tma_store) {
+            /* bf16 rows through shared memory: each consumer warpgroup writes its 64 rows x 128
+             * columns (a slice of STORE's 256, or *_MUL's 128 outputs) into two [64 x 64] boxes
+             * with the 128-byte swizzle (16-byte chunk j of row r at j ^ (r % 8): a warp's
+             * stores of one accumulator pair cover 32 banks), then one thread stores the boxes
+             * by TMA and the warpgroup goes on to its next item while they drain. */
+            const uint32_t sbuf = smem_u32((uint8_t *)sepi + wg * C::TS_BYTES);
+            const int r = 16 * warp + (lane >> 2); /* rows r and r + 8 of the warpgroup's 64 */
+            const int64_t grow = row0 + wg * 64;
+            const float sc[2] = {moe_gemm_row_scale(p, grow + r),
+                                 moe_gemm_row_scale(p, grow + r + 8)};
+            constexpr int ROUNDS = EPI == MOE_GEMM_EPI_STORE ? HALVES : 1;
+#pragma unroll
+            for (int h = 0; h < ROUNDS; h++) {
+                /* the buffer is free once the last boxes stored from it have been read */
+                if (tid == 0)
+                    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+                named_bar_sync(2 + wg, 128);
+#pragma unroll
+                for (int i = 0; i < C::ACC; i += 2) {
+                    const int q = (i & 3) >> 1, row = r + 8 * q;
+                    const int wc = 8 * (i >> 2) + 2 * (lane & 3); /* column in the 128 */
+                    float v0, v1;
+                    if (EPI == MOE_GEMM_EPI_STORE) {
+                        v0 = acc[h][i] * sc[q];
+                        v1 = acc[h][i + 1] * sc[q];
+                    } else {
+                        v0 = moe_gemm_act_mul<EPI>(acc[0][i], acc[C::NACC - 1][i]) * sc[q];
+                        v1 = moe_gemm_act_mul<EPI>(acc[0][i + 1], acc[C::NACC - 1][i + 1]) * sc[q];
+                    }
+                    const uint32_t off = (wc >> 6) * (64 * ROW_BYTES) + row * ROW_BYTES +
+                                         ((((wc & 63) >> 3) ^ (row & 7)) << 4) + (wc & 7) * 2;
+                    __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
+                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(sbuf + off),
+                                 "r"(*reinterpret_cast<uint32_t *>(&v))
+                                 : "memory");
+                }
+                /* the generic-proxy writes must be visible to the TMA (async proxy) reads */
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                named_bar_sync(2 + wg, 128);
+                if (tid == 0) {
+                    const int col0 =
+                        EPI == MOE_GEMM_EPI_STORE ? jt * HALVES * WR + h * WR : jt * WR;
+#pragma unroll
+                    for (int bx = 0; bx < WR / 64; bx++)
+                        if (col0 + bx * 64 < p.n_out)
+                            tma_store_2d(&tm_c, sbuf + bx * 64 * ROW_BYTES, col0 + bx * 64,
+                                         (int)grow);
+                    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+                }
+            }
         } else {
             /* a thread's outputs lie on two rows: 8 apart */
             const int64_t row = row0 + wg * 64 + 16 * warp + (lane >> 2);
@@ -493,6 +571,9 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>::T
             }
         }
     }
+    /* the last boxes must be written before the CTA (and its shared memory) goes */
+    if (C::TS && p.tma_store && tid == 0)
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 #endif
 }
 
@@ -552,10 +633,23 @@ static int pdl_enabled(void)
     return v;
 }
 
+/* MOE_GEMM_TMA_STORE=0 makes the normal-layout bf16 epilogue store from registers instead of
+ * through shared memory and TMA (default on). */
+static int tma_store_enabled(void)
+{
+    static int cached = -1;
+    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (v < 0) {
+        v = moe_env_int("MOE_GEMM_TMA_STORE", 1) != 0;
+        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
+
 template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB = 1, int F8 = 0>
 static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, const char *name)
 {
-    using C = sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB>;
+    using C = sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8>;
     static int smem_done[MOE_MAX_DEVICES];
     auto kernel = moe_gemm_sm90_kernel<SWAP, TOK, WR, HALVES, EPI, STAGES, KB, F8>;
     int dev, sms;
@@ -576,6 +670,11 @@ static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, co
     CUtensorMap tm_tok, tm_w;
     MOE_CHECK(encode_map(&tm_tok, a->a, (int64_t)a->max_blocks * TOK, a->k, TOK, name, F8));
     MOE_CHECK(encode_map(&tm_w, a->b, (int64_t)a->num_experts * a->n, a->k, WR, name, F8));
+    /* c as [rows, n_out] bf16 in [64 x 64] boxes (the TMA-store epilogue; else unused) */
+    CUtensorMap tm_c = tm_tok;
+    p.tma_store = C::TS && !a->c_f32 && tma_store_enabled();
+    if (p.tma_store)
+        MOE_CHECK(encode_map(&tm_c, a->c, (int64_t)a->max_blocks * TOK, p.n_out, 64, name));
     int grid = (int)(items < sms ? items : sms);
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];
@@ -589,7 +688,7 @@ static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, co
         cfg.attrs = attr;
         cfg.numAttrs = 1;
     }
-    cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, tm_tok, tm_w, p);
+    cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, tm_tok, tm_w, tm_c, p);
     if (err != cudaSuccess)
         return moe_error(MOE_STATUS_CUDA_ERROR, "%s: launch: %s", name, cudaGetErrorString(err));
     return moe_gemm_check_launch(name);
@@ -607,7 +706,11 @@ static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const 
 {
     /* FP8 keeps a second set of accumulators (the per-stage promotion): half the weight rows */
     constexpr int WR = F8 ? 64 : 128;
-    constexpr int ST = stages_for((TOK + 2 * WR) * ROW_BYTES, 200 * 1024, 8);
+    /* bf16: the TMA-store buffers (16 KB per consumer warpgroup) come out of the same budget
+     * (m128: 4 stages of 48 KB + 32 KB; m64: 5 of 40 KB + 16 KB) */
+    constexpr int ST = F8 ? stages_for((TOK + 2 * WR) * ROW_BYTES, 200 * 1024, 8)
+                          : stages_for((TOK + 2 * WR) * ROW_BYTES,
+                                       227 * 1024 - (TOK / 64) * 64 * WR * 2 - 2048, 8);
     if ((int64_t)a->max_blocks * TOK >= ((int64_t)1 << 31))
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: max_blocks = %d too large", name,
                          a->max_blocks);
