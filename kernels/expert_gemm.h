@@ -37,6 +37,10 @@ typedef struct moe_gemm_args {
     moe_dtype_t ab_dtype;        /* MOE_DTYPE_BF16 now; FP8_E4M3 later */
     moe_scale_kind_t scale_kind; /* MOE_SCALE_NONE now */
     const float *a_scale, *b_scale;
+    /* optional (both or neither), the permute's: rows of each expert [num_experts] and its first
+     * (padded) row [num_experts + 1]. With them a variant may skip the all-padding part of an
+     * expert's last block (sm_90a m128: the second 64 rows). */
+    const int32_t *expert_counts, *expert_offsets;
 } moe_gemm_args_t;
 
 typedef struct moe_gemm_variant {

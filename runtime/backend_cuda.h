@@ -80,11 +80,12 @@ typedef struct cuda_layer {
     moe_nccl_t *nccl; /* the runtime's (not owned) */
     int world, first_local;
     int deterministic;
-    int scatter_rows;   /* MOE_SCATTER_ROWS (default 1): GEMM 1's rows by scatter, not gather */
-    int shared_local;   /* the whole shared MLP here, run on this rank's tokens */
-    int64_t tm;         /* max tokens per rank */
-    int64_t m;          /* rows per rank this step (max_tokens_across_ranks or tm) */
-    void *xsend, *xall; /* bf16 [tm][H], [world tm][H] */
+    int scatter_rows; /* MOE_SCATTER_ROWS (default 1): GEMM 1's rows by scatter, not gather */
+    int skip_pad; /* MOE_GEMM_SKIP_PAD (default 1): GEMMs get the expert counts (few rows/expert) */
+    int shared_local;            /* the whole shared MLP here, run on this rank's tokens */
+    int64_t tm;                  /* max tokens per rank */
+    int64_t m;                   /* rows per rank this step (max_tokens_across_ranks or tm) */
+    void *xsend, *xall;          /* bf16 [tm][H], [world tm][H] */
     int32_t *ids_all, *lids;     /* [world tm k] global, local expert ids (-1: not here) */
     void *dense, *mine;          /* summed: f32 [world tm][H], [tm][H];
                                   * deterministic: bf16 [world tm k][H], [tm k][H] */

@@ -23,6 +23,7 @@ struct moe_gemm_kparams {
     const float *a_scale; /* FP8: [rows] per A row (block: [rows][ceil(k/128)]) */
     const float *b_scale; /* FP8: [num_experts][n] per weight row (block: [..][ceil(k/128)]) */
     int tma_store;        /* sm_90a normal layout: bf16 c through shared memory and TMA */
+    const int32_t *expert_counts, *expert_offsets; /* optional: see moe_gemm_args_t */
 };
 
 /* The fields every variant takes straight from the launch arguments (n_out and n_tiles are
@@ -42,6 +43,8 @@ static inline moe_gemm_kparams moe_gemm_base_params(const moe_gemm_args_t *a)
     p.n_out = 0;
     p.n_tiles = 0;
     p.tma_store = 0;
+    p.expert_counts = a->expert_counts && a->expert_offsets ? a->expert_counts : NULL;
+    p.expert_offsets = a->expert_offsets;
     p.a_scale = a->a_scale;
     p.b_scale = a->b_scale;
     return p;

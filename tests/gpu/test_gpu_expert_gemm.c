@@ -262,7 +262,11 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
     /* Block list: a padding block after expert 0's blocks, then the rest; two trailing blocks
      * past num_blocks (naming expert 0) must be left alone. */
     int be[512], row_of_block[512], nblk = 0;
+    /* the permute's expert_counts / expert_offsets (first padded row) for this list */
+    int32_t counts[64], offsets[65];
     for (int e = 0; e < s->num_experts; e++) {
+        counts[e] = s->rows[e];
+        offsets[e] = nblk * br;
         for (int r = 0; r < s->rows[e]; r += br) {
             be[nblk] = e;
             row_of_block[nblk++] = in->row_off[e] + r;
@@ -273,6 +277,7 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
         }
     }
     const int num_blocks = nblk, max_blocks = nblk + 2;
+    offsets[s->num_experts] = nblk * br;
     be[nblk] = 0;
     be[nblk + 1] = 0;
     row_of_block[nblk] = row_of_block[nblk + 1] = -1;
@@ -305,7 +310,11 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
     }
     void *d_a, *d_c;
     float *d_scale, *d_as;
-    int32_t *d_be, *d_nb;
+    int32_t *d_be, *d_nb, *d_counts, *d_offsets;
+    CUDA_OK(cudaMalloc((void **)&d_counts, sizeof(counts)));
+    CUDA_OK(cudaMalloc((void **)&d_offsets, sizeof(offsets)));
+    CUDA_OK(cudaMemcpy(d_counts, counts, sizeof(counts), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_offsets, offsets, sizeof(offsets), cudaMemcpyHostToDevice));
     CUDA_OK(cudaMalloc(&d_a, prow * k * 2));
     CUDA_OK(cudaMalloc((void **)&d_as, prow * 4 * kbn));
     CUDA_OK(cudaMemcpy(d_as, as, prow * 4 * kbn, cudaMemcpyHostToDevice));
@@ -344,6 +353,10 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
                 args.c_f32 = f32;
                 args.ab_dtype = v->ab_dtype;
                 args.scale_kind = v->scale_kind;
+                if (use_scale) { /* half the runs may skip all-padding rows (the layer's way) */
+                    args.expert_counts = d_counts;
+                    args.expert_offsets = d_offsets;
+                }
                 CUDA_OK(cudaMemset(d_c, 0xff, prow * n * 4)); /* NaN in bf16 and f32 */
                 moe_status_t st = v->launch(&args, NULL);
                 CUDA_OK(cudaDeviceSynchronize());
@@ -402,6 +415,8 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
     cudaFree(d_scale);
     cudaFree(d_be);
     cudaFree(d_nb);
+    cudaFree(d_counts);
+    cudaFree(d_offsets);
 }
 
 static void expect(int cond, const char *what)
