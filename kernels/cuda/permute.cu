@@ -291,23 +291,39 @@ template <typename T> __device__ __forceinline__ uint4 load_unit(const T *src)
     return moe_pack8(f);
 }
 
+/* A thread's COPY_UNROLL units i0 + u * step (u < COPY_UNROLL) of a range of `total` 16-byte
+ * units: all loaded (load(i); zeros past the range) before any is stored, then d[i] = v[u]. */
+template <typename Load>
+__device__ __forceinline__ void load_units(uint4 (&v)[COPY_UNROLL], int i0, int step, int total,
+                                           Load load)
+{
+#pragma unroll
+    for (int u = 0; u < COPY_UNROLL; u++) {
+        const int i = i0 + u * step;
+        v[u] = i < total ? load(i) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+__device__ __forceinline__ void store_units(const uint4 (&v)[COPY_UNROLL], int i0, int step,
+                                            int total, uint4 *d)
+{
+#pragma unroll
+    for (int u = 0; u < COPY_UNROLL; u++)
+        if (i0 + u * step < total)
+            d[i0 + u * step] = v[u];
+}
+
 template <typename T, bool VEC>
 __device__ __forceinline__ void copy_row(const T *src, __nv_bfloat16 *dst, int hidden)
 {
     if (VEC) {
-        uint4 *d = reinterpret_cast<uint4 *>(dst);
         const int n = hidden / 8, step = blockDim.x;
         for (int c0 = threadIdx.x; c0 < n; c0 += step * COPY_UNROLL) {
             uint4 v[COPY_UNROLL];
-#pragma unroll
-            for (int u = 0; u < COPY_UNROLL; u++) {
-                const int c = c0 + u * step;
-                v[u] = c < n && src ? load_unit(src + 8 * c) : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-            for (int u = 0; u < COPY_UNROLL; u++)
-                if (c0 + u * step < n)
-                    d[c0 + u * step] = v[u];
+            load_units(v, c0, step, n, [&](int c) {
+                return src ? load_unit(src + 8 * c) : make_uint4(0, 0, 0, 0);
+            });
+            store_units(v, c0, step, n, reinterpret_cast<uint4 *>(dst));
         }
     } else {
         for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
@@ -353,20 +369,18 @@ __global__ void __launch_bounds__(GATHER_THREADS)
     if (live <= 0)
         return;
     const int total = live * n;
-    uint4 *d = reinterpret_cast<uint4 *>(a + (size_t)row0 * hidden);
     for (int i0 = threadIdx.x; i0 < total; i0 += GATHER_THREADS * COPY_UNROLL) {
         uint4 v[COPY_UNROLL];
-#pragma unroll
-        for (int u = 0; u < COPY_UNROLL; u++) {
-            const int i = i0 + u * GATHER_THREADS, r = i / n, c = i - r * n;
-            const int slot = i < total ? __ldg(slot_of_row + row0 + r) : -1;
-            v[u] = slot >= 0 ? load_unit(x + (size_t)(slot / top_k) * hidden + 8 * c)
-                             : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < COPY_UNROLL; u++) /* row r's unit c is unit r * n + c of the range */
-            if (i0 + u * GATHER_THREADS < total)
-                d[i0 + u * GATHER_THREADS] = v[u];
+        load_units(v, i0, GATHER_THREADS, total,
+                   [&](int i) { /* row r's unit c: r * n + c */
+                                const int r = i / n, c = i - r * n,
+                                          slot = __ldg(slot_of_row + row0 + r);
+                                return slot >= 0
+                                           ? load_unit(x + (size_t)(slot / top_k) * hidden + 8 * c)
+                                           : make_uint4(0, 0, 0, 0);
+                   });
+        store_units(v, i0, GATHER_THREADS, total,
+                    reinterpret_cast<uint4 *>(a + (size_t)row0 * hidden));
     }
 }
 
@@ -386,20 +400,12 @@ __global__ void __launch_bounds__(GATHER_THREADS)
         const T *src = x + (size_t)t * hidden;
         for (int c0 = threadIdx.x; c0 < n; c0 += GATHER_THREADS * COPY_UNROLL) {
             uint4 v[COPY_UNROLL];
-#pragma unroll
-            for (int u = 0; u < COPY_UNROLL; u++) {
-                const int c = c0 + u * GATHER_THREADS;
-                v[u] = c < n ? load_unit(src + 8 * c) : make_uint4(0, 0, 0, 0);
-            }
+            load_units(v, c0, GATHER_THREADS, n, [&](int c) { return load_unit(src + 8 * c); });
             for (int j = 0; j < top_k; j++) {
                 const int row = __ldg(row_of_slot + (size_t)t * top_k + j);
-                if (row < 0)
-                    continue;
-                uint4 *d = reinterpret_cast<uint4 *>(a + (size_t)row * hidden);
-#pragma unroll
-                for (int u = 0; u < COPY_UNROLL; u++)
-                    if (c0 + u * GATHER_THREADS < n)
-                        d[c0 + u * GATHER_THREADS] = v[u];
+                if (row >= 0)
+                    store_units(v, c0, GATHER_THREADS, n,
+                                reinterpret_cast<uint4 *>(a + (size_t)row * hidden));
             }
         }
     }
