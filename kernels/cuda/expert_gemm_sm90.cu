@@ -639,30 +639,31 @@ static moe_status_t encode_map(CUtensorMap *map, const void *ptr, int64_t rows, 
     return MOE_STATUS_SUCCESS;
 }
 
-/* MOE_GEMM_PDL=0 turns programmatic dependent launch off (default on): the kernel's prologue
- * then no longer overlaps the previous kernel on the stream. */
-static int pdl_enabled(void)
+/* A switch from the environment (default on), read once into *cache (starts at -1). */
+static int env_switch(int *cache, const char *name)
 {
-    static int cached = -1;
-    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    int v = __atomic_load_n(cache, __ATOMIC_RELAXED);
     if (v < 0) {
-        v = moe_env_int("MOE_GEMM_PDL", 1) != 0;
-        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
+        v = moe_env_int(name, 1) != 0;
+        __atomic_store_n(cache, v, __ATOMIC_RELAXED);
     }
     return v;
 }
 
+/* MOE_GEMM_PDL=0 turns programmatic dependent launch off: the kernel's prologue then no longer
+ * overlaps the previous kernel on the stream. */
+static int pdl_enabled(void)
+{
+    static int cached = -1;
+    return env_switch(&cached, "MOE_GEMM_PDL");
+}
+
 /* MOE_GEMM_TMA_STORE=0 makes the normal-layout bf16 epilogue store from registers instead of
- * through shared memory and TMA (default on). */
+ * through shared memory and TMA. */
 static int tma_store_enabled(void)
 {
     static int cached = -1;
-    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
-    if (v < 0) {
-        v = moe_env_int("MOE_GEMM_TMA_STORE", 1) != 0;
-        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
-    }
-    return v;
+    return env_switch(&cached, "MOE_GEMM_TMA_STORE");
 }
 
 template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB = 1, int F8 = 0>
