@@ -371,14 +371,12 @@ __global__ void __launch_bounds__(GATHER_THREADS)
     const int total = live * n;
     for (int i0 = threadIdx.x; i0 < total; i0 += GATHER_THREADS * COPY_UNROLL) {
         uint4 v[COPY_UNROLL];
-        load_units(v, i0, GATHER_THREADS, total,
-                   [&](int i) { /* row r's unit c: r * n + c */
-                                const int r = i / n, c = i - r * n,
-                                          slot = __ldg(slot_of_row + row0 + r);
-                                return slot >= 0
-                                           ? load_unit(x + (size_t)(slot / top_k) * hidden + 8 * c)
-                                           : make_uint4(0, 0, 0, 0);
-                   });
+        /* unit i of the range is unit c of row r: i = r * n + c */
+        load_units(v, i0, GATHER_THREADS, total, [&](int i) {
+            const int r = i / n, c = i - r * n, slot = __ldg(slot_of_row + row0 + r);
+            return slot >= 0 ? load_unit(x + (size_t)(slot / top_k) * hidden + 8 * c)
+                             : make_uint4(0, 0, 0, 0);
+        });
         store_units(v, i0, GATHER_THREADS, total,
                     reinterpret_cast<uint4 *>(a + (size_t)row0 * hidden));
     }
