@@ -880,7 +880,7 @@ moe_status_t moe_cuda_routed_experts(cuda_layer_t *s, const void *x, moe_dtype_t
          * rows per expert, 4-15 % slower at 2-4 blocks per expert, so only the former. */
         const int skip = s->skip_pad && rows_per_expert <= 1.5 * br;
         return run_mlp_gemms(s, v, &m, s->block_expert, s->num_blocks, mb, skip ? s->counts : NULL,
-                             s->offsets, stream);
+                             skip ? s->offsets : NULL, stream);
     }
 }
 

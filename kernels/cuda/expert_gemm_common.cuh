@@ -43,7 +43,7 @@ static inline moe_gemm_kparams moe_gemm_base_params(const moe_gemm_args_t *a)
     p.n_out = 0;
     p.n_tiles = 0;
     p.tma_store = 0;
-    p.expert_counts = a->expert_counts && a->expert_offsets ? a->expert_counts : NULL;
+    p.expert_counts = a->expert_counts; /* both or neither: moe_gemm_check_common */
     p.expert_offsets = a->expert_offsets;
     p.a_scale = a->a_scale;
     p.b_scale = a->b_scale;
@@ -130,6 +130,9 @@ static inline moe_status_t moe_gemm_check_common(const moe_gemm_args_t *a, const
     MOE_ARG_CHECK(a->n > 0 && a->k > 0, "%s: n = %d, k = %d must be > 0", name, a->n, a->k);
     MOE_ARG_CHECK(a->epilogue >= MOE_GEMM_EPI_STORE && a->epilogue <= MOE_GEMM_EPI_GELU_MUL,
                   "%s: epilogue = %d", name, (int)a->epilogue);
+    MOE_ARG_CHECK(!a->expert_counts == !a->expert_offsets,
+                  "%s: expert_counts %p and expert_offsets %p: give both or neither", name,
+                  (const void *)a->expert_counts, (const void *)a->expert_offsets);
     MOE_ARG_CHECK(a->a && a->b && a->c && a->block_expert && a->num_blocks,
                   "%s: a, b, c, block_expert and num_blocks must be device pointers (a=%p b=%p "
                   "c=%p block_expert=%p num_blocks=%p)",

@@ -465,6 +465,11 @@ static void check_rejects(const moe_gemm_variant_t *v, const inputs_t *in)
         expect(v->launch(&args, NULL) == MOE_STATUS_NOT_SUPPORTED, "fp8 k = 1032 rejected");
         args.k = 128;
     }
+    args.expert_counts = (const int32_t *)d; /* without expert_offsets */
+    expect(v->launch(&args, NULL) == MOE_STATUS_INVALID_ARGUMENT &&
+               strstr(moe_last_error(), "both or neither"),
+           "expert_counts without expert_offsets rejected");
+    args.expert_counts = NULL;
     args.a = NULL;
     expect(v->launch(&args, NULL) == MOE_STATUS_INVALID_ARGUMENT, "a = NULL rejected");
     args.a = d;
