@@ -131,7 +131,7 @@ constexpr int ROW_BYTES = BK * 2; /* 128 (e4m3: 128 elements) */
 template <int F8> struct sm90_elem {
     static constexpr int BKE = F8 ? 128 : 64;
 };
-constexpr int GROUP_BLOCKS = 16; /* row blocks swept together over all weight tiles (L2 reuse) */
+constexpr int GROUP_BLOCKS = 16; /* at most this many row blocks a sweep (L2 reuse) */
 
 template <int SWAP, int TOK, int WR, int HALVES, int STAGES, int KB, int F8> struct sm90_cfg {
     static constexpr int NWG = SWAP ? 1 : TOK / 64;
@@ -160,16 +160,17 @@ template <int SWAP, int TOK, int WR, int HALVES, int STAGES, int KB, int F8> str
     static_assert(EPI_BYTES % 1024 == 0 || SWAP, "TMA store buffers: 1024 B aligned");
 };
 
-/* Maps work item t to (row block b, weight tile jt); row blocks are taken GROUP_BLOCKS at a time
+/* Maps work item t to (row block b, weight tile jt); row blocks are taken `group` at a time
  * across all weight tiles so the group's token rows and the swept weight tiles stay in L2. */
-static __device__ __forceinline__ void sm90_item(int t, int nb, int n_tiles, int *b, int *jt)
+static __device__ __forceinline__ void sm90_item(int t, int nb, int n_tiles, int *b, int *jt,
+                                                 int group)
 {
-    int per_group = GROUP_BLOCKS * n_tiles;
+    int per_group = group * n_tiles;
     int g = t / per_group;
     int rem = t - g * per_group;
-    int gsize = min(GROUP_BLOCKS, nb - g * GROUP_BLOCKS);
+    int gsize = min(group, nb - g * group);
     *jt = rem / gsize;
-    *b = g * GROUP_BLOCKS + rem % gsize;
+    *b = g * group + rem % gsize;
 }
 
 /* FP8 (F8 = 1): e4m3 A and B, f32 accumulation; the epilogue multiplies each output by the
@@ -215,6 +216,13 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
 
     const int nb = min(__ldg(p.num_blocks), p.max_blocks);
     const int total = nb * p.n_tiles;
+    /* Row blocks per sweep: set (MOE_GEMM_GROUP), or for the normal layout the step's blocks
+     * per expert within [4, GROUP_BLOCKS] (one expert's blocks share each weight tile while it
+     * is in L2; fewer blocks a sweep measured faster where experts have few blocks: bench/
+     * RESULTS.md, sixth session), GROUP_BLOCKS for swap-AB. */
+    const int group = p.group > 0 ? p.group
+                      : SWAP      ? GROUP_BLOCKS
+                                  : min(GROUP_BLOCKS, max(4, nb / max(p.num_experts, 1)));
     constexpr int BKE = sm90_elem<F8>::BKE;
     const int kt_count = (p.k + BKE - 1) / BKE; /* the k tail: TMA zero fill */
 
@@ -224,7 +232,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
             int s = 0, ph = 0;
             for (int t = blockIdx.x; t < total; t += gridDim.x) {
                 int b, jt;
-                sm90_item(t, nb, p.n_tiles, &b, &jt);
+                sm90_item(t, nb, p.n_tiles, &b, &jt, group);
                 int e = __ldg(p.block_expert + b);
                 if (e < 0 || e >= p.num_experts)
                     continue;
@@ -353,7 +361,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
     int s = 0, ph = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
         int b, jt;
-        sm90_item(t, nb, p.n_tiles, &b, &jt);
+        sm90_item(t, nb, p.n_tiles, &b, &jt, group);
         int e = __ldg(p.block_expert + b);
         if (e < 0 || e >= p.num_experts)
             continue;
@@ -666,6 +674,19 @@ static int tma_store_enabled(void)
     return env_switch(&cached, "MOE_GEMM_TMA_STORE");
 }
 
+/* MOE_GEMM_GROUP=N sweeps N row blocks at a time over the weight tiles; 0 or unset: the
+ * kernel's rule (by blocks per expert). Read once. */
+static int sweep_group(void)
+{
+    static int cached = -1;
+    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (v < 0) {
+        v = (int)moe_env_int("MOE_GEMM_GROUP", 0); /* 0 .. 4096: runtime/env.c */
+        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
+    }
+    return v;
+}
+
 template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB = 1, int F8 = 0>
 static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, const char *name)
 {
@@ -696,6 +717,7 @@ static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, co
     if (p.tma_store)
         MOE_CHECK(encode_map(&tm_c, a->c, (int64_t)a->max_blocks * TOK, p.n_out, 64, name));
     int grid = (int)(items < sms ? items : sms);
+    p.group = sweep_group();
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];
     cfg.gridDim = dim3(grid);
