@@ -647,12 +647,13 @@ static moe_status_t encode_map(CUtensorMap *map, const void *ptr, int64_t rows, 
     return MOE_STATUS_SUCCESS;
 }
 
-/* A switch from the environment (default on), read once into *cache (starts at -1). */
-static int env_switch(int *cache, const char *name)
+/* An integer from the environment (knob ranges: runtime/env.c, all >= 0), read once into *cache
+ * (starts at -1). */
+static int env_once(int *cache, const char *name, int dflt)
 {
     int v = __atomic_load_n(cache, __ATOMIC_RELAXED);
     if (v < 0) {
-        v = moe_env_int(name, 1) != 0;
+        v = (int)moe_env_int(name, dflt);
         __atomic_store_n(cache, v, __ATOMIC_RELAXED);
     }
     return v;
@@ -663,7 +664,7 @@ static int env_switch(int *cache, const char *name)
 static int pdl_enabled(void)
 {
     static int cached = -1;
-    return env_switch(&cached, "MOE_GEMM_PDL");
+    return env_once(&cached, "MOE_GEMM_PDL", 1) != 0;
 }
 
 /* MOE_GEMM_TMA_STORE=0 makes the normal-layout bf16 epilogue store from registers instead of
@@ -671,20 +672,15 @@ static int pdl_enabled(void)
 static int tma_store_enabled(void)
 {
     static int cached = -1;
-    return env_switch(&cached, "MOE_GEMM_TMA_STORE");
+    return env_once(&cached, "MOE_GEMM_TMA_STORE", 1) != 0;
 }
 
 /* MOE_GEMM_GROUP=N sweeps N row blocks at a time over the weight tiles; 0 or unset: the
- * kernel's rule (by blocks per expert). Read once. */
+ * kernel's rule (by blocks per expert). */
 static int sweep_group(void)
 {
     static int cached = -1;
-    int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
-    if (v < 0) {
-        v = (int)moe_env_int("MOE_GEMM_GROUP", 0); /* 0 .. 4096: runtime/env.c */
-        __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
-    }
-    return v;
+    return env_once(&cached, "MOE_GEMM_GROUP", 0);
 }
 
 template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB = 1, int F8 = 0>
