@@ -137,7 +137,7 @@ template <int SWAP, int TOK, int WR, int HALVES, int STAGES, int KB, int F8> str
     static constexpr int NWG = SWAP ? 1 : TOK / 64;
     /* normal bf16 layout: the epilogue writes bf16 rows through shared memory and TMA stores
      * (TS_BYTES per consumer warpgroup: 64 rows x 128 output columns, two 64-column boxes) */
-    static constexpr bool TS = !SWAP && !F8 && WR == 128;
+    static constexpr bool TS = !SWAP && !F8 && (WR == 128 || WR == 64);
     static constexpr int TS_BYTES = 64 * WR * 2;
     static constexpr int THREADS = (NWG + 1) * 128;
     static constexpr int WN = SWAP ? TOK : WR; /* wgmma N */
@@ -266,7 +266,11 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
         return;
     }
 
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    /* three consumer warpgroups (512 threads, 64 accumulators each): 152 fits the file */
+    if (C::NWG <= 2)
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    else
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 152;");
     const int warp = tid / 32, lane = tid % 32;
     float acc[C::NACC][C::ACC];
     /* The wgmmas of one 64-wide k slice `sub` of the stage at shared address st. */
@@ -738,12 +742,13 @@ static constexpr int stages_for(int stage_bytes, int budget, int cap)
     return budget / stage_bytes < cap ? budget / stage_bytes : cap;
 }
 
-/* Normal layout: TOK tokens (64 per consumer warpgroup) x 2 x 128 weight rows. */
-template <int TOK, int F8 = 0>
+/* Normal layout: TOK tokens (64 per consumer warpgroup) x 2 x WR weight rows (bf16: WRB, 128
+ * or, for three consumer warpgroups, 64). */
+template <int TOK, int F8 = 0, int WRB = 128>
 static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const char *name)
 {
     /* FP8 keeps a second set of accumulators (the per-stage promotion): half the weight rows */
-    constexpr int WR = F8 ? 64 : 128;
+    constexpr int WR = F8 ? 64 : WRB;
     /* bf16: the TMA-store buffers (16 KB per consumer warpgroup) come out of the same budget
      * (m128: 4 stages of 48 KB + 32 KB; m64: 5 of 40 KB + 16 KB) */
     constexpr int ST = F8 ? stages_for((TOK + 2 * WR) * ROW_BYTES, 200 * 1024, 8)
@@ -799,6 +804,12 @@ moe_status_t moe_gemm_sm90_m128_launch(const moe_gemm_args_t *a, void *stream)
 moe_status_t moe_gemm_sm90_m64_launch(const moe_gemm_args_t *a, void *stream)
 {
     return launch_normal<64>(a, stream, "sm90_wgmma_tma_m64n256");
+}
+/* 192 rows (three consumer warpgroups) x 128 weight rows: an expert of 129..192 rows is one
+ * block, so each weight tile is read once for it (m128: twice, the second mostly padding). */
+moe_status_t moe_gemm_sm90_m192_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<192, 0, 64>(a, stream, "sm90_wgmma_tma_m192n128");
 }
 moe_status_t moe_gemm_sm90_swap8_launch(const moe_gemm_args_t *a, void *stream)
 {

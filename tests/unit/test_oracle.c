@@ -20,11 +20,12 @@ typedef struct old_bucket {
     const char *name;
 } old_bucket_t;
 
-static const old_bucket_t old_sm90[] = {{5.66, "sm90_swapab_n8"},
-                                        {11.3, "sm90_swapab_n16"},
-                                        {22.6, "sm90_swapab_w128_n32"},
-                                        {45.3, "sm90_wgmma_tma_m64n256"},
-                                        {1e300, "sm90_wgmma_tma_m128n256"}};
+static const old_bucket_t old_sm90[] = {
+    {5.66, "sm90_swapab_n8"},          {11.3, "sm90_swapab_n16"},
+    {22.6, "sm90_swapab_w128_n32"},    {45.3, "sm90_wgmma_tma_m64n256"},
+    {90.5, "sm90_wgmma_tma_m128n256"}, {181.0, "sm90_wgmma_tma_m192n128"},
+    {1e300, "sm90_wgmma_tma_m128n256"}};
+#define OLD_SM90_N ((int)(sizeof(old_sm90) / sizeof(old_sm90[0])))
 static const old_bucket_t old_fp8[] = {
     {22.6, "sm90_fp8_swapab_n16"}, {45.3, "sm90_fp8_swapab_n32"}, {1e300, "sm90_fp8_m128n128"}};
 static const old_bucket_t old_fp8b[] = {{16.0, "sm90_fp8_block_swapab_n16"},
@@ -50,14 +51,14 @@ static const char *old_select(int arch, moe_dtype_t d, moe_scale_kind_t s, doubl
     if (d != MOE_DTYPE_BF16 || s != MOE_SCALE_NONE)
         return NULL;
     if (arch == 90)
-        return old_pick(old_sm90, 5, rows);
+        return old_pick(old_sm90, OLD_SM90_N, rows);
     return arch >= 80 ? old_pick(old_sm80, 2, rows) : NULL;
 }
 
 static void old_explain(int arch, double rows, char *text, size_t len)
 {
     const old_bucket_t *b = arch == 90 ? old_sm90 : arch >= 80 ? old_sm80 : NULL;
-    const int n = arch == 90 ? 5 : 2;
+    const int n = arch == 90 ? OLD_SM90_N : 2;
     double lo = 0.0;
     for (int i = 0; b && i < n; i++) {
         if (rows <= b[i].max) {
@@ -74,10 +75,10 @@ static void old_explain(int arch, double rows, char *text, size_t len)
     snprintf(text, len, "simt_ref (no tuned variant for sm_%d)", arch);
 }
 
-static const double rows_list[] = {0,    0.25, 1,    1.99, 2,    2.0001, 3,   5.66, 5.67,
-                                   7.5,  8,    11.3, 11.4, 15.9, 16,     17,  22.6, 22.7,
-                                   31.9, 32,   32.1, 45.3, 45.4, 48,     64,  95.,  96,
-                                   96.5, 128,  255,  256,  1000, 4096,   1e5, 1e9};
+static const double rows_list[] = {0,    0.25, 1,    1.99, 2,    2.0001, 3,    5.66, 5.67, 7.5,
+                                   8,    11.3, 11.4, 15.9, 16,   17,     22.6, 22.7, 31.9, 32,
+                                   32.1, 45.3, 45.4, 48,   64,   95.,    96,   96.5, 128,  181,
+                                   182,  255,  256,  1000, 4096, 1e5,    1e9};
 #define NUM_ROWS ((int)(sizeof(rows_list) / sizeof(rows_list[0])))
 static const int arch_list[] = {60, 70, 75, 80, 86, 89, 90, 100, 120};
 static const struct {
