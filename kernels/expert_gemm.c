@@ -38,6 +38,8 @@ static const moe_gemm_variant_t variants[] = {
      L(moe_gemm_sm90_m128_launch)},
     {"sm90_wgmma_tma_m192n128", 90, 192, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE,
      L(moe_gemm_sm90_m192_launch)},
+    {"sm90_wgmma_tma_m256n128", 90, 256, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE,
+     L(moe_gemm_sm90_m256_launch)},
     {"sm90_fp8_swapab_n16", 90, 16, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
      L(moe_gemm_sm90_fp8_swap16_launch)},
     {"sm90_fp8_swapab_n32", 90, 32, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,

@@ -31,13 +31,14 @@ static const moe_oracle_group_t defaults[] = {
     /* moe-tune on the H200 for Mixtral, Qwen3-30B-A3B and the DeepSeek-V3 EP8 shard at 1, 2, 4,
      * ... 256 rows per expert (bench/RESULTS.md, "Tuned defaults"): the variant with the smallest
      * worst loss over the three shapes, bounds halfway (geometrically) between the points */
-    /* ... and sm90_wgmma_tma_m192n128 where most experts fit one 192-row block (about 96 to 176
-     * rows per expert on average): each weight tile is then read once per expert, not twice
-     * (bench/RESULTS.md "seventh session") */
-    BUILTIN(90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 7, {5.66, "sm90_swapab_n8", 0, 0},
+    /* ... and one block per expert where most experts fit one: m192n128 (three consumer
+     * warpgroups) at about 120 to 180 rows per expert on average, m256n128 (four) up to 248. Each
+     * weight tile is then read once per expert, not twice (bench/RESULTS.md "seventh session") */
+    BUILTIN(90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 8, {5.66, "sm90_swapab_n8", 0, 0},
             {11.3, "sm90_swapab_n16", 0, 0}, {22.6, "sm90_swapab_w128_n32", 0, 0},
-            {45.3, "sm90_wgmma_tma_m64n256", 0, 0}, {90.5, "sm90_wgmma_tma_m128n256", 0, 0},
-            {181.0, "sm90_wgmma_tma_m192n128", 0, 0}, {OPEN, "sm90_wgmma_tma_m128n256", 0, 0}),
+            {45.3, "sm90_wgmma_tma_m64n256", 0, 0}, {119.7, "sm90_wgmma_tma_m128n256", 0, 0},
+            {180.0, "sm90_wgmma_tma_m192n128", 0, 0}, {247.9, "sm90_wgmma_tma_m256n128", 0, 0},
+            {OPEN, "sm90_wgmma_tma_m128n256", 0, 0}),
     /* FP8 per-tensor / per-channel (per-row scales): measured as above */
     BUILTIN(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, 3, {22.6, "sm90_fp8_swapab_n16", 0, 0},
             {45.3, "sm90_fp8_swapab_n32", 0, 0}, {OPEN, "sm90_fp8_m128n128", 0, 0}),

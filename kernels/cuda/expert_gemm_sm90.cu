@@ -266,11 +266,19 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
         return;
     }
 
-    /* three consumer warpgroups (512 threads, 64 accumulators each): 152 fits the file */
+    /* three or four consumer warpgroups (512 or 640 threads, 64 accumulators each): what the
+     * producer gives back (down to 40) out of the launch's 128 or 96 per thread. More would
+     * wait forever: setmaxnreg.inc only takes registers the CTA already holds. */
+    constexpr int LAUNCH_REGS = (65536 / C::THREADS > 255 ? 255 : 65536 / C::THREADS) / 8 * 8;
+    constexpr int CONSUMER_REGS = C::NWG <= 2 ? 232 : C::NWG == 3 ? 152 : 104;
+    static_assert(LAUNCH_REGS * (C::NWG + 1) >= 40 + CONSUMER_REGS * C::NWG,
+                  "setmaxnreg.inc beyond the CTA's registers never returns");
     if (C::NWG <= 2)
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-    else
+    else if (C::NWG == 3)
         asm volatile("setmaxnreg.inc.sync.aligned.u32 152;");
+    else
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 104;");
     const int warp = tid / 32, lane = tid % 32;
     float acc[C::NACC][C::ACC];
     /* The wgmmas of one 64-wide k slice `sub` of the stage at shared address st. */
@@ -810,6 +818,11 @@ moe_status_t moe_gemm_sm90_m64_launch(const moe_gemm_args_t *a, void *stream)
 moe_status_t moe_gemm_sm90_m192_launch(const moe_gemm_args_t *a, void *stream)
 {
     return launch_normal<192, 0, 64>(a, stream, "sm90_wgmma_tma_m192n128");
+}
+/* 256 rows (four consumer warpgroups) x 128 weight rows: the same for experts of 193..256 */
+moe_status_t moe_gemm_sm90_m256_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<256, 0, 64>(a, stream, "sm90_wgmma_tma_m256n128");
 }
 moe_status_t moe_gemm_sm90_swap8_launch(const moe_gemm_args_t *a, void *stream)
 {

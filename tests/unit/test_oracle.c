@@ -21,10 +21,10 @@ typedef struct old_bucket {
 } old_bucket_t;
 
 static const old_bucket_t old_sm90[] = {
-    {5.66, "sm90_swapab_n8"},          {11.3, "sm90_swapab_n16"},
-    {22.6, "sm90_swapab_w128_n32"},    {45.3, "sm90_wgmma_tma_m64n256"},
-    {90.5, "sm90_wgmma_tma_m128n256"}, {181.0, "sm90_wgmma_tma_m192n128"},
-    {1e300, "sm90_wgmma_tma_m128n256"}};
+    {5.66, "sm90_swapab_n8"},           {11.3, "sm90_swapab_n16"},
+    {22.6, "sm90_swapab_w128_n32"},     {45.3, "sm90_wgmma_tma_m64n256"},
+    {119.7, "sm90_wgmma_tma_m128n256"}, {180.0, "sm90_wgmma_tma_m192n128"},
+    {247.9, "sm90_wgmma_tma_m256n128"}, {1e300, "sm90_wgmma_tma_m128n256"}};
 #define OLD_SM90_N ((int)(sizeof(old_sm90) / sizeof(old_sm90[0])))
 static const old_bucket_t old_fp8[] = {
     {22.6, "sm90_fp8_swapab_n16"}, {45.3, "sm90_fp8_swapab_n32"}, {1e300, "sm90_fp8_m128n128"}};
@@ -75,10 +75,10 @@ static void old_explain(int arch, double rows, char *text, size_t len)
     snprintf(text, len, "simt_ref (no tuned variant for sm_%d)", arch);
 }
 
-static const double rows_list[] = {0,    0.25, 1,    1.99, 2,    2.0001, 3,    5.66, 5.67, 7.5,
-                                   8,    11.3, 11.4, 15.9, 16,   17,     22.6, 22.7, 31.9, 32,
-                                   32.1, 45.3, 45.4, 48,   64,   95.,    96,   96.5, 128,  181,
-                                   182,  255,  256,  1000, 4096, 1e5,    1e9};
+static const double rows_list[] = {
+    0,     0.25,  1,    1.99, 2,     2.0001, 3,    5.66, 5.67, 7.5,  8,    11.3, 11.4, 15.9,
+    16,    17,    22.6, 22.7, 31.9,  32,     32.1, 45.3, 45.4, 48,   64,   95.,  96,   96.5,
+    119.7, 119.8, 128,  180,  180.1, 247.9,  248,  255,  256,  1000, 4096, 1e5,  1e9};
 #define NUM_ROWS ((int)(sizeof(rows_list) / sizeof(rows_list[0])))
 static const int arch_list[] = {60, 70, 75, 80, 86, 89, 90, 100, 120};
 static const struct {
