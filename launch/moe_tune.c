@@ -54,7 +54,8 @@ static void usage(void)
     printf("usage: mpirun -np N moe-tune --out FILE [--preset NAME]\n"
            "                [--experts E --top-k K --hidden H --intermediate I] [--tp T]\n"
            "                [--dtype bf16|fp8 [--scales tensor|channel|block]]\n"
-           "                [--rows 1,2,4,8,16,32,64,128,256] [--tokens 1,8,64,512,4096]\n"
+           "                [--rows 1,2,4,8,16,32,64,96,128,160,192,224,256,320]\n"
+           "                [--tokens 1,8,64,512,4096]\n"
            "                [--iters N] [--no-transport]\n"
            "  Times every grouped-GEMM variant that runs this layer here at each rows-per-expert\n"
            "  point (--rows), and with N > 1 ranks every transport (allgather, lsa, p2p) at each\n"
@@ -154,7 +155,8 @@ static int parse(int argc, char **argv, options_t *o)
     o->tp = 1;
     o->iters = 30;
     moe_gen_preset(o->preset, &o->cfg);
-    parse_list(o, "--rows", "1,2,4,8,16,32,64,128,256", 1, 1 << 20, o->rows, &o->num_rows);
+    parse_list(o, "--rows", "1,2,4,8,16,32,64,96,128,160,192,224,256,320", 1, 1 << 20, o->rows,
+               &o->num_rows);
     o->num_tokens = 5;
     memcpy(o->tokens, (int64_t[]){1, 8, 64, 512, 4096}, sizeof(int64_t) * 5);
     for (int i = 1; i < argc; i++)
