@@ -6,6 +6,7 @@
 #                    share it: MOE_TEST_SHARED_GPU=1, lsa only)
 #   quick            the same
 #   ep               (2+ GPUs) dispatch bench at a serving capacity, weak scaling, first call
+#   ep-layer         DeepSeek-V3's whole layer at 8 and 4096 tokens per rank, all GPUs vs one
 #   bf16             moe-bench bf16 tables with phases (three presets, M = 1 .. 8192)
 #   fp8              moe-bench fp8 tables (three presets, per-tensor and block) + torch peers
 #   tune             moe-tune bf16 + fp8 for the three presets or $TUNE_PRESETS (EP = all GPUs
@@ -73,6 +74,18 @@ ep)
     done 2>&1 | tee "$OUT/weak.log"
     timeout 120 mpirun -np "$ngpu" $B/moe-bench --first-call --preset deepseek-v3-ep8 2>&1 |
         quiet | tail -26
+    ;;
+ep-layer)
+    # issue 10: the whole layer, DeepSeek-V3 routing (E256 top-8, groups), bf16 tokens, at 8 and
+    # 4096 tokens per rank on all GPUs against one GPU (the same tokens per rank)
+    for T in 8 4096; do
+        for n in 1 "$ngpu"; do
+            echo "== deepseek-v3, $n GPU(s), $T tokens per rank"
+            timeout 120 mpirun -np "$n" $B/moe-run --backend cuda --preset deepseek-v3 \
+                --x-dtype bf16 --tokens $((T * n)) --iters 30 --warmup 3 2>&1 | quiet |
+                grep -E "phase|tokens/s|step|checksum"
+        done
+    done 2>&1 | tee "$OUT/ep_layer.log"
     ;;
 bf16)
     for p in $presets; do
