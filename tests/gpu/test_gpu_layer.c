@@ -373,6 +373,10 @@ static void run_case(const layer_case_t *c0)
         if (!tokens || atoll(tokens) == gt_token_counts[t])
             run_tokens(fx, c, gt_token_counts[t], 1, stream);
     if (!tokens) {
+        /* 600 and 900 tokens: 150 and 225 rows per expert at E / k = 4 (the small cases,
+         * Mixtral, the DeepSeek-V3 shard), where the table picks m192n128 and m256n128 */
+        run_tokens(fx, c, 600, 1, stream);
+        run_tokens(fx, c, 900, 1, stream);
         run_tokens(fx, c, 64, 0, stream);
         run_tokens(fx, c, 1, 0, NULL); /* the legacy default stream */
     }
