@@ -9,8 +9,8 @@
 #   ep-layer         DeepSeek-V3's whole layer at 8 and 4096 tokens per rank, all GPUs vs one
 #   bf16             moe-bench bf16 tables with phases (three presets, M = 1 .. 8192)
 #   fp8              moe-bench fp8 tables (three presets, per-tensor and block) + torch peers
-#   tune             moe-tune bf16 + fp8 for the three presets or $TUNE_PRESETS (EP = all GPUs
-#                    when 2+)
+#   tune             moe-tune bf16 + fp8 for the three presets or $TUNE_PRESETS, $TUNE_DTYPES
+#                    (EP = all GPUs when 2+; each run up to 150 s: split over calls)
 #   first            moe-bench --first-call under mpirun -np <GPUs, at least 2>
 #   kernels          GPU time per kernel of one layer step (ncu; KERNEL_PRESET, KERNEL_TOKENS,
 #                    KERNEL_X = bf16 or f32 tokens)
@@ -109,7 +109,9 @@ fp8)
     ;;
 tune)
     for p in ${TUNE_PRESETS:-$presets}; do
-        for d in "" "--dtype fp8 --scales tensor"; do
+        for dt in ${TUNE_DTYPES:-bf16 fp8}; do
+            d=""
+            [ "$dt" = fp8 ] && d="--dtype fp8 --scales tensor"
             # shellcheck disable=SC2086 # $d: two options or none
             timeout 150 mpirun -np "$([ "$ngpu" -ge 2 ] && echo "$ngpu" || echo 1)" $B/moe-tune \
                 --preset "$p" $d --out "$OUT/tune.json" --iters 10 2>&1 | quiet |
