@@ -266,19 +266,15 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
         return;
     }
 
-    /* three or four consumer warpgroups (512 or 640 threads, 64 accumulators each): what the
-     * producer gives back (down to 40) out of the launch's 128 or 96 per thread. More would
-     * wait forever: setmaxnreg.inc only takes registers the CTA already holds. */
+    /* The consumers' registers: what the producer gives back (down to 40) out of the launch's
+     * per-thread share (168 at 384 threads, 128 at 512 (three consumer warpgroups, 64
+     * accumulators each), 96 at 640 (four)). More would wait forever: setmaxnreg.inc only
+     * takes registers the CTA already holds. */
     constexpr int LAUNCH_REGS = (65536 / C::THREADS > 255 ? 255 : 65536 / C::THREADS) / 8 * 8;
     constexpr int CONSUMER_REGS = C::NWG <= 2 ? 232 : C::NWG == 3 ? 152 : 104;
     static_assert(LAUNCH_REGS * (C::NWG + 1) >= 40 + CONSUMER_REGS * C::NWG,
                   "setmaxnreg.inc beyond the CTA's registers never returns");
-    if (C::NWG <= 2)
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-    else if (C::NWG == 3)
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 152;");
-    else
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 104;");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
     const int warp = tid / 32, lane = tid % 32;
     float acc[C::NACC][C::ACC];
     /* The wgmmas of one 64-wide k slice `sub` of the stage at shared address st. */
