@@ -50,6 +50,8 @@ static const moe_gemm_variant_t variants[] = {
      L(moe_gemm_sm90_fp8_m64_launch)},
     {"sm90_fp8_m128n128", 90, 128, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
      L(moe_gemm_sm90_fp8_m128_launch)},
+    {"sm90_fp8_m192n128", 90, 192, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
+     L(moe_gemm_sm90_fp8_m192_launch)},
     {"sm90_fp8_block_swapab_n16", 90, 16, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
      L(moe_gemm_sm90_fp8b_swap16_launch)},
     {"sm90_fp8_block_swapab_n32", 90, 32, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
@@ -58,6 +60,8 @@ static const moe_gemm_variant_t variants[] = {
      L(moe_gemm_sm90_fp8b_m64_launch)},
     {"sm90_fp8_block_m128n128", 90, 128, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
      L(moe_gemm_sm90_fp8b_m128_launch)},
+    {"sm90_fp8_block_m192n128", 90, 192, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
+     L(moe_gemm_sm90_fp8b_m192_launch)},
     {"sm80_mma_m32n128", 80, 32, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE, L(moe_gemm_sm80_m32_launch)},
     {"sm80_mma_m64n128", 80, 64, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE, L(moe_gemm_sm80_m64_launch)},
 };

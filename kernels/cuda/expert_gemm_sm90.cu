@@ -845,6 +845,10 @@ moe_status_t moe_gemm_sm90_fp8_m128_launch(const moe_gemm_args_t *a, void *strea
 {
     return launch_normal<128, 1>(a, stream, "sm90_fp8_m128n128");
 }
+moe_status_t moe_gemm_sm90_fp8_m192_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<192, 1>(a, stream, "sm90_fp8_m192n128");
+}
 moe_status_t moe_gemm_sm90_fp8_m64_launch(const moe_gemm_args_t *a, void *stream)
 {
     return launch_normal<64, 1>(a, stream, "sm90_fp8_m64n128");
@@ -866,6 +870,10 @@ moe_status_t moe_gemm_sm90_fp8_swap64_launch(const moe_gemm_args_t *a, void *str
 moe_status_t moe_gemm_sm90_fp8b_m128_launch(const moe_gemm_args_t *a, void *stream)
 {
     return launch_normal<128, 2>(a, stream, "sm90_fp8_block_m128n128");
+}
+moe_status_t moe_gemm_sm90_fp8b_m192_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<192, 2>(a, stream, "sm90_fp8_block_m192n128");
 }
 moe_status_t moe_gemm_sm90_fp8b_m64_launch(const moe_gemm_args_t *a, void *stream)
 {
