@@ -34,6 +34,8 @@ static const moe_gemm_variant_t variants[] = {
      L(moe_gemm_sm90_swap32w_launch)},
     {"sm90_wgmma_tma_m64n256", 90, 64, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE,
      L(moe_gemm_sm90_m64_launch)},
+    {"sm90_wgmma_tma_m64n256_pp", 90, 64, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE,
+     L(moe_gemm_sm90_m64pp_launch)},
     {"sm90_wgmma_tma_m128n256", 90, 128, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE,
      L(moe_gemm_sm90_m128_launch)},
     {"sm90_wgmma_tma_m192n128", 90, 192, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE,

@@ -11,6 +11,7 @@ extern "C" {
 
 moe_status_t moe_gemm_sm90_m128_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_m64_launch(const moe_gemm_args_t *args, void *stream);
+moe_status_t moe_gemm_sm90_m64pp_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_m192_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_m256_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_swap8_launch(const moe_gemm_args_t *args, void *stream);

@@ -133,8 +133,11 @@ template <int F8> struct sm90_elem {
 };
 constexpr int GROUP_BLOCKS = 16; /* at most this many row blocks a sweep (L2 reuse) */
 
-template <int SWAP, int TOK, int WR, int HALVES, int STAGES, int KB, int F8> struct sm90_cfg {
-    static constexpr int NWG = SWAP ? 1 : TOK / 64;
+template <int SWAP, int TOK, int WR, int HALVES, int STAGES, int KB, int F8, int PING = 0>
+struct sm90_cfg {
+    /* PING (normal bf16, TOK = 64): two consumer warpgroups take alternate items, so one's
+     * epilogue runs while the other's wgmmas do */
+    static constexpr int NWG = SWAP ? 1 : PING ? 2 : TOK / 64;
     /* normal bf16 layout: the epilogue writes bf16 rows through shared memory and TMA stores
      * (TS_BYTES per consumer warpgroup: 64 rows x 128 output columns, two 64-column boxes) */
     static constexpr bool TS = !SWAP && !F8 && (WR == 128 || WR == 64);
@@ -158,6 +161,7 @@ template <int SWAP, int TOK, int WR, int HALVES, int STAGES, int KB, int F8> str
     static_assert(TOK_BYTES % 1024 == 0 && W_BYTES % 1024 == 0, "1024 B aligned tiles");
     static_assert(SMEM <= 227 * 1024, "shared memory");
     static_assert(EPI_BYTES % 1024 == 0 || SWAP, "TMA store buffers: 1024 B aligned");
+    static_assert(!PING || (!SWAP && !F8 && TOK == 64), "ping-pong: normal bf16, 64 rows");
 };
 
 /* Maps work item t to (row block b, weight tile jt); row blocks are taken `group` at a time
@@ -181,14 +185,14 @@ __device__ __forceinline__ float sm90_f8_scale(const moe_gemm_kparams &p, int64_
     return __ldg(p.a_scale + row) * __ldg(p.b_scale + (int64_t)e * p.n + wrow);
 }
 
-template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB, int F8>
-__global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8>::THREADS, 1)
+template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB, int F8, int PING>
+__global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8, PING>::THREADS, 1)
     moe_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tm_tok,
                          const __grid_constant__ CUtensorMap tm_w,
                          const __grid_constant__ CUtensorMap tm_c, const moe_gemm_kparams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using C = sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8>;
+    using C = sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8, PING>;
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     float *sepi = (float *)(smem + STAGES * C::STAGE_BYTES);
@@ -200,7 +204,8 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
             mbar_init(&full[s], 1);
-            mbar_init(&empty[s], C::NWG * 4); /* lane 0 of each consumer warp */
+            /* lane 0 of each consumer warp that reads the stage (PING: one warpgroup's) */
+            mbar_init(&empty[s], (PING ? 1 : C::NWG) * 4);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tm_w) : "memory");
@@ -366,13 +371,23 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 d[h][i] += pp[h][i] * (sa[j] * sb[h]);
             }
     };
-    int s = 0, ph = 0;
+    int s = 0, ph = 0, mine = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
         int b, jt;
         sm90_item(t, nb, p.n_tiles, &b, &jt, group);
         int e = __ldg(p.block_expert + b);
         if (e < 0 || e >= p.num_experts)
             continue;
+        /* PING: the other warpgroup's item; its stages go by in the ring (same count for every
+         * item: k is the same) */
+        if (PING && (mine++ & 1) != wg) {
+            for (int kt = 0; kt < kt_count; kt += KB)
+                if (++s == STAGES) {
+                    s = 0;
+                    ph ^= 1;
+                }
+            continue;
+        }
 #pragma unroll
         for (int h = 0; h < C::NACC; h++)
 #pragma unroll
@@ -385,7 +400,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
          * (130 rows: 128 + 2). A consumer warpgroup whose 64 rows are all padding passes the
          * item's stages through (the other one runs the tensor cores alone, about twice as
          * fast) and stores nothing: padding rows of c are never read. */
-        if (C::NWG > 1 && wg > 0 && p.expert_counts) {
+        if (!PING && C::NWG > 1 && wg > 0 && p.expert_counts) {
             const int used = __ldg(p.expert_counts + e) - (int)(row0 - __ldg(p.expert_offsets + e));
             if (used <= wg * 64) {
                 for (int kt = 0; kt < kt_count; kt += KB) {
@@ -418,7 +433,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                             reg_fence(cur[h][i]);
                         }
                     wgmma_fence();
-                    mma_slice(cur, st, sub, wg);
+                    mma_slice(cur, st, sub, PING ? 0 : wg);
                     wgmma_commit();
                     if (sub > 0 || pend) {
                         wgmma_wait<1>();
@@ -441,7 +456,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                             reg_fence(part[h][i]);
                         }
                     wgmma_fence();
-                    mma_slice(reinterpret_cast<acc_t>(part), st, sub, wg);
+                    mma_slice(reinterpret_cast<acc_t>(part), st, sub, PING ? 0 : wg);
                     wgmma_commit();
                     wgmma_wait<0>();
                     promote(acc, reinterpret_cast<acc_t>(part), kt + sub, e, row0, jt);
@@ -452,7 +467,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 wgmma_fence();
 #pragma unroll
                 for (int sub = 0; sub < KB; sub++)
-                    mma_slice(acc, st, sub, wg);
+                    mma_slice(acc, st, sub, PING ? 0 : wg);
                 wgmma_commit();
                 /* keep this k-step's wgmmas in flight; the previous step's stage is free now */
                 wgmma_wait<1>();
@@ -517,7 +532,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
              * by TMA and the warpgroup goes on to its next item while they drain. */
             const uint32_t sbuf = smem_u32((uint8_t *)sepi + wg * C::TS_BYTES);
             const int r = 16 * warp + (lane >> 2); /* rows r and r + 8 of the warpgroup's 64 */
-            const int64_t grow = row0 + wg * 64;
+            const int64_t grow = row0 + (PING ? 0 : wg * 64);
             const float sc[2] = {moe_gemm_row_scale(p, grow + r),
                                  moe_gemm_row_scale(p, grow + r + 8)};
             constexpr int ROUNDS = EPI == MOE_GEMM_EPI_STORE ? HALVES : 1;
@@ -562,7 +577,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
             }
         } else {
             /* a thread's outputs lie on two rows: 8 apart */
-            const int64_t row = row0 + wg * 64 + 16 * warp + (lane >> 2);
+            const int64_t row = row0 + (PING ? 0 : wg * 64) + 16 * warp + (lane >> 2);
             const float sc[2] = {moe_gemm_row_scale(p, row), moe_gemm_row_scale(p, row + 8)};
 #pragma unroll
             for (int i = 0; i < C::ACC; i += 2) {
@@ -691,12 +706,13 @@ static int sweep_group(void)
     return env_once(&cached, "MOE_GEMM_GROUP", 0);
 }
 
-template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB = 1, int F8 = 0>
+template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB = 1, int F8 = 0,
+          int PING = 0>
 static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, const char *name)
 {
-    using C = sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8>;
+    using C = sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8, PING>;
     static int smem_done[MOE_MAX_DEVICES];
-    auto kernel = moe_gemm_sm90_kernel<SWAP, TOK, WR, HALVES, EPI, STAGES, KB, F8>;
+    auto kernel = moe_gemm_sm90_kernel<SWAP, TOK, WR, HALVES, EPI, STAGES, KB, F8, PING>;
     int dev, sms;
     MOE_CHECK(moe_gemm_device_sms(name, &dev, &sms));
     MOE_CHECK(moe_gemm_smem_once(name, (const void *)kernel, C::SMEM, dev, smem_done));
@@ -748,7 +764,7 @@ static constexpr int stages_for(int stage_bytes, int budget, int cap)
 
 /* Normal layout: TOK tokens (64 per consumer warpgroup) x 2 x WR weight rows (bf16: WRB, 128
  * or, for three consumer warpgroups, 64). */
-template <int TOK, int F8 = 0, int WRB = 128>
+template <int TOK, int F8 = 0, int WRB = 128, int PING = 0>
 static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const char *name)
 {
     /* FP8 keeps a second set of accumulators (the per-stage promotion): half the weight rows */
@@ -757,7 +773,7 @@ static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const 
      * (m128: 4 stages of 48 KB + 32 KB; m64: 5 of 40 KB + 16 KB) */
     constexpr int ST = F8 ? stages_for((TOK + 2 * WR) * ROW_BYTES, 200 * 1024, 8)
                           : stages_for((TOK + 2 * WR) * ROW_BYTES,
-                                       227 * 1024 - (TOK / 64) * 64 * WR * 2 - 2048, 8);
+                                       227 * 1024 - (PING ? 2 : TOK / 64) * 64 * WR * 2 - 2048, 8);
     if ((int64_t)a->max_blocks * TOK >= ((int64_t)1 << 31))
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: max_blocks = %d too large", name,
                          a->max_blocks);
@@ -765,11 +781,11 @@ static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const 
     cudaStream_t s = (cudaStream_t)stream;
     switch (a->epilogue) {
     case MOE_GEMM_EPI_STORE:
-        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_STORE, ST, 1, F8>(a, s, name);
+        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_STORE, ST, 1, F8, PING>(a, s, name);
     case MOE_GEMM_EPI_SILU_MUL:
-        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_SILU_MUL, ST, 1, F8>(a, s, name);
+        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_SILU_MUL, ST, 1, F8, PING>(a, s, name);
     case MOE_GEMM_EPI_GELU_MUL:
-        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_GELU_MUL, ST, 1, F8>(a, s, name);
+        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_GELU_MUL, ST, 1, F8, PING>(a, s, name);
     default:
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: epilogue %d", name, (int)a->epilogue);
     }
@@ -808,6 +824,12 @@ moe_status_t moe_gemm_sm90_m128_launch(const moe_gemm_args_t *a, void *stream)
 moe_status_t moe_gemm_sm90_m64_launch(const moe_gemm_args_t *a, void *stream)
 {
     return launch_normal<64>(a, stream, "sm90_wgmma_tma_m64n256");
+}
+/* 64 rows x 256 weight rows an item, two consumer warpgroups on alternate items (ping-pong):
+ * one warpgroup's epilogue runs while the other's wgmmas do. */
+moe_status_t moe_gemm_sm90_m64pp_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<64, 0, 128, 1>(a, stream, "sm90_wgmma_tma_m64n256_pp");
 }
 /* 192 rows (three consumer warpgroups) x 128 weight rows: an expert of 129..192 rows is one
  * block, so each weight tile is read once for it (m128: twice, the second mostly padding). */
