@@ -156,7 +156,9 @@ struct sm90_cfg {
     static constexpr int EPI_BYTES = SWAP ? (64 * WM * EPI_LD + 64) * 4 /* + row scales */
                                      : TS ? NWG * TS_BYTES
                                           : 0;
-    static constexpr int SMEM = STAGES * STAGE_BYTES + EPI_BYTES + 2 * STAGES * 8 + 1024;
+    /* + PING's two turn barriers; 1024: the alignment of the tiles */
+    static constexpr int SMEM =
+        STAGES * STAGE_BYTES + EPI_BYTES + (2 * STAGES + (PING ? 2 : 0)) * 8 + 1024;
     static_assert(!SWAP || HALVES * WR == 64 || HALVES * WR == 128, "swap-AB: 64 or 128 rows");
     static_assert(TOK_BYTES % 1024 == 0 && W_BYTES % 1024 == 0, "1024 B aligned tiles");
     static_assert(SMEM <= 227 * 1024, "shared memory");
@@ -198,6 +200,8 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
     float *sepi = (float *)(smem + STAGES * C::STAGE_BYTES);
     uint64_t *full = (uint64_t *)(smem + STAGES * C::STAGE_BYTES + C::EPI_BYTES);
     uint64_t *empty = full + STAGES;
+    /* PING: turn[w] completes a phase when warpgroup w may start its next item's main loop */
+    uint64_t *turn = empty + STAGES;
     const int wg = threadIdx.x / 128;
     const int tid = threadIdx.x % 128;
 
@@ -207,7 +211,13 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
             /* lane 0 of each consumer warp that reads the stage (PING: one warpgroup's) */
             mbar_init(&empty[s], (PING ? 1 : C::NWG) * 4);
         }
+        if (PING) {
+            mbar_init(&turn[0], 1);
+            mbar_init(&turn[1], 1);
+        }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        if (PING)
+            mbar_arrive(&turn[0]); /* warpgroup 0 goes first */
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tm_w) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tm_tok) : "memory");
         if (C::TS)
@@ -371,7 +381,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 d[h][i] += pp[h][i] * (sa[j] * sb[h]);
             }
     };
-    int s = 0, ph = 0, mine = 0;
+    int s = 0, ph = 0, mine = 0, tph = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
         int b, jt;
         sm90_item(t, nb, p.n_tiles, &b, &jt, group);
@@ -379,14 +389,20 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
         if (e < 0 || e >= p.num_experts)
             continue;
         /* PING: the other warpgroup's item; its stages go by in the ring (same count for every
-         * item: k is the same) */
-        if (PING && (mine++ & 1) != wg) {
-            for (int kt = 0; kt < kt_count; kt += KB)
-                if (++s == STAGES) {
-                    s = 0;
-                    ph ^= 1;
-                }
-            continue;
+         * item: k is the same). Then this one's main loop waits for its turn: the other's main
+         * loop has passed all its stages, so this one's first stages are at most one phase
+         * ahead of their barriers (a parity wait further ahead would pass on an old phase). */
+        if (PING) {
+            if ((mine++ & 1) != wg) {
+                for (int kt = 0; kt < kt_count; kt += KB)
+                    if (++s == STAGES) {
+                        s = 0;
+                        ph ^= 1;
+                    }
+                continue;
+            }
+            mbar_wait(&turn[wg], tph);
+            tph ^= 1;
         }
 #pragma unroll
         for (int h = 0; h < C::NACC; h++)
@@ -480,6 +496,8 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 ph ^= 1;
             }
         }
+        if (PING && tid == 0)
+            mbar_arrive(&turn[wg ^ 1]); /* every stage of this item waited for: its turn */
         wgmma_wait<0>();
         if (PP && pend) /* the item's last slice: kt_count - 1 */
             promote(acc, reinterpret_cast<acc_t>(pb), kt_count - 1, e, row0, jt);
