@@ -6,6 +6,7 @@
  * Routing weights are applied in combine (f32), not in GEMM2's row_scale epilogue: GEMM2
  * writes each expert row unweighted in bf16 and combine sums w_tj * row in a fixed j order. */
 #include <stdio.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -52,29 +53,68 @@ static size_t f8_groups(const cuda_layer_t *s, int64_t k)
     return s->f8 == 2 ? (size_t)((k + 127) / 128) : 1;
 }
 
-/* Every variant forward may pick on this device (the forced one alone if set). */
-static int candidate_variants(const cuda_layer_t *s, const moe_gemm_variant_t **out, int cap)
+static int oracle_choice(const cuda_layer_t *s, double rows_per_expert, moe_oracle_choice_t *c);
+
+/* Adds v with the bound `upto` to the list (the larger bound where v is there already). */
+static int add_candidate(const moe_gemm_variant_t **out, double *upto, int n, int cap,
+                         const moe_gemm_variant_t *v, double bound)
 {
-    int n = 0, count = 0, i;
-    const moe_gemm_variant_t *table;
-    if (s->forced) {
-        out[0] = s->forced;
-        return 1;
+    for (int i = 0; i < n; i++)
+        if (out[i] == v) {
+            upto[i] = bound > upto[i] ? bound : upto[i];
+            return n;
+        }
+    if (n < cap) {
+        out[n] = v;
+        upto[n++] = bound;
     }
+    return n;
+}
+
+/* Every variant forward may pick on this device, each with the most rows per expert at which it
+ * is picked (HUGE_VAL: any): the forced one alone, or the oracle's buckets (tuned or built in)
+ * walked in order; deterministic mode runs one variant at every size. Where the walk meets
+ * anything unexpected, every variant of the dtype at any size (the old, larger plan). */
+static int candidate_variants(const cuda_layer_t *s, const moe_gemm_variant_t **out, double *upto,
+                              int cap)
+{
+    int n = 0, count = 0, i, step;
+    double value = 0.0;
+    const moe_gemm_variant_t *table;
+    if (s->forced)
+        return add_candidate(out, upto, 0, cap, s->forced, HUGE_VAL);
+    for (step = 0; step < 64; step++) {
+        moe_oracle_choice_t c;
+        const moe_gemm_variant_t *v = NULL;
+        double hi = HUGE_VAL;
+        if (oracle_choice(s, value, &c)) {
+            v = moe_gemm_variant_by_name(c.name);
+            hi = s->deterministic ? HUGE_VAL : c.hi;
+        }
+        if (!v && !s->f8) /* as moe_cuda_variant_for */
+            v = moe_gemm_simple_variant();
+        if (!v || !(hi >= value))
+            break;
+        n = add_candidate(out, upto, n, cap, v, hi);
+        if (isinf(hi))
+            return n;
+        value = nextafter(hi, HUGE_VAL);
+    }
+    n = 0;
     table = moe_gemm_variants(&count);
-    for (i = 0; i < count && n < cap - 1; i++)
+    for (i = 0; i < count; i++)
         if (moe_gemm_variant_runs_on(&table[i], s->arch) &&
             table[i].ab_dtype == (s->f8 ? MOE_DTYPE_FP8_E4M3 : MOE_DTYPE_BF16) &&
             table[i].scale_kind == f8_scale_kind(s))
-            out[n++] = &table[i];
-    out[n++] = moe_gemm_simple_variant();
-    return n;
+            n = add_candidate(out, upto, n, cap, &table[i], HUGE_VAL);
+    return add_candidate(out, upto, n, cap, moe_gemm_simple_variant(), HUGE_VAL);
 }
 
 static void plan_workspace(cuda_layer_t *s, carve_t *c)
 {
     const moe_gemm_variant_t *v[64];
-    const int nv = candidate_variants(s, v, 64);
+    double upto[64];
+    const int nv = candidate_variants(s, v, upto, 64);
     const int64_t tm = s->max_tokens, rows = tm * s->k;
     /* the shared MLP's rows: this rank's tokens where it holds the whole MLP (one GPU, or EP
      * without TP), else every rank's all-gathered tokens (its TP slice) */
@@ -86,8 +126,15 @@ static void plan_workspace(cuda_layer_t *s, carve_t *c)
     s->s_max_blocks = 0;
     for (i = 0; i < nv; i++) {
         const int br = v[i]->block_rows;
-        const int64_t mb = moe_permute_max_blocks(rows, s->E, br);
-        const int64_t smb = (stm + br - 1) / br;
+        /* One GPU: a variant picked at up to r rows per expert gets at most r E rows (T k / E
+         * <= r), and the shared MLP's T rows at most r (its value is T). With EP a rank may
+         * receive more rows than its own tokens' estimate says: the whole capacity. (A step
+         * past the plan still stops with INTERNAL_ERROR before any kernel runs.) */
+        const int bounded = s->world == 1 && isfinite(upto[i]);
+        const int64_t r = bounded ? (int64_t)(upto[i] * (double)s->E) + 1 : rows;
+        const int64_t sr = bounded ? (int64_t)upto[i] + 1 : stm;
+        const int64_t mb = moe_permute_max_blocks(r < rows ? r : rows, s->E, br);
+        const int64_t smb = ((sr < stm ? sr : stm) + br - 1) / br;
         if (mb > s->max_blocks)
             s->max_blocks = (int)mb;
         if (mb * br > max_rows)
