@@ -33,19 +33,27 @@ static const moe_oracle_group_t defaults[] = {
      * worst loss over the three shapes, bounds halfway (geometrically) between the points */
     /* ... and one block per expert where most experts fit one: m192n128 (three consumer
      * warpgroups) at about 120 to 180 rows per expert on average, m256n128 (four) up to 248. Each
-     * weight tile is then read once per expert, not twice (bench/RESULTS.md "seventh session") */
+     * weight tile is then read once per expert, not twice (bench/RESULTS.md "seventh session").
+     * Up to 45 rows, where one 64-row item covers an expert, the ping-pong m64n256 (two consumer
+     * warpgroups on alternate items: one's epilogue under the other's wgmmas) is 2-6% faster
+     * than m64n256 (bench/RESULTS.md "eighth session") */
     BUILTIN(90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 8, {5.66, "sm90_swapab_n8", 0, 0},
             {11.3, "sm90_swapab_n16", 0, 0}, {22.6, "sm90_swapab_w128_n32", 0, 0},
-            {45.3, "sm90_wgmma_tma_m64n256", 0, 0}, {119.7, "sm90_wgmma_tma_m128n256", 0, 0},
+            {45.3, "sm90_wgmma_tma_m64n256_pp", 0, 0}, {119.7, "sm90_wgmma_tma_m128n256", 0, 0},
             {180.0, "sm90_wgmma_tma_m192n128", 0, 0}, {247.9, "sm90_wgmma_tma_m256n128", 0, 0},
             {OPEN, "sm90_wgmma_tma_m128n256", 0, 0}),
-    /* FP8 per-tensor / per-channel (per-row scales): measured as above */
-    BUILTIN(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, 3, {22.6, "sm90_fp8_swapab_n16", 0, 0},
-            {45.3, "sm90_fp8_swapab_n32", 0, 0}, {OPEN, "sm90_fp8_m128n128", 0, 0}),
-    /* FP8 128x128 blocks: not tuned yet, the bf16 table's first crossovers */
-    BUILTIN(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128, 4,
+    /* FP8 per-tensor / per-channel (per-row scales): measured as above; m192n128 (one block per
+     * expert) at 120..184 rows per expert, 3-23% faster there (bench/RESULTS.md "eighth
+     * session") */
+    BUILTIN(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, 5, {22.6, "sm90_fp8_swapab_n16", 0, 0},
+            {45.3, "sm90_fp8_swapab_n32", 0, 0}, {119.7, "sm90_fp8_m128n128", 0, 0},
+            {183.8, "sm90_fp8_m192n128", 0, 0}, {OPEN, "sm90_fp8_m128n128", 0, 0}),
+    /* FP8 128x128 blocks: the bf16 table's first crossovers (not tuned), m192n128 at 136..184
+     * rows per expert, 10-20% faster there (measured as the per-row table's) */
+    BUILTIN(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128, 6,
             {16.0, "sm90_fp8_block_swapab_n16", 0, 0}, {32.0, "sm90_fp8_block_swapab_n32", 0, 0},
-            {96.0, "sm90_fp8_block_m64n128", 0, 0}, {OPEN, "sm90_fp8_block_m128n128", 0, 0}),
+            {96.0, "sm90_fp8_block_m64n128", 0, 0}, {135.8, "sm90_fp8_block_m128n128", 0, 0},
+            {183.8, "sm90_fp8_block_m192n128", 0, 0}, {OPEN, "sm90_fp8_block_m128n128", 0, 0}),
     /* sm_80 .. sm_89 and anything newer than sm_90 (the sm_80 family's PTX) */
     BUILTIN(80, MOE_DTYPE_BF16, MOE_SCALE_NONE, 2, {32.0, "sm80_mma_m32n128", 0, 0},
             {OPEN, "sm80_mma_m64n128", 0, 0}),
