@@ -724,6 +724,14 @@ static int sweep_group(void)
     return env_once(&cached, "MOE_GEMM_GROUP", 0);
 }
 
+/* MOE_GEMM_MAX_CTAS=N caps the sm_90 GEMMs' persistent grid at N CTAs (0 or unset: one per SM):
+ * measures whether few-item steps are limited by the SMs streaming or by HBM (split-K's case). */
+static int max_ctas(void)
+{
+    static int cached = -1;
+    return env_once(&cached, "MOE_GEMM_MAX_CTAS", 0);
+}
+
 template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB = 1, int F8 = 0,
           int PING = 0>
 static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, const char *name)
@@ -755,6 +763,8 @@ static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, co
     if (p.tma_store)
         MOE_CHECK(encode_map(&tm_c, a->c, (int64_t)a->max_blocks * TOK, p.n_out, 64, name));
     int grid = (int)(items < sms ? items : sms);
+    if (max_ctas() > 0 && grid > max_ctas())
+        grid = max_ctas();
     p.group = sweep_group();
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];
