@@ -26,15 +26,15 @@ static const old_bucket_t old_sm90[] = {
     {119.7, "sm90_wgmma_tma_m128n256"}, {180.0, "sm90_wgmma_tma_m192n128"},
     {247.9, "sm90_wgmma_tma_m256n128"}, {1e300, "sm90_wgmma_tma_m128n256"}};
 #define OLD_SM90_N ((int)(sizeof(old_sm90) / sizeof(old_sm90[0])))
-static const old_bucket_t old_fp8[] = {
-    {22.6, "sm90_fp8_swapab_n16"}, {45.3, "sm90_fp8_swapab_n32"}, {119.7, "sm90_fp8_m128n128"},
-    {183.8, "sm90_fp8_m192n128"},  {1e300, "sm90_fp8_m128n128"}};
-static const old_bucket_t old_fp8b[] = {{16.0, "sm90_fp8_block_swapab_n16"},
-                                        {32.0, "sm90_fp8_block_swapab_n32"},
-                                        {96.0, "sm90_fp8_block_m64n128"},
-                                        {135.8, "sm90_fp8_block_m128n128"},
-                                        {183.8, "sm90_fp8_block_m192n128"},
-                                        {1e300, "sm90_fp8_block_m128n128"}};
+static const old_bucket_t old_fp8[] = {{22.6, "sm90_fp8_swapab_n16"},
+                                       {45.3, "sm90_fp8_swapab_n32"},
+                                       {119.7, "sm90_fp8_m128n128"},
+                                       {183.8, "sm90_fp8_m192n128"},
+                                       {1e300, "sm90_fp8_m128n128"}};
+static const old_bucket_t old_fp8b[] = {
+    {16.0, "sm90_fp8_block_swapab_n16"}, {32.0, "sm90_fp8_block_swapab_n32"},
+    {96.0, "sm90_fp8_block_m64n128"},    {135.8, "sm90_fp8_block_m128n128"},
+    {183.8, "sm90_fp8_block_m192n128"},  {1e300, "sm90_fp8_block_m128n128"}};
 static const old_bucket_t old_sm80[] = {{32.0, "sm80_mma_m32n128"}, {1e300, "sm80_mma_m64n128"}};
 
 static const char *old_pick(const old_bucket_t *b, int n, double rows)
@@ -48,9 +48,11 @@ static const char *old_pick(const old_bucket_t *b, int n, double rows)
 static const char *old_select(int arch, moe_dtype_t d, moe_scale_kind_t s, double rows)
 {
     if (d == MOE_DTYPE_FP8_E4M3 && s == MOE_SCALE_PER_CHANNEL)
-        return arch == 90 ? old_pick(old_fp8, (int)(sizeof(old_fp8) / sizeof(old_fp8[0])), rows) : NULL;
+        return arch == 90 ? old_pick(old_fp8, (int)(sizeof(old_fp8) / sizeof(old_fp8[0])), rows)
+                          : NULL;
     if (d == MOE_DTYPE_FP8_E4M3 && s == MOE_SCALE_BLOCK_128)
-        return arch == 90 ? old_pick(old_fp8b, (int)(sizeof(old_fp8b) / sizeof(old_fp8b[0])), rows) : NULL;
+        return arch == 90 ? old_pick(old_fp8b, (int)(sizeof(old_fp8b) / sizeof(old_fp8b[0])), rows)
+                          : NULL;
     if (d != MOE_DTYPE_BF16 || s != MOE_SCALE_NONE)
         return NULL;
     if (arch == 90)
