@@ -154,7 +154,7 @@ rotate)
         grep -vE "phases" | head -12
     ;;
 *)
-    echo "usage: $0 [tests|quick|ep|bf16|fp8|tune|first|kernels|rotate]..." >&2
+    echo "usage: $0 [tests|quick|ep|ep-layer|bf16|fp8|tune|first|kernels|rotate]..." >&2
     exit 2
     ;;
 esac
