@@ -53,7 +53,35 @@ static size_t f8_groups(const cuda_layer_t *s, int64_t k)
     return s->f8 == 2 ? (size_t)((k + 127) / 128) : 1;
 }
 
-static int oracle_choice(const cuda_layer_t *s, double rows_per_expert, moe_oracle_choice_t *c);
+/* The oracle's choice (not forced) at rows_per_expert. Deterministic mode: the built-in
+ * table's at one row per expert whatever the batch, layout or tune file, so a row's sum order
+ * never changes with the batch size, its position or the EP size. */
+static int oracle_choice(const cuda_layer_t *s, double rows_per_expert, moe_oracle_choice_t *c)
+{
+    moe_oracle_query_t q = s->oq;
+    q.value = s->deterministic ? 1.0 : rows_per_expert;
+    return moe_oracle_pick_gemm(s->deterministic ? NULL : &s->oracle, &q, c);
+}
+
+/* The variant for a step at rows_per_expert (moe_cuda_variant_for), and in *hi the most rows
+ * per expert it is picked up to from there (HUGE_VAL: forced, deterministic, or no bucket). */
+static const moe_gemm_variant_t *variant_upto(const cuda_layer_t *s, double rows_per_expert,
+                                              double *hi)
+{
+    const moe_gemm_variant_t *v = NULL;
+    moe_oracle_choice_t c;
+    *hi = HUGE_VAL;
+    if (s->forced)
+        return s->forced;
+    if (oracle_choice(s, rows_per_expert, &c)) {
+        v = moe_gemm_variant_by_name(c.name);
+        if (!s->deterministic)
+            *hi = c.hi;
+    }
+    if (s->f8) /* create checked that sm_90a has them */
+        return v;
+    return v ? v : moe_gemm_simple_variant();
+}
 
 /* Adds v with the bound `upto` to the list (the larger bound where v is there already). */
 static int add_candidate(const moe_gemm_variant_t **out, double *upto, int n, int cap,
@@ -81,18 +109,9 @@ static int candidate_variants(const cuda_layer_t *s, const moe_gemm_variant_t **
     int n = 0, count = 0, i, step;
     double value = 0.0;
     const moe_gemm_variant_t *table;
-    if (s->forced)
-        return add_candidate(out, upto, 0, cap, s->forced, HUGE_VAL);
     for (step = 0; step < 64; step++) {
-        moe_oracle_choice_t c;
-        const moe_gemm_variant_t *v = NULL;
-        double hi = HUGE_VAL;
-        if (oracle_choice(s, value, &c)) {
-            v = moe_gemm_variant_by_name(c.name);
-            hi = s->deterministic ? HUGE_VAL : c.hi;
-        }
-        if (!v && !s->f8) /* as moe_cuda_variant_for */
-            v = moe_gemm_simple_variant();
+        double hi;
+        const moe_gemm_variant_t *v = variant_upto(s, value, &hi);
         if (!v || !(hi >= value))
             break;
         n = add_candidate(out, upto, n, cap, v, hi);
@@ -720,29 +739,12 @@ static moe_status_t cuda_store_weight(moe_layer_t *l, moe_weight_kind_t kind, in
     return store_bf16(dst, m); /* W8A16: the input_scale is not used, as on the CPU */
 }
 
-/* The oracle's choice (not forced) at rows_per_expert. Deterministic mode: the built-in
- * table's at one row per expert whatever the batch, layout or tune file, so a row's sum order
- * never changes with the batch size, its position or the EP size. */
-static int oracle_choice(const cuda_layer_t *s, double rows_per_expert, moe_oracle_choice_t *c)
-{
-    moe_oracle_query_t q = s->oq;
-    q.value = s->deterministic ? 1.0 : rows_per_expert;
-    return moe_oracle_pick_gemm(s->deterministic ? NULL : &s->oracle, &q, c);
-}
-
 /* The variant for this step: forced, or the oracle's choice for the expected rows per expert
  * (host-known, so a captured graph replays the same choice). */
 const moe_gemm_variant_t *moe_cuda_variant_for(const cuda_layer_t *s, double rows_per_expert)
 {
-    const moe_gemm_variant_t *v = NULL;
-    moe_oracle_choice_t c;
-    if (s->forced)
-        return s->forced;
-    if (oracle_choice(s, rows_per_expert, &c))
-        v = moe_gemm_variant_by_name(c.name);
-    if (s->f8) /* create checked that sm_90a has them */
-        return v;
-    return v ? v : moe_gemm_simple_variant();
+    double hi;
+    return variant_upto(s, rows_per_expert, &hi);
 }
 
 /* The expert MLP's two GEMMs on the rows of a (bf16); W8A8: each GEMM's input quantised per
