@@ -790,8 +790,9 @@ static constexpr int stages_for(int stage_bytes, int budget, int cap)
     return budget / stage_bytes < cap ? budget / stage_bytes : cap;
 }
 
-/* Normal layout: TOK tokens (64 per consumer warpgroup) x 2 x WR weight rows (bf16: WRB, 128
- * or, for three consumer warpgroups, 64). */
+/* Normal layout: TOK tokens (64 per consumer warpgroup; PING: two warpgroups on alternate
+ * 64-row items) x 2 x WR weight rows (bf16: WRB, 128, or 64 for three and four consumer
+ * warpgroups). */
 template <int TOK, int F8 = 0, int WRB = 128, int PING = 0>
 static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const char *name)
 {
