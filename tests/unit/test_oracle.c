@@ -25,7 +25,6 @@ static const old_bucket_t old_sm90[] = {
     {22.6, "sm90_swapab_w128_n32"},     {45.3, "sm90_wgmma_tma_m64n256_pp"},
     {119.7, "sm90_wgmma_tma_m128n256"}, {180.0, "sm90_wgmma_tma_m192n128"},
     {247.9, "sm90_wgmma_tma_m256n128"}, {1e300, "sm90_wgmma_tma_m128n256"}};
-#define OLD_SM90_N ((int)(sizeof(old_sm90) / sizeof(old_sm90[0])))
 static const old_bucket_t old_fp8[] = {{22.6, "sm90_fp8_swapab_n16"},
                                        {45.3, "sm90_fp8_swapab_n32"},
                                        {119.7, "sm90_fp8_m128n128"},
@@ -36,6 +35,7 @@ static const old_bucket_t old_fp8b[] = {
     {96.0, "sm90_fp8_block_m64n128"},    {135.8, "sm90_fp8_block_m128n128"},
     {183.8, "sm90_fp8_block_m192n128"},  {1e300, "sm90_fp8_block_m128n128"}};
 static const old_bucket_t old_sm80[] = {{32.0, "sm80_mma_m32n128"}, {1e300, "sm80_mma_m64n128"}};
+#define OLD_N(b) ((int)(sizeof(b) / sizeof((b)[0])))
 
 static const char *old_pick(const old_bucket_t *b, int n, double rows)
 {
@@ -48,22 +48,20 @@ static const char *old_pick(const old_bucket_t *b, int n, double rows)
 static const char *old_select(int arch, moe_dtype_t d, moe_scale_kind_t s, double rows)
 {
     if (d == MOE_DTYPE_FP8_E4M3 && s == MOE_SCALE_PER_CHANNEL)
-        return arch == 90 ? old_pick(old_fp8, (int)(sizeof(old_fp8) / sizeof(old_fp8[0])), rows)
-                          : NULL;
+        return arch == 90 ? old_pick(old_fp8, OLD_N(old_fp8), rows) : NULL;
     if (d == MOE_DTYPE_FP8_E4M3 && s == MOE_SCALE_BLOCK_128)
-        return arch == 90 ? old_pick(old_fp8b, (int)(sizeof(old_fp8b) / sizeof(old_fp8b[0])), rows)
-                          : NULL;
+        return arch == 90 ? old_pick(old_fp8b, OLD_N(old_fp8b), rows) : NULL;
     if (d != MOE_DTYPE_BF16 || s != MOE_SCALE_NONE)
         return NULL;
     if (arch == 90)
-        return old_pick(old_sm90, OLD_SM90_N, rows);
-    return arch >= 80 ? old_pick(old_sm80, 2, rows) : NULL;
+        return old_pick(old_sm90, OLD_N(old_sm90), rows);
+    return arch >= 80 ? old_pick(old_sm80, OLD_N(old_sm80), rows) : NULL;
 }
 
 static void old_explain(int arch, double rows, char *text, size_t len)
 {
     const old_bucket_t *b = arch == 90 ? old_sm90 : arch >= 80 ? old_sm80 : NULL;
-    const int n = arch == 90 ? OLD_SM90_N : 2;
+    const int n = arch == 90 ? OLD_N(old_sm90) : OLD_N(old_sm80);
     double lo = 0.0;
     for (int i = 0; b && i < n; i++) {
         if (rows <= b[i].max) {
@@ -81,9 +79,9 @@ static void old_explain(int arch, double rows, char *text, size_t len)
 }
 
 static const double rows_list[] = {
-    0,     0.25,  1,    1.99, 2,     2.0001, 3,    5.66, 5.67, 7.5,  8,    11.3, 11.4, 15.9,
-    16,    17,    22.6, 22.7, 31.9,  32,     32.1, 45.3, 45.4, 48,   64,   95.,  96,   96.5,
-    119.7, 119.8, 128,  180,  180.1, 247.9,  248,  255,  256,  1000, 4096, 1e5,  1e9};
+    0,   0.25,  1,     1.99, 2,     2.0001, 3,     5.66,  5.67, 7.5, 8,   11.3, 11.4, 15.9,  16,
+    17,  22.6,  22.7,  31.9, 32,    32.1,   45.3,  45.4,  48,   64,  95., 96,   96.5, 119.7, 119.8,
+    128, 135.8, 135.9, 180,  180.1, 183.8,  183.9, 247.9, 248,  255, 256, 1000, 4096, 1e5,   1e9};
 #define NUM_ROWS ((int)(sizeof(rows_list) / sizeof(rows_list[0])))
 static const int arch_list[] = {60, 70, 75, 80, 86, 89, 90, 100, 120};
 static const struct {
