@@ -33,8 +33,10 @@ enum {
     MOE_A2A_COUNT = 0,      /* rows the peer sent here this step */
     MOE_A2A_STATUS = 1,     /* the peer's status code for the step (0: fine) */
     MOE_A2A_SENT = 2,       /* sequence number: the peer's dispatch rows are here */
+    MOE_A2A_LL_COUNTS = 3,  /* sequence number: the peer's per-expert counts are here (ll) */
     MOE_A2A_RETURNED = 4,   /* sequence number: the peer's combine rows are here */
     MOE_A2A_RET_STATUS = 5, /* 0, or the peer lost rows this step (its wait timed out) */
+    MOE_A2A_LL_BR = 6,      /* the block rows the peer padded this rank's experts to (ll) */
 };
 
 /* Dispatch: rows of this rank's T tokens to every rank owning one of their experts. */
@@ -67,6 +69,82 @@ typedef struct moe_a2a_dispatch_args {
 #define MOE_A2A_MAX_CTAS 256
 
 moe_status_t moe_a2a_dispatch_launch(const moe_a2a_dispatch_args_t *args, void *stream);
+
+/* Low-latency dispatch (lsa, decode: at most MOE_A2A_LL_MAX_TOKENS rows per rank): the rows
+ * land in each destination's GEMM-1 input already grouped by its local experts and padded to
+ * the GEMM's block rows, so the destination runs no permute and no gather. One kernel:
+ *  1. every CTA ranks this rank's (token, slot) pairs within their expert, in pair order (one
+ *     warp, so every CTA gets the same answer), and each token's row in each destination's
+ *     region (as moe_a2a_dispatch);
+ *  2. CTA 0 stores this rank's count per global expert into row `rank` of every rank's count
+ *     matrix cnt [W][E] and the block rows, then (release) the sequence number into
+ *     ctrl[rank][LL_COUNTS];
+ *  3. every CTA waits (bounded) for all W rows of its own count matrix, and derives the first
+ *     row of each expert at its owner: the experts' padded sizes in order (sum over sources),
+ *     then the rows of the sources before this one;
+ *  4. each (token, slot) row is stored at its row in its owner's GEMM-1 input; per (token,
+ *     destination) the row of each slot (-1 where another rank owns it), the weights and the
+ *     token index go to region `rank` (the combine's input, as after a permute);
+ *  5. the last CTA stores {count, status} and the SENT word as moe_a2a_dispatch does.
+ * Sizes: a destination's rows are sum_e roundup(c_e, br) <= W m k + br min(E_d, W m k) (every
+ * source sends at most m k pairs); each rank checks that against the same bound from the same
+ * counts (rows_cap and the GEMM's blocks), and a dispatch that would not fit stores nothing to
+ * that destination and fails the step on every rank (INVALID_ARGUMENT, MOE_A2A_STICKY_ROWS):
+ * no store past the buffer, never a silent overflow. Buffer reuse is safe by causality as for
+ * moe_a2a_dispatch: the next step's counts and rows reach a rank only after every source
+ * waited for that rank's returns of this step, which it sends after its GEMMs and after reading
+ * the count matrix. */
+#define MOE_A2A_LL_MAX_TOKENS 128
+#define MOE_A2A_LL_MAX_PAIRS 2048  /* m k */
+#define MOE_A2A_LL_MAX_EXPERTS 1024 /* global experts */
+
+typedef struct moe_a2a_ll_args {
+    const void *x; /* device [T][hidden], x_dtype (F32 or BF16); stored as bf16 */
+    moe_dtype_t x_dtype;
+    int64_t num_tokens; /* T <= region_rows <= MOE_A2A_LL_MAX_TOKENS */
+    int hidden, top_k, rank, world, num_experts;
+    int64_t region_rows;                /* m */
+    int first[MOE_A2A_MAX_WORLD + 1];   /* rank d owns global experts [first[d], first[d+1]) */
+    int block_rows;                     /* the GEMM variant's padding (every rank the same) */
+    int64_t rows_cap;                   /* rows of every rank's GEMM-1 input (ll_a) */
+    const int32_t *ids;                 /* device [T][k] global expert ids */
+    const float *weights;               /* device [T][k] */
+    const int32_t *owner;               /* device [num_experts] */
+    const int32_t *status;              /* as in moe_a2a_dispatch_args_t */
+    int32_t *dead;                      /* as in moe_a2a_wait_args_t */
+    const uint32_t *seq;
+    int32_t *sticky;                    /* this rank's verdict (host-mapped) */
+    int64_t timeout_ns;
+    const int32_t *cnt;                 /* this rank's count matrix [W][E] */
+    const int32_t *ctrl;                /* this rank's ctrl [W][MOE_A2A_CTRL] */
+    int32_t *dst_cnt[MOE_A2A_MAX_WORLD]; /* row `rank` of rank d's count matrix [E] */
+    void *dst_a[MOE_A2A_MAX_WORLD];     /* rank d's GEMM-1 input, bf16 [rows_cap][H] */
+    int32_t *dst_slot[MOE_A2A_MAX_WORLD]; /* region `rank` of rank d's row of slot [m][k] */
+    float *dst_w[MOE_A2A_MAX_WORLD];      /* [m][k] */
+    int32_t *dst_tok[MOE_A2A_MAX_WORLD];  /* [m] */
+    int32_t *dst_ctrl[MOE_A2A_MAX_WORLD]; /* ctrl[rank] of rank d */
+    int32_t *pos, *counts, *done;         /* as in moe_a2a_dispatch_args_t */
+    int num_sms;
+} moe_a2a_ll_args_t;
+
+moe_status_t moe_a2a_ll_dispatch_launch(const moe_a2a_ll_args_t *args, void *stream);
+
+/* The destination's side of the low-latency layout (one CTA, after the SENT wait): from its
+ * count matrix, for its E local experts (global first .. first + E - 1): counts[e] = rows,
+ * offsets[e] = first row (padded to block_rows), offsets[E] = rows used, block_expert[b] for b
+ * < max_blocks (-1 past the last), *num_blocks. No rows (num_blocks 0) when a rank's status is
+ * set, this step already failed here, or the rows exceed rows_cap or max_blocks (then the
+ * verdict as the dispatch sets it). */
+typedef struct moe_a2a_ll_layout_args {
+    const int32_t *cnt; /* [W][num_experts] */
+    const int32_t *statuses; /* [W] (the SENT wait's) */
+    int world, rank, num_experts, first, experts, block_rows, max_blocks;
+    int64_t rows_cap;
+    int32_t *sticky;
+    int32_t *counts, *offsets, *block_expert, *num_blocks;
+} moe_a2a_ll_layout_args_t;
+
+moe_status_t moe_a2a_ll_layout_launch(const moe_a2a_ll_layout_args_t *args, void *stream);
 
 /* The sticky verdict word: (rank << 8) | status of the first failure, and this bit once any
  * wait of the step timed out, whatever came first (a peer's bad arguments, say): a timeout

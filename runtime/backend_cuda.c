@@ -876,6 +876,30 @@ moe_status_t moe_cuda_scan_inputs(moe_layer_t *l, const moe_forward_args_t *a, i
 
 /* Token rows of `x` (T tokens) through their experts (ids, -1: not on this rank): permute,
  * gather, GEMM1 (act * up), GEMM2 into s->o. rows_per_expert picks the GEMM variant. */
+/* GEMM 1, the activation and GEMM 2 over the expert-grouped rows of the layout in s->counts,
+ * s->offsets, s->block_expert, s->num_blocks: from `a` (bf16), or (W8A8, a NULL) gathered from
+ * x through s->slot_of_row by GEMM 1's quantisation. */
+static moe_status_t routed_gemms(cuda_layer_t *s, const moe_gemm_variant_t *v, const void *a,
+                                 const void *x, moe_dtype_t x_dtype, int mb,
+                                 double rows_per_expert, void *stream)
+{
+    const float *in13 = s->has_in[0] ? s->in13 : NULL, *in2 = s->has_in[1] ? s->in2 : NULL;
+    mlp_io_t m = {a,     NULL,  MOE_DTYPE_INVALID, NULL,   0,    s->h, s->o,  s->a8, s->h8, s->as,
+                  s->hs, s->w13, s->w2,            s->w13s, s->w2s, in13, in2, s->is, s->E};
+    if (!a) {
+        m.x = x;
+        m.x_dtype = x_dtype;
+        m.src_slot = s->slot_of_row;
+        m.src_k = (int)s->k;
+    }
+    /* The counts let the m128 variants idle a consumer warpgroup on an all-padding half
+     * block. Measured in one run (bench/RESULTS.md): 2-3.5 % faster at up to 1.5 blocks of
+     * rows per expert, 4-15 % slower at 2-4 blocks per expert, so only the former. */
+    const int skip = s->skip_pad && rows_per_expert <= 1.5 * v->block_rows;
+    return run_mlp_gemms(s, v, &m, s->block_expert, s->num_blocks, mb, skip ? s->counts : NULL,
+                         skip ? s->offsets : NULL, stream);
+}
+
 moe_status_t moe_cuda_routed_experts(cuda_layer_t *s, const void *x, moe_dtype_t x_dtype, int64_t T,
                                      const int32_t *ids, double rows_per_expert, void *stream)
 {
@@ -912,25 +936,18 @@ moe_status_t moe_cuda_routed_experts(cuda_layer_t *s, const void *x, moe_dtype_t
     if (!s->f8) /* W8A8: GEMM 1's quantisation gathers the rows itself */
         MOE_CHECK(moe_gather_launch(&g, stream));
     MOE_CHECK(moe_cuda_record(s, EV_PERMUTE, stream));
-    {
-        const float *in13 = s->has_in[0] ? s->in13 : NULL, *in2 = s->has_in[1] ? s->in2 : NULL;
-        mlp_io_t m = {
-            s->a,   NULL,  MOE_DTYPE_INVALID, NULL,   0,    s->h, s->o,  s->a8, s->h8, s->as, s->hs,
-            s->w13, s->w2, s->w13s,           s->w2s, in13, in2,  s->is, s->E};
-        if (s->f8) {
-            m.a = NULL;
-            m.x = x;
-            m.x_dtype = x_dtype;
-            m.src_slot = s->slot_of_row;
-            m.src_k = (int)s->k;
-        }
-        /* The counts let the m128 variants idle a consumer warpgroup on an all-padding half
-         * block. Measured in one run (bench/RESULTS.md): 2-3.5 % faster at up to 1.5 blocks of
-         * rows per expert, 4-15 % slower at 2-4 blocks per expert, so only the former. */
-        const int skip = s->skip_pad && rows_per_expert <= 1.5 * br;
-        return run_mlp_gemms(s, v, &m, s->block_expert, s->num_blocks, mb, skip ? s->counts : NULL,
-                             skip ? s->offsets : NULL, stream);
-    }
+    return routed_gemms(s, v, s->f8 ? NULL : s->a, x, x_dtype, mb, rows_per_expert, stream);
+}
+
+moe_status_t moe_cuda_experts_laid_out(cuda_layer_t *s, const moe_gemm_variant_t *v, const void *a,
+                                       int max_blocks, double rows_per_expert, void *stream)
+{
+    if (s->f8 || max_blocks > s->max_blocks)
+        return moe_error(MOE_STATUS_INTERNAL_ERROR,
+                         "laid-out experts: %s, variant %s needs %d blocks (planned %d)",
+                         s->f8 ? "W8A8" : "bf16", v->name, max_blocks, s->max_blocks);
+    MOE_CHECK(moe_cuda_record(s, EV_PERMUTE, stream));
+    return routed_gemms(s, v, a, NULL, MOE_DTYPE_INVALID, max_blocks, rows_per_expert, stream);
 }
 
 /* The shared MLP (this rank's slice) on T tokens of x into s->so. */
@@ -1160,20 +1177,27 @@ static void explain_ep(const cuda_layer_t *s, char *text, size_t len)
         snprintf(why, sizeof(why), "%s (built-in rule)", moe_cuda_ep_transport_name(s->transport));
     else
         moe_oracle_describe(&s->transport_why, "max tokens/rank", (double)s->tm, why, sizeof(why));
-    snprintf(text, len, "EP transport %s: %s", why,
+    snprintf(text, len, "EP transport %s: %s%s", why,
              s->transport == MOE_EP_LSA ? "rows stored only into the ranks owning their experts "
                                           "(CUDA IPC, one host)"
              : s->transport == MOE_EP_P2P
                  ? "rows sent only to the ranks owning their experts (NCCL send/recv)"
              : s->deterministic ? "all-gather of the tokens, dense exact return (deterministic)"
                                 : "all-gather of the tokens (max_tokens_across_ranks rows per rank "
-                                  "when given, else the capacity), f32 reduce-scatter return");
+                                  "when given, else the capacity), f32 reduce-scatter return",
+             s->ll ? "; low-latency layout (MOE_EP_LL=1) at up to " : "");
+    if (s->ll) {
+        const size_t n = strlen(text);
+        snprintf(text + n, len > n ? len - n : 0,
+                 "%lld rows per rank: rows stored grouped by expert into the owners' GEMM input",
+                 (long long)s->ll_rows);
+    }
 }
 
 static void cuda_explain(const moe_layer_t *l, int64_t T, char *text, size_t len)
 {
     const cuda_layer_t *s = l->state;
-    char routed[512], shared[512] = "", ep[640];
+    char routed[512], shared[512] = "", ep[800];
     /* the hint the forward uses: with EP, as if every rank brought as many tokens */
     const double rpe =
         s->world > 1 ? (double)T * s->world * s->k / l->cfg.num_experts : (double)T * s->k / s->E;

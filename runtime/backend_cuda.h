@@ -114,6 +114,14 @@ typedef struct cuda_layer {
     void *sx; /* p2p staging: the same arrays, region d for rank d */
     int32_t *sids, *stok, *sctrl;
     float *sw, *sret;
+    /* lsa low-latency layout (MOE_EP_LL=1): a step of at most ll_rows rows per rank stores
+     * each (token, slot) row straight into its owner's GEMM-1 input, grouped by expert (no
+     * permute, no gather there; kernels/a2a.h, moe_a2a_ll_args_t). In the IPC buffer: the
+     * count matrix [W][E_total], the row of each slot [W ll_rows][k], the GEMM-1 input
+     * bf16 [ll_cap][H]. */
+    int ll, ll_step; /* MOE_EP_LL; the last step used it */
+    int64_t ll_rows, ll_cap;
+    size_t off_cnt, off_slot, off_lla;
     int32_t *pos;               /* [W][tm]: row of token t in region d, -1 */
     int32_t *sent, *counts_all; /* [W]: rows sent to / received from each rank */
     int32_t *host_io;           /* pinned [4 W]: p2p counts, profile */
@@ -156,6 +164,10 @@ moe_status_t moe_cuda_record(const cuda_layer_t *s, int ev, void *stream);
 moe_status_t moe_cuda_route(moe_layer_t *l, const moe_forward_args_t *a, int32_t *ids, float *w);
 moe_status_t moe_cuda_routed_experts(cuda_layer_t *s, const void *x, moe_dtype_t x_dtype, int64_t T,
                                      const int32_t *ids, double rows_per_expert, void *stream);
+/* The routed GEMMs on rows already grouped by expert (a, bf16) with the layout in s->counts,
+ * s->offsets, s->block_expert, s->num_blocks (at most max_blocks blocks of v's rows). */
+moe_status_t moe_cuda_experts_laid_out(cuda_layer_t *s, const moe_gemm_variant_t *v, const void *a,
+                                       int max_blocks, double rows_per_expert, void *stream);
 moe_status_t moe_cuda_shared_experts(cuda_layer_t *s, const void *x, moe_dtype_t x_dtype, int64_t T,
                                      void *stream);
 moe_status_t moe_cuda_shared_gate(moe_layer_t *l, const moe_forward_args_t *a);

@@ -139,7 +139,62 @@ static size_t sym_layout(cuda_layer_t *s)
     s->off_w = s->off_ids + up256(4 * W * tm * k);
     s->off_tok = s->off_w + up256(4 * W * tm * k);
     s->off_ret = s->off_tok + up256(4 * W * tm);
-    return s->off_ret + up256(s->deterministic ? 2 * tm * k * H : 4 * W * tm * H);
+    s->off_cnt = s->off_ret + up256(s->deterministic ? 2 * tm * k * H : 4 * W * tm * H);
+    if (!s->ll)
+        return s->off_cnt;
+    s->off_slot = s->off_cnt + up256(4 * W * (size_t)s->E_total);
+    s->off_lla = s->off_slot + up256(4 * W * (size_t)s->ll_rows * k);
+    return s->off_lla + up256(2 * (size_t)s->ll_cap * H);
+}
+
+/* MOE_EP_LL=0|1 (default 0; every rank alike): the low-latency layout for steps of at most
+ * ll_rows rows per rank (lsa, bf16 GEMMs, at most MOE_A2A_LL_MAX_EXPERTS experts). Off by
+ * default until it is measured against the regular lsa step on two GPUs. */
+static moe_status_t pick_ll(moe_layer_t *l, cuda_layer_t *s)
+{
+    const int64_t want = moe_env_int("MOE_EP_LL", 0);
+    int64_t v[2] = {want, -want};
+    const char *why = s->transport != MOE_EP_LSA ? "the lsa transport"
+                      : s->f8                    ? "bf16 GEMMs (W8A8 quantises GEMM 1's rows "
+                                                   "through the permute's map)"
+                      : s->E_total > MOE_A2A_LL_MAX_EXPERTS ? "at most 1024 experts"
+                      : s->k > 32                           ? "top_k <= 32"
+                                                            : NULL;
+    MOE_CHECK(moe_comm_allreduce_i64(l->rt->comm, v, 2, MOE_REDUCE_MAX));
+    if (v[0] != -v[1])
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT,
+                         "MOE_EP_LL=%lld on rank %d differs from another rank's: set it alike on "
+                         "every rank",
+                         (long long)want, l->plan.rank);
+    if (want != 0 && want != 1)
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT, "MOE_EP_LL=%lld: expected 0 or 1",
+                         (long long)want);
+    if (want && why)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                         "MOE_EP_LL=1 (the low-latency all-to-all layout) needs %s", why);
+    s->ll = (int)want;
+    s->ll_rows = s->tm < MOE_A2A_LL_MAX_TOKENS ? s->tm : MOE_A2A_LL_MAX_TOKENS;
+    if (s->ll_rows * s->k > MOE_A2A_LL_MAX_PAIRS)
+        s->ll_rows = MOE_A2A_LL_MAX_PAIRS / s->k;
+    return MOE_STATUS_SUCCESS;
+}
+
+/* Rows of the low-latency GEMM-1 input: the most any step of up to ll_rows rows per rank needs
+ * at any rank, sum_e roundup(c_e, br) <= W m k + br min(E_d, W m k), over the variants those
+ * steps pick (the same walk on every rank: the same shape and tables). */
+static int64_t ll_capacity(const moe_layer_t *l, const cuda_layer_t *s)
+{
+    const int W = s->world;
+    const int e_max = (l->cfg.num_experts + W - 1) / W;
+    int64_t cap = 0, m;
+    for (m = 1; m <= s->ll_rows; m++) {
+        const moe_gemm_variant_t *v =
+            moe_cuda_variant_for(s, (double)m * W * s->k / l->cfg.num_experts);
+        const int64_t need =
+            moe_permute_max_blocks(W * m * s->k, e_max, v->block_rows) * v->block_rows;
+        cap = need > cap ? need : cap;
+    }
+    return cap;
 }
 
 void moe_cuda_ep_timed_out(moe_layer_t *l, int rank)
@@ -318,6 +373,7 @@ moe_status_t moe_cuda_ep_choose(moe_layer_t *l, cuda_layer_t *s)
                          "tp_size 1, or the CPU backend)",
                          l->plan.tp_size);
     MOE_CHECK(pick_transport(l, s));
+    MOE_CHECK(pick_ll(l, s));
     return moe_gpu_sm_count(s->device, &s->num_sms);
 }
 
@@ -434,6 +490,8 @@ moe_status_t moe_cuda_ep_init(moe_layer_t *l, cuda_layer_t *s)
     MOE_CHECK(moe_gpu_memset(s->a2a_done, 0, sizeof(int32_t) * 2));
     MOE_CHECK(moe_gpu_host_alloc((void **)&s->host_io,
                                  sizeof(int32_t) * (size_t)s->world * (MOE_A2A_CTRL + 2)));
+    if (s->ll)
+        s->ll_cap = ll_capacity(l, s);
     if (s->transport == MOE_EP_LSA)
         MOE_CHECK(sym_reserve(l->rt, sym_layout(s)));
     MOE_LOG_INFO("CUDA", "EP %d ranks: transport %s", s->world,
@@ -672,6 +730,84 @@ static cuda_sym_t *bind_sym(const moe_layer_t *l, cuda_layer_t *s)
     return y;
 }
 
+/* The low-latency dispatch (a step of m <= ll_rows rows per rank with MOE_EP_LL=1): every
+ * (token, slot) row into its owner's GEMM-1 input at the variant v's padding. */
+static moe_status_t ll_dispatch(moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y,
+                                const moe_forward_args_t *ok, int64_t T,
+                                const moe_gemm_variant_t *v, void *stream)
+{
+    const int W = s->world, me = l->plan.rank, k = s->k;
+    const int64_t m = s->m;
+    moe_a2a_ll_args_t d;
+    int r;
+
+    memset(&d, 0, sizeof(d));
+    d.x = ok ? ok->x : NULL;
+    d.x_dtype = ok ? ok->dtype : MOE_DTYPE_BF16;
+    d.num_tokens = T;
+    d.hidden = s->H;
+    d.top_k = k;
+    d.rank = me;
+    d.world = W;
+    d.num_experts = s->E_total;
+    d.region_rows = m;
+    for (r = 0; r <= W; r++)
+        d.first[r] = (int)moe_split_begin(s->E_total, W, r);
+    d.block_rows = v->block_rows;
+    d.rows_cap = s->ll_cap;
+    d.ids = s->ids;
+    d.weights = s->weights;
+    d.owner = s->owner;
+    d.status = s->flag;
+    d.dead = y->dead;
+    d.seq = y->seq;
+    d.sticky = s->sticky;
+    d.timeout_ns = (int64_t)l->rt->timeout_ms * 1000000;
+    d.cnt = (const int32_t *)(y->local + s->off_cnt);
+    d.ctrl = s->rctrl;
+    for (r = 0; r < W; r++) {
+        char *b = y->peer[r];
+        d.dst_cnt[r] = (int32_t *)(b + s->off_cnt) + (size_t)me * s->E_total;
+        d.dst_a[r] = b + s->off_lla;
+        d.dst_slot[r] = (int32_t *)(b + s->off_slot) + me * m * k;
+        d.dst_w[r] = (float *)(b + s->off_w) + me * m * k;
+        d.dst_tok[r] = (int32_t *)(b + s->off_tok) + me * m;
+        d.dst_ctrl[r] = (int32_t *)b + me * MOE_A2A_CTRL;
+    }
+    d.pos = s->pos;
+    d.counts = s->sent;
+    d.done = s->a2a_done;
+    d.num_sms = s->num_sms;
+    return moe_a2a_ll_dispatch_launch(&d, stream);
+}
+
+/* The destination's side: the GEMM layout from the count matrix, then the GEMMs on the rows
+ * the sources stored. */
+static moe_status_t ll_experts(moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y,
+                               const moe_gemm_variant_t *v, int mb, void *stream)
+{
+    moe_a2a_ll_layout_args_t g;
+    memset(&g, 0, sizeof(g));
+    g.cnt = (const int32_t *)(y->local + s->off_cnt);
+    g.statuses = s->flags_all;
+    g.world = s->world;
+    g.rank = l->plan.rank;
+    g.num_experts = s->E_total;
+    g.first = s->first_local;
+    g.experts = s->E;
+    g.block_rows = v->block_rows;
+    g.max_blocks = mb;
+    g.rows_cap = s->ll_cap;
+    g.sticky = s->sticky;
+    g.counts = s->counts;
+    g.offsets = s->offsets;
+    g.block_expert = s->block_expert;
+    g.num_blocks = s->num_blocks;
+    MOE_CHECK(moe_a2a_ll_layout_launch(&g, stream));
+    return moe_cuda_experts_laid_out(s, v, y->local + s->off_lla, mb, s->last_rows_per_expert,
+                                     stream);
+}
+
 /* Rows to the ranks owning their experts; the shared MLP on this rank's tokens while they
  * travel; wait for every rank's rows; the local experts on them; weighted partials (or exact
  * slot rows) straight back; the rank-ordered sum. x is NULL and T 0 for a rank whose
@@ -689,8 +825,16 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     moe_a2a_wait_args_t wa;
     moe_a2a_combine_args_t c;
     moe_ep_local_ids_args_t li;
+    /* the low-latency layout: m agreed by every rank, and the variant from it alone */
+    const int ll = y && s->ll && m <= s->ll_rows;
+    const moe_gemm_variant_t *llv =
+        ll ? moe_cuda_variant_for(s, (double)m * W * k / l->cfg.num_experts) : NULL;
+    const int llmb = ll ? (int)moe_permute_max_blocks(W * m * k, s->E, llv->block_rows) : 0;
     int r;
 
+    s->ll_step = ll;
+    if (ll)
+        MOE_CHECK(ll_dispatch(l, s, y, ok, T, llv, stream));
     memset(&d, 0, sizeof(d));
     d.x = ok ? ok->x : NULL;
     d.x_dtype = ok ? ok->dtype : MOE_DTYPE_BF16;
@@ -727,7 +871,8 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     d.chain = s->a2a_chain;
     d.done = s->a2a_done;
     d.num_sms = s->num_sms;
-    MOE_CHECK(moe_a2a_dispatch_launch(&d, stream));
+    if (!ll)
+        MOE_CHECK(moe_a2a_dispatch_launch(&d, stream));
     if (s->ss > 0 && T > 0) { /* overlaps the rows in flight */
         MOE_CHECK(moe_cuda_shared_experts(s, ok->x, ok->dtype, T, stream));
         MOE_CHECK(moe_cuda_shared_gate(l, ok));
@@ -747,6 +892,11 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     wa.sticky = s->sticky;
     MOE_CHECK(moe_a2a_wait_launch(&wa, stream));
 
+    s->last_rows_per_expert = (double)T * W * k / l->cfg.num_experts;
+    if (ll) {
+        s->last_rows_per_expert = (double)m * W * k / l->cfg.num_experts;
+        MOE_CHECK(ll_experts(l, s, y, llv, llmb, stream));
+    }
     memset(&li, 0, sizeof(li));
     li.in = s->rids;
     li.out = s->lids;
@@ -759,16 +909,17 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     li.region_counts = s->counts_all;
     li.region_slots = m * k;
     li.top_k = k;
-    MOE_CHECK(moe_ep_local_ids_launch(&li, stream));
-    s->last_rows_per_expert = (double)T * W * k / l->cfg.num_experts;
-    MOE_CHECK(moe_cuda_routed_experts(s, s->rx, MOE_DTYPE_BF16, W * m, s->lids,
-                                      s->last_rows_per_expert, stream));
+    if (!ll) {
+        MOE_CHECK(moe_ep_local_ids_launch(&li, stream));
+        MOE_CHECK(moe_cuda_routed_experts(s, s->rx, MOE_DTYPE_BF16, W * m, s->lids,
+                                          s->last_rows_per_expert, stream));
+    }
     MOE_CHECK(moe_cuda_record(s, EV_EXPERT, stream));
     MOE_CHECK(moe_cuda_record(s, EV_SHARED, stream));
 
     memset(&c, 0, sizeof(c));
     c.rows = s->o;
-    c.row_of_slot = s->row_of_slot;
+    c.row_of_slot = ll ? (const int32_t *)(y->local + s->off_slot) : s->row_of_slot;
     c.w = s->rw;
     c.tok = s->rtok;
     c.counts = s->counts_all;
@@ -827,13 +978,41 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
 }
 
 /* Payload bytes this rank sent to other ranks in the step just profiled (synchronised). */
-static moe_status_t profile_bytes(moe_layer_t *l, cuda_layer_t *s, void *stream)
+static moe_status_t profile_bytes(moe_layer_t *l, cuda_layer_t *s, int64_t T, void *stream)
 {
     const int64_t W = s->world, m = s->m, H = s->H, k = s->k, me = l->plan.rank;
+    moe_status_t st = MOE_STATUS_SUCCESS;
     int64_t b = 0, r;
     if (s->transport == MOE_EP_ALLGATHER) {
         b = (W - 1) * m * (2 * H + 4 * k + 4 + (s->deterministic ? 0 : 4 * k));
         b += s->deterministic ? (W - 1) * m * k * H * 2 : (W - 1) * m * H * 4;
+    } else if (s->ll_step) {
+        /* one bf16 row per (token, slot) to another rank, per (token, rank) the slots' rows and
+         * weights and the token index, this rank's counts per expert; partials back */
+        int32_t *ids = malloc(sizeof(int32_t) * (size_t)(T * k + 1)), *got = s->host_io;
+        int64_t i;
+        if (!ids)
+            return moe_error(MOE_STATUS_OUT_OF_MEMORY, "profile: %lld ids", (long long)(T * k));
+        MOE_CHECK_GOTO(moe_gpu_memcpy_d2h_async(ids, s->ids, sizeof(int32_t) * (size_t)(T * k),
+                                                stream),
+                       st, done);
+        MOE_CHECK_GOTO(moe_gpu_memcpy_d2h_async(got + W, s->sent, sizeof(int32_t) * (size_t)W,
+                                                stream),
+                       st, done);
+        MOE_CHECK_GOTO(
+            moe_gpu_memcpy_d2h_async(got, s->counts_all, sizeof(int32_t) * (size_t)W, stream), st,
+            done);
+        MOE_CHECK_GOTO(moe_gpu_stream_synchronize(stream), st, done);
+        for (i = 0; i < T * k; i++)
+            if (ids[i] >= 0 && l->plan.expert_owner[ids[i]] != me)
+                b += 2 * H;
+        for (r = 0; r < W; r++)
+            if (r != me)
+                b += got[W + r] * (8 * k + 4) + 4 * (int64_t)s->E_total +
+                     (s->deterministic ? 0 : got[r] * 4 * H);
+    done:
+        free(ids);
+        MOE_CHECK(st);
     } else { /* rows, ids, weights, token index out; f32 partials back (summed mode) */
         /* both counts in one synchronisation: [W (CTRL + 1), + W) of host_io is spare, and its
          * start (p2p_rows' words) is not in use once the step is done */
@@ -930,5 +1109,5 @@ moe_status_t moe_cuda_ep_forward(moe_layer_t *l, const moe_forward_args_t *a, mo
     if (!s->profile)
         return MOE_STATUS_SUCCESS;
     MOE_CHECK(moe_cuda_finish_profile(l, stream));
-    return profile_bytes(l, s, stream);
+    return profile_bytes(l, s, T, stream);
 }

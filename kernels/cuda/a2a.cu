@@ -417,6 +417,258 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_finish_kernel(moe_a2a_finish_
     moe_store8(static_cast<TY *>(a.y) + t * H + c, acc);
 }
 
+// ---- low-latency dispatch (a2a.h: moe_a2a_ll_args_t) ---------------------------------------
+
+constexpr int LL_T = MOE_A2A_LL_MAX_TOKENS;
+constexpr int LL_P = MOE_A2A_LL_MAX_PAIRS;
+constexpr int LL_E = MOE_A2A_LL_MAX_EXPERTS;
+static_assert(LL_T <= A2A_THREADS, "one token a thread in the region-row pass");
+static_assert(MOE_A2A_MAX_WORLD <= A2A_WARPS, "one warp a destination in the layout scan");
+
+// Exclusive scan (one warp) of the sizes of experts [b, e) rounded up to br: off[x] += rows of
+// the experts before x; returns the rows of all of them.
+__device__ int64_t warp_padded_scan(const int *sz, int b, int e, int br, int *off)
+{
+    const int lane = threadIdx.x & 31;
+    int64_t run = 0;
+    for (int x0 = b; x0 < e; x0 += 32) {
+        const int x = x0 + lane;
+        const int64_t v = x < e ? ((int64_t)sz[x] + br - 1) / br * br : 0;
+        int64_t inc = v;
+        for (int o = 1; o < 32; o <<= 1) {
+            const int64_t n = __shfl_up_sync(0xffffffffu, inc, o);
+            if (lane >= o)
+                inc += n;
+        }
+        if (x < e)
+            off[x] += (int)(run + inc - v);
+        run += __shfl_sync(0xffffffffu, inc, 31);
+    }
+    return run;
+}
+
+template <typename TX>
+__global__ void __launch_bounds__(A2A_THREADS) a2a_ll_dispatch_kernel(moe_a2a_ll_args_t a)
+{
+    __shared__ int cnt[LL_E];   // this rank's pairs per expert, then every rank's
+    __shared__ int off[LL_E];   // this rank's first row of each expert at its owner
+    __shared__ int prank[LL_P]; // rank of each pair within its expert (pair order)
+    __shared__ int pos_s[LL_T][MOE_A2A_MAX_WORLD];
+    __shared__ int wcnt[A2A_WARPS][MOE_A2A_MAX_WORLD];
+    __shared__ int total[MOE_A2A_MAX_WORLD];
+    __shared__ unsigned skip; // bit d: nothing goes to rank d this step
+    __shared__ int go;
+    const int W = a.world, k = a.top_k, H = a.hidden, E = a.num_experts, warp = threadIdx.x / 32,
+              lane = threadIdx.x & 31;
+    const int T = (int)a.num_tokens, pairs = T * k;
+    const int64_t m = a.region_rows;
+    const uint32_t seq = *a.seq;
+    const bool quiet = rank_silenced(a.dead, a.seq); /* positions, counts; nothing to peers */
+    const TX *x = static_cast<const TX *>(a.x);
+
+    for (int e = threadIdx.x; e < E; e += A2A_THREADS)
+        cnt[e] = 0;
+    if (threadIdx.x == 0) {
+        skip = 0;
+        go = !quiet;
+    }
+    __syncthreads();
+    // 1. each pair's rank within its expert (warp 0, in pair order: every CTA the same), and
+    //    each token's row in each destination's region (one token a thread, T <= 256)
+    if (warp == 0) {
+        for (int p0 = 0; p0 < pairs; p0 += 32) {
+            const int p = p0 + lane;
+            const int e = p < pairs ? a.ids[p] : -1;
+            const unsigned same = __match_any_sync(0xffffffffu, e >= 0 ? e : E + lane);
+            const int before = e >= 0 ? cnt[e] : 0;
+            __syncwarp();
+            if (e >= 0) {
+                prank[p] = before + __popc(same & ((1u << lane) - 1u));
+                if (__ffs(same) - 1 == lane)
+                    cnt[e] = before + __popc(same);
+            }
+            __syncwarp();
+        }
+    }
+    {
+        const int t = threadIdx.x;
+        const unsigned mk = t < T ? dest_mask(a.ids, a.owner, t, k) : 0u;
+        int within[MOE_A2A_MAX_WORLD];
+        for (int d = 0; d < W; d++) {
+            const unsigned bal = __ballot_sync(0xffffffffu, mk >> d & 1);
+            if (lane == 0)
+                wcnt[warp][d] = __popc(bal);
+            within[d] = __popc(bal & ((1u << lane) - 1u));
+        }
+        __syncthreads();
+        for (int d = 0; d < W; d++) {
+            int before = 0;
+            for (int w = 0; w < warp; w++)
+                before += wcnt[w][d];
+            const int p = (mk >> d & 1) ? before + within[d] : -1;
+            if (t < T) {
+                pos_s[t][d] = p;
+                if (blockIdx.x == 0)
+                    a.pos[(int64_t)d * m + t] = p;
+            }
+        }
+        if (t < W) {
+            int s = 0;
+            for (int w = 0; w < A2A_WARPS; w++)
+                s += wcnt[w][t];
+            total[t] = s;
+        }
+    }
+    __syncthreads();
+    // 2. CTA 0: this rank's counts into row `rank` of every count matrix, then the signal
+    if (blockIdx.x == 0 && !quiet) {
+        for (int i = threadIdx.x; i < W * E; i += A2A_THREADS)
+            a.dst_cnt[i / E][i % E] = cnt[i % E];
+        __threadfence_system();
+        __syncthreads();
+        if (threadIdx.x < W) {
+            ((volatile int32_t *)a.dst_ctrl[threadIdx.x])[MOE_A2A_LL_BR] = a.block_rows;
+            __threadfence_system();
+            store_release_sys(a.dst_ctrl[threadIdx.x] + MOE_A2A_LL_COUNTS, seq);
+        }
+    }
+    // 3. every rank's counts here (bounded wait), the same variant everywhere
+    if (threadIdx.x < W && !quiet) {
+        const int s = threadIdx.x;
+        const int32_t *c = a.ctrl + s * MOE_A2A_CTRL;
+        if (!wait_word(c + MOE_A2A_LL_COUNTS, seq, a.timeout_ns, a.sticky, a.dead)) {
+            note_timeout(a.sticky, a.dead, seq, s);
+            go = 0;
+        } else if (((volatile const int32_t *)c)[MOE_A2A_LL_BR] != a.block_rows) {
+            /* the ranks picked different GEMM variants (different tune files, say) */
+            sticky_mark(a.sticky, s, MOE_STATUS_INVALID_ARGUMENT, MOE_A2A_STICKY_ROWS);
+            go = 0;
+        }
+    }
+    __syncthreads();
+    if (go) {
+        //    ... then each expert's rows from every rank, and this rank's first row there
+        for (int e = threadIdx.x; e < E; e += A2A_THREADS) {
+            int tot = 0, before = 0;
+            for (int s = 0; s < W; s++) {
+                const int v = ((volatile const int32_t *)a.cnt)[(int64_t)s * E + e];
+                tot += v;
+                before += s < a.rank ? v : 0;
+            }
+            cnt[e] = tot;
+            off[e] = before;
+        }
+        __syncthreads();
+        if (warp < W) { // warp d: rank d's experts, padded, in order
+            const int64_t rows =
+                warp_padded_scan(cnt, a.first[warp], a.first[warp + 1], a.block_rows, off);
+            if (lane == 0 && rows > a.rows_cap) {
+                atomicOr(&skip, 1u << warp);
+                sticky_mark(a.sticky, warp, MOE_STATUS_INVALID_ARGUMENT, MOE_A2A_STICKY_ROWS);
+            }
+        }
+        __syncthreads();
+        // 4. the rows (one warp a pair, over the grid), then per (token, destination) the
+        //    row of each slot, the weights and the token index
+        const int gw = (int)blockIdx.x * A2A_WARPS + warp, nw = (int)gridDim.x * A2A_WARPS;
+        for (int p = gw; p < pairs; p += nw) {
+            const int e = a.ids[p];
+            if (e < 0)
+                continue;
+            const int d = a.owner[e];
+            if (skip >> d & 1)
+                continue;
+            copy_row(x, p / k, H,
+                     static_cast<__nv_bfloat16 *>(a.dst_a[d]) + (int64_t)(off[e] + prank[p]) * H);
+        }
+        const int gt = (int)blockIdx.x * A2A_THREADS + threadIdx.x,
+                  nt = (int)gridDim.x * A2A_THREADS;
+        for (int u = gt; u < T * W; u += nt) {
+            const int t = u / W, d = u % W, i = pos_s[t][d];
+            if (i < 0 || (skip >> d & 1))
+                continue;
+            for (int j = 0; j < k; j++) {
+                const int e = a.ids[t * k + j];
+                a.dst_slot[d][i * k + j] =
+                    e >= 0 && a.owner[e] == d ? off[e] + prank[t * k + j] : -1;
+                a.dst_w[d][i * k + j] = a.weights[t * k + j];
+            }
+            a.dst_tok[d][i] = t;
+        }
+    }
+    // 5. the last CTA: {count, status}, then SENT (a rank that skipped a destination still
+    //    signals it: its verdict already fails the step)
+    if (!last_cta(a.done))
+        return;
+    if (threadIdx.x < W) {
+        const int d = threadIdx.x;
+        const int n = (skip >> d & 1) ? 0 : total[d];
+        a.counts[d] = n;
+        if (!quiet) {
+            volatile int32_t *c = a.dst_ctrl[d];
+            c[MOE_A2A_COUNT] = n;
+            c[MOE_A2A_STATUS] = *a.status;
+            __threadfence_system();
+            store_release_sys(a.dst_ctrl[d] + MOE_A2A_SENT, seq);
+        }
+    }
+}
+
+// The destination's GEMM layout from its count matrix (one CTA).
+__global__ void __launch_bounds__(A2A_THREADS) a2a_ll_layout_kernel(moe_a2a_ll_layout_args_t a)
+{
+    __shared__ int sz[LL_E];
+    __shared__ int off[LL_E];
+    __shared__ int64_t rows;
+    __shared__ int none;
+    const int W = a.world, E = a.experts;
+    if (threadIdx.x == 0) {
+        int bad = -1;
+        for (int r = 0; r < W && bad < 0; r++)
+            if (a.statuses[r])
+                bad = r;
+        /* the first failing rank's status, as moe_ep_local_ids records it */
+        if (bad >= 0 && a.sticky)
+            atomicCAS(a.sticky, 0, (bad << 8) | (a.statuses[bad] & 0xff));
+        none = bad >= 0 || step_timed_out(a.sticky) ||
+               (a.sticky && (*(volatile const int32_t *)a.sticky & MOE_A2A_STICKY_ROWS));
+    }
+    for (int e = threadIdx.x; e < E; e += A2A_THREADS) {
+        int tot = 0;
+        for (int s = 0; s < W; s++)
+            tot += a.cnt[(int64_t)s * a.num_experts + a.first + e];
+        sz[e] = tot;
+        off[e] = 0;
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const int64_t r = warp_padded_scan(sz, 0, E, a.block_rows, off);
+        if (threadIdx.x == 0)
+            rows = r;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && !none &&
+        (rows > a.rows_cap || rows > (int64_t)a.max_blocks * a.block_rows)) {
+        none = 1;
+        sticky_mark(a.sticky, a.rank, MOE_STATUS_INVALID_ARGUMENT, MOE_A2A_STICKY_ROWS);
+    }
+    __syncthreads();
+    const int nb = none ? 0 : (int)(rows / a.block_rows);
+    for (int e = threadIdx.x; e < E; e += A2A_THREADS) {
+        a.counts[e] = none ? 0 : sz[e];
+        a.offsets[e] = none ? 0 : off[e];
+        const int b0 = off[e] / a.block_rows, b1 = b0 + (sz[e] + a.block_rows - 1) / a.block_rows;
+        for (int b = b0; b < b1 && !none; b++)
+            a.block_expert[b] = e;
+    }
+    for (int b = nb + threadIdx.x; b < a.max_blocks; b += A2A_THREADS)
+        a.block_expert[b] = -1;
+    if (threadIdx.x == 0) {
+        a.offsets[E] = nb * a.block_rows;
+        *a.num_blocks = nb;
+    }
+}
+
 } // namespace
 
 extern "C" moe_status_t moe_a2a_dispatch_launch(const moe_a2a_dispatch_args_t *args, void *stream)
@@ -489,8 +741,57 @@ extern "C" moe_status_t moe_a2a_finish_launch(const moe_a2a_finish_args_t *args,
     return MOE_STATUS_SUCCESS;
 }
 
+extern "C" moe_status_t moe_a2a_ll_dispatch_launch(const moe_a2a_ll_args_t *args, void *stream)
+{
+    const moe_a2a_ll_args_t *a = args;
+    const int64_t pairs = a->num_tokens * a->top_k;
+    cudaStream_t s = (cudaStream_t)stream;
+    int G = a->num_sms > 0 ? a->num_sms : 1;
+    if (a->world < 1 || a->world > MOE_A2A_MAX_WORLD || a->hidden % 8 || a->top_k > 32 ||
+        a->num_tokens > a->region_rows || a->region_rows > LL_T ||
+        a->region_rows * a->top_k > LL_P || a->num_experts > LL_E || a->block_rows < 1)
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT,
+                         "a2a low-latency dispatch: world %d (1..%d), hidden %d (multiple of 8), "
+                         "top_k %d (<= 32), %lld tokens (<= region rows %lld <= %d, times top_k "
+                         "<= %d), %d experts (<= %d), block rows %d",
+                         a->world, MOE_A2A_MAX_WORLD, a->hidden, a->top_k,
+                         (long long)a->num_tokens, (long long)a->region_rows, LL_T, LL_P,
+                         a->num_experts, LL_E, a->block_rows);
+    if (a->x_dtype != MOE_DTYPE_BF16 && a->x_dtype != MOE_DTYPE_F32)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "a2a low-latency dispatch: x in %s",
+                         moe_dtype_name(a->x_dtype));
+    /* one warp a (token, slot) row: no more CTAs than rows need */
+    if (G > (pairs + A2A_WARPS - 1) / A2A_WARPS)
+        G = (int)((pairs + A2A_WARPS - 1) / A2A_WARPS);
+    if (G > MOE_A2A_MAX_CTAS)
+        G = MOE_A2A_MAX_CTAS;
+    if (G < 1)
+        G = 1;
+    if (a->x_dtype == MOE_DTYPE_BF16)
+        a2a_ll_dispatch_kernel<__nv_bfloat16><<<G, A2A_THREADS, 0, s>>>(*a);
+    else
+        a2a_ll_dispatch_kernel<float><<<G, A2A_THREADS, 0, s>>>(*a);
+    MOE_CUDA_CHECK_LAUNCH("a2a low-latency dispatch");
+    return MOE_STATUS_SUCCESS;
+}
+
+extern "C" moe_status_t moe_a2a_ll_layout_launch(const moe_a2a_ll_layout_args_t *args,
+                                                 void *stream)
+{
+    if (args->experts > LL_E || args->block_rows < 1 || args->world > MOE_A2A_MAX_WORLD)
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT,
+                         "a2a low-latency layout: %d experts (<= %d), block rows %d, world %d",
+                         args->experts, LL_E, args->block_rows, args->world);
+    a2a_ll_layout_kernel<<<1, A2A_THREADS, 0, (cudaStream_t)stream>>>(*args);
+    MOE_CUDA_CHECK_LAUNCH("a2a low-latency layout");
+    return MOE_STATUS_SUCCESS;
+}
+
 extern "C" moe_status_t moe_a2a_prepare(void)
 {
+    MOE_CUDA_PREPARE(a2a_ll_dispatch_kernel<__nv_bfloat16>);
+    MOE_CUDA_PREPARE(a2a_ll_dispatch_kernel<float>);
+    MOE_CUDA_PREPARE(a2a_ll_layout_kernel);
     MOE_CUDA_PREPARE(a2a_count_kernel);
     MOE_CUDA_PREPARE(a2a_send_kernel<__nv_bfloat16>);
     MOE_CUDA_PREPARE(a2a_send_kernel<float>);

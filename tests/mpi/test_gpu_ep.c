@@ -3,7 +3,8 @@
  * backend on the same global tokens, uneven tokens per rank (one rank with none), every token
  * to one rank's experts, and deterministic mode bitwise equal across EP sizes; each EP
  * transport (MOE_EP_TRANSPORT = allgather, lsa, p2p) at 1 and 7 tokens per rank, a 300/0
- * split, a full batch, a hot rank and a capacity of 8192 with one token per rank. */
+ * split, a full batch, a hot rank and a capacity of 8192 with one token per rank; lsa also
+ * with the low-latency layout (MOE_EP_LL=1) wherever a step has at most 128 rows per rank. */
 #include "gpu_mpi.h"
 #include "testutil.h"
 
@@ -177,12 +178,34 @@ static void test_deterministic_shared_across_ep(void **state)
     deterministic_across_ep(1);
 }
 
-static const char *const transports[] = {"allgather", "lsa", "p2p"};
+/* "lsa-ll": lsa with the low-latency layout (MOE_EP_LL=1), which takes steps of at most 128
+ * rows per rank: those entries pass max_tokens_across_ranks (the largest batch of any rank). */
+static const char *const transports[] = {"allgather", "lsa", "p2p", "lsa-ll"};
+enum { LSA_LL = 3 };
 
 /* Ranks sharing one GPU (MOE_TEST_SHARED_GPU=1) have no NCCL: lsa only. */
 static int transport_runs(int i)
 {
-    return !gt_shared_gpu() || !strcmp(transports[i], "lsa");
+    return !gt_shared_gpu() || !strncmp(transports[i], "lsa", 3);
+}
+
+/* Sets the environment for transports[i] with n tokens on this rank; returns 0 where the entry
+ * does not apply (the low-latency layout past its 128 rows per rank). */
+static int use_transport(int i, int64_t n)
+{
+    int64_t m = n;
+    MPI_Allreduce(MPI_IN_PLACE, &m, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+    setenv("MOE_EP_TRANSPORT", i == LSA_LL ? "lsa" : transports[i], 1);
+    setenv("MOE_EP_LL", i == LSA_LL ? "1" : "0", 1);
+    told_m = i == LSA_LL ? m : 0;
+    return i != LSA_LL || m <= 128;
+}
+
+static void end_transports(void)
+{
+    unsetenv("MOE_EP_TRANSPORT");
+    unsetenv("MOE_EP_LL");
+    told_m = 0;
 }
 
 /* n tokens on this rank (global rows t0..t0+n of the generator), capacity cap, every
@@ -202,9 +225,8 @@ static void compare_tokens(int deepseek, int64_t t0, int64_t n, int64_t cap, con
     run(gt_rts.cpu_self, c, seed, x, n, logits, ref);
     for (i = 0; i < sizeof(transports) / sizeof(transports[0]); i++) {
         double err;
-        if (!transport_runs((int)i))
+        if (!transport_runs((int)i) || !use_transport((int)i, n))
             continue;
-        setenv("MOE_EP_TRANSPORT", transports[i], 1);
         run(gt_rts.gpu, c, seed, x, n, logits, y);
         assert_int_equal(tu_count_nan(y, n * c.hidden), 0);
         err = n ? tu_rel_err(y, ref, n * c.hidden) : 0.0;
@@ -213,7 +235,7 @@ static void compare_tokens(int deepseek, int64_t t0, int64_t n, int64_t cap, con
                       transports[i], err);
         assert_true(err <= 1e-2);
     }
-    unsetenv("MOE_EP_TRANSPORT");
+    end_transports();
     free(x);
     free(y);
     free(ref);
@@ -268,15 +290,14 @@ static void test_deterministic_across_transports(void **state)
     c.deterministic = 1;
     moe_gen_tokens(seed, rank * n, n, c.hidden, x);
     run(gt_rts.gpu_self, c, seed, x, n, NULL, y1);
-    for (i = 0; i < 2; i++) {
-        if (!transport_runs(i))
+    for (i = 0; i <= LSA_LL; i++) {
+        if (i == 2 || !transport_runs(i) || !use_transport(i, n)) /* p2p refuses it */
             continue;
-        setenv("MOE_EP_TRANSPORT", transports[i], 1);
         run(gt_rts.gpu, c, seed, x, n, NULL, yn);
         print_message("rank %d: deterministic %s vs one GPU\n", rank, transports[i]);
         assert_memory_equal(y1, yn, sizeof(float) * n * 1024);
     }
-    unsetenv("MOE_EP_TRANSPORT");
+    end_transports();
     free(x);
     free(y1);
     free(yn);
@@ -303,6 +324,31 @@ static void test_transport_refused(void **state)
     setenv("MOE_EP_TRANSPORT", "lsa", 1);
     assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_NOT_SUPPORTED);
     assert_non_null(strstr(moe_last_error(), "tp_size"));
+    /* the low-latency layout: lsa only, 0 or 1, alike on every rank; explain says it is on */
+    c.tp_size = 1;
+    c.ep_size = world;
+    setenv("MOE_EP_LL", "2", 1);
+    assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_INVALID_ARGUMENT);
+    assert_non_null(strstr(moe_last_error(), "MOE_EP_LL=2"));
+    setenv("MOE_EP_LL", rank == 0 ? "1" : "0", 1);
+    assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_INVALID_ARGUMENT);
+    assert_non_null(strstr(moe_last_error(), "differs"));
+    setenv("MOE_EP_LL", "1", 1);
+    if (!gt_shared_gpu()) {
+        setenv("MOE_EP_TRANSPORT", "allgather", 1);
+        assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_NOT_SUPPORTED);
+        assert_non_null(strstr(moe_last_error(), "MOE_EP_LL=1"));
+    }
+    setenv("MOE_EP_TRANSPORT", "lsa", 1);
+    {
+        char text[2048];
+        TU_OK(moe_layer_create(gt_rts.gpu, &c, &l));
+        TU_OK(moe_layer_explain(l, 8, text, sizeof(text)));
+        assert_non_null(strstr(text, "low-latency layout"));
+        TU_OK(moe_layer_destroy(l));
+        l = NULL;
+    }
+    unsetenv("MOE_EP_LL");
     unsetenv("MOE_EP_TRANSPORT");
     /* deterministic with TP: NCCL would sum the TP partials in bf16 in no fixed order */
     c.deterministic = 1;
