@@ -110,7 +110,8 @@ static double nccl_a2a_us(ncclComm_t comm, int world, size_t bytes, void *sbuf, 
  * point's layer, as a serving engine sets it; default: the point's own token count) and
  * --told (pass max_tokens_across_ranks = the point's tokens), checked and agreed among the
  * ranks before the first collective; nonzero (after one message) on a bad or mismatched one. */
-static const char *const transport_names[] = {"allgather", "lsa", "p2p"};
+static const char *const transport_names[] = {"allgather", "lsa", "p2p", "lsa-ll"};
+enum { NT = 4, LSA_LL = 3 }; /* lsa-ll: lsa with MOE_EP_LL=1, at up to 128 rows per rank */
 
 static int agree_options(int argc, char **argv, int64_t largest, int64_t *tmax, int64_t *cap,
                          int *told, int *transport)
@@ -131,13 +132,14 @@ static int agree_options(int argc, char **argv, int64_t largest, int64_t *tmax, 
             *told = 1;
         else if (!strcmp(argv[i], "--transport") && i + 1 < argc) {
             const char *v = argv[++i];
-            for (j = 0; j < 3 && strcmp(v, transport_names[j]); j++)
+            for (j = 0; j < NT && strcmp(v, transport_names[j]); j++)
                 ;
-            if (j < 3)
+            if (j < NT)
                 *transport = j;
             else if (strcmp(v, "all"))
                 bad = snprintf(err, sizeof(err),
-                               "--transport %s: expected all, allgather, lsa or p2p", v) > 0;
+                               "--transport %s: expected all, allgather, lsa, p2p or lsa-ll",
+                               v) > 0;
         } else if (!strcmp(argv[i], "--max-tokens") && i + 1 < argc)
             bad = moe_cli_int("--max-tokens", argv[++i], 1, INT64_C(1) << 30, tmax, err,
                               sizeof(err)) != 0;
@@ -155,6 +157,22 @@ static int agree_options(int argc, char **argv, int64_t largest, int64_t *tmax, 
     f[2].value = *told;
     f[3].value = *transport;
     return moe_cli_agree("moe-bench --dispatch-only", bad, err, f, 4);
+}
+
+/* Two ranks on one GPU (the device machine's one-GPU case, MPS or time slicing): NCCL refuses
+ * them, so the bench then runs the lsa transports alone. */
+static int ranks_share_gpu(int world)
+{
+    char mine[32] = "", *all = malloc(32 * (size_t)world);
+    int dev = 0, r, q, shared = 0;
+    CK(cudaGetDevice(&dev));
+    CK(cudaDeviceGetPCIBusId(mine, sizeof(mine), dev));
+    MPI_Allgather(mine, 32, MPI_CHAR, all, 32, MPI_CHAR, MPI_COMM_WORLD);
+    for (r = 0; r < world; r++)
+        for (q = r + 1; q < world; q++)
+            shared |= !strcmp(all + 32 * r, all + 32 * q);
+    free(all);
+    return shared;
 }
 
 /* One point: the layer's dispatch, combine and step (median over steps, max over ranks) and
@@ -234,7 +252,7 @@ int moe_dispatch_bench_main(int argc, char **argv)
     moe_runtime_config_t rc = MOE_RUNTIME_CONFIG_INIT;
     moe_layer_config_t cfg = MOE_LAYER_CONFIG_INIT;
     moe_runtime_t *rt = NULL;
-    int rank, world, i, q, iters = 20, max_sizes = nsizes, told, transport;
+    int rank, world, i, q, iters = 20, max_sizes = nsizes, told, transport, shared;
     int64_t tmax, cap;
     ncclUniqueId id;
     ncclComm_t comm;
@@ -264,10 +282,12 @@ int moe_dispatch_bench_main(int argc, char **argv)
     rc.backend = MOE_BACKEND_CUDA;
     MK(moe_runtime_create_mpi(&rc, MPI_COMM_WORLD, &rt));
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    if (rank == 0)
+    shared = ranks_share_gpu(world);
+    if (rank == 0 && !shared)
         NK(ncclGetUniqueId(&id));
     MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD);
-    NK(ncclCommInitRank(&comm, world, id, rank));
+    if (!shared)
+        NK(ncclCommInitRank(&comm, world, id, rank));
     /* the largest payload: every token to every rank, rows out and f32 partials back */
     maxb = (size_t)tmax * world * (cfg.hidden * 6 + 64 * cfg.top_k + 64) + 4096;
     CK(cudaMalloc(&sbuf, maxb));
@@ -294,35 +314,45 @@ int moe_dispatch_bench_main(int argc, char **argv)
                "dispatch(us)", "combine(us)", "sent(MB)", "nccl(us)", "ratio", "step(us)");
         if (cap)
             printf("# capacity %lld tokens per rank\n", (long long)cap);
+        if (shared)
+            printf("# ranks share a GPU: lsa transports only, no NCCL column (NCCL refuses "
+                   "two ranks on one GPU); not the two-GPU numbers\n");
     }
     for (i = 0; i < max_sizes; i++) {
         const int64_t T = sizes[i];
         cfg.max_tokens_per_rank = cap ? cap : T;
-        for (q = 0; q < 3; q++) {
+        for (q = 0; q < NT; q++) {
             point_t p;
-            double a2a;
+            double a2a = 0.0;
             size_t half;
-            if (transport >= 0 && q != transport)
+            /* rows per rank this step: told, else the capacity */
+            const int64_t m = told ? T : cfg.max_tokens_per_rank;
+            if ((transport >= 0 && q != transport) || (transport < 0 && q == LSA_LL && m > 128) ||
+                (shared && q != 1 && q != LSA_LL))
                 continue;
-            setenv("MOE_EP_TRANSPORT", transport_names[q], 1);
+            setenv("MOE_EP_TRANSPORT", q == LSA_LL ? "lsa" : transport_names[q], 1);
+            setenv("MOE_EP_LL", q == LSA_LL ? "1" : "0", 1);
             p = run_point(rt, cfg, T, told, dx, dy, s, iters, rank);
             half = (size_t)(p.bytes / 2) + 16;
             if (half > maxb / 2)
                 half = maxb / 2;
-            a2a = 2 * nccl_a2a_us(comm, world, half * world / (world > 1 ? world - 1 : 1), sbuf,
-                                  rbuf, s, iters);
+            if (!shared)
+                a2a = 2 * nccl_a2a_us(comm, world, half * world / (world > 1 ? world - 1 : 1),
+                                      sbuf, rbuf, s, iters);
             MPI_Allreduce(MPI_IN_PLACE, &a2a, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
             if (rank == 0)
                 printf("  %9lld %10s %12.1f %12.1f %10.3f %10.1f %8.2f %9.1f\n", (long long)T,
                        transport_names[q], p.dispatch, p.combine, p.bytes / 1e6, a2a,
-                       (p.dispatch + p.combine) / a2a, p.step);
+                       a2a > 0 ? (p.dispatch + p.combine) / a2a : 0.0, p.step);
             fflush(stdout);
         }
     }
     unsetenv("MOE_EP_TRANSPORT");
+    unsetenv("MOE_EP_LL");
     if (rank == 0)
         printf("# target: ratio <= 1.2 from 128 tokens per rank\n");
-    ncclCommDestroy(comm);
+    if (!shared)
+        ncclCommDestroy(comm);
     cudaFree(sbuf), cudaFree(rbuf), cudaFree(dx), cudaFree(dy);
     cudaStreamDestroy(s);
     MK(moe_runtime_destroy(rt));

@@ -350,6 +350,8 @@ static void test_transport_refused(void **state)
     }
     unsetenv("MOE_EP_LL");
     unsetenv("MOE_EP_TRANSPORT");
+    c.tp_size = world;
+    c.ep_size = 1;
     /* deterministic with TP: NCCL would sum the TP partials in bf16 in no fixed order */
     c.deterministic = 1;
     assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_NOT_SUPPORTED);
