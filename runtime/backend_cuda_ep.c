@@ -777,7 +777,10 @@ static moe_status_t ll_dispatch(moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y,
     d.pos = s->pos;
     d.counts = s->sent;
     d.done = s->a2a_done;
-    d.num_sms = s->num_sms;
+    /* MOE_EP_LL_CTAS: at most this many CTAs (0: up to the SM count; a measurement knob) */
+    d.num_sms = (int)moe_env_int("MOE_EP_LL_CTAS", 0);
+    if (d.num_sms <= 0 || d.num_sms > s->num_sms)
+        d.num_sms = s->num_sms;
     return moe_a2a_ll_dispatch_launch(&d, stream);
 }
 

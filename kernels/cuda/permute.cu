@@ -396,6 +396,12 @@ __global__ void __launch_bounds__(GATHER_THREADS)
     for (int t = blockIdx.x * SCATTER_TOKENS;
          t < min(num_tokens, (int)(blockIdx.x + 1) * SCATTER_TOKENS); t++) {
         const T *src = x + (size_t)t * hidden;
+        bool live = false; /* a token with no row here (EP: another rank's experts, or a padding
+                              row) is not read: the step's cost follows the rows, not the capacity */
+        for (int j = 0; j < top_k && !live; j++)
+            live = __ldg(row_of_slot + (size_t)t * top_k + j) >= 0;
+        if (!live)
+            continue;
         for (int c0 = threadIdx.x; c0 < n; c0 += GATHER_THREADS * COPY_UNROLL) {
             uint4 v[COPY_UNROLL];
             load_units(v, c0, GATHER_THREADS, n, [&](int c) { return load_unit(src + 8 * c); });
