@@ -874,6 +874,7 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     d.chain = s->a2a_chain;
     d.done = s->a2a_done;
     d.num_sms = s->num_sms;
+    d.chunk_tokens = (int)moe_env_int("MOE_EP_CHUNK_TOKENS", 0); /* a measurement knob */
     if (!ll)
         MOE_CHECK(moe_a2a_dispatch_launch(&d, stream));
     if (s->ss > 0 && T > 0) { /* overlaps the rows in flight */

@@ -687,8 +687,11 @@ extern "C" moe_status_t moe_a2a_dispatch_launch(const moe_a2a_dispatch_args_t *a
     if (a.x_dtype != MOE_DTYPE_BF16 && a.x_dtype != MOE_DTYPE_F32)
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "a2a dispatch: x in %s",
                          moe_dtype_name(a.x_dtype));
-    if (T > A2A_ONE_CTA_TOKENS) {
-        const int64_t want = (T + A2A_ONE_CTA_TOKENS - 1) / A2A_ONE_CTA_TOKENS;
+    const int chunk =
+        a.chunk_tokens > 0 && a.chunk_tokens < A2A_ONE_CTA_TOKENS ? a.chunk_tokens
+                                                                   : A2A_ONE_CTA_TOKENS;
+    if (T > chunk) {
+        const int64_t want = (T + chunk - 1) / chunk;
         const int cap = a.num_sms < MOE_A2A_MAX_CTAS ? a.num_sms : MOE_A2A_MAX_CTAS;
         G = (int)(want < cap ? want : cap);
         if (G < 1)
