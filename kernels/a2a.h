@@ -64,8 +64,8 @@ typedef struct moe_a2a_dispatch_args {
     uint64_t *chain; /* scratch [MOE_A2A_MAX_CTAS][W], persistent (zeroed once) */
     int32_t *done;   /* scratch scalar, persistent, 0 between launches */
     int num_sms;
-    int chunk_tokens; /* tokens per CTA (0: 256); up to one chunk, one CTA and one launch, else
-                         a count pass and ceil(T / chunk) CTAs, at most the SM count */
+    int chunk_tokens; /* tokens per CTA (0: 8; at most 256); up to one chunk, one CTA and one
+                         launch, else a count pass and ceil(T / chunk) CTAs, at most the SMs */
 } moe_a2a_dispatch_args_t;
 
 #define MOE_A2A_MAX_CTAS 256

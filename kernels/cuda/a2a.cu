@@ -14,7 +14,13 @@ namespace
 
 constexpr int A2A_THREADS = 256;
 constexpr int A2A_WARPS = A2A_THREADS / 32;
-constexpr int A2A_ONE_CTA_TOKENS = 256; // up to this many tokens: one CTA, one launch
+constexpr int A2A_ONE_CTA_TOKENS = 256; // tokens a CTA takes in one round (one a thread)
+// Tokens per CTA of the dispatch by default: up to 8 tokens one CTA and one launch, more a
+// count pass and ceil(T / 8) CTAs (at most the SM count), so the rows go out over many CTAs.
+// Measured with two ranks on one H200 under MPS (bench/RESULTS.md, ninth session), dispatch
+// phase at 32 / 128 / 512 tokens per rank: 87 / 251 / 778 us with 256 tokens per CTA, 57 / 69 /
+// 158 us with 8 (16: 68 / 82 / 178; 32: 85 / 104 / 181); 1 and 8 tokens unchanged.
+constexpr int A2A_CHUNK_TOKENS = 8;
 
 __device__ __forceinline__ uint32_t load_acquire_sys(const int32_t *p)
 {
@@ -687,9 +693,9 @@ extern "C" moe_status_t moe_a2a_dispatch_launch(const moe_a2a_dispatch_args_t *a
     if (a.x_dtype != MOE_DTYPE_BF16 && a.x_dtype != MOE_DTYPE_F32)
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "a2a dispatch: x in %s",
                          moe_dtype_name(a.x_dtype));
-    const int chunk =
-        a.chunk_tokens > 0 && a.chunk_tokens < A2A_ONE_CTA_TOKENS ? a.chunk_tokens
-                                                                   : A2A_ONE_CTA_TOKENS;
+    const int chunk = a.chunk_tokens <= 0                    ? A2A_CHUNK_TOKENS
+                      : a.chunk_tokens < A2A_ONE_CTA_TOKENS ? a.chunk_tokens
+                                                            : A2A_ONE_CTA_TOKENS;
     if (T > chunk) {
         const int64_t want = (T + chunk - 1) / chunk;
         const int cap = a.num_sms < MOE_A2A_MAX_CTAS ? a.num_sms : MOE_A2A_MAX_CTAS;
