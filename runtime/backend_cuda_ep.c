@@ -953,19 +953,10 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
 
     if (!s->deterministic) {
         moe_a2a_finish_args_t f;
-        /* lsa: wait for every rank's return in one small CTA, then sum: a finish grid of
-         * T H / 2048 CTAs all spinning would hold SMs a rank sharing the GPU needs (two ranks on
-         * one H200 under MPS, 128 tokens per rank: combine phase MEASURED_BEFORE -> AFTER us) */
-        if (y) {
-            wa.word = MOE_A2A_RETURNED;
-            wa.counts = NULL;
-            wa.statuses = NULL;
-            MOE_CHECK(moe_a2a_wait_launch(&wa, stream));
-        }
         memset(&f, 0, sizeof(f));
         f.ret = s->ret;
         f.pos = s->pos;
-        f.ctrl = NULL;
+        f.ctrl = y ? s->rctrl : NULL;
         f.seq = seq;
         f.dead = dead;
         f.timeout_ns = timeout_ns;

@@ -380,8 +380,8 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_finish_kernel(moe_a2a_finish_
 {
     __shared__ int timed_out;
     const int W = a.world, H = a.hidden;
-    if (threadIdx.x == 0) /* a wait before this launch (moe_a2a_wait) timed out: no sums */
-        timed_out = step_timed_out(a.sticky);
+    if (threadIdx.x == 0)
+        timed_out = 0;
     __syncthreads();
     if (a.ctrl && threadIdx.x < W &&
         !wait_word(a.ctrl + threadIdx.x * MOE_A2A_CTRL + MOE_A2A_RETURNED, *a.seq, a.timeout_ns,
