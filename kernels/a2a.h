@@ -97,7 +97,7 @@ moe_status_t moe_a2a_dispatch_launch(const moe_a2a_dispatch_args_t *args, void *
  * waited for that rank's returns of this step, which it sends after its GEMMs and after reading
  * the count matrix. */
 #define MOE_A2A_LL_MAX_TOKENS 128
-#define MOE_A2A_LL_MAX_PAIRS 2048  /* m k */
+#define MOE_A2A_LL_MAX_PAIRS 2048   /* m k */
 #define MOE_A2A_LL_MAX_EXPERTS 1024 /* global experts */
 
 typedef struct moe_a2a_ll_args {
@@ -105,22 +105,22 @@ typedef struct moe_a2a_ll_args {
     moe_dtype_t x_dtype;
     int64_t num_tokens; /* T <= region_rows <= MOE_A2A_LL_MAX_TOKENS */
     int hidden, top_k, rank, world, num_experts;
-    int64_t region_rows;                /* m */
-    int first[MOE_A2A_MAX_WORLD + 1];   /* rank d owns global experts [first[d], first[d+1]) */
-    int block_rows;                     /* the GEMM variant's padding (every rank the same) */
-    int64_t rows_cap;                   /* rows of every rank's GEMM-1 input (ll_a) */
-    const int32_t *ids;                 /* device [T][k] global expert ids */
-    const float *weights;               /* device [T][k] */
-    const int32_t *owner;               /* device [num_experts] */
-    const int32_t *status;              /* as in moe_a2a_dispatch_args_t */
-    int32_t *dead;                      /* as in moe_a2a_wait_args_t */
+    int64_t region_rows;              /* m */
+    int first[MOE_A2A_MAX_WORLD + 1]; /* rank d owns global experts [first[d], first[d+1]) */
+    int block_rows;                   /* the GEMM variant's padding (every rank the same) */
+    int64_t rows_cap;                 /* rows of every rank's GEMM-1 input (ll_a) */
+    const int32_t *ids;               /* device [T][k] global expert ids */
+    const float *weights;             /* device [T][k] */
+    const int32_t *owner;             /* device [num_experts] */
+    const int32_t *status;            /* as in moe_a2a_dispatch_args_t */
+    int32_t *dead;                    /* as in moe_a2a_wait_args_t */
     const uint32_t *seq;
-    int32_t *sticky;                    /* this rank's verdict (host-mapped) */
+    int32_t *sticky; /* this rank's verdict (host-mapped) */
     int64_t timeout_ns;
-    const int32_t *cnt;                 /* this rank's count matrix [W][E] */
-    const int32_t *ctrl;                /* this rank's ctrl [W][MOE_A2A_CTRL] */
-    int32_t *dst_cnt[MOE_A2A_MAX_WORLD]; /* row `rank` of rank d's count matrix [E] */
-    void *dst_a[MOE_A2A_MAX_WORLD];     /* rank d's GEMM-1 input, bf16 [rows_cap][H] */
+    const int32_t *cnt;                   /* this rank's count matrix [W][E] */
+    const int32_t *ctrl;                  /* this rank's ctrl [W][MOE_A2A_CTRL] */
+    int32_t *dst_cnt[MOE_A2A_MAX_WORLD];  /* row `rank` of rank d's count matrix [E] */
+    void *dst_a[MOE_A2A_MAX_WORLD];       /* rank d's GEMM-1 input, bf16 [rows_cap][H] */
     int32_t *dst_slot[MOE_A2A_MAX_WORLD]; /* region `rank` of rank d's row of slot [m][k] */
     float *dst_w[MOE_A2A_MAX_WORLD];      /* [m][k] */
     int32_t *dst_tok[MOE_A2A_MAX_WORLD];  /* [m] */
@@ -138,7 +138,7 @@ moe_status_t moe_a2a_ll_dispatch_launch(const moe_a2a_ll_args_t *args, void *str
  * set, this step already failed here, or the rows exceed rows_cap or max_blocks (then the
  * verdict as the dispatch sets it). */
 typedef struct moe_a2a_ll_layout_args {
-    const int32_t *cnt; /* [W][num_experts] */
+    const int32_t *cnt;      /* [W][num_experts] */
     const int32_t *statuses; /* [W] (the SENT wait's) */
     int world, rank, num_experts, first, experts, block_rows, max_blocks;
     int64_t rows_cap;

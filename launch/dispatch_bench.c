@@ -137,9 +137,9 @@ static int agree_options(int argc, char **argv, int64_t largest, int64_t *tmax, 
             if (j < NT)
                 *transport = j;
             else if (strcmp(v, "all"))
-                bad = snprintf(err, sizeof(err),
-                               "--transport %s: expected all, allgather, lsa, p2p or lsa-ll",
-                               v) > 0;
+                bad =
+                    snprintf(err, sizeof(err),
+                             "--transport %s: expected all, allgather, lsa, p2p or lsa-ll", v) > 0;
         } else if (!strcmp(argv[i], "--max-tokens") && i + 1 < argc)
             bad = moe_cli_int("--max-tokens", argv[++i], 1, INT64_C(1) << 30, tmax, err,
                               sizeof(err)) != 0;
@@ -337,8 +337,8 @@ int moe_dispatch_bench_main(int argc, char **argv)
             if (half > maxb / 2)
                 half = maxb / 2;
             if (!shared)
-                a2a = 2 * nccl_a2a_us(comm, world, half * world / (world > 1 ? world - 1 : 1),
-                                      sbuf, rbuf, s, iters);
+                a2a = 2 * nccl_a2a_us(comm, world, half * world / (world > 1 ? world - 1 : 1), sbuf,
+                                      rbuf, s, iters);
             MPI_Allreduce(MPI_IN_PLACE, &a2a, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
             if (rank == 0)
                 printf("  %9lld %10s %12.1f %12.1f %10.3f %10.1f %8.2f %9.1f\n", (long long)T,

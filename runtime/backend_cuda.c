@@ -880,12 +880,13 @@ moe_status_t moe_cuda_scan_inputs(moe_layer_t *l, const moe_forward_args_t *a, i
  * s->offsets, s->block_expert, s->num_blocks: from `a` (bf16), or (W8A8, a NULL) gathered from
  * x through s->slot_of_row by GEMM 1's quantisation. */
 static moe_status_t routed_gemms(cuda_layer_t *s, const moe_gemm_variant_t *v, const void *a,
-                                 const void *x, moe_dtype_t x_dtype, int mb,
-                                 double rows_per_expert, void *stream)
+                                 const void *x, moe_dtype_t x_dtype, int mb, double rows_per_expert,
+                                 void *stream)
 {
     const float *in13 = s->has_in[0] ? s->in13 : NULL, *in2 = s->has_in[1] ? s->in2 : NULL;
-    mlp_io_t m = {a,     NULL,  MOE_DTYPE_INVALID, NULL,   0,    s->h, s->o,  s->a8, s->h8, s->as,
-                  s->hs, s->w13, s->w2,            s->w13s, s->w2s, in13, in2, s->is, s->E};
+    mlp_io_t m = {
+        a,      NULL,  MOE_DTYPE_INVALID, NULL,   0,    s->h, s->o,  s->a8, s->h8, s->as, s->hs,
+        s->w13, s->w2, s->w13s,           s->w2s, in13, in2,  s->is, s->E};
     if (!a) {
         m.x = x;
         m.x_dtype = x_dtype;

@@ -997,12 +997,12 @@ static moe_status_t profile_bytes(moe_layer_t *l, cuda_layer_t *s, int64_t T, vo
         int64_t i;
         if (!ids)
             return moe_error(MOE_STATUS_OUT_OF_MEMORY, "profile: %lld ids", (long long)(T * k));
-        MOE_CHECK_GOTO(moe_gpu_memcpy_d2h_async(ids, s->ids, sizeof(int32_t) * (size_t)(T * k),
-                                                stream),
-                       st, done);
-        MOE_CHECK_GOTO(moe_gpu_memcpy_d2h_async(got + W, s->sent, sizeof(int32_t) * (size_t)W,
-                                                stream),
-                       st, done);
+        MOE_CHECK_GOTO(
+            moe_gpu_memcpy_d2h_async(ids, s->ids, sizeof(int32_t) * (size_t)(T * k), stream), st,
+            done);
+        MOE_CHECK_GOTO(
+            moe_gpu_memcpy_d2h_async(got + W, s->sent, sizeof(int32_t) * (size_t)W, stream), st,
+            done);
         MOE_CHECK_GOTO(
             moe_gpu_memcpy_d2h_async(got, s->counts_all, sizeof(int32_t) * (size_t)W, stream), st,
             done);

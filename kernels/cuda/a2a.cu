@@ -693,7 +693,7 @@ extern "C" moe_status_t moe_a2a_dispatch_launch(const moe_a2a_dispatch_args_t *a
     if (a.x_dtype != MOE_DTYPE_BF16 && a.x_dtype != MOE_DTYPE_F32)
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "a2a dispatch: x in %s",
                          moe_dtype_name(a.x_dtype));
-    const int chunk = a.chunk_tokens <= 0                    ? A2A_CHUNK_TOKENS
+    const int chunk = a.chunk_tokens <= 0                   ? A2A_CHUNK_TOKENS
                       : a.chunk_tokens < A2A_ONE_CTA_TOKENS ? a.chunk_tokens
                                                             : A2A_ONE_CTA_TOKENS;
     if (T > chunk) {
@@ -763,9 +763,9 @@ extern "C" moe_status_t moe_a2a_ll_dispatch_launch(const moe_a2a_ll_args_t *args
                          "a2a low-latency dispatch: world %d (1..%d), hidden %d (multiple of 8), "
                          "top_k %d (<= 32), %lld tokens (<= region rows %lld <= %d, times top_k "
                          "<= %d), %d experts (<= %d), block rows %d",
-                         a->world, MOE_A2A_MAX_WORLD, a->hidden, a->top_k,
-                         (long long)a->num_tokens, (long long)a->region_rows, LL_T, LL_P,
-                         a->num_experts, LL_E, a->block_rows);
+                         a->world, MOE_A2A_MAX_WORLD, a->hidden, a->top_k, (long long)a->num_tokens,
+                         (long long)a->region_rows, LL_T, LL_P, a->num_experts, LL_E,
+                         a->block_rows);
     if (a->x_dtype != MOE_DTYPE_BF16 && a->x_dtype != MOE_DTYPE_F32)
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "a2a low-latency dispatch: x in %s",
                          moe_dtype_name(a->x_dtype));
@@ -784,8 +784,7 @@ extern "C" moe_status_t moe_a2a_ll_dispatch_launch(const moe_a2a_ll_args_t *args
     return MOE_STATUS_SUCCESS;
 }
 
-extern "C" moe_status_t moe_a2a_ll_layout_launch(const moe_a2a_ll_layout_args_t *args,
-                                                 void *stream)
+extern "C" moe_status_t moe_a2a_ll_layout_launch(const moe_a2a_ll_layout_args_t *args, void *stream)
 {
     if (args->experts > LL_E || args->block_rows < 1 || args->world > MOE_A2A_MAX_WORLD)
         return moe_error(MOE_STATUS_INVALID_ARGUMENT,

@@ -396,8 +396,9 @@ __global__ void __launch_bounds__(GATHER_THREADS)
     for (int t = blockIdx.x * SCATTER_TOKENS;
          t < min(num_tokens, (int)(blockIdx.x + 1) * SCATTER_TOKENS); t++) {
         const T *src = x + (size_t)t * hidden;
-        bool live = false; /* a token with no row here (EP: another rank's experts, or a padding
-                              row) is not read: the step's cost follows the rows, not the capacity */
+        /* a token with no row here (EP: another rank's experts, or a padding row) is not
+         * read: the step's cost follows the rows, not the capacity */
+        bool live = false;
         for (int j = 0; j < top_k && !live; j++)
             live = __ldg(row_of_slot + (size_t)t * top_k + j) >= 0;
         if (!live)
