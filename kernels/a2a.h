@@ -39,8 +39,8 @@ enum {
     MOE_A2A_LL_BR = 6,      /* the block rows the peer padded this rank's experts to (ll) */
 };
 
-/* Dispatch: rows of this rank's T tokens to every rank owning one of their experts. */
-typedef struct moe_a2a_dispatch_args {
+/* This rank's side of a step, the same for both dispatch kernels. */
+typedef struct moe_a2a_source {
     const void *x; /* device [T][hidden], x_dtype (F32 or BF16); sent as bf16 */
     moe_dtype_t x_dtype;
     int64_t num_tokens; /* T <= region_rows */
@@ -51,7 +51,13 @@ typedef struct moe_a2a_dispatch_args {
     const int32_t *owner;  /* device [num_experts]: rank of each expert */
     const int32_t *status; /* device scalar: this rank's status code for the step */
     const uint32_t *seq;   /* device scalar: the step's sequence number */
-    const int32_t *dead;   /* device scalar or NULL: nonzero, nothing is stored into peers */
+    int32_t *dead;         /* device scalar or NULL: nonzero, nothing is stored into peers (and the
+                              low-latency dispatch's timeout marks it as moe_a2a_wait does) */
+} moe_a2a_source_t;
+
+/* Dispatch: rows of this rank's T tokens to every rank owning one of their experts. */
+typedef struct moe_a2a_dispatch_args {
+    moe_a2a_source_t src;
     void *dst_x[MOE_A2A_MAX_WORLD];       /* region `rank` of rank d's arrays (bf16 [m][H]) */
     int32_t *dst_ids[MOE_A2A_MAX_WORLD];  /* [m][k] */
     float *dst_w[MOE_A2A_MAX_WORLD];      /* [m][k] */
@@ -101,21 +107,12 @@ moe_status_t moe_a2a_dispatch_launch(const moe_a2a_dispatch_args_t *args, void *
 #define MOE_A2A_LL_MAX_EXPERTS 1024 /* global experts */
 
 typedef struct moe_a2a_ll_args {
-    const void *x; /* device [T][hidden], x_dtype (F32 or BF16); stored as bf16 */
-    moe_dtype_t x_dtype;
-    int64_t num_tokens; /* T <= region_rows <= MOE_A2A_LL_MAX_TOKENS */
-    int hidden, top_k, rank, world, num_experts;
-    int64_t region_rows;              /* m */
+    moe_a2a_source_t src; /* T <= m <= MOE_A2A_LL_MAX_TOKENS */
+    int num_experts;
     int first[MOE_A2A_MAX_WORLD + 1]; /* rank d owns global experts [first[d], first[d+1]) */
     int block_rows;                   /* the GEMM variant's padding (every rank the same) */
     int64_t rows_cap;                 /* rows of every rank's GEMM-1 input (ll_a) */
-    const int32_t *ids;               /* device [T][k] global expert ids */
-    const float *weights;             /* device [T][k] */
-    const int32_t *owner;             /* device [num_experts] */
-    const int32_t *status;            /* as in moe_a2a_dispatch_args_t */
-    int32_t *dead;                    /* as in moe_a2a_wait_args_t */
-    const uint32_t *seq;
-    int32_t *sticky; /* this rank's verdict (host-mapped) */
+    int32_t *sticky;                  /* this rank's verdict (host-mapped) */
     int64_t timeout_ns;
     const int32_t *cnt;                   /* this rank's count matrix [W][E] */
     const int32_t *ctrl;                  /* this rank's ctrl [W][MOE_A2A_CTRL] */

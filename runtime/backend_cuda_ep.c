@@ -732,9 +732,33 @@ static cuda_sym_t *bind_sym(const moe_layer_t *l, cuda_layer_t *s)
 
 /* The low-latency dispatch (a step of m <= ll_rows rows per rank with MOE_EP_LL=1): every
  * (token, slot) row into its owner's GEMM-1 input at the variant v's padding. */
+/* This rank's side of the step for either dispatch (x NULL and T 0 for a rank whose arguments
+ * failed). */
+static moe_a2a_source_t a2a_source(const moe_layer_t *l, const cuda_layer_t *s, const cuda_sym_t *y,
+                                   const moe_forward_args_t *ok, int64_t T)
+{
+    moe_a2a_source_t src;
+    memset(&src, 0, sizeof(src));
+    src.x = ok ? ok->x : NULL;
+    src.x_dtype = ok ? ok->dtype : MOE_DTYPE_BF16;
+    src.num_tokens = T;
+    src.hidden = s->H;
+    src.top_k = s->k;
+    src.rank = l->plan.rank;
+    src.world = s->world;
+    src.region_rows = s->m;
+    src.ids = s->ids;
+    src.weights = s->weights;
+    src.owner = s->owner;
+    src.status = s->flag;
+    src.seq = y ? y->seq : NULL;
+    src.dead = y ? y->dead : NULL;
+    return src;
+}
+
 static moe_status_t ll_dispatch(moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y,
-                                const moe_forward_args_t *ok, int64_t T,
-                                const moe_gemm_variant_t *v, void *stream)
+                                const moe_a2a_source_t *src, const moe_gemm_variant_t *v,
+                                void *stream)
 {
     const int W = s->world, me = l->plan.rank, k = s->k;
     const int64_t m = s->m;
@@ -742,25 +766,12 @@ static moe_status_t ll_dispatch(moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y,
     int r;
 
     memset(&d, 0, sizeof(d));
-    d.x = ok ? ok->x : NULL;
-    d.x_dtype = ok ? ok->dtype : MOE_DTYPE_BF16;
-    d.num_tokens = T;
-    d.hidden = s->H;
-    d.top_k = k;
-    d.rank = me;
-    d.world = W;
+    d.src = *src;
     d.num_experts = s->E_total;
-    d.region_rows = m;
     for (r = 0; r <= W; r++)
         d.first[r] = (int)moe_split_begin(s->E_total, W, r);
     d.block_rows = v->block_rows;
     d.rows_cap = s->ll_cap;
-    d.ids = s->ids;
-    d.weights = s->weights;
-    d.owner = s->owner;
-    d.status = s->flag;
-    d.dead = y->dead;
-    d.seq = y->seq;
     d.sticky = s->sticky;
     d.timeout_ns = (int64_t)l->rt->timeout_ms * 1000000;
     d.cnt = (const int32_t *)(y->local + s->off_cnt);
@@ -836,23 +847,10 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     int r;
 
     s->ll_step = ll;
-    if (ll)
-        MOE_CHECK(ll_dispatch(l, s, y, ok, T, llv, stream));
     memset(&d, 0, sizeof(d));
-    d.x = ok ? ok->x : NULL;
-    d.x_dtype = ok ? ok->dtype : MOE_DTYPE_BF16;
-    d.num_tokens = T;
-    d.hidden = s->H;
-    d.top_k = k;
-    d.rank = me;
-    d.world = W;
-    d.region_rows = m;
-    d.ids = s->ids;
-    d.weights = s->weights;
-    d.owner = s->owner;
-    d.status = s->flag;
-    d.seq = seq;
-    d.dead = dead;
+    d.src = a2a_source(l, s, y, ok, T);
+    if (ll)
+        MOE_CHECK(ll_dispatch(l, s, y, &d.src, llv, stream));
     for (r = 0; r < W; r++) {
         if (y) { /* region `me` of rank r's arrays */
             char *b = y->peer[r];

@@ -127,15 +127,15 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_count_kernel(moe_a2a_dispatch
     if (threadIdx.x < MOE_A2A_MAX_WORLD)
         cnt[threadIdx.x] = 0;
     __syncthreads();
-    chunk_of(a.num_tokens, blockIdx.x, gridDim.x, &b, &e);
+    chunk_of(a.src.num_tokens, blockIdx.x, gridDim.x, &b, &e);
     for (int64_t t = b + threadIdx.x; t < e; t += A2A_THREADS) {
-        const unsigned m = dest_mask(a.ids, a.owner, t, a.top_k);
-        for (int d = 0; d < a.world; d++)
+        const unsigned m = dest_mask(a.src.ids, a.src.owner, t, a.src.top_k);
+        for (int d = 0; d < a.src.world; d++)
             if (m >> d & 1)
                 atomicAdd(&cnt[d], 1);
     }
     __syncthreads();
-    if (threadIdx.x < a.world)
+    if (threadIdx.x < a.src.world)
         a.chain[blockIdx.x * MOE_A2A_MAX_WORLD + threadIdx.x] = (uint64_t)cnt[threadIdx.x];
 }
 
@@ -189,14 +189,15 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_send_kernel(moe_a2a_dispatch_
     __shared__ int wcnt[A2A_WARPS][MOE_A2A_MAX_WORLD];
     __shared__ int pos_s[A2A_THREADS][MOE_A2A_MAX_WORLD];
     __shared__ unsigned mask_s[A2A_THREADS];
-    const int W = a.world, k = a.top_k, H = a.hidden, warp = threadIdx.x / 32,
+    const int W = a.src.world, k = a.src.top_k, H = a.src.hidden, warp = threadIdx.x / 32,
               lane = threadIdx.x & 31;
-    const int64_t m = a.region_rows;
-    const TX *x = static_cast<const TX *>(a.x);
-    const bool quiet = rank_silenced(a.dead, a.seq); /* positions, counts; nothing to peers */
+    const int64_t m = a.src.region_rows;
+    const TX *x = static_cast<const TX *>(a.src.x);
+    const bool quiet =
+        rank_silenced(a.src.dead, a.src.seq); /* positions, counts; nothing to peers */
     int64_t b, e;
 
-    chunk_of(a.num_tokens, blockIdx.x, gridDim.x, &b, &e);
+    chunk_of(a.src.num_tokens, blockIdx.x, gridDim.x, &b, &e);
     if (threadIdx.x < W) {
         int s = 0;
         for (int c = 0; c < (int)blockIdx.x; c++)
@@ -206,7 +207,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_send_kernel(moe_a2a_dispatch_
     __syncthreads();
     for (int64_t p0 = b; p0 < e; p0 += A2A_THREADS) {
         const int64_t t = p0 + threadIdx.x;
-        const unsigned mk = t < e ? dest_mask(a.ids, a.owner, t, k) : 0u;
+        const unsigned mk = t < e ? dest_mask(a.src.ids, a.src.owner, t, k) : 0u;
         for (int d = 0; d < W; d++) {
             const unsigned bal = __ballot_sync(0xffffffffu, mk >> d & 1);
             if (lane == 0)
@@ -240,8 +241,8 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_send_kernel(moe_a2a_dispatch_
             const int64_t tt = p0 + i, p = pos_s[i][d];
             copy_row(x, tt, H, static_cast<__nv_bfloat16 *>(a.dst_x[d]) + p * H);
             if (lane < k) {
-                a.dst_ids[d][p * k + lane] = a.ids[tt * k + lane];
-                a.dst_w[d][p * k + lane] = a.weights[tt * k + lane];
+                a.dst_ids[d][p * k + lane] = a.src.ids[tt * k + lane];
+                a.dst_w[d][p * k + lane] = a.src.weights[tt * k + lane];
             }
             if (lane == 0)
                 a.dst_tok[d][p] = (int32_t)tt;
@@ -258,13 +259,13 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_send_kernel(moe_a2a_dispatch_
         for (int c = 0; gridDim.x > 1 && c < (int)gridDim.x; c++)
             total += (int)a.chain[c * MOE_A2A_MAX_WORLD + d];
         a.counts[d] = total;
-        const int32_t status = *a.status;
+        const int32_t status = *a.src.status;
         if (a.dst_ctrl[d] && !quiet) {
             volatile int32_t *c = a.dst_ctrl[d];
             c[MOE_A2A_COUNT] = total;
             c[MOE_A2A_STATUS] = status;
             __threadfence_system();
-            store_release_sys(a.dst_ctrl[d] + MOE_A2A_SENT, *a.seq);
+            store_release_sys(a.dst_ctrl[d] + MOE_A2A_SENT, *a.src.seq);
         } else if (a.ctrl_out) {
             a.ctrl_out[d * MOE_A2A_CTRL + MOE_A2A_COUNT] = total;
             a.ctrl_out[d * MOE_A2A_CTRL + MOE_A2A_STATUS] = status;
@@ -464,13 +465,14 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_dispatch_kernel(moe_a2a_ll
     __shared__ int total[MOE_A2A_MAX_WORLD];
     __shared__ unsigned skip; // bit d: nothing goes to rank d this step
     __shared__ int go;
-    const int W = a.world, k = a.top_k, H = a.hidden, E = a.num_experts, warp = threadIdx.x / 32,
-              lane = threadIdx.x & 31;
-    const int T = (int)a.num_tokens, pairs = T * k;
-    const int64_t m = a.region_rows;
-    const uint32_t seq = *a.seq;
-    const bool quiet = rank_silenced(a.dead, a.seq); /* positions, counts; nothing to peers */
-    const TX *x = static_cast<const TX *>(a.x);
+    const int W = a.src.world, k = a.src.top_k, H = a.src.hidden, E = a.num_experts,
+              warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int T = (int)a.src.num_tokens, pairs = T * k;
+    const int64_t m = a.src.region_rows;
+    const uint32_t seq = *a.src.seq;
+    const bool quiet =
+        rank_silenced(a.src.dead, a.src.seq); /* positions, counts; nothing to peers */
+    const TX *x = static_cast<const TX *>(a.src.x);
 
     for (int e = threadIdx.x; e < E; e += A2A_THREADS)
         cnt[e] = 0;
@@ -484,7 +486,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_dispatch_kernel(moe_a2a_ll
     if (warp == 0) {
         for (int p0 = 0; p0 < pairs; p0 += 32) {
             const int p = p0 + lane;
-            const int e = p < pairs ? a.ids[p] : -1;
+            const int e = p < pairs ? a.src.ids[p] : -1;
             const unsigned same = __match_any_sync(0xffffffffu, e >= 0 ? e : E + lane);
             const int before = e >= 0 ? cnt[e] : 0;
             __syncwarp();
@@ -498,7 +500,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_dispatch_kernel(moe_a2a_ll
     }
     {
         const int t = threadIdx.x;
-        const unsigned mk = t < T ? dest_mask(a.ids, a.owner, t, k) : 0u;
+        const unsigned mk = t < T ? dest_mask(a.src.ids, a.src.owner, t, k) : 0u;
         int within[MOE_A2A_MAX_WORLD];
         for (int d = 0; d < W; d++) {
             const unsigned bal = __ballot_sync(0xffffffffu, mk >> d & 1);
@@ -542,8 +544,8 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_dispatch_kernel(moe_a2a_ll
     if (threadIdx.x < W && !quiet) {
         const int s = threadIdx.x;
         const int32_t *c = a.ctrl + s * MOE_A2A_CTRL;
-        if (!wait_word(c + MOE_A2A_LL_COUNTS, seq, a.timeout_ns, a.sticky, a.dead)) {
-            note_timeout(a.sticky, a.dead, seq, s);
+        if (!wait_word(c + MOE_A2A_LL_COUNTS, seq, a.timeout_ns, a.sticky, a.src.dead)) {
+            note_timeout(a.sticky, a.src.dead, seq, s);
             go = 0;
         } else if (((volatile const int32_t *)c)[MOE_A2A_LL_BR] != a.block_rows) {
             /* the ranks picked different GEMM variants (different tune files, say) */
@@ -559,7 +561,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_dispatch_kernel(moe_a2a_ll
             for (int s = 0; s < W; s++) {
                 const int v = ((volatile const int32_t *)a.cnt)[(int64_t)s * E + e];
                 tot += v;
-                before += s < a.rank ? v : 0;
+                before += s < a.src.rank ? v : 0;
             }
             cnt[e] = tot;
             off[e] = before;
@@ -578,10 +580,10 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_dispatch_kernel(moe_a2a_ll
         //    row of each slot, the weights and the token index
         const int gw = (int)blockIdx.x * A2A_WARPS + warp, nw = (int)gridDim.x * A2A_WARPS;
         for (int p = gw; p < pairs; p += nw) {
-            const int e = a.ids[p];
+            const int e = a.src.ids[p];
             if (e < 0)
                 continue;
-            const int d = a.owner[e];
+            const int d = a.src.owner[e];
             if (skip >> d & 1)
                 continue;
             copy_row(x, p / k, H,
@@ -594,10 +596,10 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_dispatch_kernel(moe_a2a_ll
             if (i < 0 || (skip >> d & 1))
                 continue;
             for (int j = 0; j < k; j++) {
-                const int e = a.ids[t * k + j];
+                const int e = a.src.ids[t * k + j];
                 a.dst_slot[d][i * k + j] =
-                    e >= 0 && a.owner[e] == d ? off[e] + prank[t * k + j] : -1;
-                a.dst_w[d][i * k + j] = a.weights[t * k + j];
+                    e >= 0 && a.src.owner[e] == d ? off[e] + prank[t * k + j] : -1;
+                a.dst_w[d][i * k + j] = a.src.weights[t * k + j];
             }
             a.dst_tok[d][i] = t;
         }
@@ -613,7 +615,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_dispatch_kernel(moe_a2a_ll
         if (!quiet) {
             volatile int32_t *c = a.dst_ctrl[d];
             c[MOE_A2A_COUNT] = n;
-            c[MOE_A2A_STATUS] = *a.status;
+            c[MOE_A2A_STATUS] = *a.src.status;
             __threadfence_system();
             store_release_sys(a.dst_ctrl[d] + MOE_A2A_SENT, seq);
         }
@@ -681,18 +683,18 @@ extern "C" moe_status_t moe_a2a_dispatch_launch(const moe_a2a_dispatch_args_t *a
 {
     moe_a2a_dispatch_args_t a = *args;
     cudaStream_t s = (cudaStream_t)stream;
-    const int64_t T = a.num_tokens;
+    const int64_t T = a.src.num_tokens;
     int G = 1;
-    if (a.world < 1 || a.world > MOE_A2A_MAX_WORLD || a.hidden % 8 || a.top_k > 32 ||
-        T > a.region_rows)
+    if (a.src.world < 1 || a.src.world > MOE_A2A_MAX_WORLD || a.src.hidden % 8 ||
+        a.src.top_k > 32 || T > a.src.region_rows)
         return moe_error(MOE_STATUS_INVALID_ARGUMENT,
                          "a2a dispatch: world %d (1..%d), hidden %d (multiple of 8), top_k %d "
                          "(<= 32), %lld tokens (<= region rows %lld)",
-                         a.world, MOE_A2A_MAX_WORLD, a.hidden, a.top_k, (long long)T,
-                         (long long)a.region_rows);
-    if (a.x_dtype != MOE_DTYPE_BF16 && a.x_dtype != MOE_DTYPE_F32)
+                         a.src.world, MOE_A2A_MAX_WORLD, a.src.hidden, a.src.top_k, (long long)T,
+                         (long long)a.src.region_rows);
+    if (a.src.x_dtype != MOE_DTYPE_BF16 && a.src.x_dtype != MOE_DTYPE_F32)
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "a2a dispatch: x in %s",
-                         moe_dtype_name(a.x_dtype));
+                         moe_dtype_name(a.src.x_dtype));
     const int chunk = a.chunk_tokens <= 0                   ? A2A_CHUNK_TOKENS
                       : a.chunk_tokens < A2A_ONE_CTA_TOKENS ? a.chunk_tokens
                                                             : A2A_ONE_CTA_TOKENS;
@@ -707,7 +709,7 @@ extern "C" moe_status_t moe_a2a_dispatch_launch(const moe_a2a_dispatch_args_t *a
         a2a_count_kernel<<<G, A2A_THREADS, 0, s>>>(a);
         MOE_CUDA_CHECK_LAUNCH("a2a count");
     }
-    if (a.x_dtype == MOE_DTYPE_BF16)
+    if (a.src.x_dtype == MOE_DTYPE_BF16)
         a2a_send_kernel<__nv_bfloat16><<<G, A2A_THREADS, 0, s>>>(a);
     else
         a2a_send_kernel<float><<<G, A2A_THREADS, 0, s>>>(a);
@@ -753,22 +755,22 @@ extern "C" moe_status_t moe_a2a_finish_launch(const moe_a2a_finish_args_t *args,
 extern "C" moe_status_t moe_a2a_ll_dispatch_launch(const moe_a2a_ll_args_t *args, void *stream)
 {
     const moe_a2a_ll_args_t *a = args;
-    const int64_t pairs = a->num_tokens * a->top_k;
+    const int64_t pairs = a->src.num_tokens * a->src.top_k;
     cudaStream_t s = (cudaStream_t)stream;
     int G = a->num_sms > 0 ? a->num_sms : 1;
-    if (a->world < 1 || a->world > MOE_A2A_MAX_WORLD || a->hidden % 8 || a->top_k > 32 ||
-        a->num_tokens > a->region_rows || a->region_rows > LL_T ||
-        a->region_rows * a->top_k > LL_P || a->num_experts > LL_E || a->block_rows < 1)
+    if (a->src.world < 1 || a->src.world > MOE_A2A_MAX_WORLD || a->src.hidden % 8 ||
+        a->src.top_k > 32 || a->src.num_tokens > a->src.region_rows || a->src.region_rows > LL_T ||
+        a->src.region_rows * a->src.top_k > LL_P || a->num_experts > LL_E || a->block_rows < 1)
         return moe_error(MOE_STATUS_INVALID_ARGUMENT,
                          "a2a low-latency dispatch: world %d (1..%d), hidden %d (multiple of 8), "
                          "top_k %d (<= 32), %lld tokens (<= region rows %lld <= %d, times top_k "
                          "<= %d), %d experts (<= %d), block rows %d",
-                         a->world, MOE_A2A_MAX_WORLD, a->hidden, a->top_k, (long long)a->num_tokens,
-                         (long long)a->region_rows, LL_T, LL_P, a->num_experts, LL_E,
-                         a->block_rows);
-    if (a->x_dtype != MOE_DTYPE_BF16 && a->x_dtype != MOE_DTYPE_F32)
+                         a->src.world, MOE_A2A_MAX_WORLD, a->src.hidden, a->src.top_k,
+                         (long long)a->src.num_tokens, (long long)a->src.region_rows, LL_T, LL_P,
+                         a->num_experts, LL_E, a->block_rows);
+    if (a->src.x_dtype != MOE_DTYPE_BF16 && a->src.x_dtype != MOE_DTYPE_F32)
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "a2a low-latency dispatch: x in %s",
-                         moe_dtype_name(a->x_dtype));
+                         moe_dtype_name(a->src.x_dtype));
     /* one warp a (token, slot) row: no more CTAs than rows need */
     if (G > (pairs + A2A_WARPS - 1) / A2A_WARPS)
         G = (int)((pairs + A2A_WARPS - 1) / A2A_WARPS);
@@ -776,7 +778,7 @@ extern "C" moe_status_t moe_a2a_ll_dispatch_launch(const moe_a2a_ll_args_t *args
         G = MOE_A2A_MAX_CTAS;
     if (G < 1)
         G = 1;
-    if (a->x_dtype == MOE_DTYPE_BF16)
+    if (a->src.x_dtype == MOE_DTYPE_BF16)
         a2a_ll_dispatch_kernel<__nv_bfloat16><<<G, A2A_THREADS, 0, s>>>(*a);
     else
         a2a_ll_dispatch_kernel<float><<<G, A2A_THREADS, 0, s>>>(*a);
