@@ -37,6 +37,8 @@ enum {
     MOE_A2A_RETURNED = 4,   /* sequence number: the peer's combine rows are here */
     MOE_A2A_RET_STATUS = 5, /* 0, or the peer lost rows this step (its wait timed out) */
     MOE_A2A_LL_BR = 6,      /* the block rows the peer padded this rank's experts to (ll) */
+    MOE_A2A_ROWS = 7,       /* the peer's rows per region this step (its m): a region laid out
+                               otherwise than this rank's fails the step, whatever the count */
 };
 
 /* This rank's side of a step, the same for both dispatch kernels. */
@@ -149,8 +151,11 @@ moe_status_t moe_a2a_ll_layout_launch(const moe_a2a_ll_layout_args_t *args, void
  * wait of the step timed out, whatever came first (a peer's bad arguments, say): a timeout
  * must short-circuit the later waits and mark the runtime broken in every case. */
 #define MOE_A2A_STICKY_TIMEOUT (1 << 30)
-/* ... and this bit when a peer's COUNT exceeded this rank's rows per region (the ranks disagree
- * on max_tokens_across_ranks): the step fails on every rank rather than read past a region. */
+/* ... and this bit when a peer's step does not fit this rank's: its ROWS differ from this rank's
+ * rows per region or its COUNT exceeds them (the ranks passed different
+ * max_tokens_across_ranks), a low-latency dispatch would not fit a GEMM input, or the ranks'
+ * GEMM variants differ: the step fails on every rank rather than read a region laid out
+ * otherwise or store past a buffer. */
 #define MOE_A2A_STICKY_ROWS (1 << 29)
 
 /* Wait (one CTA): for each peer s, until ctrl[s][word] reaches *seq (wrap-safe) or the

@@ -1127,8 +1127,9 @@ static moe_status_t cuda_synchronize(moe_layer_t *l, void *stream)
     }
     if (v & MOE_A2A_STICKY_ROWS)
         return moe_error(MOE_STATUS_INVALID_ARGUMENT,
-                         "rank %d sent more rows than this rank's max_tokens_across_ranks "
-                         "allows: the ranks passed different values; the step was skipped",
+                         "rank %d's step does not match this rank's (different "
+                         "max_tokens_across_ranks, a low-latency dispatch too large for the GEMM "
+                         "input, or different GEMM variants: tune files); the step was skipped",
                          rank);
     if ((v & 0xff) == MOE_STATUS_NUMERIC_ERROR)
         return moe_error(MOE_STATUS_NUMERIC_ERROR,

@@ -264,11 +264,13 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_send_kernel(moe_a2a_dispatch_
             volatile int32_t *c = a.dst_ctrl[d];
             c[MOE_A2A_COUNT] = total;
             c[MOE_A2A_STATUS] = status;
+            c[MOE_A2A_ROWS] = (int32_t)m;
             __threadfence_system();
             store_release_sys(a.dst_ctrl[d] + MOE_A2A_SENT, *a.src.seq);
         } else if (a.ctrl_out) {
             a.ctrl_out[d * MOE_A2A_CTRL + MOE_A2A_COUNT] = total;
             a.ctrl_out[d * MOE_A2A_CTRL + MOE_A2A_STATUS] = status;
+            a.ctrl_out[d * MOE_A2A_CTRL + MOE_A2A_ROWS] = (int32_t)m;
         }
     }
 }
@@ -290,7 +292,10 @@ __global__ void a2a_wait_kernel(moe_a2a_wait_args_t a)
     int32_t status = ok ? ((volatile const int32_t *)c)[MOE_A2A_STATUS] : MOE_STATUS_TIMEOUT;
     if (a.counts) {
         int32_t n = ok ? ((volatile const int32_t *)c)[MOE_A2A_COUNT] : 0;
-        if (n < 0 || n > a.region_rows) { /* out of step with this rank: use none of it */
+        const int32_t rows =
+            ok ? ((volatile const int32_t *)c)[MOE_A2A_ROWS] : (int32_t)a.region_rows;
+        if (n < 0 || n > a.region_rows || rows != a.region_rows) { /* out of step with this
+                                                                       rank: use none of it */
             sticky_mark(a.sticky, s, MOE_STATUS_INVALID_ARGUMENT, MOE_A2A_STICKY_ROWS);
             status = MOE_STATUS_INVALID_ARGUMENT; /* no rank computes a row this step */
             n = 0;
@@ -616,6 +621,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_dispatch_kernel(moe_a2a_ll
             volatile int32_t *c = a.dst_ctrl[d];
             c[MOE_A2A_COUNT] = n;
             c[MOE_A2A_STATUS] = *a.src.status;
+            c[MOE_A2A_ROWS] = (int32_t)m;
             __threadfence_system();
             store_release_sys(a.dst_ctrl[d] + MOE_A2A_SENT, seq);
         }

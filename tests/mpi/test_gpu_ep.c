@@ -303,6 +303,65 @@ static void test_deterministic_across_transports(void **state)
     free(yn);
 }
 
+/* Ranks that pass different max_tokens_across_ranks lay their regions out differently: the step
+ * fails on every rank with a status (never a silent result from misread rows), and the next step
+ * with an agreed value is right again. lsa and its low-latency layout. */
+static void test_told_disagree(void **state)
+{
+    const uint64_t seed = tu_seed("gpu_told_bad");
+    moe_layer_config_t c = shape(0);
+    const int64_t n = 4 + 4 * rank, H = c.hidden;
+    float *x = malloc(sizeof(float) * (size_t)(n * H)),
+          *y = malloc(sizeof(float) * (size_t)(n * H));
+    float *ref = malloc(sizeof(float) * (size_t)(n * H));
+    int i;
+    (void)state;
+    if (world < 2)
+        return;
+    assert_true(x && y && ref);
+    moe_gen_tokens(seed, 8 * rank, n, H, x);
+    run(gt_rts.cpu_self, c, seed, x, n, NULL, ref);
+    for (i = 1; i <= LSA_LL; i += LSA_LL - 1) {
+        moe_layer_t *l = NULL;
+        moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
+        void *dx = NULL, *dy = NULL;
+        moe_status_t st;
+        int64_t m = n;
+        use_transport(i, n);
+        TU_OK(moe_layer_create(gt_rts.gpu, &c, &l));
+        TU_OK(moe_gen_set_weights(l, &c, seed));
+        assert_int_equal(cudaMalloc(&dx, sizeof(float) * (size_t)(n * H)), cudaSuccess);
+        assert_int_equal(cudaMalloc(&dy, sizeof(float) * (size_t)(n * H)), cudaSuccess);
+        assert_int_equal(cudaMemcpy(dx, x, sizeof(float) * (size_t)(n * H), cudaMemcpyHostToDevice),
+                         cudaSuccess);
+        a.num_tokens = n;
+        a.x = dx;
+        a.y = dy;
+        a.max_tokens_across_ranks = n; /* 4 on rank 0, 8 on rank 1: not the same */
+        TU_OK(moe_layer_forward(l, &a));
+        st = moe_layer_synchronize(l, NULL);
+        print_message("rank %d: %s, max_tokens_across_ranks %lld (ranks differ): %s: %s\n", rank,
+                      transports[i], (long long)n, moe_status_string(st), moe_last_error());
+        assert_true(st == MOE_STATUS_INVALID_ARGUMENT || st == MOE_STATUS_PEER_FAILURE);
+        MPI_Allreduce(MPI_IN_PLACE, &m, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+        a.max_tokens_across_ranks = m; /* agreed: the next step is right */
+        assert_int_equal(cudaMemset(dy, 0xff, sizeof(float) * (size_t)(n * H)), cudaSuccess);
+        TU_OK(moe_layer_forward(l, &a));
+        TU_OK(moe_layer_synchronize(l, NULL));
+        assert_int_equal(cudaMemcpy(y, dy, sizeof(float) * (size_t)(n * H), cudaMemcpyDeviceToHost),
+                         cudaSuccess);
+        assert_int_equal(tu_count_nan(y, n * H), 0);
+        assert_true(tu_rel_err(y, ref, n * H) <= 1e-2);
+        cudaFree(dx);
+        cudaFree(dy);
+        TU_OK(moe_layer_destroy(l));
+    }
+    end_transports();
+    free(x);
+    free(y);
+    free(ref);
+}
+
 /* A transport the layout cannot use, or a misspelt one, fails create on every rank. */
 static void test_transport_refused(void **state)
 {
@@ -372,6 +431,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_transport_hot_rank),
     cmocka_unit_test(test_transport_large_capacity),
     cmocka_unit_test(test_deterministic_across_transports),
+    cmocka_unit_test(test_told_disagree),
     cmocka_unit_test(test_transport_refused),
 };
 
