@@ -279,8 +279,10 @@ typedef struct moe_forward_args {
     /* Optional (0: max_tokens_per_rank): the largest num_tokens of any rank in this step, the
      * same value on every rank (a serving engine knows it from its batch metadata). With
      * expert parallelism on the CUDA backend the step then moves and computes this many rows
-     * per rank instead of the configured capacity. A value that differs among ranks is
-     * undefined behaviour of the collectives (bounded by the runtime's timeout). */
+     * per rank instead of the configured capacity. A value that differs among ranks fails the
+     * step on every rank with the all-to-all transports (lsa, p2p: INVALID_ARGUMENT or
+     * PEER_FAILURE at synchronize, the next agreed step runs); with allgather it is undefined
+     * behaviour of the collectives (bounded by the runtime's timeout). */
     int64_t max_tokens_across_ranks;
 } moe_forward_args_t;
 
