@@ -53,7 +53,8 @@ ep)
         MOE_EP_TRANSPORT=$t timeout 60 mpirun -np "$ngpu" -x MOE_EP_TRANSPORT \
             build-gpu/tests/mpi/test_gpu_faults 2>&1 | quiet | tail -4
     done
-    for t in allgather lsa p2p; do
+    # lsa-ll: lsa's low-latency layout (MOE_EP_LL=1), at the points of up to 128 tokens per rank
+    for t in allgather lsa p2p lsa-ll; do
         echo "== dispatch, capacity 8192, told, transport $t"
         timeout 120 mpirun -np "$ngpu" $B/moe-bench --dispatch-only --capacity 8192 --told \
             --transport $t 2>&1 | quiet | tee -a "$OUT/dispatch.log" | tail -12

@@ -327,7 +327,7 @@ int moe_dispatch_bench_main(int argc, char **argv)
             size_t half;
             /* rows per rank this step: told, else the capacity */
             const int64_t m = told ? T : cfg.max_tokens_per_rank;
-            if ((transport >= 0 && q != transport) || (transport < 0 && q == LSA_LL && m > 128) ||
+            if ((transport >= 0 && q != transport) || (q == LSA_LL && m > 128) ||
                 (shared && q != 1 && q != LSA_LL))
                 continue;
             setenv("MOE_EP_TRANSPORT", q == LSA_LL ? "lsa" : transport_names[q], 1);
