@@ -874,8 +874,6 @@ moe_status_t moe_cuda_scan_inputs(moe_layer_t *l, const moe_forward_args_t *a, i
     return MOE_STATUS_SUCCESS;
 }
 
-/* Token rows of `x` (T tokens) through their experts (ids, -1: not on this rank): permute,
- * gather, GEMM1 (act * up), GEMM2 into s->o. rows_per_expert picks the GEMM variant. */
 /* GEMM 1, the activation and GEMM 2 over the expert-grouped rows of the layout in s->counts,
  * s->offsets, s->block_expert, s->num_blocks: from `a` (bf16), or (W8A8, a NULL) gathered from
  * x through s->slot_of_row by GEMM 1's quantisation. */
@@ -901,6 +899,8 @@ static moe_status_t routed_gemms(cuda_layer_t *s, const moe_gemm_variant_t *v, c
                          skip ? s->offsets : NULL, stream);
 }
 
+/* Token rows of `x` (T tokens) through their experts (ids, -1: not on this rank): permute,
+ * gather, GEMM1 (act * up), GEMM2 into s->o. rows_per_expert picks the GEMM variant. */
 moe_status_t moe_cuda_routed_experts(cuda_layer_t *s, const void *x, moe_dtype_t x_dtype, int64_t T,
                                      const int32_t *ids, double rows_per_expert, void *stream)
 {
@@ -1170,7 +1170,7 @@ static void explain_gemm(const cuda_layer_t *s, double rows_per_expert, char *te
 /* The expert-parallel exchange, and where its transport came from. */
 static void explain_ep(const cuda_layer_t *s, char *text, size_t len)
 {
-    char why[320];
+    char why[320], ll[160] = "";
     if (s->world == 1) {
         snprintf(text, len, "one GPU");
         return;
@@ -1179,6 +1179,11 @@ static void explain_ep(const cuda_layer_t *s, char *text, size_t len)
         snprintf(why, sizeof(why), "%s (built-in rule)", moe_cuda_ep_transport_name(s->transport));
     else
         moe_oracle_describe(&s->transport_why, "max tokens/rank", (double)s->tm, why, sizeof(why));
+    if (s->ll)
+        snprintf(ll, sizeof(ll),
+                 "; low-latency layout (MOE_EP_LL=1) at up to %lld rows per rank: rows stored "
+                 "grouped by expert into the owners' GEMM input",
+                 (long long)s->ll_rows);
     snprintf(text, len, "EP transport %s: %s%s", why,
              s->transport == MOE_EP_LSA ? "rows stored only into the ranks owning their experts "
                                           "(CUDA IPC, one host)"
@@ -1187,13 +1192,7 @@ static void explain_ep(const cuda_layer_t *s, char *text, size_t len)
              : s->deterministic ? "all-gather of the tokens, dense exact return (deterministic)"
                                 : "all-gather of the tokens (max_tokens_across_ranks rows per rank "
                                   "when given, else the capacity), f32 reduce-scatter return",
-             s->ll ? "; low-latency layout (MOE_EP_LL=1) at up to " : "");
-    if (s->ll) {
-        const size_t n = strlen(text);
-        snprintf(text + n, len > n ? len - n : 0,
-                 "%lld rows per rank: rows stored grouped by expert into the owners' GEMM input",
-                 (long long)s->ll_rows);
-    }
+             ll);
 }
 
 static void cuda_explain(const moe_layer_t *l, int64_t T, char *text, size_t len)

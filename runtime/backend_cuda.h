@@ -119,7 +119,8 @@ typedef struct cuda_layer {
      * permute, no gather there; kernels/a2a.h, moe_a2a_ll_args_t). In the IPC buffer: the
      * count matrix [W][E_total], the row of each slot [W ll_rows][k], the GEMM-1 input
      * bf16 [ll_cap][H]. */
-    int ll, ll_step; /* MOE_EP_LL; the last step used it */
+    int ll, ll_step;           /* MOE_EP_LL; the last step used it */
+    int chunk_tokens, ll_ctas; /* MOE_EP_CHUNK_TOKENS, MOE_EP_LL_CTAS (read at init) */
     int64_t ll_rows, ll_cap;
     size_t off_cnt, off_slot, off_lla;
     int32_t *pos;               /* [W][tm]: row of token t in region d, -1 */

@@ -490,6 +490,12 @@ moe_status_t moe_cuda_ep_init(moe_layer_t *l, cuda_layer_t *s)
     MOE_CHECK(moe_gpu_memset(s->a2a_done, 0, sizeof(int32_t) * 2));
     MOE_CHECK(moe_gpu_host_alloc((void **)&s->host_io,
                                  sizeof(int32_t) * (size_t)s->world * (MOE_A2A_CTRL + 2)));
+    /* measurement knobs, read once: the dispatch's tokens per CTA (0: the kernel's default)
+     * and the low-latency dispatch's most CTAs (0: up to the SM count) */
+    s->chunk_tokens = (int)moe_env_int("MOE_EP_CHUNK_TOKENS", 0);
+    s->ll_ctas = (int)moe_env_int("MOE_EP_LL_CTAS", 0);
+    if (s->ll_ctas <= 0 || s->ll_ctas > s->num_sms)
+        s->ll_ctas = s->num_sms;
     if (s->ll)
         s->ll_cap = ll_capacity(l, s);
     if (s->transport == MOE_EP_LSA)
@@ -730,8 +736,6 @@ static cuda_sym_t *bind_sym(const moe_layer_t *l, cuda_layer_t *s)
     return y;
 }
 
-/* The low-latency dispatch (a step of m <= ll_rows rows per rank with MOE_EP_LL=1): every
- * (token, slot) row into its owner's GEMM-1 input at the variant v's padding. */
 /* This rank's side of the step for either dispatch (x NULL and T 0 for a rank whose arguments
  * failed). */
 static moe_a2a_source_t a2a_source(const moe_layer_t *l, const cuda_layer_t *s, const cuda_sym_t *y,
@@ -756,6 +760,8 @@ static moe_a2a_source_t a2a_source(const moe_layer_t *l, const cuda_layer_t *s, 
     return src;
 }
 
+/* The low-latency dispatch (a step of m <= ll_rows rows per rank with MOE_EP_LL=1): every
+ * (token, slot) row into its owner's GEMM-1 input at the variant v's padding. */
 static moe_status_t ll_dispatch(moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y,
                                 const moe_a2a_source_t *src, const moe_gemm_variant_t *v,
                                 void *stream)
@@ -788,10 +794,7 @@ static moe_status_t ll_dispatch(moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y,
     d.pos = s->pos;
     d.counts = s->sent;
     d.done = s->a2a_done;
-    /* MOE_EP_LL_CTAS: at most this many CTAs (0: up to the SM count; a measurement knob) */
-    d.num_sms = (int)moe_env_int("MOE_EP_LL_CTAS", 0);
-    if (d.num_sms <= 0 || d.num_sms > s->num_sms)
-        d.num_sms = s->num_sms;
+    d.num_sms = s->ll_ctas;
     return moe_a2a_ll_dispatch_launch(&d, stream);
 }
 
@@ -872,7 +875,7 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     d.chain = s->a2a_chain;
     d.done = s->a2a_done;
     d.num_sms = s->num_sms;
-    d.chunk_tokens = (int)moe_env_int("MOE_EP_CHUNK_TOKENS", 0); /* a measurement knob */
+    d.chunk_tokens = s->chunk_tokens;
     if (!ll)
         MOE_CHECK(moe_a2a_dispatch_launch(&d, stream));
     if (s->ss > 0 && T > 0) { /* overlaps the rows in flight */
@@ -894,11 +897,10 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     wa.sticky = s->sticky;
     MOE_CHECK(moe_a2a_wait_launch(&wa, stream));
 
-    s->last_rows_per_expert = (double)T * W * k / l->cfg.num_experts;
-    if (ll) {
-        s->last_rows_per_expert = (double)m * W * k / l->cfg.num_experts;
+    /* the variant's hint: the low-latency layout's comes from m, which every rank agrees on */
+    s->last_rows_per_expert = (double)(ll ? m : T) * W * k / l->cfg.num_experts;
+    if (ll)
         MOE_CHECK(ll_experts(l, s, y, llv, llmb, stream));
-    }
     memset(&li, 0, sizeof(li));
     li.in = s->rids;
     li.out = s->lids;
@@ -988,44 +990,36 @@ static moe_status_t profile_bytes(moe_layer_t *l, cuda_layer_t *s, int64_t T, vo
     if (s->transport == MOE_EP_ALLGATHER) {
         b = (W - 1) * m * (2 * H + 4 * k + 4 + (s->deterministic ? 0 : 4 * k));
         b += s->deterministic ? (W - 1) * m * k * H * 2 : (W - 1) * m * H * 4;
-    } else if (s->ll_step) {
-        /* one bf16 row per (token, slot) to another rank, per (token, rank) the slots' rows and
-         * weights and the token index, this rank's counts per expert; partials back */
-        int32_t *ids = malloc(sizeof(int32_t) * (size_t)(T * k + 1)), *got = s->host_io;
+    } else {
+        /* rows (lsa, p2p: one per (token, rank); the low-latency layout: one per (token, slot)
+         * to another rank, and its counts per expert), per row the slots' ids or rows, weights
+         * and the token index out; f32 partials back (summed mode). Every count in one
+         * synchronisation: [W (CTRL + 1), + W) of host_io is spare, and its start (p2p_rows'
+         * words) is not in use once the step is done. */
+        int32_t *sent = s->host_io + W * (MOE_A2A_CTRL + 1), *got = s->host_io, *ids = NULL;
         int64_t i;
-        if (!ids)
+        if (s->ll_step && !(ids = malloc(sizeof(int32_t) * (size_t)(T * k + 1))))
             return moe_error(MOE_STATUS_OUT_OF_MEMORY, "profile: %lld ids", (long long)(T * k));
-        MOE_CHECK_GOTO(
-            moe_gpu_memcpy_d2h_async(ids, s->ids, sizeof(int32_t) * (size_t)(T * k), stream), st,
-            done);
-        MOE_CHECK_GOTO(
-            moe_gpu_memcpy_d2h_async(got + W, s->sent, sizeof(int32_t) * (size_t)W, stream), st,
-            done);
+        MOE_CHECK_GOTO(moe_gpu_memcpy_d2h_async(sent, s->sent, sizeof(int32_t) * (size_t)W, stream),
+                       st, done);
         MOE_CHECK_GOTO(
             moe_gpu_memcpy_d2h_async(got, s->counts_all, sizeof(int32_t) * (size_t)W, stream), st,
             done);
+        if (ids)
+            MOE_CHECK_GOTO(
+                moe_gpu_memcpy_d2h_async(ids, s->ids, sizeof(int32_t) * (size_t)(T * k), stream),
+                st, done);
         MOE_CHECK_GOTO(moe_gpu_stream_synchronize(stream), st, done);
-        for (i = 0; i < T * k; i++)
+        for (i = 0; ids && i < T * k; i++)
             if (ids[i] >= 0 && l->plan.expert_owner[ids[i]] != me)
                 b += 2 * H;
         for (r = 0; r < W; r++)
             if (r != me)
-                b += got[W + r] * (8 * k + 4) + 4 * (int64_t)s->E_total +
+                b += sent[r] * (8 * k + 4) + (ids ? 4 * (int64_t)s->E_total : sent[r] * 2 * H) +
                      (s->deterministic ? 0 : got[r] * 4 * H);
     done:
         free(ids);
         MOE_CHECK(st);
-    } else { /* rows, ids, weights, token index out; f32 partials back (summed mode) */
-        /* both counts in one synchronisation: [W (CTRL + 1), + W) of host_io is spare, and its
-         * start (p2p_rows' words) is not in use once the step is done */
-        int32_t *sent = s->host_io + W * (MOE_A2A_CTRL + 1), *got = s->host_io;
-        MOE_CHECK(moe_gpu_memcpy_d2h_async(sent, s->sent, sizeof(int32_t) * (size_t)W, stream));
-        MOE_CHECK(
-            moe_gpu_memcpy_d2h_async(got, s->counts_all, sizeof(int32_t) * (size_t)W, stream));
-        MOE_CHECK(moe_gpu_stream_synchronize(stream));
-        for (r = 0; r < W; r++)
-            if (r != me)
-                b += sent[r] * (2 * H + 8 * k + 4) + (s->deterministic ? 0 : got[r] * 4 * H);
     }
     l->stats.bytes_sent = b;
     return MOE_STATUS_SUCCESS;

@@ -294,8 +294,8 @@ __global__ void a2a_wait_kernel(moe_a2a_wait_args_t a)
         int32_t n = ok ? ((volatile const int32_t *)c)[MOE_A2A_COUNT] : 0;
         const int32_t rows =
             ok ? ((volatile const int32_t *)c)[MOE_A2A_ROWS] : (int32_t)a.region_rows;
-        if (n < 0 || n > a.region_rows || rows != a.region_rows) { /* out of step with this
-                                                                       rank: use none of it */
+        /* out of step with this rank: use none of it */
+        if (n < 0 || n > a.region_rows || rows != a.region_rows) {
             sticky_mark(a.sticky, s, MOE_STATUS_INVALID_ARGUMENT, MOE_A2A_STICKY_ROWS);
             status = MOE_STATUS_INVALID_ARGUMENT; /* no rank computes a row this step */
             n = 0;
