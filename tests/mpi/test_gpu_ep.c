@@ -311,17 +311,20 @@ static void test_told_disagree(void **state)
     const uint64_t seed = tu_seed("gpu_told_bad");
     moe_layer_config_t c = shape(0);
     const int64_t n = 4 + 4 * rank, H = c.hidden;
-    float *x = malloc(sizeof(float) * (size_t)(n * H)),
-          *y = malloc(sizeof(float) * (size_t)(n * H));
-    float *ref = malloc(sizeof(float) * (size_t)(n * H));
-    int i;
+    static const int lsa_entries[] = {1, LSA_LL}; /* lsa, lsa-ll */
+    float *x, *y, *ref;
+    size_t e;
     (void)state;
     if (world < 2)
         return;
+    x = malloc(sizeof(float) * (size_t)(n * H));
+    y = malloc(sizeof(float) * (size_t)(n * H));
+    ref = malloc(sizeof(float) * (size_t)(n * H));
     assert_true(x && y && ref);
     moe_gen_tokens(seed, 8 * rank, n, H, x);
     run(gt_rts.cpu_self, c, seed, x, n, NULL, ref);
-    for (i = 1; i <= LSA_LL; i += LSA_LL - 1) {
+    for (e = 0; e < sizeof(lsa_entries) / sizeof(lsa_entries[0]); e++) {
+        const int i = lsa_entries[e];
         moe_layer_t *l = NULL;
         moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
         void *dx = NULL, *dy = NULL;
