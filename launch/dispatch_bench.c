@@ -31,6 +31,7 @@ int moe_dispatch_bench_main(int argc, char **argv)
 #include <string.h>
 
 #include "cli.h"
+#include "kernels/a2a.h"
 #include "layer_gen.h"
 #include "moe/moe.h"
 #include "moe/moe_mpi.h"
@@ -327,7 +328,7 @@ int moe_dispatch_bench_main(int argc, char **argv)
             size_t half;
             /* rows per rank this step: told, else the capacity */
             const int64_t m = told ? T : cfg.max_tokens_per_rank;
-            if ((transport >= 0 && q != transport) || (q == LSA_LL && m > 128) ||
+            if ((transport >= 0 && q != transport) || (q == LSA_LL && m > MOE_A2A_LL_MAX_TOKENS) ||
                 (shared && q != 1 && q != LSA_LL))
                 continue;
             setenv("MOE_EP_TRANSPORT", q == LSA_LL ? "lsa" : transport_names[q], 1);

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/a2a.h"
 #include "kernels/numeric.h"
 #include "launch/layer_gen.h"
 
@@ -198,7 +199,7 @@ static int use_transport(int i, int64_t n)
     setenv("MOE_EP_TRANSPORT", i == LSA_LL ? "lsa" : transports[i], 1);
     setenv("MOE_EP_LL", i == LSA_LL ? "1" : "0", 1);
     told_m = i == LSA_LL ? m : 0;
-    return i != LSA_LL || m <= 128;
+    return i != LSA_LL || m <= MOE_A2A_LL_MAX_TOKENS;
 }
 
 static void end_transports(void)
