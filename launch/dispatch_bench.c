@@ -108,22 +108,28 @@ static double nccl_a2a_us(ncclComm_t comm, int world, size_t bytes, void *sbuf, 
 }
 
 /* --max-tokens T (default: the largest size), --capacity C (max_tokens_per_rank of every
- * point's layer, as a serving engine sets it; default: the point's own token count) and
- * --told (pass max_tokens_across_ranks = the point's tokens), checked and agreed among the
- * ranks before the first collective; nonzero (after one message) on a bad or mismatched one. */
+ * point's layer, as a serving engine sets it; default: the point's own token count),
+ * --told (pass max_tokens_across_ranks = the point's tokens) and --round-tokens R (the
+ * layers' ep_round_tokens, at most each point's capacity; 0: the library's default), checked
+ * and agreed among the ranks before the first collective; nonzero (after one message) on a
+ * bad or mismatched one. */
 static const char *const transport_names[] = {"allgather", "lsa", "p2p", "lsa-ll"};
 enum { NT = 4, LSA_LL = 3 }; /* lsa-ll: lsa with MOE_EP_LL=1, at up to 128 rows per rank */
 
 static int agree_options(int argc, char **argv, int64_t largest, int64_t *tmax, int64_t *cap,
-                         int *told, int *transport)
+                         int *told, int *transport, int64_t *round)
 {
     char err[256] = "";
     int i, j, bad = 0;
-    moe_cli_field_t f[4] = {
-        {"--max-tokens", 0, 0}, {"--capacity", 0, 0}, {"--told", 0, 0}, {"--transport", 0, 0}};
+    moe_cli_field_t f[5] = {{"--max-tokens", 0, 0},
+                            {"--capacity", 0, 0},
+                            {"--told", 0, 0},
+                            {"--transport", 0, 0},
+                            {"--round-tokens", 0, 0}};
 
     *tmax = largest;
     *cap = 0;
+    *round = 0;
     *told = 0;
     *transport = -1; /* all */
     for (i = 1; i < argc && !bad; i++) {
@@ -147,6 +153,9 @@ static int agree_options(int argc, char **argv, int64_t largest, int64_t *tmax, 
         else if (!strcmp(argv[i], "--capacity") && i + 1 < argc)
             bad = moe_cli_int("--capacity", argv[++i], 1, INT64_C(1) << 20, cap, err,
                               sizeof(err)) != 0;
+        else if (!strcmp(argv[i], "--round-tokens") && i + 1 < argc)
+            bad = moe_cli_int("--round-tokens", argv[++i], 0, INT64_C(1) << 20, round, err,
+                              sizeof(err)) != 0;
         else
             bad = snprintf(err, sizeof(err), "--dispatch-only: unknown option %s", argv[i]) > 0;
     }
@@ -157,7 +166,8 @@ static int agree_options(int argc, char **argv, int64_t largest, int64_t *tmax, 
     f[1].value = *cap;
     f[2].value = *told;
     f[3].value = *transport;
-    return moe_cli_agree("moe-bench --dispatch-only", bad, err, f, 4);
+    f[4].value = *round;
+    return moe_cli_agree("moe-bench --dispatch-only", bad, err, f, 5);
 }
 
 /* Two ranks on one GPU (the device machine's one-GPU case, MPS or time slicing): NCCL refuses
@@ -254,7 +264,7 @@ int moe_dispatch_bench_main(int argc, char **argv)
     moe_layer_config_t cfg = MOE_LAYER_CONFIG_INIT;
     moe_runtime_t *rt = NULL;
     int rank, world, i, q, iters = 20, max_sizes = nsizes, told, transport, shared;
-    int64_t tmax, cap;
+    int64_t tmax, cap, round;
     ncclUniqueId id;
     ncclComm_t comm;
     cudaStream_t s;
@@ -262,7 +272,7 @@ int moe_dispatch_bench_main(int argc, char **argv)
     size_t maxb;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &world);
-    if (agree_options(argc, argv, sizes[nsizes - 1], &tmax, &cap, &told, &transport))
+    if (agree_options(argc, argv, sizes[nsizes - 1], &tmax, &cap, &told, &transport, &round))
         return 2;
     if (cap && cap < tmax)
         tmax = cap; /* no point above the capacity */
@@ -315,6 +325,8 @@ int moe_dispatch_bench_main(int argc, char **argv)
                "dispatch(us)", "combine(us)", "sent(MB)", "nccl(us)", "ratio", "step(us)");
         if (cap)
             printf("# capacity %lld tokens per rank\n", (long long)cap);
+        if (round)
+            printf("# rounds of at most %lld tokens per rank (--round-tokens)\n", (long long)round);
         if (shared)
             printf("# ranks share a GPU: lsa transports only, no NCCL column (NCCL refuses "
                    "two ranks on one GPU); not the two-GPU numbers\n");
@@ -322,6 +334,7 @@ int moe_dispatch_bench_main(int argc, char **argv)
     for (i = 0; i < max_sizes; i++) {
         const int64_t T = sizes[i];
         cfg.max_tokens_per_rank = cap ? cap : T;
+        cfg.ep_round_tokens = round < cfg.max_tokens_per_rank ? round : cfg.max_tokens_per_rank;
         for (q = 0; q < NT; q++) {
             point_t p;
             double a2a = 0.0;

@@ -52,11 +52,12 @@ typedef struct options {
     moe_layer_config_t cfg;
     int64_t tokens[MAX_POINTS];
     int num_tokens;
-    int tokens_given;  /* --tokens was given (--first-call: else a spread over the capacity) */
-    int64_t capacity;  /* --capacity: max_tokens_per_rank (0: the largest count) */
-    int64_t probe;     /* --first-call: the count of the first forward after create */
-    int64_t graph_max; /* graph-replay steps of at most this many tokens */
-    double seconds;    /* time spent per point, roughly */
+    int tokens_given;     /* --tokens was given (--first-call: else a spread over the capacity) */
+    int64_t capacity;     /* --capacity: max_tokens_per_rank (0: the largest count) */
+    int64_t round_tokens; /* --round-tokens: ep_round_tokens (0: the library's default) */
+    int64_t probe;        /* --first-call: the count of the first forward after create */
+    int64_t graph_max;    /* graph-replay steps of at most this many tokens */
+    double seconds;       /* time spent per point, roughly */
     int help;
     int explain;             /* --explain: per point, what the layer runs and why */
     int first_call;          /* --first-call: first step at new counts against the steady one */
@@ -79,14 +80,15 @@ static void usage(void)
            "                 [--tokens 1,8,64,512,2048,8192] [--graph-max M] [--seconds S]\n"
            "                 [--json FILE] [--explain] [--dtype bf16|fp8 [--scales "
            "tensor|channel|block]]\n"
-           "                 [--capacity C] [--rotate R]\n"
+           "                 [--capacity C] [--rotate R] [--round-tokens N]\n"
            "         (fp8: e4m3 weights and activations, W8A8, f32 accumulation; --capacity:\n"
            "         the layer's max_tokens_per_rank, default the largest of --tokens; --rotate:\n"
            "         step i runs copy i %% R of the layer, each with its own weights, default\n"
            "         the fewest copies whose weights a step reads add up to 2 x L2, at most %d\n"
            "         and what fits in half the free memory; 1: one layer, as before. Backend:\n"
            "         MOE_BACKEND, else CUDA where a GPU is visible; on the CPU backend the\n"
-           "         steps are eager, timed by the wall clock)\n"
+           "         steps are eager, timed by the wall clock; --round-tokens: with EP, the\n"
+           "         layer's ep_round_tokens, 0 the library's default)\n"
            "       mpirun -np N moe-bench --first-call [--capacity C] [--tokens LIST] [shape]\n"
            "         (every rank: the time of the first step at each of 20 token counts the\n"
            "         layer never ran, default odd counts spread over 1..C, C = 8192, over the\n"
@@ -94,9 +96,11 @@ static void usage(void)
            "         steps on any backend (MOE_BACKEND), wall clock to moe_layer_synchronize)\n"
            "       mpirun -np N moe-bench --dispatch-only [--max-tokens T] [--capacity C] "
            "[--told]\n"
+           "                 [--round-tokens R]\n"
            "         (expert-parallel dispatch/combine next to NCCL all-to-all; --capacity: a\n"
            "         serving engine's max_tokens_per_rank for every point; --told: pass\n"
-           "         max_tokens_across_ranks = the point's tokens)\n"
+           "         max_tokens_across_ranks = the point's tokens; --round-tokens: the layers'\n"
+           "         ep_round_tokens, 0 the library's default)\n"
            "presets: %s\n",
            MAX_ROTATE, moe_gen_preset_names());
 }
@@ -165,6 +169,8 @@ static int parse(int argc, char **argv, options_t *o)
             ok = o->tokens_given = parse_tokens(v, o);
         } else if (!strcmp(a, "--capacity")) {
             ok = !moe_cli_int(a, v, 1, MAX_M, &o->capacity, o->err, sizeof(o->err));
+        } else if (!strcmp(a, "--round-tokens")) {
+            ok = !moe_cli_int(a, v, 0, MAX_M, &o->round_tokens, o->err, sizeof(o->err));
         } else if (!strcmp(a, "--rotate")) {
             ok = !moe_cli_int(a, v, 1, MAX_ROTATE, &r, o->err, sizeof(o->err));
             o->rotate = (int)r;
@@ -267,6 +273,10 @@ static int resolve(options_t *o, int rank)
     if (o->json && rank == 0 && !(o->json_file = fopen(o->json, "w")))
         return REJECT("--json %s: cannot write: %s", o->json, strerror(errno));
     o->cfg.max_tokens_per_rank = o->capacity;
+    if (o->round_tokens > o->capacity)
+        return REJECT("--round-tokens %lld is over the capacity %lld", (long long)o->round_tokens,
+                      (long long)o->capacity);
+    o->cfg.ep_round_tokens = o->round_tokens;
     moe_gen_apply_fp8(&o->cfg, o->fp8, o->scales);
     return 1;
 }
@@ -291,6 +301,7 @@ static int agree_options(const options_t *o, int bad)
         {"--capacity", o->capacity, 0}, /* after --tokens: its default is their largest */
         {"--dtype", o->fp8, 0},
         {"--scales", o->scales, 0},
+        {"--round-tokens", o->round_tokens, 0},
     };
     return moe_cli_agree("moe-bench", bad, o->err, f, (int)(sizeof(f) / sizeof(f[0])));
 }
@@ -929,8 +940,11 @@ static void table(const options_t *o)
 
     print_title(o);
     if (b.cuda) {
-        printf("# GPU %d: %s, %d SMs; weights %.2f GB, workspace %.2f GB\n", dev, prop.name,
+        printf("# GPU %d: %s, %d SMs; weights %.2f GB, workspace %.2f GB", dev, prop.name,
                prop.multiProcessorCount, info.weight_bytes / 1e9, info.workspace_bytes / 1e9);
+        if (info.ep_round_tokens < o->capacity)
+            printf("; EP rounds of %lld tokens/rank", (long long)info.ep_round_tokens);
+        printf("\n");
         printf("# measured: device copy %.0f GB/s (read+write), cuBLAS bf16 8192^3 %.0f "
                "TFLOP/s\n",
                copy, blas);

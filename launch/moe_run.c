@@ -40,6 +40,7 @@ typedef struct opts {
     moe_dtype_t dtype_kind; /* --dtype (synthetic layers; with --model: converted at load) */
     moe_scale_kind_t dtype_scale;
     int64_t tokens;
+    int64_t round_tokens; /* --round-tokens: ep_round_tokens (0: the library's default) */
     uint64_t seed;
     int iters, warmup, bind, ep, tp, deterministic, quiet, help;
     int tokens_given;     /* --tokens on the command line (else --input's row count) */
@@ -122,6 +123,8 @@ static void usage(void)
            "  --seed S             weights and tokens (default 1)\n"
            "  --ep N --tp N        parallel layout (default: EP over all ranks)\n"
            "  --dispatch auto|all-to-all|all-gather   --deterministic\n"
+           "  --round-tokens N     CUDA EP: tokens per rank of one round (ep_round_tokens; 0,\n"
+           "                       the default: the library's, about the batch / ranks)\n"
            "  --backend auto|cpu|cuda   --bind (hwloc)   --iters N --warmup N\n"
            "  --model DIR --layer N [--input FILE] [--output FILE]   a checkpoint's layer\n"
            "                       (its sizes come from DIR: no --preset/--experts/... with it;\n"
@@ -260,6 +263,8 @@ static int parse_one(opts_t *o, const char *a, const char *v, int *used)
         if (int_opt(o, a, v, 0, MAX_TOKENS, &o->tokens))
             return -1;
         o->tokens_given = 1;
+    } else if (!strcmp(a, "--round-tokens")) {
+        return int_opt(o, a, v, 0, MAX_TOKENS, &o->round_tokens);
     } else if (!strcmp(a, "--seed")) {
         if (int_opt(o, a, v, 0, INT64_MAX, &x))
             return -1;
@@ -764,6 +769,7 @@ static int agree_options(const opts_t *o, int bad)
         {"--backend", o->backend_kind, 0},
         {"--deterministic", o->deterministic, 0},
         {"--seed", (int64_t)o->seed, 0},
+        {"--round-tokens", o->round_tokens, 0},
     };
     return moe_cli_agree("moe-run", bad, o->err, f, (int)(sizeof(f) / sizeof(f[0])));
 }
@@ -815,6 +821,9 @@ int main(int argc, char **argv)
     o.cfg.max_tokens_per_rank = my_tokens > 0 ? my_tokens : 1;
     MPI_Allreduce(MPI_IN_PLACE, &o.cfg.max_tokens_per_rank, 1, MPI_INT64_T, MPI_MAX,
                   MPI_COMM_WORLD);
+    /* at most the capacity (the tokens per rank): more would be one round anyway */
+    o.cfg.ep_round_tokens =
+        o.round_tokens < o.cfg.max_tokens_per_rank ? o.round_tokens : o.cfg.max_tokens_per_rank;
     for (l = 0; l < o.num_layers; l++) {
         CHECK_ALL(moe_layer_create(rt_g, &o.cfg, &layers_g[l]));
         num_layers_g = l + 1;
@@ -837,6 +846,11 @@ int main(int argc, char **argv)
             o.cfg.scoring == MOE_SCORING_SIGMOID ? "sigmoid" : "softmax",
             o.cfg.n_group > 1 ? " grouped" : "", moe_dtype_name(o.x_dtype), (long long)o.tokens,
             (unsigned long long)o.seed);
+    if (rank_g == 0 && li.ep_round_tokens < o.cfg.max_tokens_per_rank)
+        printf(
+            "# EP rounds of %lld tokens per rank (ep_round_tokens): %lld per step\n",
+            (long long)li.ep_round_tokens,
+            (long long)((o.cfg.max_tokens_per_rank + li.ep_round_tokens - 1) / li.ep_round_tokens));
     x = malloc(sizeof(float) * (size_t)(my_tokens * o.cfg.hidden + 1));
     if (!x)
         DIE("out of memory for %lld tokens", (long long)my_tokens);

@@ -394,6 +394,19 @@ static void load_oracle(const moe_layer_t *l, cuda_layer_t *s)
     moe_oracle_load_env(&s->oracle, &t);
 }
 
+/* Tokens per rank of one EP round (moe.h, ep_round_tokens): the EP buffers hold world x this
+ * many rows. The default keeps them at about one capacity, max_tokens_per_rank x top_k rows of
+ * GEMM input, whatever the world size, with rounds of at least 256 tokens (fewer rounds, fewer
+ * reads of the weights, where the capacity is small anyway). */
+static int64_t ep_round_tokens(const moe_layer_config_t *c, int world)
+{
+    const int64_t cap = c->max_tokens_per_rank, least = cap < 256 ? cap : 256;
+    const int64_t share = (cap + world - 1) / world;
+    if (c->ep_round_tokens > 0)
+        return c->ep_round_tokens;
+    return share > least ? share : least;
+}
+
 static void init_shape(moe_layer_t *l, cuda_layer_t *s)
 {
     s->E = l->plan.num_local_experts;
@@ -409,8 +422,11 @@ static void init_shape(moe_layer_t *l, cuda_layer_t *s)
     s->deterministic = l->cfg.deterministic;
     s->scatter_rows = moe_env_int("MOE_SCATTER_ROWS", 1) != 0;
     s->skip_pad = moe_env_int("MOE_GEMM_SKIP_PAD", 1) != 0;
-    s->tm = l->cfg.max_tokens_per_rank;
-    s->m = s->tm; /* EP rows per rank until a step says otherwise */
+    s->cap = l->cfg.max_tokens_per_rank;
+    s->tm = s->world > 1 ? ep_round_tokens(&l->cfg, s->world) : s->cap;
+    l->ep_round_tokens = s->tm;
+    s->step_rows = s->cap; /* EP rows per rank until a step says otherwise */
+    s->m = s->tm;
     s->f8 = l->cfg.weight_dtype == MOE_DTYPE_FP8_E4M3 && l->cfg.fp8_math == MOE_FP8_MATH_W8A8
                 ? (l->cfg.scale_kind == MOE_SCALE_BLOCK_128 ? 2 : 1)
                 : 0;
@@ -985,7 +1001,7 @@ moe_status_t moe_cuda_shared_gate(moe_layer_t *l, const moe_forward_args_t *a)
     return moe_route_logits_launch(&g, a->stream);
 }
 
-moe_status_t moe_cuda_finish_profile(moe_layer_t *l, void *stream)
+moe_status_t moe_cuda_finish_profile(moe_layer_t *l, int accumulate, void *stream)
 {
     cuda_layer_t *s = l->state;
     float ms[EV_COUNT] = {0};
@@ -1010,7 +1026,8 @@ moe_status_t moe_cuda_finish_profile(moe_layer_t *l, void *stream)
                                        stream));
     MOE_CHECK(moe_gpu_stream_synchronize(stream));
     for (i = 0; i < s->E; i++) {
-        l->expert_load[l->plan.first_local_expert + i] = s->host_counts[i];
+        l->expert_load[l->plan.first_local_expert + i] =
+            s->host_counts[i] + (accumulate ? l->expert_load[l->plan.first_local_expert + i] : 0);
         rows += s->host_counts[i];
     }
     l->stats.rows_received = rows;
@@ -1057,7 +1074,7 @@ static moe_status_t one_gpu_forward(moe_layer_t *l, const moe_forward_args_t *a)
     MOE_CHECK(moe_cuda_record(s, EV_SHARED, a->stream));
     MOE_CHECK(moe_cuda_combine(l, a, s->o, s->row_of_slot, w, s->so));
     MOE_CHECK(moe_cuda_record(s, EV_COMBINE, a->stream));
-    return s->profile ? moe_cuda_finish_profile(l, a->stream) : MOE_STATUS_SUCCESS;
+    return s->profile ? moe_cuda_finish_profile(l, 0, a->stream) : MOE_STATUS_SUCCESS;
 }
 
 /* MOE_PROFILE (read at every forward, so a benchmark can profile one step); never while the
@@ -1170,7 +1187,7 @@ static void explain_gemm(const cuda_layer_t *s, double rows_per_expert, char *te
 /* The expert-parallel exchange, and where its transport came from. */
 static void explain_ep(const cuda_layer_t *s, char *text, size_t len)
 {
-    char why[320], ll[160] = "";
+    char why[320], ll[160] = "", rounds[160] = "";
     if (s->world == 1) {
         snprintf(text, len, "one GPU");
         return;
@@ -1178,13 +1195,18 @@ static void explain_ep(const cuda_layer_t *s, char *text, size_t len)
     if (s->transport_why.source == MOE_ORACLE_DEFAULT)
         snprintf(why, sizeof(why), "%s (built-in rule)", moe_cuda_ep_transport_name(s->transport));
     else
-        moe_oracle_describe(&s->transport_why, "max tokens/rank", (double)s->tm, why, sizeof(why));
+        moe_oracle_describe(&s->transport_why, "max tokens/rank", (double)s->cap, why, sizeof(why));
     if (s->ll)
         snprintf(ll, sizeof(ll),
                  "; low-latency layout (MOE_EP_LL=1) at up to %lld rows per rank: rows stored "
                  "grouped by expert into the owners' GEMM input",
                  (long long)s->ll_rows);
-    snprintf(text, len, "EP transport %s: %s%s", why,
+    if (s->tm < s->cap)
+        snprintf(rounds, sizeof(rounds),
+                 "; a step in rounds of at most %lld tokens per rank (ep_round_tokens; buffers "
+                 "for one round)",
+                 (long long)s->tm);
+    snprintf(text, len, "EP transport %s: %s%s%s", why,
              s->transport == MOE_EP_LSA ? "rows stored only into the ranks owning their experts "
                                           "(CUDA IPC, one host)"
              : s->transport == MOE_EP_P2P
@@ -1192,7 +1214,7 @@ static void explain_ep(const cuda_layer_t *s, char *text, size_t len)
              : s->deterministic ? "all-gather of the tokens, dense exact return (deterministic)"
                                 : "all-gather of the tokens (max_tokens_across_ranks rows per rank "
                                   "when given, else the capacity), f32 reduce-scatter return",
-             ll);
+             ll, rounds);
 }
 
 static void cuda_explain(const moe_layer_t *l, int64_t T, char *text, size_t len)

@@ -83,8 +83,12 @@ typedef struct cuda_layer {
     int scatter_rows; /* MOE_SCATTER_ROWS (default 1): GEMM 1's rows by scatter, not gather */
     int skip_pad; /* MOE_GEMM_SKIP_PAD (default 1): GEMMs get the expert counts (few rows/expert) */
     int shared_local;            /* the whole shared MLP here, run on this rank's tokens */
-    int64_t tm;                  /* max tokens per rank */
-    int64_t m;                   /* rows per rank this step (max_tokens_across_ranks or tm) */
+    int64_t cap;                 /* max_tokens_per_rank */
+    int64_t tm;                  /* EP: tokens per rank of one round (ep_round_tokens); one
+                                  * GPU: cap */
+    int64_t step_rows;           /* EP: rows per rank this step (max_tokens_across_ranks or
+                                  * cap), run in ceil(step_rows / tm) rounds */
+    int64_t m;                   /* EP: rows per rank this round (<= tm) */
     void *xsend, *xall;          /* bf16 [tm][H], [world tm][H] */
     int32_t *ids_all, *lids;     /* [world tm k] global, local expert ids (-1: not here) */
     void *dense, *mine;          /* summed: f32 [world tm][H], [tm][H];
@@ -174,7 +178,9 @@ moe_status_t moe_cuda_shared_experts(cuda_layer_t *s, const void *x, moe_dtype_t
 moe_status_t moe_cuda_shared_gate(moe_layer_t *l, const moe_forward_args_t *a);
 moe_status_t moe_cuda_combine(moe_layer_t *l, const moe_forward_args_t *a, const void *rows,
                               const int32_t *row_of_slot, const float *w, const void *shared);
-moe_status_t moe_cuda_finish_profile(moe_layer_t *l, void *stream);
+/* The profiled step's phase times, and the rows this rank's experts received (accumulate: added
+ * to the earlier rounds' counts instead of replacing them). Synchronises. */
+moe_status_t moe_cuda_finish_profile(moe_layer_t *l, int accumulate, void *stream);
 /* check_inputs: NaN/Inf in x or the given router logits sets *flag = NUMERIC_ERROR. */
 moe_status_t moe_cuda_scan_inputs(moe_layer_t *l, const moe_forward_args_t *a, int32_t *flag);
 

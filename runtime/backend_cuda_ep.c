@@ -105,6 +105,7 @@ static moe_status_t sym_reserve(moe_runtime_t *rt, size_t bytes)
     MOE_CHECK(moe_gpu_malloc((void **)&y->local, bytes));
     MOE_CHECK(moe_gpu_memset(y->local, 0, bytes));
     y->bytes = bytes;
+    rt->gpu_sym_bytes = bytes;
     y->peer[me] = y->local;
     MOE_CHECK(moe_gpu_ipc_handle(y->local, h));
     all = malloc((size_t)W * MOE_GPU_IPC_HANDLE_BYTES);
@@ -218,7 +219,7 @@ static int tuned_transport(const moe_layer_t *l, cuda_layer_t *s)
 {
     moe_oracle_query_t q = s->oq;
     moe_oracle_choice_t c;
-    q.value = (double)s->tm;
+    q.value = (double)s->cap;
     if (l->cfg.dispatch != MOE_DISPATCH_AUTO || !moe_oracle_pick_transport(&s->oracle, &q, &c))
         return -1;
     for (int t = MOE_EP_ALLGATHER; t <= MOE_EP_P2P; t++)
@@ -498,8 +499,11 @@ moe_status_t moe_cuda_ep_init(moe_layer_t *l, cuda_layer_t *s)
         s->ll_ctas = s->num_sms;
     if (s->ll)
         s->ll_cap = ll_capacity(l, s);
-    if (s->transport == MOE_EP_LSA)
-        MOE_CHECK(sym_reserve(l->rt, sym_layout(s)));
+    if (s->transport == MOE_EP_LSA) { /* the receive arrays: part of this layer's scratch */
+        const size_t bytes = sym_layout(s);
+        l->workspace_bytes += bytes;
+        MOE_CHECK(sym_reserve(l->rt, bytes));
+    }
     MOE_LOG_INFO("CUDA", "EP %d ranks: transport %s", s->world,
                  moe_cuda_ep_transport_name(s->transport));
     return MOE_STATUS_SUCCESS;
@@ -1025,48 +1029,16 @@ static moe_status_t profile_bytes(moe_layer_t *l, cuda_layer_t *s, int64_t T, vo
     return MOE_STATUS_SUCCESS;
 }
 
-/* One step across the ranks (every rank calls it, num_tokens may be 0). No host
- * synchronisation: buffers are sized from max_tokens_per_rank, so it can be captured.
- * Every check that can fail on one rank alone runs before the first collective; after it,
- * the calls are the same on every rank and only a CUDA or NCCL failure can stop them. */
-moe_status_t moe_cuda_ep_forward(moe_layer_t *l, const moe_forward_args_t *a, moe_status_t local)
+/* One round of a step across the ranks (every rank calls it, num_tokens may be 0): s->m rows
+ * per rank. `ok`: this round's slice of the caller's arguments, NULL where this rank's
+ * arguments failed (or were not given). accumulate: add the profile to the earlier rounds'. */
+static moe_status_t ep_round(moe_layer_t *l, const moe_forward_args_t *ok, moe_status_t local,
+                             int accumulate, void *stream)
 {
     cuda_layer_t *s = l->state;
-    const int64_t W = s->world;
-    const moe_forward_args_t *ok = local == MOE_STATUS_SUCCESS ? a : NULL; /* NULL: failed */
-    /* the caller's stream even when its other arguments failed, so that the next step and
-     * moe_layer_synchronize(stream) are ordered after this one's collectives */
-    void *stream = a ? a->stream : s->last_stream;
-    const int64_t T = ok ? a->num_tokens : 0;
-    int64_t tm;
+    const int64_t W = s->world, tm = s->m;
+    const int64_t T = ok ? ok->num_tokens : 0;
 
-    /* Rows per rank this step: max_tokens_across_ranks (the same on every rank) where given,
-     * so a decode step moves and computes its tokens, not the capacity. A rank whose other
-     * arguments failed still uses a valid value of it (the collectives' sizes must match); a
-     * rank with no arguments at all (args NULL) keeps the previous step's value, the likeliest
-     * to match its peers' (a mismatch ends in the bounded timeout, as moe.h says). */
-    if (a)
-        s->m = a->max_tokens_across_ranks > 0 && a->max_tokens_across_ranks <= s->tm
-                   ? a->max_tokens_across_ranks
-                   : s->tm;
-    tm = s->m;
-
-    if (s->transport == MOE_EP_P2P) { /* every rank: a failed one would wait on the host too */
-        int capturing = 0;
-        MOE_CHECK(moe_gpu_stream_is_capturing(stream, &capturing));
-        if (capturing) /* before the first collective: the peers time out, bounded */
-            return moe_error(MOE_STATUS_NOT_SUPPORTED,
-                             "MOE_EP_TRANSPORT=p2p reads each step's counts on the host: it "
-                             "cannot be captured in a CUDA graph (lsa and allgather can)");
-    }
-    if (s->nccl)
-        MOE_CHECK(moe_nccl_check(s->nccl));
-    if (s->transport == MOE_EP_LSA && ((cuda_sym_t *)l->rt->gpu_sym)->broken)
-        return moe_error(MOE_STATUS_INVALID_STATE,
-                         "an earlier step's all-to-all timed out waiting for rank %d: the ranks' "
-                         "buffers are out of step for good; destroy the runtime",
-                         ((cuda_sym_t *)l->rt->gpu_sym)->broken_rank);
-    s->last_stream = stream;
     MOE_CHECK(moe_cuda_record(s, EV_START, stream));
     MOE_CHECK(moe_step_flag_set_launch(
         s->flag, (int32_t)local,
@@ -1100,10 +1072,105 @@ moe_status_t moe_cuda_ep_forward(moe_layer_t *l, const moe_forward_args_t *a, mo
     }
     MOE_CHECK(copy_topk(s, ok));
     MOE_CHECK(moe_cuda_record(s, EV_COMBINE, stream));
-    if (!ok)
-        return local;
-    if (!s->profile)
+    if (!ok || !s->profile)
         return MOE_STATUS_SUCCESS;
-    MOE_CHECK(moe_cuda_finish_profile(l, stream));
+    MOE_CHECK(moe_cuda_finish_profile(l, accumulate, stream));
     return profile_bytes(l, s, T, stream);
+}
+
+/* `a`'s tokens [first, first + n) as arguments of their own (n > 0). */
+static moe_forward_args_t args_slice(const moe_layer_t *l, const moe_forward_args_t *a,
+                                     int64_t first, int64_t n)
+{
+    moe_forward_args_t r = *a;
+    const size_t row = moe_dtype_size(a->dtype) * (size_t)l->cfg.hidden;
+    const int64_t k = l->cfg.top_k;
+    r.num_tokens = n;
+    if (first == 0)
+        return r;
+    r.x = (const char *)a->x + row * (size_t)first;
+    r.y = (char *)a->y + row * (size_t)first;
+    if (a->router_logits)
+        r.router_logits = a->router_logits + first * l->cfg.num_experts;
+    if (a->topk_ids)
+        r.topk_ids = a->topk_ids + first * k;
+    if (a->topk_weights)
+        r.topk_weights = a->topk_weights + first * k;
+    return r;
+}
+
+static void stats_add(moe_layer_stats_t *to, const moe_layer_stats_t *b)
+{
+    to->route_us += b->route_us;
+    to->dispatch_us += b->dispatch_us;
+    to->expert_us += b->expert_us;
+    to->combine_us += b->combine_us;
+    to->shared_us += b->shared_us;
+    to->total_us += b->total_us;
+    to->rows_received += b->rows_received;
+    to->bytes_sent += b->bytes_sent;
+}
+
+/* One step across the ranks (every rank calls it, num_tokens may be 0), in rounds of at most
+ * s->tm rows per rank (moe.h, ep_round_tokens): the buffers hold one round. No host
+ * synchronisation: the round count comes from max_tokens_across_ranks or the capacity, both
+ * known alike on every rank, so it can be captured. Every check that can fail on one rank
+ * alone runs before the first collective; after it, the calls are the same on every rank and
+ * only a CUDA or NCCL failure can stop them. */
+moe_status_t moe_cuda_ep_forward(moe_layer_t *l, const moe_forward_args_t *a, moe_status_t local)
+{
+    cuda_layer_t *s = l->state;
+    const moe_forward_args_t *ok = local == MOE_STATUS_SUCCESS ? a : NULL; /* NULL: failed */
+    /* the caller's stream even when its other arguments failed, so that the next step and
+     * moe_layer_synchronize(stream) are ordered after this one's collectives */
+    void *stream = a ? a->stream : s->last_stream;
+    const int64_t T = ok ? a->num_tokens : 0;
+    moe_layer_stats_t sum;
+    int64_t rounds, i;
+
+    /* Rows per rank this step: max_tokens_across_ranks (the same on every rank) where given,
+     * so a decode step moves and computes its tokens, not the capacity. A rank whose other
+     * arguments failed still uses a valid value of it (the collectives' sizes must match); a
+     * rank with no arguments at all (args NULL) keeps the previous step's value, the likeliest
+     * to match its peers' (a mismatch ends in the bounded timeout, as moe.h says). */
+    if (a)
+        s->step_rows = a->max_tokens_across_ranks > 0 && a->max_tokens_across_ranks <= s->cap
+                           ? a->max_tokens_across_ranks
+                           : s->cap;
+    rounds = (s->step_rows + s->tm - 1) / s->tm;
+
+    if (s->transport == MOE_EP_P2P) { /* every rank: a failed one would wait on the host too */
+        int capturing = 0;
+        MOE_CHECK(moe_gpu_stream_is_capturing(stream, &capturing));
+        if (capturing) /* before the first collective: the peers time out, bounded */
+            return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                             "MOE_EP_TRANSPORT=p2p reads each step's counts on the host: it "
+                             "cannot be captured in a CUDA graph (lsa and allgather can)");
+    }
+    if (s->nccl)
+        MOE_CHECK(moe_nccl_check(s->nccl));
+    if (s->transport == MOE_EP_LSA && ((cuda_sym_t *)l->rt->gpu_sym)->broken)
+        return moe_error(MOE_STATUS_INVALID_STATE,
+                         "an earlier step's all-to-all timed out waiting for rank %d: the ranks' "
+                         "buffers are out of step for good; destroy the runtime",
+                         ((cuda_sym_t *)l->rt->gpu_sym)->broken_rank);
+    s->last_stream = stream;
+    memset(&sum, 0, sizeof(sum));
+    for (i = 0; i < rounds; i++) {
+        /* round i: rows [i tm, i tm + m) of every rank's step, this rank's tokens among them */
+        const int64_t first = i * s->tm, left = T - first;
+        moe_forward_args_t part;
+        s->m = s->step_rows - first < s->tm ? s->step_rows - first : s->tm;
+        if (ok)
+            part = args_slice(l, ok, left > 0 ? first : 0,
+                              left <= 0     ? 0
+                              : left < s->m ? left
+                                            : s->m);
+        MOE_CHECK(ep_round(l, ok ? &part : NULL, local, i > 0, stream));
+        if (ok && s->profile) {
+            stats_add(&sum, &l->stats);
+            l->stats = sum;
+        }
+    }
+    return ok ? MOE_STATUS_SUCCESS : local;
 }

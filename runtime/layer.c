@@ -43,6 +43,10 @@ static moe_status_t validate_sizes(const moe_layer_config_t *c)
     MOE_ARG_CHECK(c->max_tokens_per_rank > 0 && c->max_tokens_per_rank <= (INT64_C(1) << 30),
                   "max_tokens_per_rank = %lld: must be in 1..2^30",
                   (long long)c->max_tokens_per_rank);
+    MOE_ARG_CHECK(c->ep_round_tokens >= 0 && c->ep_round_tokens <= c->max_tokens_per_rank,
+                  "ep_round_tokens = %lld: must be in 0..max_tokens_per_rank (%lld; 0: the "
+                  "default)",
+                  (long long)c->ep_round_tokens, (long long)c->max_tokens_per_rank);
     return MOE_STATUS_SUCCESS;
 }
 
@@ -239,7 +243,8 @@ static uint64_t config_hash(const moe_layer_config_t *c)
                    c->dispatch,
                    c->deterministic,
                    c->check_inputs,
-                   c->fp8_math};
+                   c->fp8_math,
+                   c->ep_round_tokens};
     uint64_t h = 1469598103934665603ULL;
     size_t i, b;
     for (i = 0; i < sizeof(f) / sizeof(f[0]); i++)
@@ -283,6 +288,7 @@ static moe_status_t layer_setup(moe_layer_t *l, const moe_layer_config_t *config
 {
     const int world = l->rt->info.world_size;
     l->cfg = *config;
+    l->ep_round_tokens = config->max_tokens_per_rank; /* one round, unless the backend splits */
     MOE_CHECK(validate_sizes(&l->cfg));
     MOE_CHECK(validate_routing(&l->cfg));
     MOE_CHECK(validate_dtype(&l->cfg));
@@ -377,6 +383,7 @@ moe_status_t moe_layer_get_info(const moe_layer_t *l, moe_layer_info_t *info)
     info->deterministic = l->cfg.deterministic;
     info->weight_bytes = l->weight_bytes;
     info->workspace_bytes = l->workspace_bytes;
+    info->ep_round_tokens = l->ep_round_tokens;
     return MOE_STATUS_SUCCESS;
 }
 

@@ -26,6 +26,7 @@ struct moe_runtime {
     /* CUDA backend, all-to-all over CUDA IPC: the buffer every rank maps (grows like gpu_ws,
      * collectively at layer create) and its destructor */
     void *gpu_sym;
+    size_t gpu_sym_bytes; /* its size: the IPC buffer of the all-to-all (lsa) */
     void (*gpu_sym_free)(void *sym);
 };
 
@@ -95,6 +96,7 @@ struct moe_layer {
     moe_layer_stats_t stats;
     int64_t *expert_load; /* [num_experts] */
     size_t weight_bytes, workspace_bytes;
+    int64_t ep_round_tokens; /* resolved (moe_layer_info_t) */
     int broken; /* a collective failed: every later call returns MOE_STATUS_INVALID_STATE */
     /* Result of forward's local argument checks: a backend whose forward starts with a
      * collective carries it there so that every rank fails together instead of waiting. */

@@ -175,6 +175,6 @@ moe_status_t moe_runtime_get_info(const moe_runtime_t *rt, moe_runtime_info_t *i
     MOE_ARG_CHECK(rt != NULL, "runtime = NULL");
     MOE_ARG_CHECK(info != NULL, "info = NULL");
     *info = rt->info;
-    info->workspace_bytes = rt->gpu_ws_bytes;
+    info->workspace_bytes = rt->gpu_ws_bytes + rt->gpu_sym_bytes;
     return MOE_STATUS_SUCCESS;
 }

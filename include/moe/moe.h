@@ -148,8 +148,9 @@ typedef struct moe_runtime_info {
     char hostname[64];
     char cpuset[64]; /* cores bound to, "" if not bound */
     /* CUDA backend: bytes of the one device workspace that all layers of this runtime share
-     * (the largest layer's need; 0 before the first layer). Total device memory for a model is
-     * the layers' weight_bytes plus this. */
+     * (the largest layer's need; 0 before the first layer), with the all-to-all's IPC receive
+     * buffer (lsa transport) where there is one. Total device memory for a model is the
+     * layers' weight_bytes plus this. */
     size_t workspace_bytes;
 } moe_runtime_info_t;
 
@@ -209,13 +210,24 @@ typedef struct moe_layer_config {
      * and AUTO are what every non-FP8 layer computes anyway. The CUDA backend computes W8A8 on
      * sm_90a GPUs and rejects it on older ones (MOE_STATUS_NOT_SUPPORTED). */
     moe_fp8_math_t fp8_math;
+    /* Expert parallelism on the CUDA backend: a forward step runs in rounds of at most this
+     * many tokens per rank, and the EP buffers (received rows, their GEMM rows and partials)
+     * are sized for one round, world x ep_round_tokens rows, not world x max_tokens_per_rank.
+     * A step has ceil(m / ep_round_tokens) rounds, m = max_tokens_across_ranks where given,
+     * else max_tokens_per_rank (so tell it: a decode step is then one round). 0 (default):
+     * max(ceil(max_tokens_per_rank / world), min(max_tokens_per_rank, 256)), so the workspace
+     * grows with max_tokens_per_rank x top_k x hidden but not also with the world size;
+     * max_tokens_per_rank: one round per step (the most memory; each round reads the local
+     * experts' weights once). Must be 0..max_tokens_per_rank. The CPU backend and one GPU
+     * ignore it. */
+    int64_t ep_round_tokens;
 } moe_layer_config_t;
 
 #define MOE_LAYER_CONFIG_INIT                                                                      \
     {                                                                                              \
         0, 0, 0, 0, 0, MOE_AUTO, 0, MOE_ACTIVATION_SILU, MOE_SCORING_SOFTMAX, 0, 0, 0, 1, 1.0f,    \
             MOE_DTYPE_BF16, MOE_SCALE_NONE, 0, MOE_AUTO, MOE_AUTO, MOE_DISPATCH_AUTO, MOE_AUTO, 0, \
-            0, MOE_FP8_MATH_AUTO                                                                   \
+            0, MOE_FP8_MATH_AUTO, 0                                                                \
     }
 
 /* What the layer resolved on this rank. */
@@ -228,8 +240,12 @@ typedef struct moe_layer_info {
     int deterministic;
     size_t weight_bytes; /* expert + shared + router weights held by this rank */
     /* Scratch this layer needs per step. CUDA backend: taken from the runtime's one shared
-     * workspace (moe_runtime_info_t.workspace_bytes), not held per layer. */
+     * workspace (moe_runtime_info_t.workspace_bytes), not held per layer; with the lsa
+     * transport it counts the layer's part of the IPC receive buffer too. */
     size_t workspace_bytes;
+    /* Tokens per rank of one EP round (moe_layer_config_t.ep_round_tokens resolved; the CUDA
+     * backend with EP), else max_tokens_per_rank: a step runs in rounds of this many. */
+    int64_t ep_round_tokens;
 } moe_layer_info_t;
 
 /* Collective over the runtime's communicator: every rank must call it with the same config.

@@ -4,7 +4,8 @@
  * to one rank's experts, and deterministic mode bitwise equal across EP sizes; each EP
  * transport (MOE_EP_TRANSPORT = allgather, lsa, p2p) at 1 and 7 tokens per rank, a 300/0
  * split, a full batch, a hot rank and a capacity of 8192 with one token per rank; lsa also
- * with the low-latency layout (MOE_EP_LL=1) wherever a step has at most 128 rows per rank. */
+ * with the low-latency layout (MOE_EP_LL=1) wherever a step has at most 128 rows per rank; steps
+ * in rounds (ep_round_tokens): results, router outputs, profile and workspace. */
 #include "gpu_mpi.h"
 #include "testutil.h"
 
@@ -20,7 +21,8 @@
 #include "launch/layer_gen.h"
 
 static int rank, world;
-static int64_t told_m; /* max_tokens_across_ranks run() passes (0: not given) */
+static int64_t told_m;       /* max_tokens_across_ranks run() passes (0: not given) */
+static int64_t round_tokens; /* ep_round_tokens of compare_tokens' layers (0: default) */
 
 static moe_layer_config_t shape(int deepseek)
 {
@@ -199,7 +201,9 @@ static int use_transport(int i, int64_t n)
     setenv("MOE_EP_TRANSPORT", i == LSA_LL ? "lsa" : transports[i], 1);
     setenv("MOE_EP_LL", i == LSA_LL ? "1" : "0", 1);
     told_m = i == LSA_LL ? m : 0;
-    return i != LSA_LL || m <= MOE_A2A_LL_MAX_TOKENS;
+    /* rounds of at most 128 tokens take the layout in every round */
+    return i != LSA_LL || m <= MOE_A2A_LL_MAX_TOKENS ||
+           (round_tokens > 0 && round_tokens <= MOE_A2A_LL_MAX_TOKENS);
 }
 
 static void end_transports(void)
@@ -222,6 +226,7 @@ static void compare_tokens(int deepseek, int64_t t0, int64_t n, int64_t cap, con
     size_t i;
     assert_true(x && y && ref);
     c.max_tokens_per_rank = cap;
+    c.ep_round_tokens = round_tokens;
     moe_gen_tokens(seed, t0, n, c.hidden, x);
     run(gt_rts.cpu_self, c, seed, x, n, logits, ref);
     for (i = 0; i < sizeof(transports) / sizeof(transports[0]); i++) {
@@ -231,9 +236,10 @@ static void compare_tokens(int deepseek, int64_t t0, int64_t n, int64_t cap, con
         run(gt_rts.gpu, c, seed, x, n, logits, y);
         assert_int_equal(tu_count_nan(y, n * c.hidden), 0);
         err = n ? tu_rel_err(y, ref, n * c.hidden) : 0.0;
-        print_message("rank %d: %s %s, %lld tokens (capacity %lld): %s rel err %.3g\n", rank,
-                      deepseek ? "deepseek" : "mixtral", what, (long long)n, (long long)cap,
-                      transports[i], err);
+        print_message("rank %d: %s %s, %lld tokens (capacity %lld, rounds of %lld): %s rel err "
+                      "%.3g\n",
+                      rank, deepseek ? "deepseek" : "mixtral", what, (long long)n, (long long)cap,
+                      (long long)round_tokens, transports[i], err);
         assert_true(err <= 1e-2);
     }
     end_transports();
@@ -292,16 +298,131 @@ static void test_deterministic_across_transports(void **state)
     moe_gen_tokens(seed, rank * n, n, c.hidden, x);
     run(gt_rts.gpu_self, c, seed, x, n, NULL, y1);
     for (i = 0; i <= LSA_LL; i++) {
+        int64_t rt;
         if (i == 2 || !transport_runs(i) || !use_transport(i, n)) /* p2p refuses it */
             continue;
-        run(gt_rts.gpu, c, seed, x, n, NULL, yn);
-        print_message("rank %d: deterministic %s vs one GPU\n", rank, transports[i]);
-        assert_memory_equal(y1, yn, sizeof(float) * n * 1024);
+        for (rt = 0; rt <= 16; rt += 16) { /* one round, and rounds of 16, 16 and 8 tokens */
+            c.ep_round_tokens = rt;
+            run(gt_rts.gpu, c, seed, x, n, NULL, yn);
+            print_message("rank %d: deterministic %s (rounds of %lld) vs one GPU\n", rank,
+                          transports[i], (long long)(rt ? rt : c.max_tokens_per_rank));
+            assert_memory_equal(y1, yn, sizeof(float) * n * 1024);
+        }
+        c.ep_round_tokens = 0;
     }
     end_transports();
     free(x);
     free(y1);
     free(yn);
+}
+
+/* Steps in rounds (ep_round_tokens): uneven batches over several rounds, told and not, and a
+ * round count the ranks' own tokens do not reach, against the CPU backend on every transport. */
+static void test_rounds(void **state)
+{
+    (void)state;
+    round_tokens = 64;
+    /* 300 tokens on rank 0, 7 elsewhere: 5 rounds, rank 1's tokens all in the first */
+    compare_tokens(1, 300 * rank, rank == 0 ? 300 : 7, 320, NULL, "300/7 split");
+    /* capacity 8192, one token per rank, not told: 128 rounds, 127 of them empty */
+    compare_tokens(0, rank, 1, 8192, NULL, "capacity 8192");
+    round_tokens = 100; /* a round size that does not divide the batch */
+    compare_tokens(0, 250 * rank, 250, 320, NULL, "250 tokens");
+    round_tokens = 0;
+}
+
+/* The router's choices come back per round at the right rows, and the profile adds up the
+ * rounds: the rows received equal one round's step. */
+static void test_rounds_topk_and_profile(void **state)
+{
+    const uint64_t seed = tu_seed("gpu_round_topk");
+    const int64_t n = 200, H = 1024, k = 4;
+    moe_layer_config_t c = shape(0);
+    int32_t *ids[2];
+    int64_t rows[2];
+    float *x = malloc(sizeof(float) * (size_t)(n * H));
+    void *dx = NULL, *dy = NULL, *dids = NULL;
+    int pass;
+    (void)state;
+    if (world < 2) { /* one GPU: one round */
+        free(x);
+        return;
+    }
+    assert_non_null(x);
+    moe_gen_tokens(seed, n * rank, n, H, x);
+    assert_int_equal(cudaMalloc(&dx, sizeof(float) * (size_t)(n * H)), cudaSuccess);
+    assert_int_equal(cudaMalloc(&dy, sizeof(float) * (size_t)(n * H)), cudaSuccess);
+    assert_int_equal(cudaMalloc(&dids, sizeof(int32_t) * (size_t)(n * k)), cudaSuccess);
+    assert_int_equal(cudaMemcpy(dx, x, sizeof(float) * (size_t)(n * H), cudaMemcpyHostToDevice),
+                     cudaSuccess);
+    setenv("MOE_PROFILE", "1", 1);
+    for (pass = 0; pass < 2; pass++) { /* one round, then rounds of 48 tokens (5) */
+        moe_layer_t *l = NULL;
+        moe_layer_info_t info;
+        moe_layer_stats_t st;
+        moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
+        c.ep_round_tokens = pass ? 48 : 320;
+        ids[pass] = malloc(sizeof(int32_t) * (size_t)(n * k));
+        assert_non_null(ids[pass]);
+        TU_OK(moe_layer_create(gt_rts.gpu, &c, &l));
+        TU_OK(moe_gen_set_weights(l, &c, seed));
+        TU_OK(moe_layer_get_info(l, &info));
+        assert_int_equal(info.ep_round_tokens, c.ep_round_tokens);
+        assert_int_equal(cudaMemset(dids, 0xff, sizeof(int32_t) * (size_t)(n * k)), cudaSuccess);
+        a.num_tokens = n;
+        a.x = dx;
+        a.y = dy;
+        a.topk_ids = dids;
+        a.max_tokens_across_ranks = n;
+        TU_OK(moe_layer_forward(l, &a));
+        TU_OK(moe_layer_synchronize(l, NULL));
+        TU_OK(moe_layer_get_stats(l, &st));
+        rows[pass] = st.rows_received;
+        assert_int_equal(
+            cudaMemcpy(ids[pass], dids, sizeof(int32_t) * (size_t)(n * k), cudaMemcpyDeviceToHost),
+            cudaSuccess);
+        print_message("rank %d: rounds of %lld: %lld rows received, %.1f us\n", rank,
+                      (long long)c.ep_round_tokens, (long long)rows[pass], st.total_us);
+        TU_OK(moe_layer_destroy(l));
+    }
+    unsetenv("MOE_PROFILE");
+    assert_memory_equal(ids[0], ids[1], sizeof(int32_t) * (size_t)(n * k));
+    assert_true(rows[0] > 0);
+    assert_int_equal(rows[0], rows[1]);
+    free(ids[0]);
+    free(ids[1]);
+    free(x);
+    cudaFree(dx);
+    cudaFree(dy);
+    cudaFree(dids);
+}
+
+/* The default rounds keep the EP workspace at about one capacity of GEMM rows (capacity x k),
+ * where one round per step holds world x capacity x k of them. */
+static void test_rounds_workspace(void **state)
+{
+    moe_layer_config_t c = shape(1);
+    size_t bytes[2];
+    int pass;
+    (void)state;
+    if (world < 2)
+        return;
+    c.max_tokens_per_rank = 8192;
+    for (pass = 0; pass < 2; pass++) {
+        moe_layer_t *l = NULL;
+        moe_layer_info_t info;
+        c.ep_round_tokens = pass ? 8192 : 0;
+        TU_OK(moe_layer_create(gt_rts.gpu, &c, &l));
+        TU_OK(moe_layer_get_info(l, &info));
+        assert_int_equal(info.ep_round_tokens, pass ? 8192 : (8192 + world - 1) / world);
+        bytes[pass] = info.workspace_bytes;
+        TU_OK(moe_layer_destroy(l));
+    }
+    print_message("rank %d: capacity 8192, %d ranks: workspace %.1f MiB in rounds, %.1f MiB in "
+                  "one\n",
+                  rank, world, bytes[0] / 1048576.0, bytes[1] / 1048576.0);
+    /* the GEMM rows (most of it) shrink by the world size */
+    assert_true(bytes[0] * 3 < bytes[1] * 2);
 }
 
 /* Ranks that pass different max_tokens_across_ranks lay their regions out differently: the step
@@ -437,6 +558,9 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_deterministic_across_transports),
     cmocka_unit_test(test_told_disagree),
     cmocka_unit_test(test_transport_refused),
+    cmocka_unit_test(test_rounds),
+    cmocka_unit_test(test_rounds_topk_and_profile),
+    cmocka_unit_test(test_rounds_workspace),
 };
 
 GT_MPI_MAIN(tests, gt_group_setup, gt_group_teardown, rank, world)

@@ -65,6 +65,8 @@ static void test_bad_layer_configs(void **state)
     BAD(c.weight_dtype = MOE_DTYPE_FP8_E4M3, "scale_kind = 0");
     BAD(c.scale_kind = MOE_SCALE_BLOCK_128, "only FP8_E4M3");
     BAD(c.max_tokens_per_rank = 0, "max_tokens_per_rank = 0");
+    BAD(c.ep_round_tokens = -1, "ep_round_tokens = -1");
+    BAD(c.ep_round_tokens = 17, "ep_round_tokens = 17");
     BAD(c.ep_size = 2, "ep_size = 2");
     BAD(c.tp_size = 3, "tp_size = 3");
     BAD(c.ep_size = -1, "ep_size = -1");
@@ -91,6 +93,10 @@ static void test_good_config_and_null_destroy(void **state)
     assert_int_equal(info.ep_size * info.tp_size, 1);
     assert_int_equal(info.num_local_experts, 8);
     assert_true(info.weight_bytes >= (size_t)8 * 3 * 64 * 128 * 2);
+    assert_int_equal(info.ep_round_tokens, 16); /* one GPU / CPU: one round, the capacity */
+    TU_OK(moe_layer_destroy(l));
+    c.ep_round_tokens = 16; /* the capacity: valid */
+    TU_OK(moe_layer_create(tu_rt, &c, &l));
     TU_OK(moe_layer_destroy(l));
     TU_OK(moe_layer_destroy(NULL));
     TU_OK(moe_runtime_destroy(NULL));
