@@ -17,6 +17,9 @@
 #   kernels          GPU time per kernel of one layer step (ncu; KERNEL_PRESET, KERNEL_TOKENS,
 #                    KERNEL_X = bf16 or f32 tokens)
 #   rotate           moe-bench with and without L2 rotation (issue 13's bench check)
+#   mps              (one GPU) two ranks share it under MPS (daemon started and stopped here):
+#                    the lsa dispatch table, capacity 8192 told and not, rounds and one round,
+#                    and moe-run's EP layer in rounds; not two-GPU numbers (bench/RESULTS.md)
 set -uo pipefail
 # shellcheck source=/dev/null # written by shared/device/prepare.sh, not in the repository
 source .device/env.sh
@@ -59,6 +62,14 @@ ep)
         timeout 120 mpirun -np "$ngpu" $B/moe-bench --dispatch-only --capacity 8192 --told \
             --transport $t 2>&1 | quiet | tee -a "$OUT/dispatch.log" | tail -12
     done
+    # what the rounds cost when max_tokens_across_ranks is not told (capacity 8192: rounds of
+    # 8192 / GPUs by default, against one round)
+    for R in 0 8192; do
+        echo "== dispatch, capacity 8192, not told, --round-tokens $R"
+        timeout 120 mpirun -np "$ngpu" $B/moe-bench --dispatch-only --capacity 8192 \
+            --max-tokens 512 --round-tokens $R 2>&1 | quiet | tee -a "$OUT/dispatch.log" |
+            grep -E "^ +[0-9]"
+    done
     # issue 10's table: 8 tokens per rank at a growing capacity, every transport
     for t in allgather lsa p2p; do
         for c in 8 64 512 4096 8192; do
@@ -81,14 +92,44 @@ ep)
 ep-layer)
     # issue 10: the whole layer, DeepSeek-V3 routing (E256 top-8, groups), bf16 tokens, at 8 and
     # 4096 tokens per rank on all GPUs against one GPU (the same tokens per rank)
+    # (at 4096 the EP runs take rounds of 4096 / GPUs tokens by default; R = 4096: one round)
     for T in 8 4096; do
         for n in 1 "$ngpu"; do
-            echo "== deepseek-v3, $n GPU(s), $T tokens per rank"
-            timeout 120 mpirun -np "$n" $B/moe-run --backend cuda --preset deepseek-v3 \
-                --x-dtype bf16 --tokens $((T * n)) --iters 30 --warmup 3 2>&1 | quiet |
-                grep -E "phase|tokens/s|step|checksum"
+            for R in 0 $([ "$n" -gt 1 ] && [ "$T" -gt 256 ] && echo "$T"); do
+                echo "== deepseek-v3, $n GPU(s), $T tokens per rank, --round-tokens $R"
+                timeout 120 mpirun -np "$n" $B/moe-run --backend cuda --preset deepseek-v3 \
+                    --x-dtype bf16 --tokens $((T * n)) --round-tokens "$R" --iters 30 \
+                    --warmup 3 2>&1 | quiet | grep -E "rounds|phase|tokens/s|step|checksum|memory"
+            done
         done
     done 2>&1 | tee "$OUT/ep_layer.log"
+    ;;
+mps)
+    [ "$ngpu" -eq 1 ] || { echo "mps: for a one-GPU machine (this one has $ngpu)"; exit 1; }
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+    mkdir -p /tmp/mps /tmp/mpslog
+    nvidia-cuda-mps-control -d
+    X="-x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x MOE_TIMEOUT_MS"
+    for told in --told ""; do
+        for R in 0 8192; do
+            echo "== dispatch, 2 ranks on one GPU (MPS), capacity 8192 ${told:-not told}, --round-tokens $R"
+            # shellcheck disable=SC2086 # $X: options; $told: one option or none
+            timeout 120 mpirun -np 2 $X $B/moe-bench --dispatch-only --capacity 8192 $told \
+                --max-tokens 512 --round-tokens $R 2>&1 | quiet | grep -E "^ +[0-9]" | head -12
+        done
+    done 2>&1 | tee "$OUT/mps_dispatch.log"
+    for T in 512 4096; do
+        for R in 0 "$T"; do
+            echo "== moe-run E64 k8 H7168 I2048 grouped, 2 ranks (MPS), $T tokens/rank, --round-tokens $R"
+            # shellcheck disable=SC2086 # $X: options
+            timeout 100 mpirun -np 2 $X $B/moe-run --backend cuda --experts 64 --top-k 8 \
+                --hidden 7168 --intermediate 2048 --n-group 8 --topk-group 4 --scoring sigmoid \
+                --x-dtype bf16 --tokens $((2 * T)) --round-tokens "$R" --iters 10 --warmup 2 2>&1 |
+                quiet | grep -E "rounds|phase|tokens/s|memory|rror"
+            pkill -9 -f moe-run # a hung pair would leave the GPU busy for the next
+        done
+    done 2>&1 | tee "$OUT/mps_layer.log"
+    echo quit | nvidia-cuda-mps-control
     ;;
 bf16)
     for p in $presets; do
@@ -155,7 +196,7 @@ rotate)
         grep -vE "phases" | head -12
     ;;
 *)
-    echo "usage: $0 [tests|quick|ep|ep-layer|bf16|fp8|tune|first|kernels|rotate]..." >&2
+    echo "usage: $0 [tests|quick|ep|ep-layer|mps|bf16|fp8|tune|first|kernels|rotate]..." >&2
     exit 2
     ;;
 esac
