@@ -297,8 +297,12 @@ typedef struct moe_forward_args {
      * expert parallelism on the CUDA backend the step then moves and computes this many rows
      * per rank instead of the configured capacity. A value that differs among ranks fails the
      * step on every rank with the all-to-all transports (lsa, p2p: INVALID_ARGUMENT or
-     * PEER_FAILURE at synchronize, the next agreed step runs); with allgather it is undefined
-     * behaviour of the collectives (bounded by the runtime's timeout). */
+     * PEER_FAILURE at synchronize, the next agreed step runs) as long as the values make the
+     * same number of rounds (ceil(value / ep_round_tokens), moe_layer_config_t); values that
+     * make different numbers of rounds leave the ranks' rounds out of step: each pair of
+     * rounds still agrees or fails, but a rank's last round can wait for a partner that never
+     * comes (TIMEOUT at synchronize, bounded by the runtime's timeout). With allgather it is
+     * undefined behaviour of the collectives (bounded by the runtime's timeout). */
     int64_t max_tokens_across_ranks;
 } moe_forward_args_t;
 
