@@ -191,6 +191,7 @@ static int ranks_share_gpu(int world)
 typedef struct point {
     double dispatch, combine, step;
     int64_t bytes;
+    double ws_mib; /* the layer's workspace (IPC buffer included), max over ranks */
 } point_t;
 
 static point_t run_point(moe_runtime_t *rt, moe_layer_config_t cfg, int64_t T, int told, void *dx,
@@ -199,7 +200,8 @@ static point_t run_point(moe_runtime_t *rt, moe_layer_config_t cfg, int64_t T, i
     moe_layer_t *layer = NULL;
     moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
     moe_layer_stats_t st;
-    double *d = malloc(sizeof(double) * iters), *c = malloc(sizeof(double) * iters), v[3];
+    moe_layer_info_t info;
+    double *d = malloc(sizeof(double) * iters), *c = malloc(sizeof(double) * iters), v[4];
     double *tot = malloc(sizeof(double) * iters);
     uint16_t *hx = malloc(2 * (size_t)T * cfg.hidden);
     float *fx = malloc(4 * (size_t)T * cfg.hidden);
@@ -208,6 +210,7 @@ static point_t run_point(moe_runtime_t *rt, moe_layer_config_t cfg, int64_t T, i
     int it;
     MK(moe_layer_create(rt, &cfg, &layer));
     MK(moe_gen_set_weights(layer, &cfg, 7));
+    MK(moe_layer_get_info(layer, &info));
     moe_gen_tokens(7, (int64_t)rank * T, T, cfg.hidden, fx);
     for (j = 0; j < T * cfg.hidden; j++) { /* f32 -> bf16 by truncation is fine here */
         uint32_t u;
@@ -241,11 +244,13 @@ static point_t run_point(moe_runtime_t *rt, moe_layer_config_t cfg, int64_t T, i
     v[0] = d[iters / 2];
     v[1] = c[iters / 2];
     v[2] = tot[iters / 2];
-    MPI_Allreduce(MPI_IN_PLACE, v, 3, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    v[3] = info.workspace_bytes / 1048576.0;
+    MPI_Allreduce(MPI_IN_PLACE, v, 4, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     MPI_Allreduce(MPI_IN_PLACE, &bytes, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
     p.dispatch = v[0];
     p.combine = v[1];
     p.step = v[2];
+    p.ws_mib = v[3];
     p.bytes = bytes;
     MK(moe_layer_destroy(layer));
     free(d);
@@ -316,13 +321,15 @@ int moe_dispatch_bench_main(int argc, char **argv)
                "over ranks\n"
                "# sent: payload bytes a rank sent to the others (max over ranks); nccl: two "
                "grouped ncclSend/ncclRecv all-to-alls of half that payload each, graph-replayed; "
-               "ratio = (dispatch + combine) / nccl\n"
+               "ratio = (dispatch + combine) / nccl; ws: the layer's workspace with the IPC "
+               "buffer (moe_layer_info_t, max over ranks)\n"
                "# capacity (max_tokens_per_rank): %s; max_tokens_across_ranks: %s\n#\n"
-               "# %9s %10s %12s %12s %10s %10s %8s %9s\n",
+               "# %9s %10s %12s %12s %10s %10s %8s %9s %9s\n",
                world, cfg.num_experts, cfg.top_k, cfg.hidden, v, iters,
                cap ? "fixed (--capacity)" : "each point's tokens",
                told ? "the point's tokens (--told)" : "not given", "tok/rank", "transport",
-               "dispatch(us)", "combine(us)", "sent(MB)", "nccl(us)", "ratio", "step(us)");
+               "dispatch(us)", "combine(us)", "sent(MB)", "nccl(us)", "ratio", "step(us)",
+               "ws(MiB)");
         if (cap)
             printf("# capacity %lld tokens per rank\n", (long long)cap);
         if (round)
@@ -355,9 +362,9 @@ int moe_dispatch_bench_main(int argc, char **argv)
                                       rbuf, s, iters);
             MPI_Allreduce(MPI_IN_PLACE, &a2a, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
             if (rank == 0)
-                printf("  %9lld %10s %12.1f %12.1f %10.3f %10.1f %8.2f %9.1f\n", (long long)T,
+                printf("  %9lld %10s %12.1f %12.1f %10.3f %10.1f %8.2f %9.1f %9.1f\n", (long long)T,
                        transport_names[q], p.dispatch, p.combine, p.bytes / 1e6, a2a,
-                       a2a > 0 ? (p.dispatch + p.combine) / a2a : 0.0, p.step);
+                       a2a > 0 ? (p.dispatch + p.combine) / a2a : 0.0, p.step, p.ws_mib);
             fflush(stdout);
         }
     }
