@@ -1221,13 +1221,15 @@ static void cuda_explain(const moe_layer_t *l, int64_t T, char *text, size_t len
 {
     const cuda_layer_t *s = l->state;
     char routed[512], shared[512] = "", ep[800];
-    /* the hint the forward uses: with EP, as if every rank brought as many tokens */
+    /* the hint the forward uses: with EP, as if every rank brought as many tokens (at most a
+     * round's) */
+    const int64_t Tr = s->world > 1 && T > s->tm ? s->tm : T;
     const double rpe =
-        s->world > 1 ? (double)T * s->world * s->k / l->cfg.num_experts : (double)T * s->k / s->E;
+        s->world > 1 ? (double)Tr * s->world * s->k / l->cfg.num_experts : (double)T * s->k / s->E;
     explain_gemm(s, rpe, routed, sizeof(routed));
     if (s->ss > 0)
-        explain_gemm(s, s->world > 1 && !s->shared_local ? (double)T * s->world : (double)T, shared,
-                     sizeof(shared));
+        explain_gemm(s, s->world > 1 && !s->shared_local ? (double)Tr * s->world : (double)Tr,
+                     shared, sizeof(shared));
     explain_ep(s, ep, sizeof(ep));
     snprintf(text, len,
              "cuda backend (sm_%d): %lld tokens, %.3g rows/expert: routed GEMMs %s%s%s; %s",
