@@ -23,6 +23,7 @@
 #include "kernels/route.h"
 #include "runtime/backend_cuda.h"
 #include "runtime/diag.h"
+#include "runtime/ep_rounds.h"
 
 /* MOE_PROFILE=1: synchronise after each forward and fill the layer's stats per phase (read at
  * every forward, so a benchmark can profile one step; ignored while a graph is captured). */
@@ -394,19 +395,6 @@ static void load_oracle(const moe_layer_t *l, cuda_layer_t *s)
     moe_oracle_load_env(&s->oracle, &t);
 }
 
-/* Tokens per rank of one EP round (moe.h, ep_round_tokens): the EP buffers hold world x this
- * many rows. The default keeps them at about one capacity, max_tokens_per_rank x top_k rows of
- * GEMM input, whatever the world size, with rounds of at least 256 tokens (fewer rounds, fewer
- * reads of the weights, where the capacity is small anyway). */
-static int64_t ep_round_tokens(const moe_layer_config_t *c, int world)
-{
-    const int64_t cap = c->max_tokens_per_rank, least = cap < 256 ? cap : 256;
-    const int64_t share = (cap + world - 1) / world;
-    if (c->ep_round_tokens > 0)
-        return c->ep_round_tokens;
-    return share > least ? share : least;
-}
-
 static void init_shape(moe_layer_t *l, cuda_layer_t *s)
 {
     s->E = l->plan.num_local_experts;
@@ -423,7 +411,8 @@ static void init_shape(moe_layer_t *l, cuda_layer_t *s)
     s->scatter_rows = moe_env_int("MOE_SCATTER_ROWS", 1) != 0;
     s->skip_pad = moe_env_int("MOE_GEMM_SKIP_PAD", 1) != 0;
     s->cap = l->cfg.max_tokens_per_rank;
-    s->tm = s->world > 1 ? ep_round_tokens(&l->cfg, s->world) : s->cap;
+    /* EP: the buffers hold one round (runtime/ep_rounds.h) */
+    s->tm = s->world > 1 ? moe_ep_round_tokens(s->cap, s->world, l->cfg.ep_round_tokens) : s->cap;
     l->ep_round_tokens = s->tm;
     s->step_rows = s->cap; /* EP rows per rank until a step says otherwise */
     s->m = s->tm;

@@ -22,6 +22,7 @@
 #include "kernels/route.h"
 #include "runtime/backend_cuda.h"
 #include "runtime/diag.h"
+#include "runtime/ep_rounds.h"
 
 /* ---- the IPC buffer of the lsa transport (one per runtime, mapped by every rank) --------- */
 
@@ -1137,7 +1138,7 @@ moe_status_t moe_cuda_ep_forward(moe_layer_t *l, const moe_forward_args_t *a, mo
         s->step_rows = a->max_tokens_across_ranks > 0 && a->max_tokens_across_ranks <= s->cap
                            ? a->max_tokens_across_ranks
                            : s->cap;
-    rounds = (s->step_rows + s->tm - 1) / s->tm;
+    rounds = moe_ep_rounds(s->step_rows, s->tm);
 
     if (s->transport == MOE_EP_P2P) { /* every rank: a failed one would wait on the host too */
         int capturing = 0;
@@ -1158,14 +1159,11 @@ moe_status_t moe_cuda_ep_forward(moe_layer_t *l, const moe_forward_args_t *a, mo
     memset(&sum, 0, sizeof(sum));
     for (i = 0; i < rounds; i++) {
         /* round i: rows [i tm, i tm + m) of every rank's step, this rank's tokens among them */
-        const int64_t first = i * s->tm, left = T - first;
+        const int64_t here = moe_ep_round_tokens_here(T, s->step_rows, s->tm, i);
         moe_forward_args_t part;
-        s->m = s->step_rows - first < s->tm ? s->step_rows - first : s->tm;
+        s->m = moe_ep_round_rows(s->step_rows, s->tm, i);
         if (ok)
-            part = args_slice(l, ok, left > 0 ? first : 0,
-                              left <= 0     ? 0
-                              : left < s->m ? left
-                                            : s->m);
+            part = args_slice(l, ok, here > 0 ? i * s->tm : 0, here);
         MOE_CHECK(ep_round(l, ok ? &part : NULL, local, i > 0, stream));
         if (ok && s->profile) {
             stats_add(&sum, &l->stats);
