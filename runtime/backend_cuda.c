@@ -996,6 +996,8 @@ moe_status_t moe_cuda_finish_profile(moe_layer_t *l, int accumulate, void *strea
     float ms[EV_COUNT] = {0};
     int64_t rows = 0;
     int i;
+    /* the step's earlier rounds (EP rounds), which this one adds to */
+    const moe_layer_stats_t prev = accumulate ? l->stats : (moe_layer_stats_t){0};
 
     /* bounded like every other wait: through NCCL's watchdog with EP */
     if (s->nccl)
@@ -1004,13 +1006,13 @@ moe_status_t moe_cuda_finish_profile(moe_layer_t *l, int accumulate, void *strea
         MOE_CHECK(moe_gpu_event_synchronize(s->ev[EV_COMBINE]));
     for (i = 1; i < EV_COUNT; i++)
         MOE_CHECK(moe_gpu_event_elapsed_ms(s->ev[i - 1], s->ev[i], &ms[i]));
-    l->stats.route_us = 1e3 * ms[EV_ROUTE];
-    l->stats.dispatch_us = 1e3 * ms[EV_PERMUTE];
-    l->stats.expert_us = 1e3 * ms[EV_EXPERT];
-    l->stats.shared_us = 1e3 * ms[EV_SHARED];
-    l->stats.combine_us = 1e3 * ms[EV_COMBINE];
+    l->stats.route_us = prev.route_us + 1e3 * ms[EV_ROUTE];
+    l->stats.dispatch_us = prev.dispatch_us + 1e3 * ms[EV_PERMUTE];
+    l->stats.expert_us = prev.expert_us + 1e3 * ms[EV_EXPERT];
+    l->stats.shared_us = prev.shared_us + 1e3 * ms[EV_SHARED];
+    l->stats.combine_us = prev.combine_us + 1e3 * ms[EV_COMBINE];
     MOE_CHECK(moe_gpu_event_elapsed_ms(s->ev[EV_START], s->ev[EV_COMBINE], &ms[0]));
-    l->stats.total_us = 1e3 * ms[0];
+    l->stats.total_us = prev.total_us + 1e3 * ms[0];
     MOE_CHECK(moe_gpu_memcpy_d2h_async(s->host_counts, s->counts, sizeof(int32_t) * (size_t)s->E,
                                        stream));
     MOE_CHECK(moe_gpu_stream_synchronize(stream));
@@ -1019,7 +1021,7 @@ moe_status_t moe_cuda_finish_profile(moe_layer_t *l, int accumulate, void *strea
             s->host_counts[i] + (accumulate ? l->expert_load[l->plan.first_local_expert + i] : 0);
         rows += s->host_counts[i];
     }
-    l->stats.rows_received = rows;
+    l->stats.rows_received = prev.rows_received + rows;
     return MOE_STATUS_SUCCESS;
 }
 

@@ -179,7 +179,7 @@ moe_status_t moe_cuda_shared_gate(moe_layer_t *l, const moe_forward_args_t *a);
 moe_status_t moe_cuda_combine(moe_layer_t *l, const moe_forward_args_t *a, const void *rows,
                               const int32_t *row_of_slot, const float *w, const void *shared);
 /* The profiled step's phase times, and the rows this rank's experts received (accumulate: added
- * to the earlier rounds' counts instead of replacing them). Synchronises. */
+ * to the earlier rounds' times and counts instead of replacing them). Synchronises. */
 moe_status_t moe_cuda_finish_profile(moe_layer_t *l, int accumulate, void *stream);
 /* check_inputs: NaN/Inf in x or the given router logits sets *flag = NUMERIC_ERROR. */
 moe_status_t moe_cuda_scan_inputs(moe_layer_t *l, const moe_forward_args_t *a, int32_t *flag);

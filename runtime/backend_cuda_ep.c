@@ -101,6 +101,7 @@ static moe_status_t sym_reserve(moe_runtime_t *rt, size_t bytes)
         MOE_CHECK(moe_gpu_free(y->local));
         y->local = NULL;
         y->bytes = 0;
+        rt->gpu_sym_bytes = 0;
     }
     MOE_CHECK(moe_gpu_memset(y->seq, 0, sizeof(uint32_t)));
     MOE_CHECK(moe_gpu_malloc((void **)&y->local, bytes));
@@ -987,7 +988,8 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
 }
 
 /* Payload bytes this rank sent to other ranks in the step just profiled (synchronised). */
-static moe_status_t profile_bytes(moe_layer_t *l, cuda_layer_t *s, int64_t T, void *stream)
+static moe_status_t profile_bytes(moe_layer_t *l, cuda_layer_t *s, int64_t T, int accumulate,
+                                  void *stream)
 {
     const int64_t W = s->world, m = s->m, H = s->H, k = s->k, me = l->plan.rank;
     moe_status_t st = MOE_STATUS_SUCCESS;
@@ -1026,7 +1028,7 @@ static moe_status_t profile_bytes(moe_layer_t *l, cuda_layer_t *s, int64_t T, vo
         free(ids);
         MOE_CHECK(st);
     }
-    l->stats.bytes_sent = b;
+    l->stats.bytes_sent = b + (accumulate ? l->stats.bytes_sent : 0);
     return MOE_STATUS_SUCCESS;
 }
 
@@ -1076,7 +1078,7 @@ static moe_status_t ep_round(moe_layer_t *l, const moe_forward_args_t *ok, moe_s
     if (!ok || !s->profile)
         return MOE_STATUS_SUCCESS;
     MOE_CHECK(moe_cuda_finish_profile(l, accumulate, stream));
-    return profile_bytes(l, s, T, stream);
+    return profile_bytes(l, s, T, accumulate, stream);
 }
 
 /* `a`'s tokens [first, first + n) as arguments of their own (n > 0). */
@@ -1100,18 +1102,6 @@ static moe_forward_args_t args_slice(const moe_layer_t *l, const moe_forward_arg
     return r;
 }
 
-static void stats_add(moe_layer_stats_t *to, const moe_layer_stats_t *b)
-{
-    to->route_us += b->route_us;
-    to->dispatch_us += b->dispatch_us;
-    to->expert_us += b->expert_us;
-    to->combine_us += b->combine_us;
-    to->shared_us += b->shared_us;
-    to->total_us += b->total_us;
-    to->rows_received += b->rows_received;
-    to->bytes_sent += b->bytes_sent;
-}
-
 /* One step across the ranks (every rank calls it, num_tokens may be 0), in rounds of at most
  * s->tm rows per rank (moe.h, ep_round_tokens): the buffers hold one round. No host
  * synchronisation: the round count comes from max_tokens_across_ranks or the capacity, both
@@ -1126,7 +1116,6 @@ moe_status_t moe_cuda_ep_forward(moe_layer_t *l, const moe_forward_args_t *a, mo
      * moe_layer_synchronize(stream) are ordered after this one's collectives */
     void *stream = a ? a->stream : s->last_stream;
     const int64_t T = ok ? a->num_tokens : 0;
-    moe_layer_stats_t sum;
     int64_t rounds, i;
 
     /* Rows per rank this step: max_tokens_across_ranks (the same on every rank) where given,
@@ -1156,7 +1145,6 @@ moe_status_t moe_cuda_ep_forward(moe_layer_t *l, const moe_forward_args_t *a, mo
                          "buffers are out of step for good; destroy the runtime",
                          ((cuda_sym_t *)l->rt->gpu_sym)->broken_rank);
     s->last_stream = stream;
-    memset(&sum, 0, sizeof(sum));
     for (i = 0; i < rounds; i++) {
         /* round i: rows [i tm, i tm + m) of every rank's step, this rank's tokens among them */
         const int64_t here = moe_ep_round_tokens_here(T, s->step_rows, s->tm, i);
@@ -1164,11 +1152,7 @@ moe_status_t moe_cuda_ep_forward(moe_layer_t *l, const moe_forward_args_t *a, mo
         s->m = moe_ep_round_rows(s->step_rows, s->tm, i);
         if (ok)
             part = args_slice(l, ok, here > 0 ? i * s->tm : 0, here);
-        MOE_CHECK(ep_round(l, ok ? &part : NULL, local, i > 0, stream));
-        if (ok && s->profile) {
-            stats_add(&sum, &l->stats);
-            l->stats = sum;
-        }
+        MOE_CHECK(ep_round(l, ok ? &part : NULL, local, i > 0, stream)); /* profile: summed */
     }
     return ok ? MOE_STATUS_SUCCESS : local;
 }
