@@ -92,6 +92,15 @@ ep)
 ep-layer)
     # issue 10: the whole layer, DeepSeek-V3 routing (E256 top-8, groups), bf16 tokens, at 8 and
     # 4096 tokens per rank on all GPUs against one GPU (the same tokens per rank)
+    # the shared MLP beside the exchange (MOE_EP_SHARED_OVERLAP=1) against after it
+    for ov in 0 1; do
+        for T in 8 512; do
+            echo "== deepseek-v3, $ngpu GPUs, $T tokens per rank, MOE_EP_SHARED_OVERLAP=$ov"
+            MOE_EP_SHARED_OVERLAP=$ov timeout 120 mpirun -np "$ngpu" -x MOE_EP_SHARED_OVERLAP \
+                $B/moe-run --backend cuda --preset deepseek-v3 --x-dtype bf16 \
+                --tokens $((T * ngpu)) --iters 30 --warmup 3 2>&1 | quiet | grep -E "phase|tokens/s"
+        done
+    done 2>&1 | tee "$OUT/ep_overlap.log"
     # (at 4096 the EP runs take rounds of 4096 / GPUs tokens by default; R = 4096: one round)
     for T in 8 4096; do
         for n in 1 "$ngpu"; do

@@ -37,8 +37,10 @@ enum {
     MOE_A2A_RETURNED = 4,   /* sequence number: the peer's combine rows are here */
     MOE_A2A_RET_STATUS = 5, /* 0, or the peer lost rows this step (its wait timed out) */
     MOE_A2A_LL_BR = 6,      /* the block rows the peer padded this rank's experts to (ll) */
-    MOE_A2A_ROWS = 7,       /* the peer's rows per region this step (its m): a region laid out
-                               otherwise than this rank's fails the step, whatever the count */
+    MOE_A2A_ROWS = 7,       /* the peer's layout of this round (its rows_tag: its m, its step's
+                               rows and the round's index): a region laid out otherwise than
+                               this rank's, or a round of another step's shape, fails the step
+                               whatever the count */
 };
 
 /* This rank's side of a step, the same for both dispatch kernels. */
@@ -48,6 +50,8 @@ typedef struct moe_a2a_source {
     int64_t num_tokens; /* T <= region_rows */
     int hidden, top_k, rank, world;
     int64_t region_rows;   /* m */
+    int32_t rows_tag;      /* the ROWS word (nonzero: m, the step's rows and the round, mixed by
+                              the host; 0: m) */
     const int32_t *ids;    /* device [T][k] global expert ids */
     const float *weights;  /* device [T][k] */
     const int32_t *owner;  /* device [num_experts]: rank of each expert */
@@ -174,6 +178,8 @@ typedef struct moe_a2a_wait_args {
     int32_t *sticky;            /* host-mapped, or NULL */
     int32_t *dead;       /* device scalar or NULL: set on a timeout; nonzero, no wait waits */
     int64_t region_rows; /* m (with counts): a larger COUNT sets MOE_A2A_STICKY_ROWS */
+    int32_t rows_tag;    /* this rank's ROWS word (as moe_a2a_source_t's; 0: m): another
+                            peer's sets MOE_A2A_STICKY_ROWS */
 } moe_a2a_wait_args_t;
 
 moe_status_t moe_a2a_wait_launch(const moe_a2a_wait_args_t *args, void *stream);
@@ -220,6 +226,8 @@ typedef struct moe_a2a_finish_args {
     const float *shared_gate_logit; /* [T] or NULL */
     void *y;
     moe_dtype_t y_dtype;
+    int num_sms; /* the grid is at most 4 CTAs of 256 threads an SM (grid-stride): its waiting
+                    CTAs never fill a GPU that other work (another process's, under MPS) needs */
 } moe_a2a_finish_args_t;
 
 moe_status_t moe_a2a_finish_launch(const moe_a2a_finish_args_t *args, void *stream);

@@ -53,6 +53,10 @@ moe_status_t moe_gpu_event_destroy(void *event);
 moe_status_t moe_gpu_event_record(void *event, void *stream);
 moe_status_t moe_gpu_event_synchronize(void *event);
 moe_status_t moe_gpu_event_elapsed_ms(void *start, void *stop, float *ms);
+/* An event without timing (orders streams: cheaper to record and wait on). */
+moe_status_t moe_gpu_event_create_untimed(void **event);
+/* Later work on `stream` waits for `event`'s last record (graph capture: joins the capture). */
+moe_status_t moe_gpu_stream_wait_event(void *stream, void *event);
 
 /* Graphs: capture the work queued on `stream` between begin and end (thread-local mode),
  * instantiate once, launch many times. */

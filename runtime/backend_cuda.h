@@ -82,13 +82,19 @@ typedef struct cuda_layer {
     int deterministic;
     int scatter_rows; /* MOE_SCATTER_ROWS (default 1): GEMM 1's rows by scatter, not gather */
     int skip_pad; /* MOE_GEMM_SKIP_PAD (default 1): GEMMs get the expert counts (few rows/expert) */
-    int shared_local;            /* the whole shared MLP here, run on this rank's tokens */
-    int64_t cap;                 /* max_tokens_per_rank */
-    int64_t tm;                  /* EP: tokens per rank of one round (ep_round_tokens); one
-                                  * GPU: cap */
-    int64_t step_rows;           /* EP: rows per rank this step (max_tokens_across_ranks or
-                                  * cap), run in ceil(step_rows / tm) rounds */
-    int64_t m;                   /* EP: rows per rank this round (<= tm) */
+    int shared_local;  /* the whole shared MLP here, run on this rank's tokens */
+    int64_t cap;       /* max_tokens_per_rank */
+    int64_t tm;        /* EP: tokens per rank of one round (ep_round_tokens); one
+                        * GPU: cap */
+    int64_t step_rows; /* EP: rows per rank this step (max_tokens_across_ranks or
+                        * cap), run in ceil(step_rows / tm) rounds */
+    int64_t m;         /* EP: rows per rank this round (<= tm) */
+    int64_t round;     /* EP: this round's index in its step */
+    /* MOE_EP_SHARED_OVERLAP=1 (read at init; EP with the whole shared MLP here): the shared
+     * MLP runs on the side stream while the main stream moves rows and runs the routed
+     * experts; ev_join orders its output before the main stream reads it */
+    void *side, *ev_fork, *ev_join;
+    int shared_pending;          /* the side stream's shared MLP is not yet joined */
     void *xsend, *xall;          /* bf16 [tm][H], [world tm][H] */
     int32_t *ids_all, *lids;     /* [world tm k] global, local expert ids (-1: not here) */
     void *dense, *mine;          /* summed: f32 [world tm][H], [tm][H];

@@ -501,6 +501,13 @@ moe_status_t moe_cuda_ep_init(moe_layer_t *l, cuda_layer_t *s)
         s->ll_ctas = s->num_sms;
     if (s->ll)
         s->ll_cap = ll_capacity(l, s);
+    /* MOE_EP_SHARED_OVERLAP=1: the whole shared MLP (no TP) on a side stream (off by default
+     * until measured on two GPUs) */
+    if (moe_env_int("MOE_EP_SHARED_OVERLAP", 0) != 0 && s->ss > 0 && s->shared_local) {
+        MOE_CHECK(moe_gpu_stream_create(&s->side));
+        MOE_CHECK(moe_gpu_event_create_untimed(&s->ev_fork));
+        MOE_CHECK(moe_gpu_event_create_untimed(&s->ev_join));
+    }
     if (s->transport == MOE_EP_LSA) { /* the receive arrays: part of this layer's scratch */
         const size_t bytes = sym_layout(s);
         l->workspace_bytes += bytes;
@@ -513,6 +520,12 @@ moe_status_t moe_cuda_ep_init(moe_layer_t *l, cuda_layer_t *s)
 
 void moe_cuda_ep_fini(cuda_layer_t *s)
 {
+    if (s->side)
+        moe_gpu_stream_synchronize(s->side);
+    moe_gpu_event_destroy(s->ev_fork);
+    moe_gpu_event_destroy(s->ev_join);
+    moe_gpu_stream_destroy(s->side);
+    s->side = s->ev_fork = s->ev_join = NULL;
     moe_gpu_host_free(s->host_io);
     s->host_io = NULL;
 }
@@ -744,6 +757,23 @@ static cuda_sym_t *bind_sym(const moe_layer_t *l, cuda_layer_t *s)
 
 /* This rank's side of the step for either dispatch (x NULL and T 0 for a rank whose arguments
  * failed). */
+/* The ROWS word of this round (kernels/a2a.h): its m, the step's rows and the round's index,
+ * mixed (FNV-1a), never 0. Ranks whose steps differ in rows or rounds disagree on it in the
+ * first round they pair up, so that step fails on every rank instead of pairing rounds of
+ * different steps. */
+static int32_t rows_tag(const cuda_layer_t *s)
+{
+    const int64_t f[3] = {s->m, s->step_rows, s->round};
+    uint32_t h = 2166136261u;
+    int i, b;
+    for (i = 0; i < 3; i++)
+        for (b = 0; b < 8; b++) {
+            h ^= (uint32_t)((f[i] >> (8 * b)) & 0xff);
+            h *= 16777619u;
+        }
+    return h ? (int32_t)h : 1;
+}
+
 static moe_a2a_source_t a2a_source(const moe_layer_t *l, const cuda_layer_t *s, const cuda_sym_t *y,
                                    const moe_forward_args_t *ok, int64_t T)
 {
@@ -757,6 +787,7 @@ static moe_a2a_source_t a2a_source(const moe_layer_t *l, const cuda_layer_t *s, 
     src.rank = l->plan.rank;
     src.world = s->world;
     src.region_rows = s->m;
+    src.rows_tag = rows_tag(s);
     src.ids = s->ids;
     src.weights = s->weights;
     src.owner = s->owner;
@@ -831,6 +862,40 @@ static moe_status_t ll_experts(moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y,
                                      stream);
 }
 
+/* The whole shared MLP (and Qwen2's gate) on this rank's T tokens: on the stream, or where
+ * MOE_EP_SHARED_OVERLAP=1 on the side stream after an event of the stream's, so it runs
+ * while the stream goes on (shared_join orders its output before the stream reads it). */
+static moe_status_t shared_fork(moe_layer_t *l, const moe_forward_args_t *ok, int64_t T,
+                                void *stream)
+{
+    cuda_layer_t *s = l->state;
+    moe_forward_args_t g;
+    void *on = s->side ? s->side : stream;
+    if (s->ss == 0 || T == 0)
+        return MOE_STATUS_SUCCESS;
+    if (s->side) {
+        MOE_CHECK(moe_gpu_event_record(s->ev_fork, stream));
+        MOE_CHECK(moe_gpu_stream_wait_event(s->side, s->ev_fork));
+    }
+    g = *ok;
+    g.stream = on;
+    MOE_CHECK(moe_cuda_shared_experts(s, ok->x, ok->dtype, T, on));
+    MOE_CHECK(moe_cuda_shared_gate(l, &g));
+    if (s->side) {
+        MOE_CHECK(moe_gpu_event_record(s->ev_join, s->side));
+        s->shared_pending = 1;
+    }
+    return MOE_STATUS_SUCCESS;
+}
+
+static moe_status_t shared_join(cuda_layer_t *s, void *stream)
+{
+    if (!s->shared_pending)
+        return MOE_STATUS_SUCCESS;
+    s->shared_pending = 0;
+    return moe_gpu_stream_wait_event(stream, s->ev_join);
+}
+
 /* Rows to the ranks owning their experts; the shared MLP on this rank's tokens while they
  * travel; wait for every rank's rows; the local experts on them; weighted partials (or exact
  * slot rows) straight back; the rank-ordered sum. x is NULL and T 0 for a rank whose
@@ -882,12 +947,12 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     d.done = s->a2a_done;
     d.num_sms = s->num_sms;
     d.chunk_tokens = s->chunk_tokens;
+    if (s->side) /* from here to the finish, beside the exchange and the routed experts */
+        MOE_CHECK(shared_fork(l, ok, T, stream));
     if (!ll)
         MOE_CHECK(moe_a2a_dispatch_launch(&d, stream));
-    if (s->ss > 0 && T > 0) { /* overlaps the rows in flight */
-        MOE_CHECK(moe_cuda_shared_experts(s, ok->x, ok->dtype, T, stream));
-        MOE_CHECK(moe_cuda_shared_gate(l, ok));
-    }
+    if (!s->side) /* overlaps the rows in flight */
+        MOE_CHECK(shared_fork(l, ok, T, stream));
     if (!y)
         MOE_CHECK(p2p_rows(s, stream));
     memset(&wa, 0, sizeof(wa));
@@ -899,6 +964,7 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     wa.timeout_ns = timeout_ns;
     wa.counts = s->counts_all;
     wa.region_rows = m;
+    wa.rows_tag = rows_tag(s);
     wa.statuses = s->flags_all;
     wa.sticky = s->sticky;
     MOE_CHECK(moe_a2a_wait_launch(&wa, stream));
@@ -956,6 +1022,7 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     MOE_CHECK(moe_a2a_combine_launch(&c, stream));
     if (!y)
         MOE_CHECK(p2p_results(s, stream));
+    MOE_CHECK(shared_join(s, stream)); /* the finish and the combine below read its output */
 
     if (!s->deterministic) {
         moe_a2a_finish_args_t f;
@@ -975,6 +1042,7 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
         f.shared_gate_logit = s->ss > 0 && l->cfg.shared_expert_gate ? s->s_gate_logit : NULL;
         f.y = ok ? ok->y : NULL;
         f.y_dtype = ok ? ok->dtype : MOE_DTYPE_BF16;
+        f.num_sms = s->num_sms;
         return moe_a2a_finish_launch(&f, stream);
     }
     /* deterministic (lsa): every (token, slot) row is in `ret`; sum in slot order as one GPU */
@@ -1055,10 +1123,8 @@ static moe_status_t ep_round(moe_layer_t *l, const moe_forward_args_t *ok, moe_s
         MOE_CHECK(a2a_step(l, ok, T, stream));
     } else {
         /* the whole shared MLP (no TP) on this rank's tokens, as one GPU runs it */
-        if (s->ss > 0 && s->shared_local && T > 0) {
-            MOE_CHECK(moe_cuda_shared_experts(s, ok->x, ok->dtype, T, stream));
-            MOE_CHECK(moe_cuda_shared_gate(l, ok));
-        }
+        if (s->shared_local)
+            MOE_CHECK(shared_fork(l, ok, T, stream));
         MOE_CHECK(ep_dispatch(l, ok ? ok->x : NULL, ok ? ok->dtype : MOE_DTYPE_BF16, T, stream));
         /* rows per local expert if every rank brought as many tokens as this one */
         s->last_rows_per_expert = (double)T * W * s->k / l->cfg.num_experts;
@@ -1068,6 +1134,7 @@ static moe_status_t ep_round(moe_layer_t *l, const moe_forward_args_t *ok, moe_s
         if (s->ss > 0 && !s->shared_local)
             MOE_CHECK(moe_cuda_shared_experts(s, s->xall, MOE_DTYPE_BF16, W * tm, stream));
         MOE_CHECK(moe_cuda_record(s, EV_SHARED, stream));
+        MOE_CHECK(shared_join(s, stream)); /* the return reads its output */
         if (!s->deterministic)
             MOE_CHECK(ep_return_summed(l, ok, stream));
         else
@@ -1150,6 +1217,7 @@ moe_status_t moe_cuda_ep_forward(moe_layer_t *l, const moe_forward_args_t *a, mo
         const int64_t here = moe_ep_round_tokens_here(T, s->step_rows, s->tm, i);
         moe_forward_args_t part;
         s->m = moe_ep_round_rows(s->step_rows, s->tm, i);
+        s->round = i;
         if (ok)
             part = args_slice(l, ok, here > 0 ? i * s->tm : 0, here);
         MOE_CHECK(ep_round(l, ok ? &part : NULL, local, i > 0, stream)); /* profile: summed */

@@ -100,6 +100,12 @@ __device__ bool wait_word(const int32_t *ctrl, uint32_t seq, int64_t timeout_ns,
 }
 
 // Bit d set when rank d owns one of token t's experts.
+// The ROWS word a source sends: the host's tag of the round's layout, or m where it gave none.
+__device__ __forceinline__ int32_t rows_word(const moe_a2a_source_t &src, int64_t m)
+{
+    return src.rows_tag ? src.rows_tag : (int32_t)m;
+}
+
 __device__ __forceinline__ unsigned dest_mask(const int32_t *ids, const int32_t *owner, int64_t t,
                                               int k)
 {
@@ -264,13 +270,13 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_send_kernel(moe_a2a_dispatch_
             volatile int32_t *c = a.dst_ctrl[d];
             c[MOE_A2A_COUNT] = total;
             c[MOE_A2A_STATUS] = status;
-            c[MOE_A2A_ROWS] = (int32_t)m;
+            c[MOE_A2A_ROWS] = rows_word(a.src, m);
             __threadfence_system();
             store_release_sys(a.dst_ctrl[d] + MOE_A2A_SENT, *a.src.seq);
         } else if (a.ctrl_out) {
             a.ctrl_out[d * MOE_A2A_CTRL + MOE_A2A_COUNT] = total;
             a.ctrl_out[d * MOE_A2A_CTRL + MOE_A2A_STATUS] = status;
-            a.ctrl_out[d * MOE_A2A_CTRL + MOE_A2A_ROWS] = (int32_t)m;
+            a.ctrl_out[d * MOE_A2A_CTRL + MOE_A2A_ROWS] = rows_word(a.src, m);
         }
     }
 }
@@ -292,10 +298,10 @@ __global__ void a2a_wait_kernel(moe_a2a_wait_args_t a)
     int32_t status = ok ? ((volatile const int32_t *)c)[MOE_A2A_STATUS] : MOE_STATUS_TIMEOUT;
     if (a.counts) {
         int32_t n = ok ? ((volatile const int32_t *)c)[MOE_A2A_COUNT] : 0;
-        const int32_t rows =
-            ok ? ((volatile const int32_t *)c)[MOE_A2A_ROWS] : (int32_t)a.region_rows;
+        const int32_t mine = a.rows_tag ? a.rows_tag : (int32_t)a.region_rows;
+        const int32_t rows = ok ? ((volatile const int32_t *)c)[MOE_A2A_ROWS] : mine;
         /* out of step with this rank: use none of it */
-        if (n < 0 || n > a.region_rows || rows != a.region_rows) {
+        if (n < 0 || n > a.region_rows || rows != mine) {
             sticky_mark(a.sticky, s, MOE_STATUS_INVALID_ARGUMENT, MOE_A2A_STICKY_ROWS);
             status = MOE_STATUS_INVALID_ARGUMENT; /* no rank computes a row this step */
             n = 0;
@@ -380,7 +386,8 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_combine_kernel(moe_a2a_combin
     }
 }
 
-// One thread per 8 columns of a token; threads < W of each CTA wait for the returns first.
+// One thread per 8 columns of a token, grid-stride; threads < W of each CTA wait for the
+// returns first.
 template <typename TY>
 __global__ void __launch_bounds__(A2A_THREADS) a2a_finish_kernel(moe_a2a_finish_args_t a)
 {
@@ -400,33 +407,33 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_finish_kernel(moe_a2a_finish_
         atomicCAS(a.sticky, 0, (threadIdx.x << 8) | MOE_STATUS_PEER_FAILURE);
     }
     __syncthreads();
-    const int64_t idx = (int64_t)blockIdx.x * A2A_THREADS + threadIdx.x;
     const int per = H / 8;
-    if (idx >= a.num_tokens * per)
-        return;
-    const int64_t t = idx / per;
-    const int c = (int)(idx % per) * 8;
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int d = 0; d < W && !timed_out; d++) {
-        const int32_t p = a.pos[(int64_t)d * a.region_rows + t];
-        if (p < 0)
-            continue;
-        float v[8];
-        moe_load8(a.ret + ((int64_t)d * a.region_rows + p) * H + c, v);
+    for (int64_t idx = (int64_t)blockIdx.x * A2A_THREADS + threadIdx.x; idx < a.num_tokens * per;
+         idx += (int64_t)gridDim.x * A2A_THREADS) {
+        const int64_t t = idx / per;
+        const int c = (int)(idx % per) * 8;
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int d = 0; d < W && !timed_out; d++) {
+            const int32_t p = a.pos[(int64_t)d * a.region_rows + t];
+            if (p < 0)
+                continue;
+            float v[8];
+            moe_load8(a.ret + ((int64_t)d * a.region_rows + p) * H + c, v);
 #pragma unroll
-        for (int u = 0; u < 8; u++)
-            acc[u] += v[u];
-    }
-    if (a.shared_out) {
-        const float g =
-            a.shared_gate_logit ? 1.0f / (1.0f + __expf(-a.shared_gate_logit[t])) : 1.0f;
-        float v[8];
-        moe_load8(static_cast<const __nv_bfloat16 *>(a.shared_out) + t * H + c, v);
+            for (int u = 0; u < 8; u++)
+                acc[u] += v[u];
+        }
+        if (a.shared_out) {
+            const float g =
+                a.shared_gate_logit ? 1.0f / (1.0f + __expf(-a.shared_gate_logit[t])) : 1.0f;
+            float v[8];
+            moe_load8(static_cast<const __nv_bfloat16 *>(a.shared_out) + t * H + c, v);
 #pragma unroll
-        for (int u = 0; u < 8; u++)
-            acc[u] += g * v[u];
+            for (int u = 0; u < 8; u++)
+                acc[u] += g * v[u];
+        }
+        moe_store8(static_cast<TY *>(a.y) + t * H + c, acc);
     }
-    moe_store8(static_cast<TY *>(a.y) + t * H + c, acc);
 }
 
 // ---- low-latency dispatch (a2a.h: moe_a2a_ll_args_t) ---------------------------------------
@@ -621,7 +628,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_dispatch_kernel(moe_a2a_ll
             volatile int32_t *c = a.dst_ctrl[d];
             c[MOE_A2A_COUNT] = n;
             c[MOE_A2A_STATUS] = *a.src.status;
-            c[MOE_A2A_ROWS] = (int32_t)m;
+            c[MOE_A2A_ROWS] = rows_word(a.src, m);
             __threadfence_system();
             store_release_sys(a.dst_ctrl[d] + MOE_A2A_SENT, seq);
         }
@@ -743,7 +750,9 @@ extern "C" moe_status_t moe_a2a_combine_launch(const moe_a2a_combine_args_t *arg
 extern "C" moe_status_t moe_a2a_finish_launch(const moe_a2a_finish_args_t *args, void *stream)
 {
     const int64_t n = args->num_tokens * (args->hidden / 8);
-    const unsigned grid = (unsigned)(n > 0 ? (n + A2A_THREADS - 1) / A2A_THREADS : 1);
+    const int64_t most = 4 * (int64_t)(args->num_sms > 0 ? args->num_sms : 1);
+    const int64_t want = n > 0 ? (n + A2A_THREADS - 1) / A2A_THREADS : 1;
+    const unsigned grid = (unsigned)(want < most ? want : most);
     cudaStream_t s = (cudaStream_t)stream;
     if (args->hidden % 8)
         return moe_error(MOE_STATUS_INVALID_ARGUMENT, "a2a finish: hidden %d", args->hidden);

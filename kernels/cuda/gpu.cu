@@ -211,6 +211,20 @@ moe_status_t moe_gpu_event_elapsed_ms(void *start, void *stop, float *ms)
     return MOE_STATUS_SUCCESS;
 }
 
+moe_status_t moe_gpu_event_create_untimed(void **event)
+{
+    cudaEvent_t e = NULL;
+    MOE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    *event = (void *)e;
+    return MOE_STATUS_SUCCESS;
+}
+
+moe_status_t moe_gpu_stream_wait_event(void *stream, void *event)
+{
+    MOE_CUDA_CHECK(cudaStreamWaitEvent((cudaStream_t)stream, (cudaEvent_t)event, 0));
+    return MOE_STATUS_SUCCESS;
+}
+
 moe_status_t moe_gpu_graph_capture_begin(void *stream)
 {
     MOE_CUDA_CHECK(cudaStreamBeginCapture((cudaStream_t)stream, cudaStreamCaptureModeThreadLocal));

@@ -425,6 +425,40 @@ static void test_rounds_workspace(void **state)
     assert_true(bytes[0] * 3 < bytes[1] * 2);
 }
 
+/* MOE_EP_SHARED_OVERLAP=1: the shared MLP on a side stream gives the same results (against the
+ * CPU backend on every transport; deterministic bitwise equal to one GPU), in rounds too. */
+static void test_shared_overlap(void **state)
+{
+    const uint64_t seed = tu_seed("gpu_overlap");
+    moe_layer_config_t c = shape(1);
+    const int64_t n = 40;
+    float *x = malloc(sizeof(float) * n * 1024), *y1 = malloc(sizeof(float) * n * 1024);
+    float *yn = malloc(sizeof(float) * n * 1024);
+    int i;
+    (void)state;
+    setenv("MOE_EP_SHARED_OVERLAP", "1", 1);
+    compare_tokens(1, 7 * rank, 7, 320, NULL, "shared overlap, 7 tokens/rank");
+    round_tokens = 64;
+    compare_tokens(1, 300 * rank, rank == 0 ? 300 : 7, 320, NULL, "shared overlap, 300/7 split");
+    round_tokens = 0;
+    c.deterministic = 1;
+    moe_gen_tokens(seed, rank * n, n, c.hidden, x);
+    run(gt_rts.gpu_self, c, seed, x, n, NULL, y1);
+    for (i = 0; i <= LSA_LL; i++) {
+        if (i == 2 || !transport_runs(i) || !use_transport(i, n)) /* p2p refuses it */
+            continue;
+        run(gt_rts.gpu, c, seed, x, n, NULL, yn);
+        print_message("rank %d: deterministic %s, shared overlap, vs one GPU\n", rank,
+                      transports[i]);
+        assert_memory_equal(y1, yn, sizeof(float) * n * 1024);
+    }
+    end_transports();
+    unsetenv("MOE_EP_SHARED_OVERLAP");
+    free(x);
+    free(y1);
+    free(yn);
+}
+
 /* Ranks that pass different max_tokens_across_ranks lay their regions out differently: the step
  * fails on every rank with a status (never a silent result from misread rows), and the next step
  * with an agreed value is right again. lsa and its low-latency layout. */
@@ -561,6 +595,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_rounds),
     cmocka_unit_test(test_rounds_topk_and_profile),
     cmocka_unit_test(test_rounds_workspace),
+    cmocka_unit_test(test_shared_overlap),
 };
 
 GT_MPI_MAIN(tests, gt_group_setup, gt_group_teardown, rank, world)
