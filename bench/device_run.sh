@@ -19,7 +19,8 @@
 #   rotate           moe-bench with and without L2 rotation (issue 13's bench check)
 #   mps              (one GPU) two ranks share it under MPS (daemon started and stopped here):
 #                    the lsa dispatch table, capacity 8192 told and not, rounds and one round,
-#                    and moe-run's EP layer in rounds; not two-GPU numbers (bench/RESULTS.md)
+#                    and moe-run's EP layer in rounds ($MPS_LAYER_TOKENS per rank, default
+#                    "512 4096"; empty: none); not two-GPU numbers (bench/RESULTS.md)
 set -uo pipefail
 # shellcheck source=/dev/null # written by shared/device/prepare.sh, not in the repository
 source .device/env.sh
@@ -127,7 +128,7 @@ mps)
                 --max-tokens 512 --round-tokens $R 2>&1 | quiet | grep -E "^ +[0-9]" | head -12
         done
     done 2>&1 | tee "$OUT/mps_dispatch.log"
-    for T in 512 4096; do
+    for T in ${MPS_LAYER_TOKENS-512 4096}; do
         for R in 0 "$T"; do
             echo "== moe-run E64 k8 H7168 I2048 grouped, 2 ranks (MPS), $T tokens/rank, --round-tokens $R"
             # shellcheck disable=SC2086 # $X: options

@@ -28,7 +28,7 @@ extern "C" {
 #endif
 
 #define MOE_A2A_MAX_WORLD 8 /* ranks sharing one all-to-all (one host's GPUs) */
-#define MOE_A2A_CTRL 8      /* int32 control words per (rank, peer) */
+#define MOE_A2A_CTRL 16     /* int32 control words per (rank, peer) (9 used) */
 enum {
     MOE_A2A_COUNT = 0,      /* rows the peer sent here this step */
     MOE_A2A_STATUS = 1,     /* the peer's status code for the step (0: fine) */
@@ -41,7 +41,24 @@ enum {
                                rows and the round's index): a region laid out otherwise than
                                this rank's, or a round of another step's shape, fails the step
                                whatever the count */
+    MOE_A2A_STEP_TOKENS = 8, /* the peer's tokens in the whole step (all its rounds) */
 };
+
+/* Rounds (runtime/ep_rounds.h): a step of more rows per rank than the buffers hold runs in
+ * rounds, and round 0's SENT wait leaves in a device word the rows a later round must start
+ * below to have work: the largest STEP_TOKENS over the ranks, or 0 when any rank's status for
+ * the step is not 0 (its arguments, rows laid out otherwise, such as ranks whose told
+ * max_tokens_across_ranks give different round counts, or a timeout). Every rank reads the
+ * same words, so every rank skips the same rounds. A skipped round (skip.rows set and
+ * *skip.rows <= skip.first, its first row) stores nothing into peers, signals nothing, waits
+ * for nothing, and leaves the sequence number alone; its counts read 0, so the kernels after
+ * it (local ids, permute, GEMMs) find no rows. So a step told or sized for more rows than any
+ * rank brings pays no exchange for the empty rounds, and ranks with different round counts
+ * fail that one step and stay in step. */
+typedef struct moe_a2a_skip {
+    const int32_t *rows; /* device scalar or NULL (never skip: round 0, and p2p) */
+    int64_t first;       /* the round's first row per rank */
+} moe_a2a_skip_t;
 
 /* This rank's side of a step, the same for both dispatch kernels. */
 typedef struct moe_a2a_source {
@@ -59,6 +76,8 @@ typedef struct moe_a2a_source {
     const uint32_t *seq;   /* device scalar: the step's sequence number */
     int32_t *dead;         /* device scalar or NULL: nonzero, nothing is stored into peers (and the
                               low-latency dispatch's timeout marks it as moe_a2a_wait does) */
+    int64_t step_tokens;   /* this rank's tokens in the whole step (STEP_TOKENS) */
+    moe_a2a_skip_t skip;   /* a skipped round: counts 0, nothing else */
 } moe_a2a_source_t;
 
 /* Dispatch: rows of this rank's T tokens to every rank owning one of their experts. */
@@ -147,6 +166,7 @@ typedef struct moe_a2a_ll_layout_args {
     int64_t rows_cap;
     int32_t *sticky;
     int32_t *counts, *offsets, *block_expert, *num_blocks;
+    moe_a2a_skip_t skip; /* a skipped round: no rows */
 } moe_a2a_ll_layout_args_t;
 
 moe_status_t moe_a2a_ll_layout_launch(const moe_a2a_ll_layout_args_t *args, void *stream);
@@ -180,6 +200,9 @@ typedef struct moe_a2a_wait_args {
     int64_t region_rows; /* m (with counts): a larger COUNT sets MOE_A2A_STICKY_ROWS */
     int32_t rows_tag;    /* this rank's ROWS word (as moe_a2a_source_t's; 0: m): another
                             peer's sets MOE_A2A_STICKY_ROWS */
+    moe_a2a_skip_t skip; /* a skipped round: counts and statuses 0, no wait */
+    int32_t *skip_out;   /* round 0's SENT wait (with counts), or NULL: the rows a later round
+                            must start below (moe_a2a_skip_t) */
 } moe_a2a_wait_args_t;
 
 moe_status_t moe_a2a_wait_launch(const moe_a2a_wait_args_t *args, void *stream);
@@ -205,6 +228,7 @@ typedef struct moe_a2a_combine_args {
     const int32_t *sticky; /* this rank's verdict: a timeout or an out-of-step COUNT there
                               goes out as RET_STATUS, so every source fails the step too */
     const int32_t *dead;   /* device scalar or NULL: nonzero, nothing is stored into peers */
+    moe_a2a_skip_t skip;   /* a skipped round: nothing */
 } moe_a2a_combine_args_t;
 
 moe_status_t moe_a2a_combine_launch(const moe_a2a_combine_args_t *args, void *stream);
@@ -228,6 +252,7 @@ typedef struct moe_a2a_finish_args {
     moe_dtype_t y_dtype;
     int num_sms; /* the grid is at most 4 CTAs of 256 threads an SM (grid-stride): its waiting
                     CTAs never fill a GPU that other work (another process's, under MPS) needs */
+    moe_a2a_skip_t skip; /* a skipped round: nothing (no wait, y untouched) */
 } moe_a2a_finish_args_t;
 
 moe_status_t moe_a2a_finish_launch(const moe_a2a_finish_args_t *args, void *stream);

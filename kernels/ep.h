@@ -48,8 +48,11 @@ typedef struct moe_ep_scatter_args {
 moe_status_t moe_ep_scatter_launch(const moe_ep_scatter_args_t *args, void *stream);
 
 /* *flag = value, stream-ordered (a step's local status code before the exchange); and
- * *seq += 1 when seq is not NULL (the all-to-all's step sequence number). */
-moe_status_t moe_step_flag_set_launch(int32_t *flag, int32_t value, uint32_t *seq, void *stream);
+ * *seq += 1 when seq is not NULL (the all-to-all's step sequence number). Neither when
+ * skip_rows is not NULL and *skip_rows <= first: a round the all-to-all skips (kernels/a2a.h,
+ * moe_a2a_skip_t) leaves the sequence number alone. */
+moe_status_t moe_step_flag_set_launch(int32_t *flag, int32_t value, uint32_t *seq,
+                                      const int32_t *skip_rows, int64_t first, void *stream);
 
 /* check_inputs on the device: if any of the n values of x (F32 or BF16) is NaN or +-Inf,
  * *flag = code (else *flag is left alone). No host synchronisation. */

@@ -90,6 +90,7 @@ typedef struct cuda_layer {
                         * cap), run in ceil(step_rows / tm) rounds */
     int64_t m;         /* EP: rows per rank this round (<= tm) */
     int64_t round;     /* EP: this round's index in its step */
+    int64_t step_tokens; /* EP: this rank's tokens in the whole step (0: its arguments failed) */
     /* MOE_EP_SHARED_OVERLAP=1 (read at init; EP with the whole shared MLP here): the shared
      * MLP runs on the side stream while the main stream moves rows and runs the routed
      * experts; ev_join orders its output before the main stream reads it */
@@ -117,6 +118,8 @@ typedef struct cuda_layer {
     int32_t *owner;      /* persistent [E_total]: rank of each expert */
     uint64_t *a2a_chain; /* persistent scratch of the dispatch (zeroed at init) */
     int32_t *a2a_done;   /* persistent [2]: last-CTA counters, 0 between launches */
+    int32_t *round_skip; /* persistent scalar: round 0's verdict on the later rounds (lsa;
+                          * kernels/a2a.h, moe_a2a_skip_t) */
     size_t off_x, off_ids, off_w, off_tok, off_ret; /* lsa: offsets in the IPC buffer */
     void *rx, *ret;
     int32_t *rids, *rtok, *rctrl;

@@ -40,7 +40,7 @@ typedef struct cuda_sym {
 } cuda_sym_t;
 
 /* ctrl words first, at a fixed place for every layer (a later layer's arrays never alias them) */
-#define SYM_CTRL_BYTES 256
+#define SYM_CTRL_BYTES (4 * MOE_A2A_MAX_WORLD * MOE_A2A_CTRL) /* a multiple of 256 */
 
 static size_t up256(size_t x)
 {
@@ -429,6 +429,7 @@ void moe_cuda_ep_plan_persistent(cuda_layer_t *s, carve_t *c)
     s->owner = moe_cuda_take(c, sizeof(int32_t) * (size_t)s->E_total);
     s->a2a_chain = moe_cuda_take(c, sizeof(uint64_t) * MOE_A2A_MAX_CTAS * MOE_A2A_MAX_WORLD);
     s->a2a_done = moe_cuda_take(c, sizeof(int32_t) * 2);
+    s->round_skip = moe_cuda_take(c, sizeof(int32_t));
 }
 
 /* The runtime's NCCL communicator (made by the first multi-GPU layer; collective, bounded by
@@ -491,6 +492,7 @@ moe_status_t moe_cuda_ep_init(moe_layer_t *l, cuda_layer_t *s)
     MOE_CHECK(
         moe_gpu_memset(s->a2a_chain, 0, sizeof(uint64_t) * MOE_A2A_MAX_CTAS * MOE_A2A_MAX_WORLD));
     MOE_CHECK(moe_gpu_memset(s->a2a_done, 0, sizeof(int32_t) * 2));
+    MOE_CHECK(moe_gpu_memset(s->round_skip, 0, sizeof(int32_t)));
     MOE_CHECK(moe_gpu_host_alloc((void **)&s->host_io,
                                  sizeof(int32_t) * (size_t)s->world * (MOE_A2A_CTRL + 2)));
     /* measurement knobs, read once: the dispatch's tokens per CTA (0: the kernel's default)
@@ -774,6 +776,18 @@ static int32_t rows_tag(const cuda_layer_t *s)
     return h ? (int32_t)h : 1;
 }
 
+/* This round's skip (kernels/a2a.h): rounds after the first, on lsa, whose words come from
+ * round 0's wait. p2p moves its words by NCCL on the host, which cannot skip. */
+static moe_a2a_skip_t round_skip(const cuda_layer_t *s)
+{
+    moe_a2a_skip_t k = {NULL, 0};
+    if (s->transport == MOE_EP_LSA && s->round > 0) {
+        k.rows = s->round_skip;
+        k.first = s->round * s->tm;
+    }
+    return k;
+}
+
 static moe_a2a_source_t a2a_source(const moe_layer_t *l, const cuda_layer_t *s, const cuda_sym_t *y,
                                    const moe_forward_args_t *ok, int64_t T)
 {
@@ -794,6 +808,8 @@ static moe_a2a_source_t a2a_source(const moe_layer_t *l, const cuda_layer_t *s, 
     src.status = s->flag;
     src.seq = y ? y->seq : NULL;
     src.dead = y ? y->dead : NULL;
+    src.step_tokens = ok ? s->step_tokens : 0;
+    src.skip = round_skip(s);
     return src;
 }
 
@@ -857,6 +873,7 @@ static moe_status_t ll_experts(moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y,
     g.offsets = s->offsets;
     g.block_expert = s->block_expert;
     g.num_blocks = s->num_blocks;
+    g.skip = round_skip(s);
     MOE_CHECK(moe_a2a_ll_layout_launch(&g, stream));
     return moe_cuda_experts_laid_out(s, v, y->local + s->off_lla, mb, s->last_rows_per_expert,
                                      stream);
@@ -967,6 +984,8 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     wa.rows_tag = rows_tag(s);
     wa.statuses = s->flags_all;
     wa.sticky = s->sticky;
+    wa.skip = round_skip(s);
+    wa.skip_out = y && s->round == 0 ? s->round_skip : NULL;
     MOE_CHECK(moe_a2a_wait_launch(&wa, stream));
 
     /* the variant's hint: the low-latency layout's comes from m, which every rank agrees on */
@@ -1019,6 +1038,7 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     c.done = s->a2a_done + 1;
     c.num_sms = s->num_sms;
     c.sticky = s->sticky;
+    c.skip = round_skip(s);
     MOE_CHECK(moe_a2a_combine_launch(&c, stream));
     if (!y)
         MOE_CHECK(p2p_results(s, stream));
@@ -1043,12 +1063,14 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
         f.y = ok ? ok->y : NULL;
         f.y_dtype = ok ? ok->dtype : MOE_DTYPE_BF16;
         f.num_sms = s->num_sms;
+        f.skip = round_skip(s);
         return moe_a2a_finish_launch(&f, stream);
     }
     /* deterministic (lsa): every (token, slot) row is in `ret`; sum in slot order as one GPU */
     wa.word = MOE_A2A_RETURNED;
     wa.counts = NULL;
     wa.statuses = NULL;
+    wa.skip_out = NULL;
     MOE_CHECK(moe_a2a_wait_launch(&wa, stream));
     if (!ok || T == 0)
         return MOE_STATUS_SUCCESS;
@@ -1109,11 +1131,13 @@ static moe_status_t ep_round(moe_layer_t *l, const moe_forward_args_t *ok, moe_s
     cuda_layer_t *s = l->state;
     const int64_t W = s->world, tm = s->m;
     const int64_t T = ok ? ok->num_tokens : 0;
+    const moe_a2a_skip_t skip = round_skip(s);
 
     MOE_CHECK(moe_cuda_record(s, EV_START, stream));
     MOE_CHECK(moe_step_flag_set_launch(
         s->flag, (int32_t)local,
-        s->transport == MOE_EP_LSA ? ((cuda_sym_t *)l->rt->gpu_sym)->seq : NULL, stream));
+        s->transport == MOE_EP_LSA ? ((cuda_sym_t *)l->rt->gpu_sym)->seq : NULL, skip.rows,
+        skip.first, stream));
     if (ok)
         MOE_CHECK(moe_cuda_scan_inputs(l, ok, s->flag));
     if (T > 0)
@@ -1212,6 +1236,7 @@ moe_status_t moe_cuda_ep_forward(moe_layer_t *l, const moe_forward_args_t *a, mo
                          "buffers are out of step for good; destroy the runtime",
                          ((cuda_sym_t *)l->rt->gpu_sym)->broken_rank);
     s->last_stream = stream;
+    s->step_tokens = T;
     for (i = 0; i < rounds; i++) {
         /* round i: rows [i tm, i tm + m) of every rank's step, this rank's tokens among them */
         const int64_t here = moe_ep_round_tokens_here(T, s->step_rows, s->tm, i);

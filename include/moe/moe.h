@@ -214,7 +214,9 @@ typedef struct moe_layer_config {
      * many tokens per rank, and the EP buffers (received rows, their GEMM rows and partials)
      * are sized for one round, world x ep_round_tokens rows, not world x max_tokens_per_rank.
      * A step has ceil(m / ep_round_tokens) rounds, m = max_tokens_across_ranks where given,
-     * else max_tokens_per_rank (so tell it: a decode step is then one round). 0 (default):
+     * else max_tokens_per_rank (so tell it: a decode step is then one round). With the lsa
+     * transport the rounds past every rank's tokens exchange nothing (their kernels are still
+     * launched and exit at once); with p2p and allgather they run. 0 (default):
      * max(ceil(max_tokens_per_rank / world), min(max_tokens_per_rank, 256)), so the workspace
      * grows with max_tokens_per_rank x top_k x hidden but not also with the world size;
      * max_tokens_per_rank: one round per step (the most memory; each round reads the local
@@ -296,13 +298,14 @@ typedef struct moe_forward_args {
      * same value on every rank (a serving engine knows it from its batch metadata). With
      * expert parallelism on the CUDA backend the step then moves and computes this many rows
      * per rank instead of the configured capacity. A value that differs among ranks fails the
-     * step on every rank with the all-to-all transports (lsa, p2p: INVALID_ARGUMENT or
-     * PEER_FAILURE at synchronize, the next agreed step runs) as long as the values make the
-     * same number of rounds (ceil(value / ep_round_tokens), moe_layer_config_t); values that
-     * make different numbers of rounds leave the ranks' rounds out of step: each pair of
-     * rounds still agrees or fails, but a rank's last round can wait for a partner that never
-     * comes (TIMEOUT at synchronize, bounded by the runtime's timeout). With allgather it is
-     * undefined behaviour of the collectives (bounded by the runtime's timeout). */
+     * step on every rank with the all-to-all transports (INVALID_ARGUMENT or PEER_FAILURE at
+     * synchronize; the next agreed step runs). With lsa that holds whatever rounds the values
+     * make (ceil(value / ep_round_tokens), moe_layer_config_t): the ranks compare them in the
+     * first round and skip the rest. With p2p it holds only when the values make the same
+     * number of rounds; otherwise the ranks' rounds go out of step and a rank's last round
+     * waits for a partner that never comes (TIMEOUT at synchronize, bounded by the runtime's
+     * timeout). With allgather it is undefined behaviour of the collectives (bounded by the
+     * runtime's timeout). */
     int64_t max_tokens_across_ranks;
 } moe_forward_args_t;
 

@@ -99,13 +99,25 @@ __device__ bool wait_word(const int32_t *ctrl, uint32_t seq, int64_t timeout_ns,
     return true;
 }
 
-// Bit d set when rank d owns one of token t's experts.
+// A round every rank skips (a2a.h, moe_a2a_skip_t): written by round 0's wait, stream-ordered.
+__device__ __forceinline__ bool skipped(const moe_a2a_skip_t &k)
+{
+    return k.rows && (int64_t)*k.rows <= k.first;
+}
+
 // The ROWS word a source sends: the host's tag of the round's layout, or m where it gave none.
 __device__ __forceinline__ int32_t rows_word(const moe_a2a_source_t &src, int64_t m)
 {
     return src.rows_tag ? src.rows_tag : (int32_t)m;
 }
 
+// The STEP_TOKENS word a source sends.
+__device__ __forceinline__ int32_t step_tokens_word(const moe_a2a_source_t &src)
+{
+    return (int32_t)(src.step_tokens < 0x7fffffff ? src.step_tokens : 0x7fffffff);
+}
+
+// Bit d set when rank d owns one of token t's experts.
 __device__ __forceinline__ unsigned dest_mask(const int32_t *ids, const int32_t *owner, int64_t t,
                                               int k)
 {
@@ -130,6 +142,8 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_count_kernel(moe_a2a_dispatch
 {
     __shared__ int cnt[MOE_A2A_MAX_WORLD];
     int64_t b, e;
+    if (skipped(a.src.skip))
+        return;
     if (threadIdx.x < MOE_A2A_MAX_WORLD)
         cnt[threadIdx.x] = 0;
     __syncthreads();
@@ -203,6 +217,11 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_send_kernel(moe_a2a_dispatch_
         rank_silenced(a.src.dead, a.src.seq); /* positions, counts; nothing to peers */
     int64_t b, e;
 
+    if (skipped(a.src.skip)) {
+        if (blockIdx.x == 0 && threadIdx.x < W)
+            a.counts[threadIdx.x] = 0;
+        return;
+    }
     chunk_of(a.src.num_tokens, blockIdx.x, gridDim.x, &b, &e);
     if (threadIdx.x < W) {
         int s = 0;
@@ -271,21 +290,22 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_send_kernel(moe_a2a_dispatch_
             c[MOE_A2A_COUNT] = total;
             c[MOE_A2A_STATUS] = status;
             c[MOE_A2A_ROWS] = rows_word(a.src, m);
+            c[MOE_A2A_STEP_TOKENS] = step_tokens_word(a.src);
             __threadfence_system();
             store_release_sys(a.dst_ctrl[d] + MOE_A2A_SENT, *a.src.seq);
         } else if (a.ctrl_out) {
             a.ctrl_out[d * MOE_A2A_CTRL + MOE_A2A_COUNT] = total;
             a.ctrl_out[d * MOE_A2A_CTRL + MOE_A2A_STATUS] = status;
             a.ctrl_out[d * MOE_A2A_CTRL + MOE_A2A_ROWS] = rows_word(a.src, m);
+            a.ctrl_out[d * MOE_A2A_CTRL + MOE_A2A_STEP_TOKENS] = step_tokens_word(a.src);
         }
     }
 }
 
-__global__ void a2a_wait_kernel(moe_a2a_wait_args_t a)
+// Source s's words of this wait (thread s); round 0 (most, bad not NULL): its step's tokens
+// into *most, and *bad = 1 when its status is not 0.
+__device__ void wait_one(const moe_a2a_wait_args_t &a, int s, int32_t *most, int32_t *bad)
 {
-    const int s = threadIdx.x;
-    if (s >= a.world)
-        return;
     const int32_t *c = a.ctrl + s * MOE_A2A_CTRL;
     bool ok = true;
     if (a.word >= 0)
@@ -310,6 +330,41 @@ __global__ void a2a_wait_kernel(moe_a2a_wait_args_t a)
     }
     if (a.statuses)
         a.statuses[s] = status;
+    if (most) {
+        if (status != 0)
+            *bad = 1;
+        const int32_t st = ok ? ((volatile const int32_t *)c)[MOE_A2A_STEP_TOKENS] : 0;
+        atomicMax(most, st);
+    }
+}
+
+__global__ void a2a_wait_kernel(moe_a2a_wait_args_t a)
+{
+    __shared__ int32_t most, bad; /* round 0 (skip_out): the ranks' largest step, any failure */
+    const int s = threadIdx.x;
+    if (threadIdx.x == 0) {
+        most = 0;
+        bad = 0;
+    }
+    __syncthreads();
+    if (a.skip_out && s < a.world)
+        wait_one(a, s, &most, &bad);
+    __syncthreads();
+    if (a.skip_out) {
+        if (threadIdx.x == 0)
+            *a.skip_out = bad ? 0 : most;
+        return;
+    }
+    if (s >= a.world)
+        return;
+    if (skipped(a.skip)) {
+        if (a.counts)
+            a.counts[s] = 0;
+        if (a.statuses)
+            a.statuses[s] = 0;
+        return;
+    }
+    wait_one(a, s, NULL, NULL);
 }
 
 // Region and row of the r-th received row (regions in rank order, counts[s] rows each).
@@ -335,6 +390,8 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_combine_kernel(moe_a2a_combin
     const __nv_bfloat16 *rows = static_cast<const __nv_bfloat16 *>(a.rows);
     const bool quiet = rank_silenced(a.dead, a.seq); /* nothing into the peers */
     int64_t total = 0;
+    if (skipped(a.skip))
+        return;
     for (int q = 0; q < W && !quiet; q++)
         total += a.counts[q];
     for (int64_t r = (int64_t)blockIdx.x * A2A_WARPS + threadIdx.x / 32; r < total;
@@ -393,6 +450,8 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_finish_kernel(moe_a2a_finish_
 {
     __shared__ int timed_out;
     const int W = a.world, H = a.hidden;
+    if (skipped(a.skip))
+        return;
     if (threadIdx.x == 0)
         timed_out = 0;
     __syncthreads();
@@ -486,6 +545,11 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_dispatch_kernel(moe_a2a_ll
         rank_silenced(a.src.dead, a.src.seq); /* positions, counts; nothing to peers */
     const TX *x = static_cast<const TX *>(a.src.x);
 
+    if (skipped(a.src.skip)) {
+        if (blockIdx.x == 0 && threadIdx.x < W)
+            a.counts[threadIdx.x] = 0;
+        return;
+    }
     for (int e = threadIdx.x; e < E; e += A2A_THREADS)
         cnt[e] = 0;
     if (threadIdx.x == 0) {
@@ -629,6 +693,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_dispatch_kernel(moe_a2a_ll
             c[MOE_A2A_COUNT] = n;
             c[MOE_A2A_STATUS] = *a.src.status;
             c[MOE_A2A_ROWS] = rows_word(a.src, m);
+            c[MOE_A2A_STEP_TOKENS] = step_tokens_word(a.src);
             __threadfence_system();
             store_release_sys(a.dst_ctrl[d] + MOE_A2A_SENT, seq);
         }
@@ -651,7 +716,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_layout_kernel(moe_a2a_ll_l
         /* the first failing rank's status, as moe_ep_local_ids records it */
         if (bad >= 0 && a.sticky)
             atomicCAS(a.sticky, 0, (bad << 8) | (a.statuses[bad] & 0xff));
-        none = bad >= 0 || step_timed_out(a.sticky) ||
+        none = bad >= 0 || skipped(a.skip) || step_timed_out(a.sticky) ||
                (a.sticky && (*(volatile const int32_t *)a.sticky & MOE_A2A_STICKY_ROWS));
     }
     for (int e = threadIdx.x; e < E; e += A2A_THREADS) {

@@ -32,8 +32,11 @@ __global__ void local_ids_kernel(const int32_t *__restrict__ in, int32_t *__rest
     out[i] = live ? e - first : -1;
 }
 
-__global__ void flag_set_kernel(int32_t *flag, int32_t value, uint32_t *seq)
+__global__ void flag_set_kernel(int32_t *flag, int32_t value, uint32_t *seq,
+                                const int32_t *skip_rows, int64_t first)
 {
+    if (skip_rows && (int64_t)*skip_rows <= first)
+        return;
     *flag = value;
     if (seq)
         *seq += 1;
@@ -101,9 +104,10 @@ extern "C" moe_status_t moe_ep_scatter_launch(const moe_ep_scatter_args_t *a, vo
 }
 
 extern "C" moe_status_t moe_step_flag_set_launch(int32_t *flag, int32_t value, uint32_t *seq,
+                                                 const int32_t *skip_rows, int64_t first,
                                                  void *stream)
 {
-    flag_set_kernel<<<1, 1, 0, (cudaStream_t)stream>>>(flag, value, seq);
+    flag_set_kernel<<<1, 1, 0, (cudaStream_t)stream>>>(flag, value, seq, skip_rows, first);
     MOE_CUDA_CHECK_LAUNCH("step flag");
     return MOE_STATUS_SUCCESS;
 }

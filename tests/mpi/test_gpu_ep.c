@@ -462,7 +462,7 @@ static void test_shared_overlap(void **state)
 /* Ranks that pass different max_tokens_across_ranks lay their regions out differently: the step
  * fails on every rank with a status (never a silent result from misread rows), and the next step
  * with an agreed value is right again. lsa and its low-latency layout. */
-static void test_told_disagree(void **state)
+static void told_disagree(int64_t rounds_of)
 {
     const uint64_t seed = tu_seed("gpu_told_bad");
     moe_layer_config_t c = shape(0);
@@ -470,9 +470,9 @@ static void test_told_disagree(void **state)
     static const int lsa_entries[] = {1, LSA_LL}; /* lsa, lsa-ll */
     float *x, *y, *ref;
     size_t e;
-    (void)state;
     if (world < 2)
         return;
+    c.ep_round_tokens = rounds_of;
     x = malloc(sizeof(float) * (size_t)(n * H));
     y = malloc(sizeof(float) * (size_t)(n * H));
     ref = malloc(sizeof(float) * (size_t)(n * H));
@@ -499,8 +499,10 @@ static void test_told_disagree(void **state)
         a.max_tokens_across_ranks = n; /* 4 on rank 0, 8 on rank 1: not the same */
         TU_OK(moe_layer_forward(l, &a));
         st = moe_layer_synchronize(l, NULL);
-        print_message("rank %d: %s, max_tokens_across_ranks %lld (ranks differ): %s: %s\n", rank,
-                      transports[i], (long long)n, moe_status_string(st), moe_last_error());
+        print_message("rank %d: %s, rounds of %lld, max_tokens_across_ranks %lld (ranks differ): "
+                      "%s: %s\n",
+                      rank, transports[i], (long long)rounds_of, (long long)n,
+                      moe_status_string(st), moe_last_error());
         assert_true(st == MOE_STATUS_INVALID_ARGUMENT || st == MOE_STATUS_PEER_FAILURE);
         MPI_Allreduce(MPI_IN_PLACE, &m, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
         a.max_tokens_across_ranks = m; /* agreed: the next step is right */
@@ -519,6 +521,22 @@ static void test_told_disagree(void **state)
     free(x);
     free(y);
     free(ref);
+}
+
+static void test_told_disagree(void **state)
+{
+    (void)state;
+    told_disagree(0); /* one round on every rank */
+}
+
+/* Told values that make different round counts: rank 0 one round of 4 tokens, rank 1 two. The
+ * ranks compare their rounds' layouts in the first round, every rank skips the rest, the step
+ * fails on both, and the next agreed step runs (they would stay a round apart otherwise, and
+ * that step would time out). */
+static void test_told_disagree_rounds(void **state)
+{
+    (void)state;
+    told_disagree(4);
 }
 
 /* A transport the layout cannot use, or a misspelt one, fails create on every rank. */
@@ -591,6 +609,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_transport_large_capacity),
     cmocka_unit_test(test_deterministic_across_transports),
     cmocka_unit_test(test_told_disagree),
+    cmocka_unit_test(test_told_disagree_rounds),
     cmocka_unit_test(test_transport_refused),
     cmocka_unit_test(test_rounds),
     cmocka_unit_test(test_rounds_topk_and_profile),
