@@ -20,7 +20,9 @@
 #   mps              (one GPU) two ranks share it under MPS (daemon started and stopped here):
 #                    the lsa dispatch table, capacity 8192 told and not, rounds and one round,
 #                    and moe-run's EP layer in rounds ($MPS_LAYER_TOKENS per rank, default
-#                    "512 4096"; empty: none); not two-GPU numbers (bench/RESULTS.md)
+#                    "512 4096"; empty: none; MPS_DISPATCH=0: no dispatch table), and with
+#                    micro-batch lanes off and on
+#                    ($MPS_MB_TOKENS, default 4096); not two-GPU numbers (bench/RESULTS.md)
 set -uo pipefail
 # shellcheck source=/dev/null # written by shared/device/prepare.sh, not in the repository
 source .device/env.sh
@@ -102,6 +104,13 @@ ep-layer)
                 --tokens $((T * ngpu)) --iters 30 --warmup 3 2>&1 | quiet | grep -E "phase|tokens/s"
         done
     done 2>&1 | tee "$OUT/ep_overlap.log"
+    # two micro-batch lanes (MOE_EP_MICROBATCH=1: one round's exchange beside the other's GEMMs)
+    for mb in 0 1; do
+        echo "== deepseek-v3, $ngpu GPUs, 4096 tokens per rank, MOE_EP_MICROBATCH=$mb"
+        MOE_EP_MICROBATCH=$mb timeout 120 mpirun -np "$ngpu" -x MOE_EP_MICROBATCH $B/moe-run \
+            --backend cuda --preset deepseek-v3 --x-dtype bf16 --tokens $((4096 * ngpu)) \
+            --iters 30 --warmup 3 2>&1 | quiet | grep -E "rounds|phase|tokens/s"
+    done 2>&1 | tee "$OUT/ep_microbatch.log"
     # (at 4096 the EP runs take rounds of 4096 / GPUs tokens by default; R = 4096: one round)
     for T in 8 4096; do
         for n in 1 "$ngpu"; do
@@ -121,6 +130,7 @@ mps)
     nvidia-cuda-mps-control -d
     X="-x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x MOE_TIMEOUT_MS"
     for told in --told ""; do
+        [ "${MPS_DISPATCH:-1}" = 1 ] || break
         for R in 0 8192; do
             echo "== dispatch, 2 ranks on one GPU (MPS), capacity 8192 ${told:-not told}, --round-tokens $R"
             # shellcheck disable=SC2086 # $X: options; $told: one option or none
@@ -139,6 +149,18 @@ mps)
             pkill -9 -f moe-run # a hung pair would leave the GPU busy for the next
         done
     done 2>&1 | tee "$OUT/mps_layer.log"
+    # micro-batch lanes (MOE_EP_MICROBATCH) off and on, twice each (MPS timings swing)
+    for T in ${MPS_MB_TOKENS-4096}; do
+        for mb in 0 1 0 1; do
+            echo "== moe-run E64 layer as above, 2 ranks (MPS), $T tokens/rank, MOE_EP_MICROBATCH=$mb"
+            # shellcheck disable=SC2086 # $X: options
+            MOE_EP_MICROBATCH=$mb timeout 100 mpirun -np 2 $X -x MOE_EP_MICROBATCH $B/moe-run \
+                --backend cuda --experts 64 --top-k 8 --hidden 7168 --intermediate 2048 \
+                --n-group 8 --topk-group 4 --scoring sigmoid --x-dtype bf16 --tokens $((2 * T)) \
+                --iters 10 --warmup 2 2>&1 | quiet | grep -E "rounds|phase|tokens/s|rror"
+            pkill -9 -f moe-run
+        done
+    done 2>&1 | tee "$OUT/mps_microbatch.log"
     echo quit | nvidia-cuda-mps-control
     ;;
 bf16)

@@ -30,17 +30,17 @@ extern "C" {
 #define MOE_A2A_MAX_WORLD 8 /* ranks sharing one all-to-all (one host's GPUs) */
 #define MOE_A2A_CTRL 16     /* int32 control words per (rank, peer) (9 used) */
 enum {
-    MOE_A2A_COUNT = 0,      /* rows the peer sent here this step */
-    MOE_A2A_STATUS = 1,     /* the peer's status code for the step (0: fine) */
-    MOE_A2A_SENT = 2,       /* sequence number: the peer's dispatch rows are here */
-    MOE_A2A_LL_COUNTS = 3,  /* sequence number: the peer's per-expert counts are here (ll) */
-    MOE_A2A_RETURNED = 4,   /* sequence number: the peer's combine rows are here */
-    MOE_A2A_RET_STATUS = 5, /* 0, or the peer lost rows this step (its wait timed out) */
-    MOE_A2A_LL_BR = 6,      /* the block rows the peer padded this rank's experts to (ll) */
-    MOE_A2A_ROWS = 7,       /* the peer's layout of this round (its rows_tag: its m, its step's
-                               rows and the round's index): a region laid out otherwise than
-                               this rank's, or a round of another step's shape, fails the step
-                               whatever the count */
+    MOE_A2A_COUNT = 0,       /* rows the peer sent here this step */
+    MOE_A2A_STATUS = 1,      /* the peer's status code for the step (0: fine) */
+    MOE_A2A_SENT = 2,        /* sequence number: the peer's dispatch rows are here */
+    MOE_A2A_LL_COUNTS = 3,   /* sequence number: the peer's per-expert counts are here (ll) */
+    MOE_A2A_RETURNED = 4,    /* sequence number: the peer's combine rows are here */
+    MOE_A2A_RET_STATUS = 5,  /* 0, or the peer lost rows this step (its wait timed out) */
+    MOE_A2A_LL_BR = 6,       /* the block rows the peer padded this rank's experts to (ll) */
+    MOE_A2A_ROWS = 7,        /* the peer's layout of this round (its rows_tag: its m, its step's
+                                rows and the round's index): a region laid out otherwise than
+                                this rank's, or a round of another step's shape, fails the step
+                                whatever the count */
     MOE_A2A_STEP_TOKENS = 8, /* the peer's tokens in the whole step (all its rounds) */
 };
 

@@ -41,6 +41,10 @@ typedef struct moe_gemm_args {
      * (padded) row [num_experts + 1]. With them a variant may skip the all-padding part of an
      * expert's last block (sm_90a m128: the second 64 rows). */
     const int32_t *expert_counts, *expert_offsets;
+    /* optional: at most this many CTAs for a variant whose grid is persistent (0: its own, about
+     * one per SM). The EP micro-batches cap it so that the other micro-batch's waiting kernels
+     * (one CTA each, spinning on a peer) can never keep a GEMM CTA from an SM. */
+    int max_ctas;
 } moe_gemm_args_t;
 
 typedef struct moe_gemm_variant {

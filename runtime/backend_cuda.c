@@ -255,6 +255,12 @@ static moe_status_t reserve_workspace(moe_runtime_t *rt, size_t bytes)
     return MOE_STATUS_SUCCESS;
 }
 
+void moe_cuda_carve_workspace(cuda_layer_t *s, char *base)
+{
+    carve_t c = {base, 0};
+    plan_workspace(s, &c);
+}
+
 /* Points the layer's workspace pieces into the runtime's buffer (again if it moved). */
 static void bind_workspace(moe_layer_t *l, cuda_layer_t *s)
 {
@@ -490,9 +496,9 @@ static moe_status_t cuda_init(moe_layer_t *l)
     c.base = NULL;
     c.off = 0;
     plan_workspace(s, &c);
-    s->ws_bytes = c.off;
-    l->workspace_bytes = c.off;
-    MOE_CHECK_GOTO(reserve_workspace(l->rt, c.off), st, fail);
+    s->ws_bytes = c.off; /* one lane's; micro-batches take a second one after it */
+    l->workspace_bytes = c.off * (size_t)(s->lanes > 1 ? s->lanes : 1);
+    MOE_CHECK_GOTO(reserve_workspace(l->rt, l->workspace_bytes), st, fail);
     bind_workspace(l, s);
     if (s->world > 1)
         MOE_CHECK_GOTO(moe_cuda_ep_init(l, s), st, fail);
@@ -810,6 +816,7 @@ static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_
         g.ab_dtype = MOE_DTYPE_FP8_E4M3;
         g.scale_kind = f8_scale_kind(s);
     }
+    g.max_ctas = s->gemm_max_ctas;
     MOE_CHECK(v->launch(&g, stream));
     g.a = m->h;
     g.b = m->w2;
@@ -1178,7 +1185,7 @@ static void explain_gemm(const cuda_layer_t *s, double rows_per_expert, char *te
 /* The expert-parallel exchange, and where its transport came from. */
 static void explain_ep(const cuda_layer_t *s, char *text, size_t len)
 {
-    char why[320], ll[160] = "", rounds[160] = "";
+    char why[320], ll[160] = "", rounds[256] = "";
     if (s->world == 1) {
         snprintf(text, len, "one GPU");
         return;
@@ -1192,7 +1199,13 @@ static void explain_ep(const cuda_layer_t *s, char *text, size_t len)
                  "; low-latency layout (MOE_EP_LL=1) at up to %lld rows per rank: rows stored "
                  "grouped by expert into the owners' GEMM input",
                  (long long)s->ll_rows);
-    if (s->tm < s->cap)
+    if (s->lanes > 1)
+        snprintf(rounds, sizeof(rounds),
+                 "; a step in rounds of at most %lld tokens per rank on two micro-batch lanes "
+                 "(MOE_EP_MICROBATCH=1: one round's exchange beside the other's GEMMs; buffers "
+                 "for one round each)",
+                 (long long)s->tm);
+    else if (s->tm < s->cap)
         snprintf(rounds, sizeof(rounds),
                  "; a step in rounds of at most %lld tokens per rank (ep_round_tokens; buffers "
                  "for one round)",
@@ -1211,7 +1224,7 @@ static void explain_ep(const cuda_layer_t *s, char *text, size_t len)
 static void cuda_explain(const moe_layer_t *l, int64_t T, char *text, size_t len)
 {
     const cuda_layer_t *s = l->state;
-    char routed[512], shared[512] = "", ep[800];
+    char routed[512], shared[512] = "", ep[1024];
     /* the hint the forward uses: with EP, as if every rank brought as many tokens (at most a
      * round's) */
     const int64_t Tr = s->world > 1 && T > s->tm ? s->tm : T;

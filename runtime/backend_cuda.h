@@ -82,14 +82,14 @@ typedef struct cuda_layer {
     int deterministic;
     int scatter_rows; /* MOE_SCATTER_ROWS (default 1): GEMM 1's rows by scatter, not gather */
     int skip_pad; /* MOE_GEMM_SKIP_PAD (default 1): GEMMs get the expert counts (few rows/expert) */
-    int shared_local;  /* the whole shared MLP here, run on this rank's tokens */
-    int64_t cap;       /* max_tokens_per_rank */
-    int64_t tm;        /* EP: tokens per rank of one round (ep_round_tokens); one
-                        * GPU: cap */
-    int64_t step_rows; /* EP: rows per rank this step (max_tokens_across_ranks or
-                        * cap), run in ceil(step_rows / tm) rounds */
-    int64_t m;         /* EP: rows per rank this round (<= tm) */
-    int64_t round;     /* EP: this round's index in its step */
+    int shared_local;    /* the whole shared MLP here, run on this rank's tokens */
+    int64_t cap;         /* max_tokens_per_rank */
+    int64_t tm;          /* EP: tokens per rank of one round (ep_round_tokens); one
+                          * GPU: cap */
+    int64_t step_rows;   /* EP: rows per rank this step (max_tokens_across_ranks or
+                          * cap), run in ceil(step_rows / tm) rounds */
+    int64_t m;           /* EP: rows per rank this round (<= tm) */
+    int64_t round;       /* EP: this round's index in its step */
     int64_t step_tokens; /* EP: this rank's tokens in the whole step (0: its arguments failed) */
     /* MOE_EP_SHARED_OVERLAP=1 (read at init; EP with the whole shared MLP here): the shared
      * MLP runs on the side stream while the main stream moves rows and runs the routed
@@ -140,6 +140,18 @@ typedef struct cuda_layer {
     int32_t *sent, *counts_all; /* [W]: rows sent to / received from each rank */
     int32_t *host_io;           /* pinned [4 W]: p2p counts, profile */
     void *last_stream;          /* a step with no arguments (args = NULL) runs here */
+    /* Micro-batches (MOE_EP_MICROBATCH=1, lsa): two lanes of rounds of tm tokens, each with its
+     * own workspace half, IPC arrays, control words and sequence number; round i of a step
+     * runs on lane i % 2, lane 1 on its own stream, so one round's exchange overlaps the other
+     * round's GEMMs. lane: this view's (lane 1's view is a copy made at each step). */
+    int lanes, lane;
+    int gemm_max_ctas;  /* the persistent GEMMs' most CTAs (0: one per SM; lanes: fewer) */
+    size_t off_ctrl;    /* lsa: this lane's control words in the IPC buffer */
+    size_t sym_end;     /* lsa: the end of lane 0's arrays (lane 1's start there) */
+    void *lane_stream;  /* lane 1's stream */
+    void *ev_lane_fork; /* the caller's stream before the step: lane 1 starts after it */
+    void *ev_lane_skip; /* round 0's wait (its round_skip word): lane 1 reads it */
+    void *ev_lane_join; /* lane 1's last round: the caller's stream goes on after it */
 
     int profile;
     void *ev[EV_COUNT];
@@ -155,6 +167,8 @@ typedef struct carve {
 } carve_t;
 
 void *moe_cuda_take(carve_t *c, size_t bytes);
+/* The layer's workspace pieces carved from `base` (a lane's half: micro-batches). */
+void moe_cuda_carve_workspace(cuda_layer_t *s, char *base);
 
 /* The EP part's buffers in the workspace / persistent allocation. */
 void moe_cuda_ep_plan_workspace(cuda_layer_t *s, carve_t *c);

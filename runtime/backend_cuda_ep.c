@@ -31,20 +31,33 @@ typedef struct cuda_sym {
     size_t bytes;
     int world, rank;
     char *peer[MOE_A2A_MAX_WORLD]; /* peer[rank] = local */
-    uint32_t *seq;                 /* device scalar: the runtime's EP step count */
-    int32_t *dead; /* device scalar (after seq): a wait of this rank timed out, so its kernels
+    uint32_t *seq; /* device [3]: the runtime's EP step count ([2]: micro-batch lane 1's) */
+    int32_t *dead; /* device scalar (seq[1]): a wait of this rank timed out, so its kernels
                       store nothing into peers any more (a rank that stopped waiting runs
                       ahead; its stores could land in a region a peer still reads) */
     int broken;    /* a wait timed out: the ranks' sequence numbers are out of step for good */
     int broken_rank;
 } cuda_sym_t;
 
-/* ctrl words first, at a fixed place for every layer (a later layer's arrays never alias them) */
-#define SYM_CTRL_BYTES (4 * MOE_A2A_MAX_WORLD * MOE_A2A_CTRL) /* a multiple of 256 */
+/* ctrl words first, at a fixed place for every layer (a later layer's arrays never alias them):
+ * lane 0's, then micro-batch lane 1's */
+#define SYM_LANE_CTRL (4 * MOE_A2A_MAX_WORLD * MOE_A2A_CTRL) /* a multiple of 256 */
+#define SYM_CTRL_BYTES (2 * SYM_LANE_CTRL)
 
 static size_t up256(size_t x)
 {
     return (x + 255) & ~(size_t)255;
+}
+
+/* This lane's sequence number and its control words in rank r's buffer `b`. */
+static uint32_t *lane_seq(const cuda_sym_t *y, const cuda_layer_t *s)
+{
+    return y ? y->seq + (s->lane ? 2 : 0) : NULL;
+}
+
+static int32_t *ctrl_at(char *b, const cuda_layer_t *s, int r)
+{
+    return (int32_t *)(b + s->off_ctrl) + (size_t)r * MOE_A2A_CTRL;
 }
 
 static void sym_unmap(cuda_sym_t *y)
@@ -89,7 +102,7 @@ static moe_status_t sym_reserve(moe_runtime_t *rt, size_t bytes)
             return moe_error(MOE_STATUS_OUT_OF_MEMORY, "IPC buffer state");
         y->world = W;
         y->rank = me;
-        MOE_CHECK_GOTO(moe_gpu_malloc((void **)&y->seq, 2 * sizeof(uint32_t)), st, fail);
+        MOE_CHECK_GOTO(moe_gpu_malloc((void **)&y->seq, 3 * sizeof(uint32_t)), st, fail);
         y->dead = (int32_t *)(y->seq + 1); /* zeroed once; seq is zeroed below at every reserve */
         MOE_CHECK_GOTO(moe_gpu_memset(y->dead, 0, sizeof(int32_t)), st, fail);
         rt->gpu_sym = y;
@@ -104,6 +117,7 @@ static moe_status_t sym_reserve(moe_runtime_t *rt, size_t bytes)
         rt->gpu_sym_bytes = 0;
     }
     MOE_CHECK(moe_gpu_memset(y->seq, 0, sizeof(uint32_t)));
+    MOE_CHECK(moe_gpu_memset(y->seq + 2, 0, sizeof(uint32_t)));
     MOE_CHECK(moe_gpu_malloc((void **)&y->local, bytes));
     MOE_CHECK(moe_gpu_memset(y->local, 0, bytes));
     y->bytes = bytes;
@@ -133,11 +147,13 @@ fail:
     return st;
 }
 
-/* This layer's arrays in the IPC buffer: the same offsets on every rank (the config agrees). */
-static size_t sym_layout(cuda_layer_t *s)
+/* This lane's arrays in the IPC buffer from `base` (lane 0: SYM_CTRL_BYTES; lane 1: lane 0's
+ * end); returns their end. The same offsets on every rank (the config agrees). */
+static size_t sym_layout(cuda_layer_t *s, size_t base)
 {
     const size_t W = (size_t)s->world, tm = (size_t)s->tm, H = (size_t)s->H, k = (size_t)s->k;
-    s->off_x = SYM_CTRL_BYTES;
+    s->off_ctrl = (size_t)s->lane * SYM_LANE_CTRL;
+    s->off_x = base;
     s->off_ids = s->off_x + up256(2 * W * tm * H);
     s->off_w = s->off_ids + up256(4 * W * tm * k);
     s->off_tok = s->off_w + up256(4 * W * tm * k);
@@ -153,32 +169,65 @@ static size_t sym_layout(cuda_layer_t *s)
 /* MOE_EP_LL=0|1 (default 0; every rank alike): the low-latency layout for steps of at most
  * ll_rows rows per rank (lsa, bf16 GEMMs, at most MOE_A2A_LL_MAX_EXPERTS experts). Off by
  * default until it is measured against the regular lsa step on two GPUs. */
+/* An on/off environment switch that must be alike on every rank (collective): 0 or 1 into *on. */
+static moe_status_t agreed_switch(moe_layer_t *l, const char *name, int *on)
+{
+    const int64_t want = moe_env_int(name, 0);
+    int64_t v[2] = {want, -want};
+    MOE_CHECK(moe_comm_allreduce_i64(l->rt->comm, v, 2, MOE_REDUCE_MAX));
+    if (v[0] != -v[1])
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT,
+                         "%s=%lld on rank %d differs from another rank's: set it alike on every "
+                         "rank",
+                         name, (long long)want, l->plan.rank);
+    if (want != 0 && want != 1)
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT, "%s=%lld: expected 0 or 1", name,
+                         (long long)want);
+    *on = (int)want;
+    return MOE_STATUS_SUCCESS;
+}
+
 static moe_status_t pick_ll(moe_layer_t *l, cuda_layer_t *s)
 {
-    const int64_t want = moe_env_int("MOE_EP_LL", 0);
-    int64_t v[2] = {want, -want};
+    int want = 0;
     const char *why = s->transport != MOE_EP_LSA ? "the lsa transport"
                       : s->f8                    ? "bf16 GEMMs (W8A8 quantises GEMM 1's rows "
                                                    "through the permute's map)"
                       : s->E_total > MOE_A2A_LL_MAX_EXPERTS ? "at most 1024 experts"
                       : s->k > 32                           ? "top_k <= 32"
                                                             : NULL;
-    MOE_CHECK(moe_comm_allreduce_i64(l->rt->comm, v, 2, MOE_REDUCE_MAX));
-    if (v[0] != -v[1])
-        return moe_error(MOE_STATUS_INVALID_ARGUMENT,
-                         "MOE_EP_LL=%lld on rank %d differs from another rank's: set it alike on "
-                         "every rank",
-                         (long long)want, l->plan.rank);
-    if (want != 0 && want != 1)
-        return moe_error(MOE_STATUS_INVALID_ARGUMENT, "MOE_EP_LL=%lld: expected 0 or 1",
-                         (long long)want);
+    MOE_CHECK(agreed_switch(l, "MOE_EP_LL", &want));
     if (want && why)
         return moe_error(MOE_STATUS_NOT_SUPPORTED,
                          "MOE_EP_LL=1 (the low-latency all-to-all layout) needs %s", why);
-    s->ll = (int)want;
+    s->ll = want;
     s->ll_rows = s->tm < MOE_A2A_LL_MAX_TOKENS ? s->tm : MOE_A2A_LL_MAX_TOKENS;
     if (s->ll_rows * s->k > MOE_A2A_LL_MAX_PAIRS)
         s->ll_rows = MOE_A2A_LL_MAX_PAIRS / s->k;
+    return MOE_STATUS_SUCCESS;
+}
+
+/* MOE_EP_MICROBATCH=0|1 (default 0; every rank alike): two lanes of rounds (backend_cuda.h),
+ * each holding half a round, so a step of more than one lane's round overlaps one round's
+ * exchange with the other's GEMMs. lsa only, and not with the low-latency layout (its
+ * dispatch waits in every CTA, which could keep the other lane's GEMMs from SMs). */
+static moe_status_t pick_lanes(moe_layer_t *l, cuda_layer_t *s)
+{
+    int want = 0;
+    MOE_CHECK(agreed_switch(l, "MOE_EP_MICROBATCH", &want));
+    s->lanes = 1;
+    if (!want)
+        return MOE_STATUS_SUCCESS;
+    if (s->transport != MOE_EP_LSA || s->ll)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                         "MOE_EP_MICROBATCH=1 (two micro-batches in flight) needs the lsa "
+                         "transport without MOE_EP_LL (this layer: %s%s)",
+                         moe_cuda_ep_transport_name(s->transport), s->ll ? ", MOE_EP_LL=1" : "");
+    s->lanes = 2;
+    s->tm = (s->tm + 1) / 2; /* the same buffers as one round of the configured size */
+    s->max_tokens = s->tm * s->world;
+    s->m = s->tm;
+    l->ep_round_tokens = s->tm;
     return MOE_STATUS_SUCCESS;
 }
 
@@ -377,6 +426,7 @@ moe_status_t moe_cuda_ep_choose(moe_layer_t *l, cuda_layer_t *s)
                          l->plan.tp_size);
     MOE_CHECK(pick_transport(l, s));
     MOE_CHECK(pick_ll(l, s));
+    MOE_CHECK(pick_lanes(l, s));
     return moe_gpu_sm_count(s->device, &s->num_sms);
 }
 
@@ -427,8 +477,10 @@ void moe_cuda_ep_plan_persistent(cuda_layer_t *s, carve_t *c)
     s->iota = moe_cuda_take(c, sizeof(int32_t) * (size_t)(s->tm * s->k));
     s->ones = moe_cuda_take(c, sizeof(float) * (size_t)s->tm);
     s->owner = moe_cuda_take(c, sizeof(int32_t) * (size_t)s->E_total);
-    s->a2a_chain = moe_cuda_take(c, sizeof(uint64_t) * MOE_A2A_MAX_CTAS * MOE_A2A_MAX_WORLD);
-    s->a2a_done = moe_cuda_take(c, sizeof(int32_t) * 2);
+    const size_t lanes = (size_t)(s->lanes > 1 ? s->lanes : 1); /* each lane's own */
+    s->a2a_chain =
+        moe_cuda_take(c, lanes * sizeof(uint64_t) * MOE_A2A_MAX_CTAS * MOE_A2A_MAX_WORLD);
+    s->a2a_done = moe_cuda_take(c, lanes * sizeof(int32_t) * 2);
     s->round_skip = moe_cuda_take(c, sizeof(int32_t));
 }
 
@@ -490,8 +542,9 @@ moe_status_t moe_cuda_ep_init(moe_layer_t *l, cuda_layer_t *s)
     MOE_CHECK(ep_fill_iota(s));
     MOE_CHECK(fill_owner(l, s));
     MOE_CHECK(
-        moe_gpu_memset(s->a2a_chain, 0, sizeof(uint64_t) * MOE_A2A_MAX_CTAS * MOE_A2A_MAX_WORLD));
-    MOE_CHECK(moe_gpu_memset(s->a2a_done, 0, sizeof(int32_t) * 2));
+        moe_gpu_memset(s->a2a_chain, 0,
+                       (size_t)s->lanes * sizeof(uint64_t) * MOE_A2A_MAX_CTAS * MOE_A2A_MAX_WORLD));
+    MOE_CHECK(moe_gpu_memset(s->a2a_done, 0, (size_t)s->lanes * sizeof(int32_t) * 2));
     MOE_CHECK(moe_gpu_memset(s->round_skip, 0, sizeof(int32_t)));
     MOE_CHECK(moe_gpu_host_alloc((void **)&s->host_io,
                                  sizeof(int32_t) * (size_t)s->world * (MOE_A2A_CTRL + 2)));
@@ -510,8 +563,19 @@ moe_status_t moe_cuda_ep_init(moe_layer_t *l, cuda_layer_t *s)
         MOE_CHECK(moe_gpu_event_create_untimed(&s->ev_fork));
         MOE_CHECK(moe_gpu_event_create_untimed(&s->ev_join));
     }
+    if (s->lanes > 1) {
+        MOE_CHECK(moe_gpu_stream_create(&s->lane_stream));
+        MOE_CHECK(moe_gpu_event_create_untimed(&s->ev_lane_fork));
+        MOE_CHECK(moe_gpu_event_create_untimed(&s->ev_lane_skip));
+        MOE_CHECK(moe_gpu_event_create_untimed(&s->ev_lane_join));
+    }
     if (s->transport == MOE_EP_LSA) { /* the receive arrays: part of this layer's scratch */
-        const size_t bytes = sym_layout(s);
+        size_t bytes = s->sym_end = sym_layout(s, SYM_CTRL_BYTES);
+        if (s->lanes > 1) { /* lane 1's after lane 0's */
+            cuda_layer_t t = *s;
+            t.lane = 1;
+            bytes = sym_layout(&t, s->sym_end);
+        }
         l->workspace_bytes += bytes;
         MOE_CHECK(sym_reserve(l->rt, bytes));
     }
@@ -528,6 +592,13 @@ void moe_cuda_ep_fini(cuda_layer_t *s)
     moe_gpu_event_destroy(s->ev_join);
     moe_gpu_stream_destroy(s->side);
     s->side = s->ev_fork = s->ev_join = NULL;
+    if (s->lane_stream)
+        moe_gpu_stream_synchronize(s->lane_stream);
+    moe_gpu_event_destroy(s->ev_lane_fork);
+    moe_gpu_event_destroy(s->ev_lane_skip);
+    moe_gpu_event_destroy(s->ev_lane_join);
+    moe_gpu_stream_destroy(s->lane_stream);
+    s->lane_stream = s->ev_lane_fork = s->ev_lane_skip = s->ev_lane_join = NULL;
     moe_gpu_host_free(s->host_io);
     s->host_io = NULL;
 }
@@ -748,7 +819,7 @@ static cuda_sym_t *bind_sym(const moe_layer_t *l, cuda_layer_t *s)
     cuda_sym_t *y = l->rt->gpu_sym;
     if (s->transport != MOE_EP_LSA)
         return NULL;
-    s->rctrl = (int32_t *)y->local;
+    s->rctrl = ctrl_at(y->local, s, 0);
     s->rx = y->local + s->off_x;
     s->rids = (int32_t *)(y->local + s->off_ids);
     s->rw = (float *)(y->local + s->off_w);
@@ -757,8 +828,6 @@ static cuda_sym_t *bind_sym(const moe_layer_t *l, cuda_layer_t *s)
     return y;
 }
 
-/* This rank's side of the step for either dispatch (x NULL and T 0 for a rank whose arguments
- * failed). */
 /* The ROWS word of this round (kernels/a2a.h): its m, the step's rows and the round's index,
  * mixed (FNV-1a), never 0. Ranks whose steps differ in rows or rounds disagree on it in the
  * first round they pair up, so that step fails on every rank instead of pairing rounds of
@@ -788,6 +857,8 @@ static moe_a2a_skip_t round_skip(const cuda_layer_t *s)
     return k;
 }
 
+/* This rank's side of the step for either dispatch (x NULL and T 0 for a rank whose arguments
+ * failed). */
 static moe_a2a_source_t a2a_source(const moe_layer_t *l, const cuda_layer_t *s, const cuda_sym_t *y,
                                    const moe_forward_args_t *ok, int64_t T)
 {
@@ -806,7 +877,7 @@ static moe_a2a_source_t a2a_source(const moe_layer_t *l, const cuda_layer_t *s, 
     src.weights = s->weights;
     src.owner = s->owner;
     src.status = s->flag;
-    src.seq = y ? y->seq : NULL;
+    src.seq = lane_seq(y, s);
     src.dead = y ? y->dead : NULL;
     src.step_tokens = ok ? s->step_tokens : 0;
     src.skip = round_skip(s);
@@ -842,7 +913,7 @@ static moe_status_t ll_dispatch(moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y,
         d.dst_slot[r] = (int32_t *)(b + s->off_slot) + me * m * k;
         d.dst_w[r] = (float *)(b + s->off_w) + me * m * k;
         d.dst_tok[r] = (int32_t *)(b + s->off_tok) + me * m;
-        d.dst_ctrl[r] = (int32_t *)b + me * MOE_A2A_CTRL;
+        d.dst_ctrl[r] = ctrl_at(b, s, me);
     }
     d.pos = s->pos;
     d.counts = s->sent;
@@ -924,7 +995,7 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     const int W = s->world, me = l->plan.rank, k = s->k;
     const int64_t m = s->m, H = s->H;
     const int64_t timeout_ns = (int64_t)l->rt->timeout_ms * 1000000;
-    const uint32_t *seq = y ? y->seq : NULL;
+    const uint32_t *seq = lane_seq(y, s);
     int32_t *dead = y ? y->dead : NULL;
     moe_a2a_dispatch_args_t d;
     moe_a2a_wait_args_t wa;
@@ -949,7 +1020,7 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
             d.dst_ids[r] = (int32_t *)(b + s->off_ids) + me * m * k;
             d.dst_w[r] = (float *)(b + s->off_w) + me * m * k;
             d.dst_tok[r] = (int32_t *)(b + s->off_tok) + me * m;
-            d.dst_ctrl[r] = (int32_t *)b + me * MOE_A2A_CTRL;
+            d.dst_ctrl[r] = ctrl_at(b, s, me);
         } else { /* staging region r */
             d.dst_x[r] = (char *)s->sx + 2 * (size_t)(r * m * H);
             d.dst_ids[r] = s->sids + r * m * k;
@@ -987,6 +1058,8 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     wa.skip = round_skip(s);
     wa.skip_out = y && s->round == 0 ? s->round_skip : NULL;
     MOE_CHECK(moe_a2a_wait_launch(&wa, stream));
+    if (s->lanes > 1 && s->round == 0) /* lane 1's rounds read round_skip */
+        MOE_CHECK(moe_gpu_event_record(s->ev_lane_skip, stream));
 
     /* the variant's hint: the low-latency layout's comes from m, which every rank agrees on */
     s->last_rows_per_expert = (double)(ll ? m : T) * W * k / l->cfg.num_experts;
@@ -1030,7 +1103,7 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
         if (y) {
             char *b = y->peer[r] + s->off_ret;
             c.dst_ret[r] = s->deterministic ? (void *)b : (void *)(b + 4 * (size_t)(me * m * H));
-            c.dst_ctrl[r] = (int32_t *)y->peer[r] + me * MOE_A2A_CTRL;
+            c.dst_ctrl[r] = ctrl_at(y->peer[r], s, me);
         } else {
             c.dst_ret[r] = s->sret + r * m * H;
         }
@@ -1044,12 +1117,22 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
         MOE_CHECK(p2p_results(s, stream));
     MOE_CHECK(shared_join(s, stream)); /* the finish and the combine below read its output */
 
+    wa.word = MOE_A2A_RETURNED;
+    wa.counts = NULL;
+    wa.statuses = NULL;
+    wa.skip_out = NULL;
     if (!s->deterministic) {
         moe_a2a_finish_args_t f;
+        /* With two lanes the finish waits in a one-CTA wait first instead of in every CTA:
+         * spinning CTAs on every SM could keep the other lane's GEMMs off the GPU until a peer
+         * that needs those GEMMs answers. */
+        const int wait_first = y && s->lanes > 1;
+        if (wait_first)
+            MOE_CHECK(moe_a2a_wait_launch(&wa, stream));
         memset(&f, 0, sizeof(f));
         f.ret = s->ret;
         f.pos = s->pos;
-        f.ctrl = y ? s->rctrl : NULL;
+        f.ctrl = y && !wait_first ? s->rctrl : NULL;
         f.seq = seq;
         f.dead = dead;
         f.timeout_ns = timeout_ns;
@@ -1067,10 +1150,6 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
         return moe_a2a_finish_launch(&f, stream);
     }
     /* deterministic (lsa): every (token, slot) row is in `ret`; sum in slot order as one GPU */
-    wa.word = MOE_A2A_RETURNED;
-    wa.counts = NULL;
-    wa.statuses = NULL;
-    wa.skip_out = NULL;
     MOE_CHECK(moe_a2a_wait_launch(&wa, stream));
     if (!ok || T == 0)
         return MOE_STATUS_SUCCESS;
@@ -1135,9 +1214,8 @@ static moe_status_t ep_round(moe_layer_t *l, const moe_forward_args_t *ok, moe_s
 
     MOE_CHECK(moe_cuda_record(s, EV_START, stream));
     MOE_CHECK(moe_step_flag_set_launch(
-        s->flag, (int32_t)local,
-        s->transport == MOE_EP_LSA ? ((cuda_sym_t *)l->rt->gpu_sym)->seq : NULL, skip.rows,
-        skip.first, stream));
+        s->flag, (int32_t)local, s->transport == MOE_EP_LSA ? lane_seq(l->rt->gpu_sym, s) : NULL,
+        skip.rows, skip.first, stream));
     if (ok)
         MOE_CHECK(moe_cuda_scan_inputs(l, ok, s->flag));
     if (T > 0)
@@ -1193,6 +1271,63 @@ static moe_forward_args_t args_slice(const moe_layer_t *l, const moe_forward_arg
     return r;
 }
 
+/* Lane 1's view of the layer (micro-batches): lane 0's state on the workspace's second half,
+ * with lane 1's IPC arrays, control words, sequence number and dispatch scratch, no profile
+ * and no side stream. */
+static void lane_view(const moe_layer_t *l, const cuda_layer_t *s, cuda_layer_t *t)
+{
+    *t = *s;
+    t->lane = 1;
+    t->profile = 0;
+    t->side = NULL;
+    t->shared_pending = 0;
+    moe_cuda_carve_workspace(t, (char *)l->rt->gpu_ws + s->ws_bytes);
+    t->a2a_chain = s->a2a_chain + MOE_A2A_MAX_CTAS * MOE_A2A_MAX_WORLD;
+    t->a2a_done = s->a2a_done + 2;
+    sym_layout(t, s->sym_end);
+}
+
+/* A step of two or more rounds on two lanes: round i on lane i % 2, lane 1 on its own stream
+ * after the caller's stream's earlier work and round 0's wait (the round_skip word), the
+ * caller's stream after lane 1's last round. Each lane keeps the one-lane order among its own
+ * rounds, so its buffers are reused only as one lane's are. The persistent GEMMs leave two SMs
+ * to the other lane's one-CTA waits. No per-phase profile: the phases overlap. */
+static moe_status_t lanes_forward(moe_layer_t *l, const moe_forward_args_t *ok, moe_status_t local,
+                                  int64_t T, int64_t rounds, void *stream)
+{
+    cuda_layer_t *s = l->state, t;
+    moe_status_t st = MOE_STATUS_SUCCESS;
+    int64_t i;
+
+    s->profile = 0;
+    lane_view(l, s, &t);
+    s->gemm_max_ctas = t.gemm_max_ctas = s->num_sms > 4 ? s->num_sms - 2 : 0;
+    MOE_CHECK(moe_gpu_event_record(s->ev_lane_fork, stream));
+    MOE_CHECK(moe_gpu_stream_wait_event(s->lane_stream, s->ev_lane_fork));
+    for (i = 0; i < rounds && st == MOE_STATUS_SUCCESS; i++) {
+        cuda_layer_t *v = i & 1 ? &t : s;
+        void *on = i & 1 ? s->lane_stream : stream;
+        const int64_t here = moe_ep_round_tokens_here(T, s->step_rows, s->tm, i);
+        moe_forward_args_t part;
+        v->m = moe_ep_round_rows(s->step_rows, s->tm, i);
+        v->round = i;
+        if (ok) {
+            part = args_slice(l, ok, here > 0 ? i * s->tm : 0, here);
+            part.stream = on;
+        }
+        if (i == 1)
+            st = moe_gpu_stream_wait_event(on, s->ev_lane_skip);
+        l->state = v;
+        if (st == MOE_STATUS_SUCCESS)
+            st = ep_round(l, ok ? &part : NULL, local, i > 0, on);
+        l->state = s;
+    }
+    s->gemm_max_ctas = 0;
+    MOE_CHECK(st);
+    MOE_CHECK(moe_gpu_event_record(s->ev_lane_join, s->lane_stream));
+    return moe_gpu_stream_wait_event(stream, s->ev_lane_join);
+}
+
 /* One step across the ranks (every rank calls it, num_tokens may be 0), in rounds of at most
  * s->tm rows per rank (moe.h, ep_round_tokens): the buffers hold one round. No host
  * synchronisation: the round count comes from max_tokens_across_ranks or the capacity, both
@@ -1237,6 +1372,10 @@ moe_status_t moe_cuda_ep_forward(moe_layer_t *l, const moe_forward_args_t *a, mo
                          ((cuda_sym_t *)l->rt->gpu_sym)->broken_rank);
     s->last_stream = stream;
     s->step_tokens = T;
+    if (s->lanes > 1 && rounds > 1) {
+        MOE_CHECK(lanes_forward(l, ok, local, T, rounds, stream));
+        return ok ? MOE_STATUS_SUCCESS : local;
+    }
     for (i = 0; i < rounds; i++) {
         /* round i: rows [i tm, i tm + m) of every rank's step, this rank's tokens among them */
         const int64_t here = moe_ep_round_tokens_here(T, s->step_rows, s->tm, i);

@@ -237,6 +237,8 @@ static moe_status_t launch_one80(const moe_gemm_args_t *a, cudaStream_t stream, 
     if (items == 0)
         return MOE_STATUS_SUCCESS;
     int64_t cap = (int64_t)sms * 2;
+    if (a->max_ctas > 0 && cap > a->max_ctas)
+        cap = a->max_ctas;
     int grid = (int)(items < cap ? items : cap);
     kernel<<<grid, 128, C::SMEM, stream>>>((const __nv_bfloat16 *)a->a, (const __nv_bfloat16 *)a->b,
                                            p);

@@ -765,6 +765,8 @@ static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, co
     int grid = (int)(items < sms ? items : sms);
     if (max_ctas() > 0 && grid > max_ctas())
         grid = max_ctas();
+    if (a->max_ctas > 0 && grid > a->max_ctas)
+        grid = a->max_ctas;
     p.group = sweep_group();
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];

@@ -186,9 +186,13 @@ static void test_deterministic_shared_across_ep(void **state)
 static const char *const transports[] = {"allgather", "lsa", "p2p", "lsa-ll"};
 enum { LSA_LL = 3 };
 
+static int microbatch; /* MOE_EP_MICROBATCH=1 is set: lsa alone takes it */
+
 /* Ranks sharing one GPU (MOE_TEST_SHARED_GPU=1) have no NCCL: lsa only. */
 static int transport_runs(int i)
 {
+    if (microbatch)
+        return i == 1;
     return !gt_shared_gpu() || !strncmp(transports[i], "lsa", 3);
 }
 
@@ -459,6 +463,69 @@ static void test_shared_overlap(void **state)
     free(yn);
 }
 
+/* Two micro-batches in flight (MOE_EP_MICROBATCH=1, lsa): a step's rounds alternate between two
+ * lanes of half a round each, lane 1 on its own stream. Against the CPU backend over one lane's
+ * round, many rounds and rounds past every rank's tokens; deterministic mode bitwise equal to
+ * one GPU; the layouts it cannot take are refused at create on every rank. */
+static void test_microbatch(void **state)
+{
+    const uint64_t seed = tu_seed("gpu_microbatch");
+    moe_layer_config_t c = shape(1);
+    const int64_t n = 40;
+    float *x = malloc(sizeof(float) * n * 1024), *y1 = malloc(sizeof(float) * n * 1024);
+    float *yn = malloc(sizeof(float) * n * 1024);
+    moe_layer_t *l = NULL;
+    moe_layer_info_t info;
+    (void)state;
+    assert_true(x && y1 && yn);
+    if (world < 2) {
+        free(x);
+        free(y1);
+        free(yn);
+        return;
+    }
+    setenv("MOE_EP_MICROBATCH", "1", 1);
+    microbatch = 1;
+    /* capacity 320: rounds of 256, lanes of 128: three rounds a step when not told */
+    compare_tokens(1, 7 * rank, 7, 320, NULL, "micro-batches, 7 tokens/rank");
+    compare_tokens(0, 320 * rank, 320, 320, NULL, "micro-batches, full capacity");
+    round_tokens = 64; /* lanes of 32 tokens: ten rounds on rank 0, rank 1's in the first */
+    compare_tokens(1, 300 * rank, rank == 0 ? 300 : 7, 320, NULL, "micro-batches, 300/7 split");
+    round_tokens = 0;
+    compare_tokens(0, rank, 1, 8192, NULL, "micro-batches, capacity 8192");
+    setenv("MOE_EP_TRANSPORT", "lsa", 1);
+    c.ep_round_tokens = 16;
+    TU_OK(moe_layer_create(gt_rts.gpu, &c, &l));
+    TU_OK(moe_layer_get_info(l, &info));
+    assert_int_equal(info.ep_round_tokens, 8); /* a lane holds half a round */
+    {
+        char text[2048];
+        TU_OK(moe_layer_explain(l, 8, text, sizeof(text)));
+        assert_non_null(strstr(text, "micro-batch lanes"));
+    }
+    TU_OK(moe_layer_destroy(l));
+    c.deterministic = 1; /* rounds of 8 tokens on two lanes: five a step */
+    moe_gen_tokens(seed, rank * n, n, c.hidden, x);
+    run(gt_rts.gpu_self, c, seed, x, n, NULL, y1);
+    run(gt_rts.gpu, c, seed, x, n, NULL, yn);
+    print_message("rank %d: deterministic lsa, micro-batches of 8 tokens, vs one GPU\n", rank);
+    assert_memory_equal(y1, yn, sizeof(float) * n * 1024);
+    c.deterministic = 0;
+    setenv("MOE_EP_LL", "1", 1);
+    assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_NOT_SUPPORTED);
+    assert_non_null(strstr(moe_last_error(), "MOE_EP_MICROBATCH=1"));
+    unsetenv("MOE_EP_LL");
+    setenv("MOE_EP_MICROBATCH", rank == 0 ? "1" : "0", 1);
+    assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_INVALID_ARGUMENT);
+    assert_non_null(strstr(moe_last_error(), "differs"));
+    microbatch = 0;
+    unsetenv("MOE_EP_MICROBATCH");
+    end_transports();
+    free(x);
+    free(y1);
+    free(yn);
+}
+
 /* Ranks that pass different max_tokens_across_ranks lay their regions out differently: the step
  * fails on every rank with a status (never a silent result from misread rows), and the next step
  * with an agreed value is right again. lsa and its low-latency layout. */
@@ -615,6 +682,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_rounds_topk_and_profile),
     cmocka_unit_test(test_rounds_workspace),
     cmocka_unit_test(test_shared_overlap),
+    cmocka_unit_test(test_microbatch),
 };
 
 GT_MPI_MAIN(tests, gt_group_setup, gt_group_teardown, rank, world)
