@@ -984,35 +984,17 @@ static moe_status_t shared_join(cuda_layer_t *s, void *stream)
     return moe_gpu_stream_wait_event(stream, s->ev_join);
 }
 
-/* Rows to the ranks owning their experts; the shared MLP on this rank's tokens while they
- * travel; wait for every rank's rows; the local experts on them; weighted partials (or exact
- * slot rows) straight back; the rank-ordered sum. x is NULL and T 0 for a rank whose
- * arguments failed: it still sends its (empty) rows, status and signals. */
-static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64_t T, void *stream)
+/* The regular dispatch (lsa, p2p): each token row once to every rank owning one of its
+ * experts, into region `me` of their receive arrays (lsa) or into staging region r (p2p). */
+static moe_status_t regular_dispatch(const moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y,
+                                     const moe_a2a_source_t *src, void *stream)
 {
-    cuda_layer_t *s = l->state;
-    cuda_sym_t *y = bind_sym(l, s);
     const int W = s->world, me = l->plan.rank, k = s->k;
     const int64_t m = s->m, H = s->H;
-    const int64_t timeout_ns = (int64_t)l->rt->timeout_ms * 1000000;
-    const uint32_t *seq = lane_seq(y, s);
-    int32_t *dead = y ? y->dead : NULL;
     moe_a2a_dispatch_args_t d;
-    moe_a2a_wait_args_t wa;
-    moe_a2a_combine_args_t c;
-    moe_ep_local_ids_args_t li;
-    /* the low-latency layout: m agreed by every rank, and the variant from it alone */
-    const int ll = y && s->ll && m <= s->ll_rows;
-    const moe_gemm_variant_t *llv =
-        ll ? moe_cuda_variant_for(s, (double)m * W * k / l->cfg.num_experts) : NULL;
-    const int llmb = ll ? (int)moe_permute_max_blocks(W * m * k, s->E, llv->block_rows) : 0;
     int r;
-
-    s->ll_step = ll;
     memset(&d, 0, sizeof(d));
-    d.src = a2a_source(l, s, y, ok, T);
-    if (ll)
-        MOE_CHECK(ll_dispatch(l, s, y, &d.src, llv, stream));
+    d.src = *src;
     for (r = 0; r < W; r++) {
         if (y) { /* region `me` of rank r's arrays */
             char *b = y->peer[r];
@@ -1035,36 +1017,52 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     d.done = s->a2a_done;
     d.num_sms = s->num_sms;
     d.chunk_tokens = s->chunk_tokens;
-    if (s->side) /* from here to the finish, beside the exchange and the routed experts */
-        MOE_CHECK(shared_fork(l, ok, T, stream));
-    if (!ll)
-        MOE_CHECK(moe_a2a_dispatch_launch(&d, stream));
-    if (!s->side) /* overlaps the rows in flight */
-        MOE_CHECK(shared_fork(l, ok, T, stream));
-    if (!y)
-        MOE_CHECK(p2p_rows(s, stream));
-    memset(&wa, 0, sizeof(wa));
-    wa.ctrl = s->rctrl;
-    wa.world = W;
-    wa.word = y ? MOE_A2A_SENT : -1;
-    wa.seq = seq;
-    wa.dead = dead;
-    wa.timeout_ns = timeout_ns;
-    wa.counts = s->counts_all;
-    wa.region_rows = m;
-    wa.rows_tag = rows_tag(s);
-    wa.statuses = s->flags_all;
-    wa.sticky = s->sticky;
-    wa.skip = round_skip(s);
-    wa.skip_out = y && s->round == 0 ? s->round_skip : NULL;
-    MOE_CHECK(moe_a2a_wait_launch(&wa, stream));
+    MOE_CHECK(moe_a2a_dispatch_launch(&d, stream));
+    return y ? MOE_STATUS_SUCCESS : p2p_rows(s, stream);
+}
+
+/* The SENT wait: every peer's rows, counts and statuses here (round 0 also leaves the later
+ * rounds' skip word). Returns the arguments, which the RETURNED waits reuse. */
+static moe_status_t wait_rows(moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y, void *stream,
+                              moe_a2a_wait_args_t *wa)
+{
+    memset(wa, 0, sizeof(*wa));
+    wa->ctrl = s->rctrl;
+    wa->world = s->world;
+    wa->word = y ? MOE_A2A_SENT : -1;
+    wa->seq = lane_seq(y, s);
+    wa->dead = y ? y->dead : NULL;
+    wa->timeout_ns = (int64_t)l->rt->timeout_ms * 1000000;
+    wa->counts = s->counts_all;
+    wa->region_rows = s->m;
+    wa->rows_tag = rows_tag(s);
+    wa->statuses = s->flags_all;
+    wa->sticky = s->sticky;
+    wa->skip = round_skip(s);
+    wa->skip_out = y && s->round == 0 ? s->round_skip : NULL;
+    MOE_CHECK(moe_a2a_wait_launch(wa, stream));
     if (s->lanes > 1 && s->round == 0) /* lane 1's rounds read round_skip */
         MOE_CHECK(moe_gpu_event_record(s->ev_lane_skip, stream));
+    wa->word = MOE_A2A_RETURNED; /* from here on: the RETURNED waits */
+    wa->counts = NULL;
+    wa->statuses = NULL;
+    wa->skip_out = NULL;
+    return MOE_STATUS_SUCCESS;
+}
 
+/* The received rows through the local experts: local ids, permute, gather and GEMMs over the
+ * W m region rows (regular), or the GEMMs on the rows the low-latency dispatch laid out. */
+static moe_status_t local_experts(moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y, int64_t T,
+                                  const moe_gemm_variant_t *llv, void *stream)
+{
+    const int W = s->world, k = s->k;
+    const int64_t m = s->m;
+    moe_ep_local_ids_args_t li;
     /* the variant's hint: the low-latency layout's comes from m, which every rank agrees on */
-    s->last_rows_per_expert = (double)(ll ? m : T) * W * k / l->cfg.num_experts;
-    if (ll)
-        MOE_CHECK(ll_experts(l, s, y, llv, llmb, stream));
+    s->last_rows_per_expert = (double)(llv ? m : T) * W * k / l->cfg.num_experts;
+    if (llv)
+        return ll_experts(l, s, y, llv,
+                          (int)moe_permute_max_blocks(W * m * k, s->E, llv->block_rows), stream);
     memset(&li, 0, sizeof(li));
     li.in = s->rids;
     li.out = s->lids;
@@ -1077,14 +1075,20 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     li.region_counts = s->counts_all;
     li.region_slots = m * k;
     li.top_k = k;
-    if (!ll) {
-        MOE_CHECK(moe_ep_local_ids_launch(&li, stream));
-        MOE_CHECK(moe_cuda_routed_experts(s, s->rx, MOE_DTYPE_BF16, W * m, s->lids,
-                                          s->last_rows_per_expert, stream));
-    }
-    MOE_CHECK(moe_cuda_record(s, EV_EXPERT, stream));
-    MOE_CHECK(moe_cuda_record(s, EV_SHARED, stream));
+    MOE_CHECK(moe_ep_local_ids_launch(&li, stream));
+    return moe_cuda_routed_experts(s, s->rx, MOE_DTYPE_BF16, W * m, s->lids,
+                                   s->last_rows_per_expert, stream);
+}
 
+/* Combine at the expert side: the weighted partials (or exact slot rows) straight back into
+ * region `me` of each source's return array (lsa), or staging (p2p, then moved by NCCL). */
+static moe_status_t return_rows(moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y, int ll,
+                                void *stream)
+{
+    const int W = s->world, me = l->plan.rank;
+    const int64_t m = s->m, H = s->H;
+    moe_a2a_combine_args_t c;
+    int r;
     memset(&c, 0, sizeof(c));
     c.rows = s->o;
     c.row_of_slot = ll ? (const int32_t *)(y->local + s->off_slot) : s->row_of_slot;
@@ -1092,13 +1096,13 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     c.tok = s->rtok;
     c.counts = s->counts_all;
     c.hidden = s->H;
-    c.top_k = k;
+    c.top_k = s->k;
     c.rank = me;
     c.world = W;
     c.deterministic = s->deterministic;
     c.region_rows = m;
-    c.seq = seq;
-    c.dead = dead;
+    c.seq = lane_seq(y, s);
+    c.dead = y ? y->dead : NULL;
     for (r = 0; r < W; r++) {
         if (y) {
             char *b = y->peer[r] + s->off_ret;
@@ -1113,47 +1117,76 @@ static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64
     c.sticky = s->sticky;
     c.skip = round_skip(s);
     MOE_CHECK(moe_a2a_combine_launch(&c, stream));
-    if (!y)
-        MOE_CHECK(p2p_results(s, stream));
-    MOE_CHECK(shared_join(s, stream)); /* the finish and the combine below read its output */
+    return y ? MOE_STATUS_SUCCESS : p2p_results(s, stream);
+}
 
-    wa.word = MOE_A2A_RETURNED;
-    wa.counts = NULL;
-    wa.statuses = NULL;
-    wa.skip_out = NULL;
-    if (!s->deterministic) {
-        moe_a2a_finish_args_t f;
-        /* With two lanes the finish waits in a one-CTA wait first instead of in every CTA:
-         * spinning CTAs on every SM could keep the other lane's GEMMs off the GPU until a peer
-         * that needs those GEMMs answers. */
-        const int wait_first = y && s->lanes > 1;
-        if (wait_first)
-            MOE_CHECK(moe_a2a_wait_launch(&wa, stream));
-        memset(&f, 0, sizeof(f));
-        f.ret = s->ret;
-        f.pos = s->pos;
-        f.ctrl = y && !wait_first ? s->rctrl : NULL;
-        f.seq = seq;
-        f.dead = dead;
-        f.timeout_ns = timeout_ns;
-        f.sticky = s->sticky;
-        f.num_tokens = T;
-        f.region_rows = m;
-        f.hidden = s->H;
-        f.world = W;
-        f.shared_out = s->ss > 0 && T > 0 ? s->so : NULL;
-        f.shared_gate_logit = s->ss > 0 && l->cfg.shared_expert_gate ? s->s_gate_logit : NULL;
-        f.y = ok ? ok->y : NULL;
-        f.y_dtype = ok ? ok->dtype : MOE_DTYPE_BF16;
-        f.num_sms = s->num_sms;
-        f.skip = round_skip(s);
-        return moe_a2a_finish_launch(&f, stream);
+/* The source's sum of what came back (after every peer's RETURNED) and the shared output. */
+static moe_status_t finish_rows(moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y,
+                                const moe_forward_args_t *ok, int64_t T,
+                                const moe_a2a_wait_args_t *wa, void *stream)
+{
+    moe_a2a_finish_args_t f;
+    /* With two lanes the finish waits in a one-CTA wait first instead of in every CTA:
+     * spinning CTAs on every SM could keep the other lane's GEMMs off the GPU until a peer
+     * that needs those GEMMs answers. */
+    const int wait_first = y && s->lanes > 1;
+    if (s->deterministic) { /* lsa: every (token, slot) row is in `ret`: slot order, one GPU's */
+        MOE_CHECK(moe_a2a_wait_launch(wa, stream));
+        return !ok || T == 0 ? MOE_STATUS_SUCCESS
+                             : moe_cuda_combine(l, ok, s->ret, s->iota, s->weights, s->so);
     }
-    /* deterministic (lsa): every (token, slot) row is in `ret`; sum in slot order as one GPU */
-    MOE_CHECK(moe_a2a_wait_launch(&wa, stream));
-    if (!ok || T == 0)
-        return MOE_STATUS_SUCCESS;
-    return moe_cuda_combine(l, ok, s->ret, s->iota, s->weights, s->so);
+    if (wait_first)
+        MOE_CHECK(moe_a2a_wait_launch(wa, stream));
+    memset(&f, 0, sizeof(f));
+    f.ret = s->ret;
+    f.pos = s->pos;
+    f.ctrl = y && !wait_first ? s->rctrl : NULL;
+    f.seq = wa->seq;
+    f.dead = wa->dead;
+    f.timeout_ns = wa->timeout_ns;
+    f.sticky = s->sticky;
+    f.num_tokens = T;
+    f.region_rows = s->m;
+    f.hidden = s->H;
+    f.world = s->world;
+    f.shared_out = s->ss > 0 && T > 0 ? s->so : NULL;
+    f.shared_gate_logit = s->ss > 0 && l->cfg.shared_expert_gate ? s->s_gate_logit : NULL;
+    f.y = ok ? ok->y : NULL;
+    f.y_dtype = ok ? ok->dtype : MOE_DTYPE_BF16;
+    f.num_sms = s->num_sms;
+    f.skip = round_skip(s);
+    return moe_a2a_finish_launch(&f, stream);
+}
+
+/* Rows to the ranks owning their experts; the shared MLP on this rank's tokens while they
+ * travel; wait for every rank's rows; the local experts on them; weighted partials (or exact
+ * slot rows) straight back; the rank-ordered sum. x is NULL and T 0 for a rank whose
+ * arguments failed: it still sends its (empty) rows, status and signals. */
+static moe_status_t a2a_step(moe_layer_t *l, const moe_forward_args_t *ok, int64_t T, void *stream)
+{
+    cuda_layer_t *s = l->state;
+    cuda_sym_t *y = bind_sym(l, s);
+    /* the low-latency layout: m agreed by every rank, and the variant from it alone */
+    const int ll = y && s->ll && s->m <= s->ll_rows;
+    const moe_gemm_variant_t *llv =
+        ll ? moe_cuda_variant_for(s, (double)s->m * s->world * s->k / l->cfg.num_experts) : NULL;
+    const moe_a2a_source_t src = a2a_source(l, s, y, ok, T);
+    moe_a2a_wait_args_t wa;
+
+    s->ll_step = ll;
+    if (s->side) /* from here to the finish, beside the exchange and the routed experts */
+        MOE_CHECK(shared_fork(l, ok, T, stream));
+    MOE_CHECK(ll ? ll_dispatch(l, s, y, &src, llv, stream)
+                 : regular_dispatch(l, s, y, &src, stream));
+    if (!s->side) /* overlaps the rows in flight */
+        MOE_CHECK(shared_fork(l, ok, T, stream));
+    MOE_CHECK(wait_rows(l, s, y, stream, &wa));
+    MOE_CHECK(local_experts(l, s, y, T, llv, stream));
+    MOE_CHECK(moe_cuda_record(s, EV_EXPERT, stream));
+    MOE_CHECK(moe_cuda_record(s, EV_SHARED, stream));
+    MOE_CHECK(return_rows(l, s, y, ll, stream));
+    MOE_CHECK(shared_join(s, stream)); /* the finish and its combine read its output */
+    return finish_rows(l, s, y, ok, T, &wa, stream);
 }
 
 /* Payload bytes this rank sent to other ranks in the step just profiled (synchronised). */

@@ -200,6 +200,29 @@ __device__ bool last_cta(int32_t *done)
     return last;
 }
 
+// Each thread's token's place among this CTA's tokens (in thread order) for every destination d
+// its mask mk names, -1 for the others: warp ballots, then the warps before. Every thread
+// calls it (two __syncthreads); wcnt[w][d] is left holding warp w's tokens for d.
+__device__ __forceinline__ void place_in_cta(unsigned mk, int W, int (*wcnt)[MOE_A2A_MAX_WORLD],
+                                             int (&p)[MOE_A2A_MAX_WORLD])
+{
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    for (int d = 0; d < W; d++) {
+        const unsigned bal = __ballot_sync(0xffffffffu, mk >> d & 1);
+        if (lane == 0)
+            wcnt[warp][d] = __popc(bal);
+        p[d] = __popc(bal & ((1u << lane) - 1u));
+    }
+    __syncthreads();
+    for (int d = 0; d < W; d++) {
+        int before = 0;
+        for (int w = 0; w < warp; w++)
+            before += wcnt[w][d];
+        p[d] = (mk >> d & 1) ? before + p[d] : -1;
+    }
+    __syncthreads();
+}
+
 // Pass 1: positions (prefix over the CTAs before this one, then warp ballots in token order),
 // the rows and their metadata into the destinations, then the signal.
 template <typename TX>
@@ -233,19 +256,11 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_send_kernel(moe_a2a_dispatch_
     for (int64_t p0 = b; p0 < e; p0 += A2A_THREADS) {
         const int64_t t = p0 + threadIdx.x;
         const unsigned mk = t < e ? dest_mask(a.src.ids, a.src.owner, t, k) : 0u;
-        for (int d = 0; d < W; d++) {
-            const unsigned bal = __ballot_sync(0xffffffffu, mk >> d & 1);
-            if (lane == 0)
-                wcnt[warp][d] = __popc(bal);
-            pos_s[threadIdx.x][d] = __popc(bal & ((1u << lane) - 1u));
-        }
+        int place[MOE_A2A_MAX_WORLD];
         mask_s[threadIdx.x] = mk;
-        __syncthreads();
+        place_in_cta(mk, W, wcnt, place);
         for (int d = 0; d < W; d++) {
-            int before = 0;
-            for (int w = 0; w < warp; w++)
-                before += wcnt[w][d];
-            const int p = (mk >> d & 1) ? base[d] + before + pos_s[threadIdx.x][d] : -1;
+            const int p = place[d] >= 0 ? base[d] + place[d] : -1;
             if (t < e)
                 a.pos[(int64_t)d * m + t] = p;
             pos_s[threadIdx.x][d] = p;
@@ -577,19 +592,10 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_dispatch_kernel(moe_a2a_ll
     {
         const int t = threadIdx.x;
         const unsigned mk = t < T ? dest_mask(a.src.ids, a.src.owner, t, k) : 0u;
-        int within[MOE_A2A_MAX_WORLD];
+        int place[MOE_A2A_MAX_WORLD];
+        place_in_cta(mk, W, wcnt, place);
         for (int d = 0; d < W; d++) {
-            const unsigned bal = __ballot_sync(0xffffffffu, mk >> d & 1);
-            if (lane == 0)
-                wcnt[warp][d] = __popc(bal);
-            within[d] = __popc(bal & ((1u << lane) - 1u));
-        }
-        __syncthreads();
-        for (int d = 0; d < W; d++) {
-            int before = 0;
-            for (int w = 0; w < warp; w++)
-                before += wcnt[w][d];
-            const int p = (mk >> d & 1) ? before + within[d] : -1;
+            const int p = place[d];
             if (t < T) {
                 pos_s[t][d] = p;
                 if (blockIdx.x == 0)
