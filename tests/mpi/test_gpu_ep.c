@@ -288,36 +288,45 @@ static void test_transport_large_capacity(void **state)
     compare_tokens(1, rank, 1, 8192, NULL, "capacity 8192");
 }
 
-/* Deterministic: one GPU, and EP over allgather and lsa, bitwise equal. */
-static void test_deterministic_across_transports(void **state)
+/* Deterministic mode on 40 tokens a rank: the EP layer on every transport that takes it (not
+ * p2p), in rounds of each of rounds_of[] tokens (0: the default), bitwise equal to one GPU. */
+static void det_vs_one_gpu(const char *seed_name, const char *what, const int64_t *rounds_of,
+                           int nr)
 {
-    const uint64_t seed = tu_seed("gpu_det_a2a");
+    const uint64_t seed = tu_seed(seed_name);
     moe_layer_config_t c = shape(1);
     const int64_t n = 40;
-    float *x = malloc(sizeof(float) * n * 1024), *y1 = malloc(sizeof(float) * n * 1024);
-    float *yn = malloc(sizeof(float) * n * 1024);
-    int i;
-    (void)state;
+    const size_t bytes = sizeof(float) * (size_t)(n * c.hidden);
+    float *x = malloc(bytes), *y1 = malloc(bytes), *yn = malloc(bytes);
+    int i, r;
+    assert_true(x && y1 && yn);
     c.deterministic = 1;
     moe_gen_tokens(seed, rank * n, n, c.hidden, x);
     run(gt_rts.gpu_self, c, seed, x, n, NULL, y1);
     for (i = 0; i <= LSA_LL; i++) {
-        int64_t rt;
         if (i == 2 || !transport_runs(i) || !use_transport(i, n)) /* p2p refuses it */
             continue;
-        for (rt = 0; rt <= 16; rt += 16) { /* one round, and rounds of 16, 16 and 8 tokens */
-            c.ep_round_tokens = rt;
+        for (r = 0; r < nr; r++) {
+            c.ep_round_tokens = rounds_of[r];
             run(gt_rts.gpu, c, seed, x, n, NULL, yn);
-            print_message("rank %d: deterministic %s (rounds of %lld) vs one GPU\n", rank,
-                          transports[i], (long long)(rt ? rt : c.max_tokens_per_rank));
-            assert_memory_equal(y1, yn, sizeof(float) * n * 1024);
+            print_message("rank %d: deterministic %s, %s, rounds of %lld, vs one GPU\n", rank,
+                          transports[i], what,
+                          (long long)(rounds_of[r] ? rounds_of[r] : c.max_tokens_per_rank));
+            assert_memory_equal(y1, yn, bytes);
         }
-        c.ep_round_tokens = 0;
     }
     end_transports();
     free(x);
     free(y1);
     free(yn);
+}
+
+/* Deterministic: one GPU, and EP over allgather and lsa, bitwise equal. */
+static void test_deterministic_across_transports(void **state)
+{
+    static const int64_t rounds_of[] = {0, 16}; /* one round; rounds of 16, 16 and 8 tokens */
+    (void)state;
+    det_vs_one_gpu("gpu_det_a2a", "transports", rounds_of, 2);
 }
 
 /* Steps in rounds (ep_round_tokens): uneven batches over several rounds, told and not, and a
@@ -433,34 +442,15 @@ static void test_rounds_workspace(void **state)
  * CPU backend on every transport; deterministic bitwise equal to one GPU), in rounds too. */
 static void test_shared_overlap(void **state)
 {
-    const uint64_t seed = tu_seed("gpu_overlap");
-    moe_layer_config_t c = shape(1);
-    const int64_t n = 40;
-    float *x = malloc(sizeof(float) * n * 1024), *y1 = malloc(sizeof(float) * n * 1024);
-    float *yn = malloc(sizeof(float) * n * 1024);
-    int i;
+    static const int64_t one_round[] = {0};
     (void)state;
     setenv("MOE_EP_SHARED_OVERLAP", "1", 1);
     compare_tokens(1, 7 * rank, 7, 320, NULL, "shared overlap, 7 tokens/rank");
     round_tokens = 64;
     compare_tokens(1, 300 * rank, rank == 0 ? 300 : 7, 320, NULL, "shared overlap, 300/7 split");
     round_tokens = 0;
-    c.deterministic = 1;
-    moe_gen_tokens(seed, rank * n, n, c.hidden, x);
-    run(gt_rts.gpu_self, c, seed, x, n, NULL, y1);
-    for (i = 0; i <= LSA_LL; i++) {
-        if (i == 2 || !transport_runs(i) || !use_transport(i, n)) /* p2p refuses it */
-            continue;
-        run(gt_rts.gpu, c, seed, x, n, NULL, yn);
-        print_message("rank %d: deterministic %s, shared overlap, vs one GPU\n", rank,
-                      transports[i]);
-        assert_memory_equal(y1, yn, sizeof(float) * n * 1024);
-    }
-    end_transports();
+    det_vs_one_gpu("gpu_overlap", "shared overlap", one_round, 1);
     unsetenv("MOE_EP_SHARED_OVERLAP");
-    free(x);
-    free(y1);
-    free(yn);
 }
 
 /* Two micro-batches in flight (MOE_EP_MICROBATCH=1, lsa): a step's rounds alternate between two
@@ -469,21 +459,14 @@ static void test_shared_overlap(void **state)
  * one GPU; the layouts it cannot take are refused at create on every rank. */
 static void test_microbatch(void **state)
 {
-    const uint64_t seed = tu_seed("gpu_microbatch");
+    static const int64_t rounds_of_16[] = {16}; /* lanes of 8 tokens: five rounds a step */
     moe_layer_config_t c = shape(1);
-    const int64_t n = 40;
-    float *x = malloc(sizeof(float) * n * 1024), *y1 = malloc(sizeof(float) * n * 1024);
-    float *yn = malloc(sizeof(float) * n * 1024);
     moe_layer_t *l = NULL;
     moe_layer_info_t info;
+    char text[2048];
     (void)state;
-    assert_true(x && y1 && yn);
-    if (world < 2) {
-        free(x);
-        free(y1);
-        free(yn);
+    if (world < 2)
         return;
-    }
     setenv("MOE_EP_MICROBATCH", "1", 1);
     microbatch = 1;
     /* capacity 320: rounds of 256, lanes of 128: three rounds a step when not told */
@@ -493,24 +476,15 @@ static void test_microbatch(void **state)
     compare_tokens(1, 300 * rank, rank == 0 ? 300 : 7, 320, NULL, "micro-batches, 300/7 split");
     round_tokens = 0;
     compare_tokens(0, rank, 1, 8192, NULL, "micro-batches, capacity 8192");
+    det_vs_one_gpu("gpu_microbatch", "micro-batches", rounds_of_16, 1);
     setenv("MOE_EP_TRANSPORT", "lsa", 1);
     c.ep_round_tokens = 16;
     TU_OK(moe_layer_create(gt_rts.gpu, &c, &l));
     TU_OK(moe_layer_get_info(l, &info));
     assert_int_equal(info.ep_round_tokens, 8); /* a lane holds half a round */
-    {
-        char text[2048];
-        TU_OK(moe_layer_explain(l, 8, text, sizeof(text)));
-        assert_non_null(strstr(text, "micro-batch lanes"));
-    }
+    TU_OK(moe_layer_explain(l, 8, text, sizeof(text)));
+    assert_non_null(strstr(text, "micro-batch lanes"));
     TU_OK(moe_layer_destroy(l));
-    c.deterministic = 1; /* rounds of 8 tokens on two lanes: five a step */
-    moe_gen_tokens(seed, rank * n, n, c.hidden, x);
-    run(gt_rts.gpu_self, c, seed, x, n, NULL, y1);
-    run(gt_rts.gpu, c, seed, x, n, NULL, yn);
-    print_message("rank %d: deterministic lsa, micro-batches of 8 tokens, vs one GPU\n", rank);
-    assert_memory_equal(y1, yn, sizeof(float) * n * 1024);
-    c.deterministic = 0;
     setenv("MOE_EP_LL", "1", 1);
     assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_NOT_SUPPORTED);
     assert_non_null(strstr(moe_last_error(), "MOE_EP_MICROBATCH=1"));
@@ -521,9 +495,6 @@ static void test_microbatch(void **state)
     microbatch = 0;
     unsetenv("MOE_EP_MICROBATCH");
     end_transports();
-    free(x);
-    free(y1);
-    free(yn);
 }
 
 /* Ranks that pass different max_tokens_across_ranks lay their regions out differently: the step
