@@ -50,6 +50,10 @@ tests | quick)
     timeout 540 ctest --test-dir build-gpu -L gpu -R "${GPU_TESTS:-.}" -j3 --output-on-failure \
         --timeout 400 >"$OUT/ctest_gpu.log" 2>&1
     grep -E "Test +#|tests passed|FAIL|ERROR" "$OUT/ctest_gpu.log" | head -60
+    # a stopped peer with micro-batch lanes (lsa): the survivors' two streams end bounded
+    echo "== test_gpu_faults, MOE_EP_MICROBATCH=1"
+    MOE_EP_MICROBATCH=1 timeout 90 mpirun -np "$np" -x MOE_EP_MICROBATCH \
+        build-gpu/tests/mpi/test_gpu_faults 2>&1 | quiet | tail -4
     ;;
 ep)
     [ "$ngpu" -ge 2 ] || { echo "ep: needs 2+ GPUs (this machine has $ngpu)"; exit 1; }
