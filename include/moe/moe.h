@@ -246,7 +246,9 @@ typedef struct moe_layer_info {
      * transport it counts the layer's part of the IPC receive buffer too. */
     size_t workspace_bytes;
     /* Tokens per rank of one EP round (moe_layer_config_t.ep_round_tokens resolved; the CUDA
-     * backend with EP), else max_tokens_per_rank: a step runs in rounds of this many. */
+     * backend with EP), else max_tokens_per_rank: a step runs in rounds of this many. With
+     * MOE_EP_MICROBATCH=1 (two micro-batch lanes, README) a lane's round: half of it, rounded
+     * up. */
     int64_t ep_round_tokens;
 } moe_layer_info_t;
 
