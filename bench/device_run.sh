@@ -153,12 +153,16 @@ mps)
             pkill -9 -f moe-run # a hung pair would leave the GPU busy for the next
         done
     done 2>&1 | tee "$OUT/mps_layer.log"
-    # micro-batch lanes (MOE_EP_MICROBATCH) off and on, twice each (MPS timings swing)
+    # micro-batch lanes (MOE_EP_MICROBATCH) off and on, twice each (MPS timings swing), and one
+    # lane with the finish after a one-CTA wait (MOE_EP_FINISH_WAIT=1, as the lanes do)
     for T in ${MPS_MB_TOKENS-4096}; do
-        for mb in 0 1 0 1; do
-            echo "== moe-run E64 layer as above, 2 ranks (MPS), $T tokens/rank, MOE_EP_MICROBATCH=$mb"
+        for mb in 0 1 0 1 w; do
+            fw=0
+            [ "$mb" = w ] && mb=0 && fw=1
+            echo "== moe-run E64 layer as above, 2 ranks (MPS), $T tokens/rank, MOE_EP_MICROBATCH=$mb MOE_EP_FINISH_WAIT=$fw"
             # shellcheck disable=SC2086 # $X: options
-            MOE_EP_MICROBATCH=$mb timeout 100 mpirun -np 2 $X -x MOE_EP_MICROBATCH $B/moe-run \
+            MOE_EP_MICROBATCH=$mb MOE_EP_FINISH_WAIT=$fw timeout 100 mpirun -np 2 $X \
+                -x MOE_EP_MICROBATCH -x MOE_EP_FINISH_WAIT $B/moe-run \
                 --backend cuda --experts 64 --top-k 8 --hidden 7168 --intermediate 2048 \
                 --n-group 8 --topk-group 4 --scoring sigmoid --x-dtype bf16 --tokens $((2 * T)) \
                 --iters 10 --warmup 2 2>&1 | quiet | grep -E "rounds|phase|tokens/s|rror"

@@ -146,6 +146,7 @@ typedef struct cuda_layer {
      * round's GEMMs. lane: this view's (lane 1's view is a copy made at each step). */
     int lanes, lane;
     int gemm_max_ctas;  /* the persistent GEMMs' most CTAs (0: one per SM; lanes: fewer) */
+    int finish_wait;    /* MOE_EP_FINISH_WAIT=1: the finish after a one-CTA wait (lanes: always) */
     size_t off_ctrl;    /* lsa: this lane's control words in the IPC buffer */
     size_t sym_end;     /* lsa: the end of lane 0's arrays (lane 1's start there) */
     void *lane_stream;  /* lane 1's stream */

@@ -551,6 +551,10 @@ moe_status_t moe_cuda_ep_init(moe_layer_t *l, cuda_layer_t *s)
     /* measurement knobs, read once: the dispatch's tokens per CTA (0: the kernel's default)
      * and the low-latency dispatch's most CTAs (0: up to the SM count) */
     s->chunk_tokens = (int)moe_env_int("MOE_EP_CHUNK_TOKENS", 0);
+    /* MOE_EP_FINISH_WAIT=1: the summed finish waits for the returns in a one-CTA wait kernel
+     * first, not in every CTA of its grid (one launch more; measures whether the spinning grid
+     * keeps other work off the GPU: bench/RESULTS.md, eleventh session) */
+    s->finish_wait = moe_env_int("MOE_EP_FINISH_WAIT", 0) != 0;
     s->ll_ctas = (int)moe_env_int("MOE_EP_LL_CTAS", 0);
     if (s->ll_ctas <= 0 || s->ll_ctas > s->num_sms)
         s->ll_ctas = s->num_sms;
@@ -1126,10 +1130,10 @@ static moe_status_t finish_rows(moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y,
                                 const moe_a2a_wait_args_t *wa, void *stream)
 {
     moe_a2a_finish_args_t f;
-    /* With two lanes the finish waits in a one-CTA wait first instead of in every CTA:
-     * spinning CTAs on every SM could keep the other lane's GEMMs off the GPU until a peer
-     * that needs those GEMMs answers. */
-    const int wait_first = y && s->lanes > 1;
+    /* With two lanes (or MOE_EP_FINISH_WAIT=1) the finish waits in a one-CTA wait first
+     * instead of in every CTA: spinning CTAs on every SM could keep the other lane's GEMMs off
+     * the GPU until a peer that needs those GEMMs answers. */
+    const int wait_first = y && (s->lanes > 1 || s->finish_wait);
     if (s->deterministic) { /* lsa: every (token, slot) row is in `ret`: slot order, one GPU's */
         MOE_CHECK(moe_a2a_wait_launch(wa, stream));
         return !ok || T == 0 ? MOE_STATUS_SUCCESS

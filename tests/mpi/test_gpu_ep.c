@@ -495,6 +495,10 @@ static void test_microbatch(void **state)
     microbatch = 0;
     unsetenv("MOE_EP_MICROBATCH");
     end_transports();
+    /* one lane with the lanes' finish (after a one-CTA wait) */
+    setenv("MOE_EP_FINISH_WAIT", "1", 1);
+    compare_tokens(1, 7 * rank, 7, 320, NULL, "finish after a one-CTA wait, 7 tokens/rank");
+    unsetenv("MOE_EP_FINISH_WAIT");
 }
 
 /* Ranks that pass different max_tokens_across_ranks lay their regions out differently: the step
