@@ -1328,7 +1328,8 @@ static void lane_view(const moe_layer_t *l, const cuda_layer_t *s, cuda_layer_t 
  * after the caller's stream's earlier work and round 0's wait (the round_skip word), the
  * caller's stream after lane 1's last round. Each lane keeps the one-lane order among its own
  * rounds, so its buffers are reused only as one lane's are. The persistent GEMMs leave two SMs
- * to the other lane's one-CTA waits. No per-phase profile: the phases overlap. */
+ * to the other lane's one-CTA waits. No per-phase profile: the phases overlap (MOE_PROFILE
+ * leaves the stats zero). */
 static moe_status_t lanes_forward(moe_layer_t *l, const moe_forward_args_t *ok, moe_status_t local,
                                   int64_t T, int64_t rounds, void *stream)
 {
@@ -1336,6 +1337,8 @@ static moe_status_t lanes_forward(moe_layer_t *l, const moe_forward_args_t *ok, 
     moe_status_t st = MOE_STATUS_SUCCESS;
     int64_t i;
 
+    if (s->profile) /* asked for, but the phases overlap: no stale numbers either */
+        memset(&l->stats, 0, sizeof(l->stats));
     s->profile = 0;
     lane_view(l, s, &t);
     s->gemm_max_ctas = t.gemm_max_ctas = s->num_sms > 4 ? s->num_sms - 2 : 0;
