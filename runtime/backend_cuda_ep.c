@@ -166,9 +166,6 @@ static size_t sym_layout(cuda_layer_t *s, size_t base)
     return s->off_lla + up256(2 * (size_t)s->ll_cap * H);
 }
 
-/* MOE_EP_LL=0|1 (default 0; every rank alike): the low-latency layout for steps of at most
- * ll_rows rows per rank (lsa, bf16 GEMMs, at most MOE_A2A_LL_MAX_EXPERTS experts). Off by
- * default until it is measured against the regular lsa step on two GPUs. */
 /* An on/off environment switch that must be alike on every rank (collective): 0 or 1 into *on. */
 static moe_status_t agreed_switch(moe_layer_t *l, const char *name, int *on)
 {
@@ -187,6 +184,9 @@ static moe_status_t agreed_switch(moe_layer_t *l, const char *name, int *on)
     return MOE_STATUS_SUCCESS;
 }
 
+/* MOE_EP_LL=0|1 (default 0; every rank alike): the low-latency layout for steps of at most
+ * ll_rows rows per rank (lsa, bf16 GEMMs, at most MOE_A2A_LL_MAX_EXPERTS experts). Off by
+ * default until it is measured against the regular lsa step on two GPUs. */
 static moe_status_t pick_ll(moe_layer_t *l, cuda_layer_t *s)
 {
     int want = 0;
@@ -551,13 +551,13 @@ moe_status_t moe_cuda_ep_init(moe_layer_t *l, cuda_layer_t *s)
     /* measurement knobs, read once: the dispatch's tokens per CTA (0: the kernel's default)
      * and the low-latency dispatch's most CTAs (0: up to the SM count) */
     s->chunk_tokens = (int)moe_env_int("MOE_EP_CHUNK_TOKENS", 0);
+    s->ll_ctas = (int)moe_env_int("MOE_EP_LL_CTAS", 0);
+    if (s->ll_ctas <= 0 || s->ll_ctas > s->num_sms)
+        s->ll_ctas = s->num_sms;
     /* MOE_EP_FINISH_WAIT=1: the summed finish waits for the returns in a one-CTA wait kernel
      * first, not in every CTA of its grid (one launch more; measures whether the spinning grid
      * keeps other work off the GPU: bench/RESULTS.md, eleventh session) */
     s->finish_wait = moe_env_int("MOE_EP_FINISH_WAIT", 0) != 0;
-    s->ll_ctas = (int)moe_env_int("MOE_EP_LL_CTAS", 0);
-    if (s->ll_ctas <= 0 || s->ll_ctas > s->num_sms)
-        s->ll_ctas = s->num_sms;
     if (s->ll)
         s->ll_cap = ll_capacity(l, s);
     /* MOE_EP_SHARED_OVERLAP=1: the whole shared MLP (no TP) on a side stream (off by default
@@ -1308,6 +1308,27 @@ static moe_forward_args_t args_slice(const moe_layer_t *l, const moe_forward_arg
     return r;
 }
 
+/* Round i of the step (rows [i tm, i tm + m) of every rank's step, this rank's tokens among
+ * them) on state v (the layer's, or lane 1's view) and stream `on`. */
+static moe_status_t run_round(moe_layer_t *l, cuda_layer_t *v, const moe_forward_args_t *ok,
+                              moe_status_t local, int64_t T, int64_t i, void *on)
+{
+    cuda_layer_t *s = l->state;
+    const int64_t here = moe_ep_round_tokens_here(T, s->step_rows, s->tm, i);
+    moe_forward_args_t part;
+    moe_status_t st;
+    v->m = moe_ep_round_rows(s->step_rows, s->tm, i);
+    v->round = i;
+    if (ok) {
+        part = args_slice(l, ok, here > 0 ? i * s->tm : 0, here);
+        part.stream = on;
+    }
+    l->state = v;
+    st = ep_round(l, ok ? &part : NULL, local, i > 0, on); /* profile: summed */
+    l->state = s;
+    return st;
+}
+
 /* Lane 1's view of the layer (micro-batches): lane 0's state on the workspace's second half,
  * with lane 1's IPC arrays, control words, sequence number and dispatch scratch, no profile
  * and no side stream. */
@@ -1345,22 +1366,10 @@ static moe_status_t lanes_forward(moe_layer_t *l, const moe_forward_args_t *ok, 
     MOE_CHECK(moe_gpu_event_record(s->ev_lane_fork, stream));
     MOE_CHECK(moe_gpu_stream_wait_event(s->lane_stream, s->ev_lane_fork));
     for (i = 0; i < rounds && st == MOE_STATUS_SUCCESS; i++) {
-        cuda_layer_t *v = i & 1 ? &t : s;
-        void *on = i & 1 ? s->lane_stream : stream;
-        const int64_t here = moe_ep_round_tokens_here(T, s->step_rows, s->tm, i);
-        moe_forward_args_t part;
-        v->m = moe_ep_round_rows(s->step_rows, s->tm, i);
-        v->round = i;
-        if (ok) {
-            part = args_slice(l, ok, here > 0 ? i * s->tm : 0, here);
-            part.stream = on;
-        }
         if (i == 1)
-            st = moe_gpu_stream_wait_event(on, s->ev_lane_skip);
-        l->state = v;
+            st = moe_gpu_stream_wait_event(s->lane_stream, s->ev_lane_skip);
         if (st == MOE_STATUS_SUCCESS)
-            st = ep_round(l, ok ? &part : NULL, local, i > 0, on);
-        l->state = s;
+            st = run_round(l, i & 1 ? &t : s, ok, local, T, i, i & 1 ? s->lane_stream : stream);
     }
     s->gemm_max_ctas = 0;
     MOE_CHECK(st);
@@ -1416,15 +1425,7 @@ moe_status_t moe_cuda_ep_forward(moe_layer_t *l, const moe_forward_args_t *a, mo
         MOE_CHECK(lanes_forward(l, ok, local, T, rounds, stream));
         return ok ? MOE_STATUS_SUCCESS : local;
     }
-    for (i = 0; i < rounds; i++) {
-        /* round i: rows [i tm, i tm + m) of every rank's step, this rank's tokens among them */
-        const int64_t here = moe_ep_round_tokens_here(T, s->step_rows, s->tm, i);
-        moe_forward_args_t part;
-        s->m = moe_ep_round_rows(s->step_rows, s->tm, i);
-        s->round = i;
-        if (ok)
-            part = args_slice(l, ok, here > 0 ? i * s->tm : 0, here);
-        MOE_CHECK(ep_round(l, ok ? &part : NULL, local, i > 0, stream)); /* profile: summed */
-    }
+    for (i = 0; i < rounds; i++)
+        MOE_CHECK(run_round(l, s, ok, local, T, i, stream));
     return ok ? MOE_STATUS_SUCCESS : local;
 }

@@ -105,16 +105,15 @@ __device__ __forceinline__ bool skipped(const moe_a2a_skip_t &k)
     return k.rows && (int64_t)*k.rows <= k.first;
 }
 
-// The ROWS word a source sends: the host's tag of the round's layout, or m where it gave none.
-__device__ __forceinline__ int32_t rows_word(const moe_a2a_source_t &src, int64_t m)
+// A source's header words for one destination, before its SENT word: {count, status}, its
+// round's layout (ROWS: the host's tag, or m where it gave none) and its step's tokens.
+__device__ __forceinline__ void put_header(volatile int32_t *c, int32_t count,
+                                           const moe_a2a_source_t &src)
 {
-    return src.rows_tag ? src.rows_tag : (int32_t)m;
-}
-
-// The STEP_TOKENS word a source sends.
-__device__ __forceinline__ int32_t step_tokens_word(const moe_a2a_source_t &src)
-{
-    return (int32_t)(src.step_tokens < 0x7fffffff ? src.step_tokens : 0x7fffffff);
+    c[MOE_A2A_COUNT] = count;
+    c[MOE_A2A_STATUS] = *src.status;
+    c[MOE_A2A_ROWS] = src.rows_tag ? src.rows_tag : (int32_t)src.region_rows;
+    c[MOE_A2A_STEP_TOKENS] = (int32_t)(src.step_tokens < 0x7fffffff ? src.step_tokens : 0x7fffffff);
 }
 
 // Bit d set when rank d owns one of token t's experts.
@@ -299,20 +298,12 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_send_kernel(moe_a2a_dispatch_
         for (int c = 0; gridDim.x > 1 && c < (int)gridDim.x; c++)
             total += (int)a.chain[c * MOE_A2A_MAX_WORLD + d];
         a.counts[d] = total;
-        const int32_t status = *a.src.status;
         if (a.dst_ctrl[d] && !quiet) {
-            volatile int32_t *c = a.dst_ctrl[d];
-            c[MOE_A2A_COUNT] = total;
-            c[MOE_A2A_STATUS] = status;
-            c[MOE_A2A_ROWS] = rows_word(a.src, m);
-            c[MOE_A2A_STEP_TOKENS] = step_tokens_word(a.src);
+            put_header(a.dst_ctrl[d], total, a.src);
             __threadfence_system();
             store_release_sys(a.dst_ctrl[d] + MOE_A2A_SENT, *a.src.seq);
         } else if (a.ctrl_out) {
-            a.ctrl_out[d * MOE_A2A_CTRL + MOE_A2A_COUNT] = total;
-            a.ctrl_out[d * MOE_A2A_CTRL + MOE_A2A_STATUS] = status;
-            a.ctrl_out[d * MOE_A2A_CTRL + MOE_A2A_ROWS] = rows_word(a.src, m);
-            a.ctrl_out[d * MOE_A2A_CTRL + MOE_A2A_STEP_TOKENS] = step_tokens_word(a.src);
+            put_header(a.ctrl_out + d * MOE_A2A_CTRL, total, a.src);
         }
     }
 }
@@ -695,11 +686,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_dispatch_kernel(moe_a2a_ll
         const int n = (skip >> d & 1) ? 0 : total[d];
         a.counts[d] = n;
         if (!quiet) {
-            volatile int32_t *c = a.dst_ctrl[d];
-            c[MOE_A2A_COUNT] = n;
-            c[MOE_A2A_STATUS] = *a.src.status;
-            c[MOE_A2A_ROWS] = rows_word(a.src, m);
-            c[MOE_A2A_STEP_TOKENS] = step_tokens_word(a.src);
+            put_header(a.dst_ctrl[d], n, a.src);
             __threadfence_system();
             store_release_sys(a.dst_ctrl[d] + MOE_A2A_SENT, seq);
         }
