@@ -69,6 +69,13 @@ ep)
         timeout 120 mpirun -np "$ngpu" $B/moe-bench --dispatch-only --capacity 8192 --told \
             --transport $t 2>&1 | quiet | tee -a "$OUT/dispatch.log" | tail -12
     done
+    # the low-latency dispatch in one kernel (every CTA waits for the counts) against two
+    for n in 1 2; do
+        echo "== dispatch, capacity 8192, told, lsa-ll, MOE_EP_LL_KERNELS=$n"
+        MOE_EP_LL_KERNELS=$n timeout 120 mpirun -np "$ngpu" -x MOE_EP_LL_KERNELS $B/moe-bench \
+            --dispatch-only --capacity 8192 --told --max-tokens 128 --transport lsa-ll 2>&1 |
+            quiet | tee -a "$OUT/dispatch.log" | grep -E "^ +[0-9]"
+    done
     # what the rounds cost when max_tokens_across_ranks is not told (capacity 8192: rounds of
     # 8192 / GPUs by default, against one round)
     for R in 0 8192; do
@@ -142,6 +149,16 @@ mps)
                 --max-tokens 512 --round-tokens $R 2>&1 | quiet | grep -E "^ +[0-9]" | head -12
         done
     done 2>&1 | tee "$OUT/mps_dispatch.log"
+    # the low-latency dispatch in one kernel (every CTA waits for the counts) against two
+    if [ "${MPS_DISPATCH:-1}" = 1 ]; then
+        for n in 1 2; do
+            echo "== dispatch, MPS, capacity 8192 told, lsa-ll, MOE_EP_LL_KERNELS=$n"
+            # shellcheck disable=SC2086 # $X: options
+            MOE_EP_LL_KERNELS=$n timeout 120 mpirun -np 2 $X -x MOE_EP_LL_KERNELS $B/moe-bench \
+                --dispatch-only --capacity 8192 --told --max-tokens 128 2>&1 | quiet |
+                grep -E "lsa-ll"
+        done 2>&1 | tee -a "$OUT/mps_dispatch.log"
+    fi
     for T in ${MPS_LAYER_TOKENS-512 4096}; do
         for R in 0 "$T"; do
             echo "== moe-run E64 k8 H7168 I2048 grouped, 2 ranks (MPS), $T tokens/rank, --round-tokens $R"

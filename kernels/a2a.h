@@ -149,7 +149,18 @@ typedef struct moe_a2a_ll_args {
     int32_t *dst_ctrl[MOE_A2A_MAX_WORLD]; /* ctrl[rank] of rank d */
     int32_t *pos, *counts, *done;         /* as in moe_a2a_dispatch_args_t */
     int num_sms;
+    /* Two kernels (plan not NULL): one CTA ranks the pairs, exchanges the counts, waits for
+     * them and lays out the rows, leaving it all in plan; then the grid copies the rows and
+     * signals, with no CTA waiting on a peer. NULL: one kernel whose every CTA waits for the
+     * counts (each CTA ranks the pairs itself). plan: persistent int32 scratch of
+     * MOE_A2A_LL_PLAN_INTS(E) (E = num_experts). */
+    int32_t *plan;
 } moe_a2a_ll_args_t;
+
+/* plan: [0] go (rows may be stored), [1] the skip mask (destinations whose rows would not fit),
+ * [2, 2 + W) rows to each destination, then off [E] (this rank's first row of each expert at
+ * its owner), then prank [MOE_A2A_LL_MAX_PAIRS] (each pair's rank within its expert). */
+#define MOE_A2A_LL_PLAN_INTS(E) (2 + MOE_A2A_MAX_WORLD + (E) + MOE_A2A_LL_MAX_PAIRS)
 
 moe_status_t moe_a2a_ll_dispatch_launch(const moe_a2a_ll_args_t *args, void *stream);
 

@@ -134,6 +134,8 @@ typedef struct cuda_layer {
      * bf16 [ll_cap][H]. */
     int ll, ll_step;           /* MOE_EP_LL; the last step used it */
     int chunk_tokens, ll_ctas; /* MOE_EP_CHUNK_TOKENS, MOE_EP_LL_CTAS (read at init) */
+    int32_t *ll_plan;          /* persistent: the two-kernel dispatch's plan (MOE_EP_LL_KERNELS=2;
+                                  NULL: one kernel) */
     int64_t ll_rows, ll_cap;
     size_t off_cnt, off_slot, off_lla;
     int32_t *pos;               /* [W][tm]: row of token t in region d, -1 */

@@ -482,6 +482,11 @@ void moe_cuda_ep_plan_persistent(cuda_layer_t *s, carve_t *c)
         moe_cuda_take(c, lanes * sizeof(uint64_t) * MOE_A2A_MAX_CTAS * MOE_A2A_MAX_WORLD);
     s->a2a_done = moe_cuda_take(c, lanes * sizeof(int32_t) * 2);
     s->round_skip = moe_cuda_take(c, sizeof(int32_t));
+    /* MOE_EP_LL_KERNELS=1|2 (default 2): the low-latency dispatch in one kernel (every CTA
+     * waits for the counts) or two (one CTA waits, then the grid copies) */
+    s->ll_plan = s->ll && moe_env_int("MOE_EP_LL_KERNELS", 2) != 1
+                     ? moe_cuda_take(c, sizeof(int32_t) * MOE_A2A_LL_PLAN_INTS(s->E_total))
+                     : NULL;
 }
 
 /* The runtime's NCCL communicator (made by the first multi-GPU layer; collective, bounded by
@@ -923,6 +928,7 @@ static moe_status_t ll_dispatch(moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y,
     d.counts = s->sent;
     d.done = s->a2a_done;
     d.num_sms = s->ll_ctas;
+    d.plan = s->ll_plan;
     return moe_a2a_ll_dispatch_launch(&d, stream);
 }
 

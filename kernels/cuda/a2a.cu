@@ -531,6 +531,179 @@ __device__ int64_t warp_padded_scan(const int *sz, int b, int e, int br, int *of
     return run;
 }
 
+// The phases of the low-latency dispatch (a2a.h: moe_a2a_ll_args_t), each run by a whole CTA.
+
+// 1. Each pair's rank within its expert (warp 0, in pair order: every CTA the same) into
+//    prank, and this rank's pairs per expert into cnt (zeroed and synchronised before).
+__device__ void ll_rank_pairs(const moe_a2a_ll_args_t &a, int *cnt, int *prank)
+{
+    const int pairs = (int)a.src.num_tokens * a.src.top_k, E = a.num_experts;
+    const int lane = threadIdx.x & 31;
+    if (threadIdx.x >= 32)
+        return;
+    for (int p0 = 0; p0 < pairs; p0 += 32) {
+        const int p = p0 + lane;
+        const int e = p < pairs ? a.src.ids[p] : -1;
+        const unsigned same = __match_any_sync(0xffffffffu, e >= 0 ? e : E + lane);
+        const int before = e >= 0 ? cnt[e] : 0;
+        __syncwarp();
+        if (e >= 0) {
+            prank[p] = before + __popc(same & ((1u << lane) - 1u));
+            if (__ffs(same) - 1 == lane)
+                cnt[e] = before + __popc(same);
+        }
+        __syncwarp();
+    }
+}
+
+// 2. Each token's row in each destination's region (one token a thread, T <= 256) into
+//    pos_s (and a.pos where write_pos), and the rows to each destination into total.
+__device__ void ll_place_tokens(const moe_a2a_ll_args_t &a, int (*pos_s)[MOE_A2A_MAX_WORLD],
+                                int (*wcnt)[MOE_A2A_MAX_WORLD], int *total, bool write_pos)
+{
+    const int W = a.src.world, T = (int)a.src.num_tokens, t = threadIdx.x;
+    const unsigned mk = t < T ? dest_mask(a.src.ids, a.src.owner, t, a.src.top_k) : 0u;
+    int place[MOE_A2A_MAX_WORLD];
+    place_in_cta(mk, W, wcnt, place);
+    for (int d = 0; d < W; d++)
+        if (t < T) {
+            pos_s[t][d] = place[d];
+            if (write_pos)
+                a.pos[(int64_t)d * a.src.region_rows + t] = place[d];
+        }
+    if (t < W) {
+        int n = 0;
+        for (int w = 0; w < A2A_WARPS; w++)
+            n += wcnt[w][t];
+        total[t] = n;
+    }
+}
+
+// 3. This rank's counts into row `rank` of every count matrix, then (release) the signal.
+__device__ void ll_publish_counts(const moe_a2a_ll_args_t &a, const int *cnt, uint32_t seq)
+{
+    const int W = a.src.world, E = a.num_experts;
+    for (int i = threadIdx.x; i < W * E; i += A2A_THREADS)
+        a.dst_cnt[i / E][i % E] = cnt[i % E];
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x < W) {
+        ((volatile int32_t *)a.dst_ctrl[threadIdx.x])[MOE_A2A_LL_BR] = a.block_rows;
+        __threadfence_system();
+        store_release_sys(a.dst_ctrl[threadIdx.x] + MOE_A2A_LL_COUNTS, seq);
+    }
+}
+
+// 4. Every rank's counts here (bounded wait), the same variant everywhere; *go = 0 otherwise.
+__device__ void ll_wait_counts(const moe_a2a_ll_args_t &a, uint32_t seq, int *go)
+{
+    if (threadIdx.x >= a.src.world)
+        return;
+    const int s = threadIdx.x;
+    const int32_t *c = a.ctrl + s * MOE_A2A_CTRL;
+    if (!wait_word(c + MOE_A2A_LL_COUNTS, seq, a.timeout_ns, a.sticky, a.src.dead)) {
+        note_timeout(a.sticky, a.src.dead, seq, s);
+        *go = 0;
+    } else if (((volatile const int32_t *)c)[MOE_A2A_LL_BR] != a.block_rows) {
+        /* the ranks picked different GEMM variants (different tune files, say) */
+        sticky_mark(a.sticky, s, MOE_STATUS_INVALID_ARGUMENT, MOE_A2A_STICKY_ROWS);
+        *go = 0;
+    }
+}
+
+// 5. From every rank's counts: this rank's first row of each expert at its owner (the experts'
+//    padded sizes in order, then the rows of the ranks before this one) into off, and the
+//    destinations whose rows would not fit into *skip. cnt is overwritten.
+__device__ void ll_layout_own(const moe_a2a_ll_args_t &a, int *cnt, int *off, unsigned *skip)
+{
+    const int W = a.src.world, E = a.num_experts, warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    for (int e = threadIdx.x; e < E; e += A2A_THREADS) {
+        int tot = 0, before = 0;
+        for (int s = 0; s < W; s++) {
+            const int v = ((volatile const int32_t *)a.cnt)[(int64_t)s * E + e];
+            tot += v;
+            before += s < a.src.rank ? v : 0;
+        }
+        cnt[e] = tot;
+        off[e] = before;
+    }
+    __syncthreads();
+    if (warp < W) { // warp d: rank d's experts, padded, in order
+        const int64_t rows =
+            warp_padded_scan(cnt, a.first[warp], a.first[warp + 1], a.block_rows, off);
+        if (lane == 0 && rows > a.rows_cap) {
+            atomicOr(skip, 1u << warp);
+            sticky_mark(a.sticky, warp, MOE_STATUS_INVALID_ARGUMENT, MOE_A2A_STICKY_ROWS);
+        }
+    }
+    __syncthreads();
+}
+
+// 6. The rows (one warp a pair, over the grid), then per (token, destination) the row of each
+//    slot, the weights and the token index. pos(t, d): the token's row in region d, or -1.
+template <typename TX, typename Pos>
+__device__ void ll_store_rows(const moe_a2a_ll_args_t &a, const int *off, const int *prank,
+                              unsigned skip, Pos pos)
+{
+    const int W = a.src.world, k = a.src.top_k, H = a.src.hidden, T = (int)a.src.num_tokens;
+    const int pairs = T * k, warp = threadIdx.x / 32;
+    const TX *x = static_cast<const TX *>(a.src.x);
+    const int gw = (int)blockIdx.x * A2A_WARPS + warp, nw = (int)gridDim.x * A2A_WARPS;
+    for (int p = gw; p < pairs; p += nw) {
+        const int e = a.src.ids[p];
+        if (e < 0)
+            continue;
+        const int d = a.src.owner[e];
+        if (skip >> d & 1)
+            continue;
+        copy_row(x, p / k, H,
+                 static_cast<__nv_bfloat16 *>(a.dst_a[d]) + (int64_t)(off[e] + prank[p]) * H);
+    }
+    const int gt = (int)blockIdx.x * A2A_THREADS + threadIdx.x, nt = (int)gridDim.x * A2A_THREADS;
+    for (int u = gt; u < T * W; u += nt) {
+        const int t = u / W, d = u % W, i = pos(t, d);
+        if (i < 0 || (skip >> d & 1))
+            continue;
+        for (int j = 0; j < k; j++) {
+            const int e = a.src.ids[t * k + j];
+            a.dst_slot[d][i * k + j] =
+                e >= 0 && a.src.owner[e] == d ? off[e] + prank[t * k + j] : -1;
+            a.dst_w[d][i * k + j] = a.src.weights[t * k + j];
+        }
+        a.dst_tok[d][i] = t;
+    }
+}
+
+// 7. The last CTA: {count, status}, then SENT (a rank that skipped a destination still
+//    signals it: its verdict already fails the step).
+__device__ void ll_signal(const moe_a2a_ll_args_t &a, const int *total, unsigned skip, bool quiet,
+                          uint32_t seq)
+{
+    if (!last_cta(a.done))
+        return;
+    if (threadIdx.x < a.src.world) {
+        const int d = threadIdx.x;
+        const int n = (skip >> d & 1) ? 0 : total[d];
+        a.counts[d] = n;
+        if (!quiet) {
+            put_header(a.dst_ctrl[d], n, a.src);
+            __threadfence_system();
+            store_release_sys(a.dst_ctrl[d] + MOE_A2A_SENT, seq);
+        }
+    }
+}
+
+// A skipped round: counts 0, nothing else (every kernel of the dispatch returns).
+__device__ __forceinline__ bool ll_skipped(const moe_a2a_ll_args_t &a)
+{
+    if (!skipped(a.src.skip))
+        return false;
+    if (blockIdx.x == 0 && threadIdx.x < a.src.world)
+        a.counts[threadIdx.x] = 0;
+    return true;
+}
+
+// One kernel: every CTA ranks the pairs, CTA 0 publishes the counts, every CTA waits for them.
 template <typename TX>
 __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_dispatch_kernel(moe_a2a_ll_args_t a)
 {
@@ -542,20 +715,51 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_dispatch_kernel(moe_a2a_ll
     __shared__ int total[MOE_A2A_MAX_WORLD];
     __shared__ unsigned skip; // bit d: nothing goes to rank d this step
     __shared__ int go;
-    const int W = a.src.world, k = a.src.top_k, H = a.src.hidden, E = a.num_experts,
-              warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    const int T = (int)a.src.num_tokens, pairs = T * k;
-    const int64_t m = a.src.region_rows;
     const uint32_t seq = *a.src.seq;
-    const bool quiet =
-        rank_silenced(a.src.dead, a.src.seq); /* positions, counts; nothing to peers */
-    const TX *x = static_cast<const TX *>(a.src.x);
+    const bool quiet = rank_silenced(a.src.dead, a.src.seq); /* positions, counts only */
 
-    if (skipped(a.src.skip)) {
-        if (blockIdx.x == 0 && threadIdx.x < W)
-            a.counts[threadIdx.x] = 0;
+    if (ll_skipped(a))
         return;
+    for (int e = threadIdx.x; e < a.num_experts; e += A2A_THREADS)
+        cnt[e] = 0;
+    if (threadIdx.x == 0) {
+        skip = 0;
+        go = !quiet;
     }
+    __syncthreads();
+    ll_rank_pairs(a, cnt, prank);
+    ll_place_tokens(a, pos_s, wcnt, total, blockIdx.x == 0);
+    __syncthreads();
+    if (blockIdx.x == 0 && !quiet)
+        ll_publish_counts(a, cnt, seq);
+    if (!quiet)
+        ll_wait_counts(a, seq, &go);
+    __syncthreads();
+    if (go) {
+        ll_layout_own(a, cnt, off, &skip);
+        ll_store_rows<TX>(a, off, prank, skip, [&](int t, int d) { return pos_s[t][d]; });
+    }
+    ll_signal(a, total, skip, quiet, seq);
+}
+
+// Two kernels, pass 1 (one CTA): the pairs' ranks, the positions, the count exchange and this
+// rank's layout at every owner, into a.plan.
+__global__ void __launch_bounds__(A2A_THREADS) a2a_ll_plan_kernel(moe_a2a_ll_args_t a)
+{
+    __shared__ int cnt[LL_E];
+    __shared__ int off[LL_E];
+    __shared__ int pos_s[LL_T][MOE_A2A_MAX_WORLD];
+    __shared__ int wcnt[A2A_WARPS][MOE_A2A_MAX_WORLD];
+    __shared__ int total[MOE_A2A_MAX_WORLD];
+    __shared__ unsigned skip;
+    __shared__ int go;
+    const int W = a.src.world, E = a.num_experts;
+    int32_t *plan_off = a.plan + 2 + MOE_A2A_MAX_WORLD, *plan_prank = plan_off + E;
+    const uint32_t seq = *a.src.seq;
+    const bool quiet = rank_silenced(a.src.dead, a.src.seq);
+
+    if (ll_skipped(a))
+        return;
     for (int e = threadIdx.x; e < E; e += A2A_THREADS)
         cnt[e] = 0;
     if (threadIdx.x == 0) {
@@ -563,134 +767,52 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_dispatch_kernel(moe_a2a_ll
         go = !quiet;
     }
     __syncthreads();
-    // 1. each pair's rank within its expert (warp 0, in pair order: every CTA the same), and
-    //    each token's row in each destination's region (one token a thread, T <= 256)
-    if (warp == 0) {
-        for (int p0 = 0; p0 < pairs; p0 += 32) {
-            const int p = p0 + lane;
-            const int e = p < pairs ? a.src.ids[p] : -1;
-            const unsigned same = __match_any_sync(0xffffffffu, e >= 0 ? e : E + lane);
-            const int before = e >= 0 ? cnt[e] : 0;
-            __syncwarp();
-            if (e >= 0) {
-                prank[p] = before + __popc(same & ((1u << lane) - 1u));
-                if (__ffs(same) - 1 == lane)
-                    cnt[e] = before + __popc(same);
-            }
-            __syncwarp();
-        }
-    }
-    {
-        const int t = threadIdx.x;
-        const unsigned mk = t < T ? dest_mask(a.src.ids, a.src.owner, t, k) : 0u;
-        int place[MOE_A2A_MAX_WORLD];
-        place_in_cta(mk, W, wcnt, place);
-        for (int d = 0; d < W; d++) {
-            const int p = place[d];
-            if (t < T) {
-                pos_s[t][d] = p;
-                if (blockIdx.x == 0)
-                    a.pos[(int64_t)d * m + t] = p;
-            }
-        }
-        if (t < W) {
-            int s = 0;
-            for (int w = 0; w < A2A_WARPS; w++)
-                s += wcnt[w][t];
-            total[t] = s;
-        }
+    ll_rank_pairs(a, cnt, plan_prank); /* straight into the plan: the send pass reads it */
+    ll_place_tokens(a, pos_s, wcnt, total, true);
+    __syncthreads();
+    if (!quiet) {
+        ll_publish_counts(a, cnt, seq);
+        ll_wait_counts(a, seq, &go);
     }
     __syncthreads();
-    // 2. CTA 0: this rank's counts into row `rank` of every count matrix, then the signal
-    if (blockIdx.x == 0 && !quiet) {
-        for (int i = threadIdx.x; i < W * E; i += A2A_THREADS)
-            a.dst_cnt[i / E][i % E] = cnt[i % E];
-        __threadfence_system();
-        __syncthreads();
-        if (threadIdx.x < W) {
-            ((volatile int32_t *)a.dst_ctrl[threadIdx.x])[MOE_A2A_LL_BR] = a.block_rows;
-            __threadfence_system();
-            store_release_sys(a.dst_ctrl[threadIdx.x] + MOE_A2A_LL_COUNTS, seq);
-        }
+    if (go)
+        ll_layout_own(a, cnt, off, &skip);
+    for (int e = threadIdx.x; e < E; e += A2A_THREADS)
+        plan_off[e] = off[e];
+    if (threadIdx.x < W)
+        a.plan[2 + threadIdx.x] = total[threadIdx.x];
+    if (threadIdx.x == 0) {
+        a.plan[0] = go;
+        a.plan[1] = (int32_t)skip;
     }
-    // 3. every rank's counts here (bounded wait), the same variant everywhere
-    if (threadIdx.x < W && !quiet) {
-        const int s = threadIdx.x;
-        const int32_t *c = a.ctrl + s * MOE_A2A_CTRL;
-        if (!wait_word(c + MOE_A2A_LL_COUNTS, seq, a.timeout_ns, a.sticky, a.src.dead)) {
-            note_timeout(a.sticky, a.src.dead, seq, s);
-            go = 0;
-        } else if (((volatile const int32_t *)c)[MOE_A2A_LL_BR] != a.block_rows) {
-            /* the ranks picked different GEMM variants (different tune files, say) */
-            sticky_mark(a.sticky, s, MOE_STATUS_INVALID_ARGUMENT, MOE_A2A_STICKY_ROWS);
-            go = 0;
-        }
-    }
-    __syncthreads();
-    if (go) {
-        //    ... then each expert's rows from every rank, and this rank's first row there
-        for (int e = threadIdx.x; e < E; e += A2A_THREADS) {
-            int tot = 0, before = 0;
-            for (int s = 0; s < W; s++) {
-                const int v = ((volatile const int32_t *)a.cnt)[(int64_t)s * E + e];
-                tot += v;
-                before += s < a.src.rank ? v : 0;
-            }
-            cnt[e] = tot;
-            off[e] = before;
-        }
-        __syncthreads();
-        if (warp < W) { // warp d: rank d's experts, padded, in order
-            const int64_t rows =
-                warp_padded_scan(cnt, a.first[warp], a.first[warp + 1], a.block_rows, off);
-            if (lane == 0 && rows > a.rows_cap) {
-                atomicOr(&skip, 1u << warp);
-                sticky_mark(a.sticky, warp, MOE_STATUS_INVALID_ARGUMENT, MOE_A2A_STICKY_ROWS);
-            }
-        }
-        __syncthreads();
-        // 4. the rows (one warp a pair, over the grid), then per (token, destination) the
-        //    row of each slot, the weights and the token index
-        const int gw = (int)blockIdx.x * A2A_WARPS + warp, nw = (int)gridDim.x * A2A_WARPS;
-        for (int p = gw; p < pairs; p += nw) {
-            const int e = a.src.ids[p];
-            if (e < 0)
-                continue;
-            const int d = a.src.owner[e];
-            if (skip >> d & 1)
-                continue;
-            copy_row(x, p / k, H,
-                     static_cast<__nv_bfloat16 *>(a.dst_a[d]) + (int64_t)(off[e] + prank[p]) * H);
-        }
-        const int gt = (int)blockIdx.x * A2A_THREADS + threadIdx.x,
-                  nt = (int)gridDim.x * A2A_THREADS;
-        for (int u = gt; u < T * W; u += nt) {
-            const int t = u / W, d = u % W, i = pos_s[t][d];
-            if (i < 0 || (skip >> d & 1))
-                continue;
-            for (int j = 0; j < k; j++) {
-                const int e = a.src.ids[t * k + j];
-                a.dst_slot[d][i * k + j] =
-                    e >= 0 && a.src.owner[e] == d ? off[e] + prank[t * k + j] : -1;
-                a.dst_w[d][i * k + j] = a.src.weights[t * k + j];
-            }
-            a.dst_tok[d][i] = t;
-        }
-    }
-    // 5. the last CTA: {count, status}, then SENT (a rank that skipped a destination still
-    //    signals it: its verdict already fails the step)
-    if (!last_cta(a.done))
+}
+
+// Two kernels, pass 2 (the grid): the rows from the plan, then the signal.
+template <typename TX>
+__global__ void __launch_bounds__(A2A_THREADS) a2a_ll_send_kernel(moe_a2a_ll_args_t a)
+{
+    __shared__ int off[LL_E];
+    __shared__ int prank[LL_P];
+    __shared__ int total[MOE_A2A_MAX_WORLD];
+    const int W = a.src.world, E = a.num_experts, pairs = (int)a.src.num_tokens * a.src.top_k;
+    const int32_t *plan_off = a.plan + 2 + MOE_A2A_MAX_WORLD, *plan_prank = plan_off + E;
+    const bool quiet = rank_silenced(a.src.dead, a.src.seq);
+    const int64_t m = a.src.region_rows;
+
+    if (skipped(a.src.skip)) /* pass 1 wrote the counts */
         return;
-    if (threadIdx.x < W) {
-        const int d = threadIdx.x;
-        const int n = (skip >> d & 1) ? 0 : total[d];
-        a.counts[d] = n;
-        if (!quiet) {
-            put_header(a.dst_ctrl[d], n, a.src);
-            __threadfence_system();
-            store_release_sys(a.dst_ctrl[d] + MOE_A2A_SENT, seq);
-        }
-    }
+    for (int e = threadIdx.x; e < E; e += A2A_THREADS)
+        off[e] = plan_off[e];
+    for (int p = threadIdx.x; p < pairs; p += A2A_THREADS)
+        prank[p] = plan_prank[p];
+    if (threadIdx.x < W)
+        total[threadIdx.x] = a.plan[2 + threadIdx.x];
+    __syncthreads();
+    const unsigned skip = (unsigned)a.plan[1];
+    if (a.plan[0])
+        ll_store_rows<TX>(a, off, prank, skip,
+                          [&](int t, int d) { return a.pos[(int64_t)d * m + t]; });
+    ll_signal(a, total, skip, quiet, *a.src.seq);
 }
 
 // The destination's GEMM layout from its count matrix (one CTA).
@@ -851,7 +973,14 @@ extern "C" moe_status_t moe_a2a_ll_dispatch_launch(const moe_a2a_ll_args_t *args
         G = MOE_A2A_MAX_CTAS;
     if (G < 1)
         G = 1;
-    if (a->src.x_dtype == MOE_DTYPE_BF16)
+    if (a->plan) {
+        a2a_ll_plan_kernel<<<1, A2A_THREADS, 0, s>>>(*a);
+        MOE_CUDA_CHECK_LAUNCH("a2a low-latency plan");
+        if (a->src.x_dtype == MOE_DTYPE_BF16)
+            a2a_ll_send_kernel<__nv_bfloat16><<<G, A2A_THREADS, 0, s>>>(*a);
+        else
+            a2a_ll_send_kernel<float><<<G, A2A_THREADS, 0, s>>>(*a);
+    } else if (a->src.x_dtype == MOE_DTYPE_BF16)
         a2a_ll_dispatch_kernel<__nv_bfloat16><<<G, A2A_THREADS, 0, s>>>(*a);
     else
         a2a_ll_dispatch_kernel<float><<<G, A2A_THREADS, 0, s>>>(*a);
@@ -875,6 +1004,9 @@ extern "C" moe_status_t moe_a2a_prepare(void)
     MOE_CUDA_PREPARE(a2a_ll_dispatch_kernel<__nv_bfloat16>);
     MOE_CUDA_PREPARE(a2a_ll_dispatch_kernel<float>);
     MOE_CUDA_PREPARE(a2a_ll_layout_kernel);
+    MOE_CUDA_PREPARE(a2a_ll_plan_kernel);
+    MOE_CUDA_PREPARE(a2a_ll_send_kernel<__nv_bfloat16>);
+    MOE_CUDA_PREPARE(a2a_ll_send_kernel<float>);
     MOE_CUDA_PREPARE(a2a_count_kernel);
     MOE_CUDA_PREPARE(a2a_send_kernel<__nv_bfloat16>);
     MOE_CUDA_PREPARE(a2a_send_kernel<float>);
