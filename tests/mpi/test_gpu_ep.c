@@ -501,6 +501,96 @@ static void test_microbatch(void **state)
     unsetenv("MOE_EP_FINISH_WAIT");
 }
 
+/* A step captured in a CUDA graph and replayed twice gives the direct step's output bitwise
+ * (lsa): one round, rounds told and not (the rounds past every rank's tokens skipped on the
+ * device), and micro-batch lanes. The sequence numbers advance on the device at each replay. */
+static void test_graph_capture(void **state)
+{
+    static const struct {
+        int64_t rounds_of;
+        int told, lanes;
+        const char *what;
+    } cases[] = {
+        {320, 0, 0, "one round, not told"},
+        {0, 0, 0, "default rounds (256), not told"},
+        {64, 1, 0, "rounds of 64, told"},
+        {64, 0, 0, "rounds of 64, not told"},
+        {64, 1, 1, "micro-batch lanes of 32, told"},
+    };
+    const uint64_t seed = tu_seed("gpu_graph");
+    moe_layer_config_t c = shape(1);
+    const int64_t n = 100 + 50 * rank, H = c.hidden;
+    const size_t bytes = sizeof(float) * (size_t)(n * H);
+    float *x = malloc(bytes), *y0 = malloc(bytes), *y1 = malloc(bytes);
+    void *dx = NULL, *dy = NULL;
+    cudaStream_t st = NULL;
+    int64_t m = n;
+    size_t i;
+    int rep;
+    (void)state;
+    assert_true(x && y0 && y1);
+    if (world < 2) {
+        free(x);
+        free(y0);
+        free(y1);
+        return;
+    }
+    MPI_Allreduce(MPI_IN_PLACE, &m, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+    moe_gen_tokens(seed, 150 * rank, n, H, x);
+    assert_int_equal(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+    assert_int_equal(cudaMalloc(&dx, bytes), cudaSuccess);
+    assert_int_equal(cudaMalloc(&dy, bytes), cudaSuccess);
+    assert_int_equal(cudaMemcpy(dx, x, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    setenv("MOE_EP_TRANSPORT", "lsa", 1);
+    for (i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        moe_layer_t *l = NULL;
+        moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
+        cudaGraph_t g = NULL;
+        cudaGraphExec_t ge = NULL;
+        if (cases[i].lanes)
+            setenv("MOE_EP_MICROBATCH", "1", 1);
+        else
+            unsetenv("MOE_EP_MICROBATCH");
+        c.ep_round_tokens = cases[i].rounds_of;
+        TU_OK(moe_layer_create(gt_rts.gpu, &c, &l));
+        TU_OK(moe_gen_set_weights(l, &c, seed));
+        a.num_tokens = n;
+        a.x = dx;
+        a.y = dy;
+        a.stream = st;
+        a.max_tokens_across_ranks = cases[i].told ? m : 0;
+        assert_int_equal(cudaMemsetAsync(dy, 0xff, bytes, st), cudaSuccess);
+        TU_OK(moe_layer_forward(l, &a));
+        TU_OK(moe_layer_synchronize(l, st));
+        assert_int_equal(cudaMemcpy(y0, dy, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+        assert_int_equal(tu_count_nan(y0, n * H), 0);
+        assert_int_equal(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+        TU_OK(moe_layer_forward(l, &a));
+        assert_int_equal(cudaStreamEndCapture(st, &g), cudaSuccess);
+        assert_int_equal(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
+        for (rep = 0; rep < 2; rep++) {
+            assert_int_equal(cudaMemsetAsync(dy, 0xff, bytes, st), cudaSuccess);
+            assert_int_equal(cudaGraphLaunch(ge, st), cudaSuccess);
+            TU_OK(moe_layer_synchronize(l, st));
+            assert_int_equal(cudaMemcpy(y1, dy, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+            print_message("rank %d: graph replay %d, %s: %s\n", rank, rep, cases[i].what,
+                          memcmp(y0, y1, bytes) ? "differs" : "bitwise equal");
+            assert_memory_equal(y0, y1, bytes);
+        }
+        assert_int_equal(cudaGraphExecDestroy(ge), cudaSuccess);
+        assert_int_equal(cudaGraphDestroy(g), cudaSuccess);
+        TU_OK(moe_layer_destroy(l));
+    }
+    unsetenv("MOE_EP_MICROBATCH");
+    end_transports();
+    cudaStreamDestroy(st);
+    cudaFree(dx);
+    cudaFree(dy);
+    free(x);
+    free(y0);
+    free(y1);
+}
+
 /* Ranks that pass different max_tokens_across_ranks lay their regions out differently: the step
  * fails on every rank with a status (never a silent result from misread rows), and the next step
  * with an agreed value is right again. lsa and its low-latency layout. */
@@ -658,6 +748,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_rounds_workspace),
     cmocka_unit_test(test_shared_overlap),
     cmocka_unit_test(test_microbatch),
+    cmocka_unit_test(test_graph_capture),
 };
 
 GT_MPI_MAIN(tests, gt_group_setup, gt_group_teardown, rank, world)
