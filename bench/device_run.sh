@@ -57,14 +57,18 @@ tests | quick)
     ;;
 ep)
     [ "$ngpu" -ge 2 ] || { echo "ep: needs 2+ GPUs (this machine has $ngpu)"; exit 1; }
-    # a stopped peer under each transport (ctest's run covers the default, lsa)
-    for t in allgather p2p; do
+    # a stopped peer under each transport (ctest's run covers the default, lsa); p2p-hdr: p2p
+    # with the sizes in-band (MOE_EP_P2P_HEADER=1)
+    for t in allgather p2p p2p-hdr; do
         echo "== test_gpu_faults, transport $t"
-        MOE_EP_TRANSPORT=$t timeout 60 mpirun -np "$ngpu" -x MOE_EP_TRANSPORT \
-            build-gpu/tests/mpi/test_gpu_faults 2>&1 | quiet | tail -4
+        hdr=$([ $t = p2p-hdr ] && echo 1 || echo 0)
+        MOE_EP_TRANSPORT=${t%-hdr} MOE_EP_P2P_HEADER=$hdr timeout 60 mpirun -np "$ngpu" \
+            -x MOE_EP_TRANSPORT -x MOE_EP_P2P_HEADER build-gpu/tests/mpi/test_gpu_faults 2>&1 |
+            quiet | tail -4
     done
-    # lsa-ll: lsa's low-latency layout (MOE_EP_LL=1), at the points of up to 128 tokens per rank
-    for t in allgather lsa p2p lsa-ll; do
+    # lsa-ll: lsa's low-latency layout (MOE_EP_LL=1), at the points of up to 128 tokens per rank;
+    # p2p-hdr: p2p's sizes in-band (whole told regions, no host read) against p2p's host read
+    for t in allgather lsa p2p p2p-hdr lsa-ll; do
         echo "== dispatch, capacity 8192, told, transport $t"
         timeout 120 mpirun -np "$ngpu" $B/moe-bench --dispatch-only --capacity 8192 --told \
             --transport $t 2>&1 | quiet | tee -a "$OUT/dispatch.log" | tail -12

@@ -113,8 +113,10 @@ static double nccl_a2a_us(ncclComm_t comm, int world, size_t bytes, void *sbuf, 
  * layers' ep_round_tokens, at most each point's capacity; 0: the library's default), checked
  * and agreed among the ranks before the first collective; nonzero (after one message) on a
  * bad or mismatched one. */
-static const char *const transport_names[] = {"allgather", "lsa", "p2p", "lsa-ll"};
-enum { NT = 4, LSA_LL = 3 }; /* lsa-ll: lsa with MOE_EP_LL=1, at up to 128 rows per rank */
+static const char *const transport_names[] = {"allgather", "lsa", "p2p", "lsa-ll", "p2p-hdr"};
+/* lsa-ll: lsa with MOE_EP_LL=1, at up to 128 rows per rank; p2p-hdr: p2p with
+ * MOE_EP_P2P_HEADER=1 (whole regions, sizes in-band, no host read) */
+enum { NT = 5, LSA_LL = 3, P2P_HDR = 4 };
 
 static int agree_options(int argc, char **argv, int64_t largest, int64_t *tmax, int64_t *cap,
                          int *told, int *transport, int64_t *round)
@@ -146,7 +148,8 @@ static int agree_options(int argc, char **argv, int64_t largest, int64_t *tmax, 
             else if (strcmp(v, "all"))
                 bad =
                     snprintf(err, sizeof(err),
-                             "--transport %s: expected all, allgather, lsa, p2p or lsa-ll", v) > 0;
+                             "--transport %s: expected all, allgather, lsa, p2p, lsa-ll or p2p-hdr",
+                             v) > 0;
         } else if (!strcmp(argv[i], "--max-tokens") && i + 1 < argc)
             bad = moe_cli_int("--max-tokens", argv[++i], 1, INT64_C(1) << 30, tmax, err,
                               sizeof(err)) != 0;
@@ -351,8 +354,13 @@ int moe_dispatch_bench_main(int argc, char **argv)
             if ((transport >= 0 && q != transport) || (q == LSA_LL && m > MOE_A2A_LL_MAX_TOKENS) ||
                 (shared && q != 1 && q != LSA_LL))
                 continue;
-            setenv("MOE_EP_TRANSPORT", q == LSA_LL ? "lsa" : transport_names[q], 1);
+            setenv("MOE_EP_TRANSPORT",
+                   q == LSA_LL    ? "lsa"
+                   : q == P2P_HDR ? "p2p"
+                                  : transport_names[q],
+                   1);
             setenv("MOE_EP_LL", q == LSA_LL ? "1" : "0", 1);
+            setenv("MOE_EP_P2P_HEADER", q == P2P_HDR ? "1" : "0", 1);
             p = run_point(rt, cfg, T, told, dx, dy, s, iters, rank);
             half = (size_t)(p.bytes / 2) + 16;
             if (half > maxb / 2)
@@ -370,6 +378,7 @@ int moe_dispatch_bench_main(int argc, char **argv)
     }
     unsetenv("MOE_EP_TRANSPORT");
     unsetenv("MOE_EP_LL");
+    unsetenv("MOE_EP_P2P_HEADER");
     if (rank == 0)
         printf("# target: ratio <= 1.2 from 128 tokens per rank\n");
     if (!shared)

@@ -1213,8 +1213,13 @@ static void explain_ep(const cuda_layer_t *s, char *text, size_t len)
     snprintf(text, len, "EP transport %s: %s%s%s", why,
              s->transport == MOE_EP_LSA ? "rows stored only into the ranks owning their experts "
                                           "(CUDA IPC, one host)"
+             : s->transport == MOE_EP_P2P && s->p2p_header
+                 ? "rows sent only to the ranks owning their experts (NCCL send/recv; sizes "
+                   "in-band, MOE_EP_P2P_HEADER=1: each round's whole regions move, no host "
+                   "read)"
              : s->transport == MOE_EP_P2P
-                 ? "rows sent only to the ranks owning their experts (NCCL send/recv)"
+                 ? "rows sent only to the ranks owning their experts (NCCL send/recv; sizes "
+                   "read on the host, one synchronisation a step)"
              : s->deterministic ? "all-gather of the tokens, dense exact return (deterministic)"
                                 : "all-gather of the tokens (max_tokens_across_ranks rows per rank "
                                   "when given, else the capacity), f32 reduce-scatter return",

@@ -141,7 +141,8 @@ typedef struct cuda_layer {
     int32_t *pos;               /* [W][tm]: row of token t in region d, -1 */
     int32_t *sent, *counts_all; /* [W]: rows sent to / received from each rank */
     int32_t *host_io;           /* pinned [4 W]: p2p counts, profile */
-    void *last_stream;          /* a step with no arguments (args = NULL) runs here */
+    int p2p_header;    /* MOE_EP_P2P_HEADER=1 (p2p): whole regions, counts in-band, no host read */
+    void *last_stream; /* a step with no arguments (args = NULL) runs here */
     /* Micro-batches (MOE_EP_MICROBATCH=1, lsa): two lanes of rounds of tm tokens, each with its
      * own workspace half, IPC arrays, control words and sequence number; round i of a step
      * runs on lane i % 2, lane 1 on its own stream, so one round's exchange overlaps the other

@@ -8,7 +8,8 @@
  *    and bounded waits: nothing waits on the host, so a step can be captured in a graph.
  *  - p2p (NCCL send/recv, any hosts): the same kernels into local staging arrays; the counts
  *    are read on the host (one bounded synchronisation per step, not capturable), then NCCL
- *    moves exactly the rows sent.
+ *    moves exactly the rows sent; or (MOE_EP_P2P_HEADER=1) the counts travel in-band with
+ *    each round's whole regions (no host read, capturable, bytes follow the round's rows).
  * Each step carries every rank's status, so every rank fails the same step together. */
 #include <stdlib.h>
 #include <string.h>
@@ -231,6 +232,25 @@ static moe_status_t pick_lanes(moe_layer_t *l, cuda_layer_t *s)
     return MOE_STATUS_SUCCESS;
 }
 
+/* MOE_EP_P2P_HEADER=0|1 (default 0; every rank alike): how p2p makes each step's sizes known.
+ * 0: the counts are read on the host (one bounded synchronisation a step, then exactly the rows
+ * sent move). 1: every round sends each rank its whole region of m rows (m = the round's rows
+ * per rank: max_tokens_across_ranks where told, else the round size) with the {count, status}
+ * words in the same NCCL group; the receiver uses the first `count` rows. Nothing waits on the
+ * host, so the step can be captured in a CUDA graph, and the bytes follow m, not the rows. */
+static moe_status_t pick_p2p_header(moe_layer_t *l, cuda_layer_t *s)
+{
+    int want = 0;
+    MOE_CHECK(agreed_switch(l, "MOE_EP_P2P_HEADER", &want));
+    if (want && s->transport != MOE_EP_P2P)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                         "MOE_EP_P2P_HEADER=1 (p2p sizes in-band) needs the p2p transport (this "
+                         "layer: %s)",
+                         moe_cuda_ep_transport_name(s->transport));
+    s->p2p_header = want;
+    return MOE_STATUS_SUCCESS;
+}
+
 /* Rows of the low-latency GEMM-1 input: the most any step of up to ll_rows rows per rank needs
  * at any rank, sum_e roundup(c_e, br) <= W m k + br min(E_d, W m k), over the variants those
  * steps pick (the same walk on every rank: the same shape and tables). */
@@ -427,6 +447,7 @@ moe_status_t moe_cuda_ep_choose(moe_layer_t *l, cuda_layer_t *s)
     MOE_CHECK(pick_transport(l, s));
     MOE_CHECK(pick_ll(l, s));
     MOE_CHECK(pick_lanes(l, s));
+    MOE_CHECK(pick_p2p_header(l, s));
     return moe_gpu_sm_count(s->device, &s->num_sms);
 }
 
@@ -748,9 +769,11 @@ static moe_status_t copy_topk(const cuda_layer_t *s, const moe_forward_args_t *a
 
 /* ---- all-to-all step (lsa, p2p) ---------------------------------------------------------- */
 
-/* p2p, dispatch side: the {count, status} words by NCCL, the counts read on the host (one
- * bounded wait), then exactly the rows each rank sends. host_io: [0, W) rows sent to each
- * rank, [W, W + W * CTRL) the words received (rows from each rank at COUNT). */
+/* p2p, dispatch side. Host-read sizes: the {count, status} words by NCCL, the counts read on
+ * the host (one bounded wait), then exactly the rows each rank sends. In-band sizes
+ * (p2p_header): the words and every region's m rows in one group, nothing read on the host.
+ * host_io: [0, W) rows sent to each rank, [W, W + W * CTRL) the words received (rows from each
+ * rank at COUNT). */
 static moe_status_t p2p_rows(cuda_layer_t *s, void *stream)
 {
     const int W = s->world, k = s->k;
@@ -759,19 +782,22 @@ static moe_status_t p2p_rows(cuda_layer_t *s, void *stream)
     moe_status_t st = MOE_STATUS_SUCCESS, end;
     int r;
 
-    MOE_CHECK(moe_nccl_group_start());
-    for (r = 0; r < W && st == MOE_STATUS_SUCCESS; r++) {
-        st = moe_nccl_send(s->nccl, s->sctrl + r * MOE_A2A_CTRL, 4 * MOE_A2A_CTRL, r, stream);
-        if (st == MOE_STATUS_SUCCESS)
-            st = moe_nccl_recv(s->nccl, s->rctrl + r * MOE_A2A_CTRL, 4 * MOE_A2A_CTRL, r, stream);
+    if (!s->p2p_header) {
+        MOE_CHECK(moe_nccl_group_start());
+        for (r = 0; r < W && st == MOE_STATUS_SUCCESS; r++) {
+            st = moe_nccl_send(s->nccl, s->sctrl + r * MOE_A2A_CTRL, 4 * MOE_A2A_CTRL, r, stream);
+            if (st == MOE_STATUS_SUCCESS)
+                st = moe_nccl_recv(s->nccl, s->rctrl + r * MOE_A2A_CTRL, 4 * MOE_A2A_CTRL, r,
+                                   stream);
+        }
+        end = moe_nccl_group_end(s->nccl);
+        MOE_CHECK(st);
+        MOE_CHECK(end);
+        MOE_CHECK(moe_gpu_memcpy_d2h_async(sent, s->sent, sizeof(int32_t) * (size_t)W, stream));
+        MOE_CHECK(moe_gpu_memcpy_d2h_async(got, s->rctrl,
+                                           sizeof(int32_t) * (size_t)W * MOE_A2A_CTRL, stream));
+        MOE_CHECK(moe_nccl_wait(s->nccl, stream));
     }
-    end = moe_nccl_group_end(s->nccl);
-    MOE_CHECK(st);
-    MOE_CHECK(end);
-    MOE_CHECK(moe_gpu_memcpy_d2h_async(sent, s->sent, sizeof(int32_t) * (size_t)W, stream));
-    MOE_CHECK(moe_gpu_memcpy_d2h_async(got, s->rctrl, sizeof(int32_t) * (size_t)W * MOE_A2A_CTRL,
-                                       stream));
-    MOE_CHECK(moe_nccl_wait(s->nccl, stream));
     /* a row's four parts, each array m rows per rank: the bf16 row, its ids, its weights and its
      * token index; sent (then received) in this order */
     const struct {
@@ -785,8 +811,17 @@ static moe_status_t p2p_rows(cuda_layer_t *s, void *stream)
     int p;
     MOE_CHECK(moe_nccl_group_start());
     for (r = 0; r < W && st == MOE_STATUS_SUCCESS; r++) {
-        const int64_t n = sent[r], g = got[r * MOE_A2A_CTRL + MOE_A2A_COUNT];
+        /* in-band: m rows both ways, the same size on both sides (every rank's m is the same,
+         * or the step fails: moe.h), of which the receiver reads its words' count */
+        const int64_t n = s->p2p_header ? m : sent[r];
+        const int64_t g = s->p2p_header ? m : got[r * MOE_A2A_CTRL + MOE_A2A_COUNT];
         const size_t at = (size_t)(r * m); /* rank r's region: its first row */
+        if (s->p2p_header) {
+            st = moe_nccl_send(s->nccl, s->sctrl + r * MOE_A2A_CTRL, 4 * MOE_A2A_CTRL, r, stream);
+            if (st == MOE_STATUS_SUCCESS)
+                st = moe_nccl_recv(s->nccl, s->rctrl + r * MOE_A2A_CTRL, 4 * MOE_A2A_CTRL, r,
+                                   stream);
+        }
         for (p = 0; p < 4 && n > 0 && st == MOE_STATUS_SUCCESS; p++)
             st = moe_nccl_send(s->nccl, part[p].send + at * part[p].row_bytes,
                                (size_t)n * part[p].row_bytes, r, stream);
@@ -799,7 +834,8 @@ static moe_status_t p2p_rows(cuda_layer_t *s, void *stream)
     return end;
 }
 
-/* p2p, combine side: each rank's f32 partials back (counts known from p2p_rows). */
+/* p2p, combine side: each rank's f32 partials back (counts known from p2p_rows; in-band sizes:
+ * whole regions, of which the source sums the rows it sent). */
 static moe_status_t p2p_results(cuda_layer_t *s, void *stream)
 {
     const int W = s->world;
@@ -809,7 +845,8 @@ static moe_status_t p2p_results(cuda_layer_t *s, void *stream)
     int r;
     MOE_CHECK(moe_nccl_group_start());
     for (r = 0; r < W && st == MOE_STATUS_SUCCESS; r++) {
-        const int64_t n = got[r * MOE_A2A_CTRL + MOE_A2A_COUNT], back = sent[r];
+        const int64_t n = s->p2p_header ? m : got[r * MOE_A2A_CTRL + MOE_A2A_COUNT];
+        const int64_t back = s->p2p_header ? m : sent[r];
         if (n > 0)
             st = moe_nccl_send(s->nccl, s->sret + r * m * H, 4 * (size_t)(n * H), r, stream);
         if (back > 0 && st == MOE_STATUS_SUCCESS)
@@ -1232,10 +1269,13 @@ static moe_status_t profile_bytes(moe_layer_t *l, cuda_layer_t *s, int64_t T, in
         for (i = 0; ids && i < T * k; i++)
             if (ids[i] >= 0 && l->plan.expert_owner[ids[i]] != me)
                 b += 2 * H;
-        for (r = 0; r < W; r++)
+        for (r = 0; r < W; r++) {
+            /* in-band p2p sizes: whole regions both ways, whatever the counts */
+            const int64_t out = s->p2p_header ? m : sent[r], in = s->p2p_header ? m : got[r];
             if (r != me)
-                b += sent[r] * (8 * k + 4) + (ids ? 4 * (int64_t)s->E_total : sent[r] * 2 * H) +
-                     (s->deterministic ? 0 : got[r] * 4 * H);
+                b += out * (8 * k + 4) + (ids ? 4 * (int64_t)s->E_total : out * 2 * H) +
+                     (s->deterministic ? 0 : in * 4 * H);
+        }
     done:
         free(ids);
         MOE_CHECK(st);
@@ -1410,13 +1450,14 @@ moe_status_t moe_cuda_ep_forward(moe_layer_t *l, const moe_forward_args_t *a, mo
                            : s->cap;
     rounds = moe_ep_rounds(s->step_rows, s->tm);
 
-    if (s->transport == MOE_EP_P2P) { /* every rank: a failed one would wait on the host too */
+    if (s->transport == MOE_EP_P2P && !s->p2p_header) { /* every rank: a failed one too */
         int capturing = 0;
         MOE_CHECK(moe_gpu_stream_is_capturing(stream, &capturing));
         if (capturing) /* before the first collective: the peers time out, bounded */
             return moe_error(MOE_STATUS_NOT_SUPPORTED,
                              "MOE_EP_TRANSPORT=p2p reads each step's counts on the host: it "
-                             "cannot be captured in a CUDA graph (lsa and allgather can)");
+                             "cannot be captured in a CUDA graph (lsa, allgather and p2p with "
+                             "MOE_EP_P2P_HEADER=1 can)");
     }
     if (s->nccl)
         MOE_CHECK(moe_nccl_check(s->nccl));

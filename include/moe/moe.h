@@ -306,8 +306,9 @@ typedef struct moe_forward_args {
      * first round and skip the rest. With p2p it holds only when the values make the same
      * number of rounds; otherwise the ranks' rounds go out of step and a rank's last round
      * waits for a partner that never comes (TIMEOUT at synchronize, bounded by the runtime's
-     * timeout). With allgather it is undefined behaviour of the collectives (bounded by the
-     * runtime's timeout). */
+     * timeout); with p2p and MOE_EP_P2P_HEADER=1 (each round's regions move whole, sized by
+     * this value) and with allgather it is undefined behaviour of the collectives (bounded by
+     * the runtime's timeout). */
     int64_t max_tokens_across_ranks;
 } moe_forward_args_t;
 

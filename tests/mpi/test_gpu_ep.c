@@ -182,9 +182,11 @@ static void test_deterministic_shared_across_ep(void **state)
 }
 
 /* "lsa-ll": lsa with the low-latency layout (MOE_EP_LL=1), which takes steps of at most 128
- * rows per rank: those entries pass max_tokens_across_ranks (the largest batch of any rank). */
-static const char *const transports[] = {"allgather", "lsa", "p2p", "lsa-ll"};
-enum { LSA_LL = 3 };
+ * rows per rank: those entries pass max_tokens_across_ranks (the largest batch of any rank).
+ * "p2p-hdr": p2p with the sizes in-band (MOE_EP_P2P_HEADER=1: whole regions, no host read),
+ * told as well, as a serving engine would run it (untold, a region is the round size). */
+static const char *const transports[] = {"allgather", "lsa", "p2p", "lsa-ll", "p2p-hdr"};
+enum { LSA_LL = 3, P2P_HDR = 4 };
 
 static int microbatch; /* MOE_EP_MICROBATCH=1 is set: lsa alone takes it */
 
@@ -202,9 +204,10 @@ static int use_transport(int i, int64_t n)
 {
     int64_t m = n;
     MPI_Allreduce(MPI_IN_PLACE, &m, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
-    setenv("MOE_EP_TRANSPORT", i == LSA_LL ? "lsa" : transports[i], 1);
+    setenv("MOE_EP_TRANSPORT", i == LSA_LL ? "lsa" : i == P2P_HDR ? "p2p" : transports[i], 1);
     setenv("MOE_EP_LL", i == LSA_LL ? "1" : "0", 1);
-    told_m = i == LSA_LL ? m : 0;
+    setenv("MOE_EP_P2P_HEADER", i == P2P_HDR ? "1" : "0", 1);
+    told_m = i == LSA_LL || i == P2P_HDR ? m : 0;
     /* rounds of at most 128 tokens take the layout in every round */
     return i != LSA_LL || m <= MOE_A2A_LL_MAX_TOKENS ||
            (round_tokens > 0 && round_tokens <= MOE_A2A_LL_MAX_TOKENS);
@@ -214,6 +217,7 @@ static void end_transports(void)
 {
     unsetenv("MOE_EP_TRANSPORT");
     unsetenv("MOE_EP_LL");
+    unsetenv("MOE_EP_P2P_HEADER");
     told_m = 0;
 }
 
@@ -503,19 +507,24 @@ static void test_microbatch(void **state)
 
 /* A step captured in a CUDA graph and replayed twice gives the direct step's output bitwise
  * (lsa): one round, rounds told and not (the rounds past every rank's tokens skipped on the
- * device), and micro-batch lanes. The sequence numbers advance on the device at each replay. */
+ * device), and micro-batch lanes. The sequence numbers advance on the device at each replay.
+ * With NCCL (not on a shared GPU): p2p with the sizes in-band (MOE_EP_P2P_HEADER=1) likewise,
+ * and p2p with host-read sizes refuses the capture on every rank. */
 static void test_graph_capture(void **state)
 {
     static const struct {
         int64_t rounds_of;
-        int told, lanes;
+        int told, lanes, p2p; /* p2p: 1 in-band sizes, 2 host-read sizes (refused) */
         const char *what;
     } cases[] = {
-        {320, 0, 0, "one round, not told"},
-        {0, 0, 0, "default rounds (256), not told"},
-        {64, 1, 0, "rounds of 64, told"},
-        {64, 0, 0, "rounds of 64, not told"},
-        {64, 1, 1, "micro-batch lanes of 32, told"},
+        {320, 0, 0, 0, "one round, not told"},
+        {0, 0, 0, 0, "default rounds (256), not told"},
+        {64, 1, 0, 0, "rounds of 64, told"},
+        {64, 0, 0, 0, "rounds of 64, not told"},
+        {64, 1, 1, 0, "micro-batch lanes of 32, told"},
+        {64, 1, 0, 1, "p2p, sizes in-band, rounds of 64, told"},
+        {0, 0, 0, 1, "p2p, sizes in-band, default rounds, not told"},
+        {0, 1, 0, 2, "p2p, sizes read on the host"},
     };
     const uint64_t seed = tu_seed("gpu_graph");
     moe_layer_config_t c = shape(1);
@@ -541,12 +550,15 @@ static void test_graph_capture(void **state)
     assert_int_equal(cudaMalloc(&dx, bytes), cudaSuccess);
     assert_int_equal(cudaMalloc(&dy, bytes), cudaSuccess);
     assert_int_equal(cudaMemcpy(dx, x, bytes, cudaMemcpyHostToDevice), cudaSuccess);
-    setenv("MOE_EP_TRANSPORT", "lsa", 1);
     for (i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         moe_layer_t *l = NULL;
         moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
         cudaGraph_t g = NULL;
         cudaGraphExec_t ge = NULL;
+        if (cases[i].p2p && gt_shared_gpu()) /* NCCL refuses two ranks on one GPU */
+            continue;
+        setenv("MOE_EP_TRANSPORT", cases[i].p2p ? "p2p" : "lsa", 1);
+        setenv("MOE_EP_P2P_HEADER", cases[i].p2p == 1 ? "1" : "0", 1);
         if (cases[i].lanes)
             setenv("MOE_EP_MICROBATCH", "1", 1);
         else
@@ -565,6 +577,14 @@ static void test_graph_capture(void **state)
         assert_int_equal(cudaMemcpy(y0, dy, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
         assert_int_equal(tu_count_nan(y0, n * H), 0);
         assert_int_equal(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+        if (cases[i].p2p == 2) { /* refused before any collective, on every rank */
+            assert_int_equal(moe_layer_forward(l, &a), MOE_STATUS_NOT_SUPPORTED);
+            assert_non_null(strstr(moe_last_error(), "MOE_EP_P2P_HEADER=1"));
+            assert_int_equal(cudaStreamEndCapture(st, &g), cudaSuccess);
+            assert_int_equal(cudaGraphDestroy(g), cudaSuccess);
+            TU_OK(moe_layer_destroy(l));
+            continue;
+        }
         TU_OK(moe_layer_forward(l, &a));
         assert_int_equal(cudaStreamEndCapture(st, &g), cudaSuccess);
         assert_int_equal(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
@@ -717,6 +737,14 @@ static void test_transport_refused(void **state)
         l = NULL;
     }
     unsetenv("MOE_EP_LL");
+    /* in-band p2p sizes: p2p only, alike on every rank */
+    setenv("MOE_EP_P2P_HEADER", "1", 1);
+    assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_NOT_SUPPORTED);
+    assert_non_null(strstr(moe_last_error(), "MOE_EP_P2P_HEADER=1"));
+    setenv("MOE_EP_P2P_HEADER", rank == 0 ? "1" : "0", 1);
+    assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_INVALID_ARGUMENT);
+    assert_non_null(strstr(moe_last_error(), "differs"));
+    unsetenv("MOE_EP_P2P_HEADER");
     unsetenv("MOE_EP_TRANSPORT");
     c.tp_size = world;
     c.ep_size = 1;
