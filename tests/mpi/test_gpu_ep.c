@@ -457,6 +457,15 @@ static void test_shared_overlap(void **state)
     unsetenv("MOE_EP_SHARED_OVERLAP");
 }
 
+/* create refuses c on every rank with status st and an error naming `what`. */
+static void create_fails(const moe_layer_config_t *c, moe_status_t st, const char *what)
+{
+    moe_layer_t *l = NULL;
+    assert_int_equal(moe_layer_create(gt_rts.gpu, c, &l), st);
+    assert_non_null(strstr(moe_last_error(), what));
+    assert_null(l);
+}
+
 /* Two micro-batches in flight (MOE_EP_MICROBATCH=1, lsa): a step's rounds alternate between two
  * lanes of half a round each, lane 1 on its own stream. Against the CPU backend over one lane's
  * round, many rounds and rounds past every rank's tokens; deterministic mode bitwise equal to
@@ -490,12 +499,10 @@ static void test_microbatch(void **state)
     assert_non_null(strstr(text, "micro-batch lanes"));
     TU_OK(moe_layer_destroy(l));
     setenv("MOE_EP_LL", "1", 1);
-    assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_NOT_SUPPORTED);
-    assert_non_null(strstr(moe_last_error(), "MOE_EP_MICROBATCH=1"));
+    create_fails(&c, MOE_STATUS_NOT_SUPPORTED, "MOE_EP_MICROBATCH=1");
     unsetenv("MOE_EP_LL");
     setenv("MOE_EP_MICROBATCH", rank == 0 ? "1" : "0", 1);
-    assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_INVALID_ARGUMENT);
-    assert_non_null(strstr(moe_last_error(), "differs"));
+    create_fails(&c, MOE_STATUS_INVALID_ARGUMENT, "differs");
     microbatch = 0;
     unsetenv("MOE_EP_MICROBATCH");
     end_transports();
@@ -700,32 +707,26 @@ static void test_transport_refused(void **state)
     if (world < 2) /* one rank has no transport */
         return;
     setenv("MOE_EP_TRANSPORT", "nvlink", 1);
-    assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_INVALID_ARGUMENT);
-    assert_non_null(strstr(moe_last_error(), "MOE_EP_TRANSPORT=nvlink"));
+    create_fails(&c, MOE_STATUS_INVALID_ARGUMENT, "MOE_EP_TRANSPORT=nvlink");
     setenv("MOE_EP_TRANSPORT", "p2p", 1);
     c.deterministic = 1;
-    assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_NOT_SUPPORTED);
-    assert_non_null(strstr(moe_last_error(), "deterministic"));
+    create_fails(&c, MOE_STATUS_NOT_SUPPORTED, "deterministic");
     c.deterministic = 0;
     c.tp_size = world;
     c.ep_size = 1;
     setenv("MOE_EP_TRANSPORT", "lsa", 1);
-    assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_NOT_SUPPORTED);
-    assert_non_null(strstr(moe_last_error(), "tp_size"));
+    create_fails(&c, MOE_STATUS_NOT_SUPPORTED, "tp_size");
     /* the low-latency layout: lsa only, 0 or 1, alike on every rank; explain says it is on */
     c.tp_size = 1;
     c.ep_size = world;
     setenv("MOE_EP_LL", "2", 1);
-    assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_INVALID_ARGUMENT);
-    assert_non_null(strstr(moe_last_error(), "MOE_EP_LL=2"));
+    create_fails(&c, MOE_STATUS_INVALID_ARGUMENT, "MOE_EP_LL=2");
     setenv("MOE_EP_LL", rank == 0 ? "1" : "0", 1);
-    assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_INVALID_ARGUMENT);
-    assert_non_null(strstr(moe_last_error(), "differs"));
+    create_fails(&c, MOE_STATUS_INVALID_ARGUMENT, "differs");
     setenv("MOE_EP_LL", "1", 1);
     if (!gt_shared_gpu()) {
         setenv("MOE_EP_TRANSPORT", "allgather", 1);
-        assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_NOT_SUPPORTED);
-        assert_non_null(strstr(moe_last_error(), "MOE_EP_LL=1"));
+        create_fails(&c, MOE_STATUS_NOT_SUPPORTED, "MOE_EP_LL=1");
     }
     setenv("MOE_EP_TRANSPORT", "lsa", 1);
     {
@@ -739,19 +740,16 @@ static void test_transport_refused(void **state)
     unsetenv("MOE_EP_LL");
     /* in-band p2p sizes: p2p only, alike on every rank */
     setenv("MOE_EP_P2P_HEADER", "1", 1);
-    assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_NOT_SUPPORTED);
-    assert_non_null(strstr(moe_last_error(), "MOE_EP_P2P_HEADER=1"));
+    create_fails(&c, MOE_STATUS_NOT_SUPPORTED, "MOE_EP_P2P_HEADER=1");
     setenv("MOE_EP_P2P_HEADER", rank == 0 ? "1" : "0", 1);
-    assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_INVALID_ARGUMENT);
-    assert_non_null(strstr(moe_last_error(), "differs"));
+    create_fails(&c, MOE_STATUS_INVALID_ARGUMENT, "differs");
     unsetenv("MOE_EP_P2P_HEADER");
     unsetenv("MOE_EP_TRANSPORT");
     c.tp_size = world;
     c.ep_size = 1;
     /* deterministic with TP: NCCL would sum the TP partials in bf16 in no fixed order */
     c.deterministic = 1;
-    assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_NOT_SUPPORTED);
-    assert_non_null(strstr(moe_last_error(), "deterministic = 1 with tp_size"));
+    create_fails(&c, MOE_STATUS_NOT_SUPPORTED, "deterministic = 1 with tp_size");
     assert_null(l);
 }
 
