@@ -5,7 +5,10 @@
 #   tests (default)  the GPU tests (one GPU, and mpirun -np <GPUs>; with one GPU the ranks
 #                    share it: MOE_TEST_SHARED_GPU=1, lsa only)
 #   quick            the same
-#   ep               (2+ GPUs) dispatch bench at a serving capacity, weak scaling, first call
+#   ep               (2+ GPUs) a stopped peer under allgather, p2p and p2p-hdr; the dispatch
+#                    bench at a serving capacity, every transport, told and not
+#   ep-cap           (2+ GPUs) issue 10's capacity table (8 tokens per rank, capacity 8 ..
+#                    8192, each transport), weak scaling, first call
 #   ep-layer         DeepSeek-V3's whole layer at 8 and 4096 tokens per rank, all GPUs vs one
 #   bf16             moe-bench bf16 tables with phases (three presets, M = 1 .. 8192)
 #   fp8              moe-bench fp8 tables (three presets, per-tensor and block) + torch peers
@@ -66,14 +69,14 @@ ep)
             -x MOE_EP_TRANSPORT -x MOE_EP_P2P_HEADER build-gpu/tests/mpi/test_gpu_faults 2>&1 |
             quiet | tail -4
     done
-    # lsa-ll: lsa's low-latency layout (MOE_EP_LL=1), at the points of up to 128 tokens per rank;
     # p2p-hdr: p2p's sizes in-band (whole told regions, no host read) against p2p's host read
-    for t in allgather lsa p2p p2p-hdr lsa-ll; do
+    for t in allgather lsa p2p p2p-hdr; do
         echo "== dispatch, capacity 8192, told, transport $t"
         timeout 120 mpirun -np "$ngpu" $B/moe-bench --dispatch-only --capacity 8192 --told \
             --transport $t 2>&1 | quiet | tee -a "$OUT/dispatch.log" | tail -12
     done
-    # the low-latency dispatch in one kernel (every CTA waits for the counts) against two
+    # lsa-ll: lsa's low-latency layout (MOE_EP_LL=1, up to 128 tokens per rank), its dispatch
+    # in one kernel (every CTA waits for the counts) and in two (the default)
     for n in 1 2; do
         echo "== dispatch, capacity 8192, told, lsa-ll, MOE_EP_LL_KERNELS=$n"
         MOE_EP_LL_KERNELS=$n timeout 120 mpirun -np "$ngpu" -x MOE_EP_LL_KERNELS $B/moe-bench \
@@ -88,6 +91,9 @@ ep)
             --max-tokens 512 --round-tokens $R 2>&1 | quiet | tee -a "$OUT/dispatch.log" |
             grep -E "^ +[0-9]"
     done
+    ;;
+ep-cap)
+    [ "$ngpu" -ge 2 ] || { echo "ep-cap: needs 2+ GPUs (this machine has $ngpu)"; exit 1; }
     # issue 10's table: 8 tokens per rank at a growing capacity, every transport
     for t in allgather lsa p2p; do
         for c in 8 64 512 4096 8192; do
