@@ -83,6 +83,17 @@ ep)
             --dispatch-only --capacity 8192 --told --max-tokens 128 --transport lsa-ll 2>&1 |
             quiet | tee -a "$OUT/dispatch.log" | grep -E "^ +[0-9]"
     done
+    # the EP step's own kernels with programmatic dependent launch (MOE_EP_PDL=1) and without,
+    # twice each, lsa and lsa-ll at up to 128 tokens per rank
+    for p in 0 1 0 1; do
+        echo "== dispatch, capacity 8192, told, MOE_EP_PDL=$p"
+        MOE_EP_PDL=$p timeout 120 mpirun -np "$ngpu" -x MOE_EP_PDL $B/moe-bench --dispatch-only \
+            --capacity 8192 --told --max-tokens 128 --transport lsa 2>&1 | quiet |
+            tee -a "$OUT/dispatch.log" | grep -E "^ +[0-9]"
+        MOE_EP_PDL=$p timeout 120 mpirun -np "$ngpu" -x MOE_EP_PDL $B/moe-bench \
+            --dispatch-only --capacity 8192 --told --max-tokens 128 --transport lsa-ll 2>&1 |
+            quiet | tee -a "$OUT/dispatch.log" | grep -E "^ +[0-9]"
+    done
     # what the rounds cost when max_tokens_across_ranks is not told (capacity 8192: rounds of
     # 8192 / GPUs by default, against one round)
     for R in 0 8192; do

@@ -7,6 +7,7 @@
 
 #include <cuda_bf16.h>
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/vec8.cuh"
 
 namespace
@@ -139,6 +140,7 @@ __device__ __forceinline__ void chunk_of(int64_t T, int c, int G, int64_t *b, in
 // Pass 0 (grids of more than one CTA): each CTA's rows per destination into chain[c][d].
 __global__ void __launch_bounds__(A2A_THREADS) a2a_count_kernel(moe_a2a_dispatch_args_t a)
 {
+    moe_pdl_wait();
     __shared__ int cnt[MOE_A2A_MAX_WORLD];
     int64_t b, e;
     if (skipped(a.src.skip))
@@ -227,6 +229,7 @@ __device__ __forceinline__ void place_in_cta(unsigned mk, int W, int (*wcnt)[MOE
 template <typename TX>
 __global__ void __launch_bounds__(A2A_THREADS) a2a_send_kernel(moe_a2a_dispatch_args_t a)
 {
+    moe_pdl_wait();
     __shared__ int base[MOE_A2A_MAX_WORLD];
     __shared__ int wcnt[A2A_WARPS][MOE_A2A_MAX_WORLD];
     __shared__ int pos_s[A2A_THREADS][MOE_A2A_MAX_WORLD];
@@ -346,6 +349,7 @@ __device__ void wait_one(const moe_a2a_wait_args_t &a, int s, int32_t *most, int
 
 __global__ void a2a_wait_kernel(moe_a2a_wait_args_t a)
 {
+    moe_pdl_wait_only();          // spins on peers: its dependents launch at its end
     __shared__ int32_t most, bad; /* round 0 (skip_out): the ranks' largest step, any failure */
     const int s = threadIdx.x;
     if (threadIdx.x == 0) {
@@ -391,6 +395,7 @@ __device__ __forceinline__ bool region_row(const int32_t *counts, int W, int64_t
 // One warp per received row.
 __global__ void __launch_bounds__(A2A_THREADS) a2a_combine_kernel(moe_a2a_combine_args_t a)
 {
+    moe_pdl_wait();
     const int W = a.world, k = a.top_k, H = a.hidden, lane = threadIdx.x & 31;
     const int64_t m = a.region_rows;
     const __nv_bfloat16 *rows = static_cast<const __nv_bfloat16 *>(a.rows);
@@ -454,6 +459,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_combine_kernel(moe_a2a_combin
 template <typename TY>
 __global__ void __launch_bounds__(A2A_THREADS) a2a_finish_kernel(moe_a2a_finish_args_t a)
 {
+    moe_pdl_wait_only(); // spins on peers: its dependents launch at its end
     __shared__ int timed_out;
     const int W = a.world, H = a.hidden;
     if (skipped(a.skip))
@@ -707,6 +713,7 @@ __device__ __forceinline__ bool ll_skipped(const moe_a2a_ll_args_t &a)
 template <typename TX>
 __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_dispatch_kernel(moe_a2a_ll_args_t a)
 {
+    moe_pdl_wait_only();        // spins on peers: its dependents launch at its end
     __shared__ int cnt[LL_E];   // this rank's pairs per expert, then every rank's
     __shared__ int off[LL_E];   // this rank's first row of each expert at its owner
     __shared__ int prank[LL_P]; // rank of each pair within its expert (pair order)
@@ -746,6 +753,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_dispatch_kernel(moe_a2a_ll
 // rank's layout at every owner, into a.plan.
 __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_plan_kernel(moe_a2a_ll_args_t a)
 {
+    moe_pdl_wait_only(); // spins on peers: its dependents launch at its end
     __shared__ int cnt[LL_E];
     __shared__ int off[LL_E];
     __shared__ int pos_s[LL_T][MOE_A2A_MAX_WORLD];
@@ -791,6 +799,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_plan_kernel(moe_a2a_ll_arg
 template <typename TX>
 __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_send_kernel(moe_a2a_ll_args_t a)
 {
+    moe_pdl_wait();
     __shared__ int off[LL_E];
     __shared__ int prank[LL_P];
     __shared__ int total[MOE_A2A_MAX_WORLD];
@@ -818,6 +827,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_send_kernel(moe_a2a_ll_arg
 // The destination's GEMM layout from its count matrix (one CTA).
 __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_layout_kernel(moe_a2a_ll_layout_args_t a)
 {
+    moe_pdl_wait();
     __shared__ int sz[LL_E];
     __shared__ int off[LL_E];
     __shared__ int64_t rows;
@@ -899,20 +909,21 @@ extern "C" moe_status_t moe_a2a_dispatch_launch(const moe_a2a_dispatch_args_t *a
             G = 1;
     }
     if (G > 1) {
-        a2a_count_kernel<<<G, A2A_THREADS, 0, s>>>(a);
+        MOE_CUDA_CHECK(moe_ep_launch((a2a_count_kernel), dim3(G), dim3(A2A_THREADS), 0, s, a));
         MOE_CUDA_CHECK_LAUNCH("a2a count");
     }
-    if (a.src.x_dtype == MOE_DTYPE_BF16)
-        a2a_send_kernel<__nv_bfloat16><<<G, A2A_THREADS, 0, s>>>(a);
-    else
-        a2a_send_kernel<float><<<G, A2A_THREADS, 0, s>>>(a);
+    MOE_CUDA_CHECK(
+        a.src.x_dtype == MOE_DTYPE_BF16
+            ? moe_ep_launch((a2a_send_kernel<__nv_bfloat16>), dim3(G), dim3(A2A_THREADS), 0, s, a)
+            : moe_ep_launch((a2a_send_kernel<float>), dim3(G), dim3(A2A_THREADS), 0, s, a));
     MOE_CUDA_CHECK_LAUNCH("a2a send");
     return MOE_STATUS_SUCCESS;
 }
 
 extern "C" moe_status_t moe_a2a_wait_launch(const moe_a2a_wait_args_t *args, void *stream)
 {
-    a2a_wait_kernel<<<1, 32, 0, (cudaStream_t)stream>>>(*args);
+    MOE_CUDA_CHECK(
+        moe_ep_launch((a2a_wait_kernel), dim3(1), dim3(32), 0, (cudaStream_t)stream, *args));
     MOE_CUDA_CHECK_LAUNCH("a2a wait");
     return MOE_STATUS_SUCCESS;
 }
@@ -922,7 +933,8 @@ extern "C" moe_status_t moe_a2a_combine_launch(const moe_a2a_combine_args_t *arg
     const int G = args->num_sms > 0 ? 2 * args->num_sms : 64;
     if (args->hidden % 8)
         return moe_error(MOE_STATUS_INVALID_ARGUMENT, "a2a combine: hidden %d", args->hidden);
-    a2a_combine_kernel<<<G, A2A_THREADS, 0, (cudaStream_t)stream>>>(*args);
+    MOE_CUDA_CHECK(moe_ep_launch((a2a_combine_kernel), dim3(G), dim3(A2A_THREADS), 0,
+                                 (cudaStream_t)stream, *args));
     MOE_CUDA_CHECK_LAUNCH("a2a combine");
     return MOE_STATUS_SUCCESS;
 }
@@ -937,9 +949,11 @@ extern "C" moe_status_t moe_a2a_finish_launch(const moe_a2a_finish_args_t *args,
     if (args->hidden % 8)
         return moe_error(MOE_STATUS_INVALID_ARGUMENT, "a2a finish: hidden %d", args->hidden);
     if (args->y_dtype == MOE_DTYPE_F32)
-        a2a_finish_kernel<float><<<grid, A2A_THREADS, 0, s>>>(*args);
+        MOE_CUDA_CHECK(
+            moe_ep_launch((a2a_finish_kernel<float>), dim3(grid), dim3(A2A_THREADS), 0, s, *args));
     else if (args->y_dtype == MOE_DTYPE_BF16)
-        a2a_finish_kernel<__nv_bfloat16><<<grid, A2A_THREADS, 0, s>>>(*args);
+        MOE_CUDA_CHECK(moe_ep_launch((a2a_finish_kernel<__nv_bfloat16>), dim3(grid),
+                                     dim3(A2A_THREADS), 0, s, *args));
     else
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "a2a finish: y in %s",
                          moe_dtype_name(args->y_dtype));
@@ -973,17 +987,20 @@ extern "C" moe_status_t moe_a2a_ll_dispatch_launch(const moe_a2a_ll_args_t *args
         G = MOE_A2A_MAX_CTAS;
     if (G < 1)
         G = 1;
+    const bool bf16 = a->src.x_dtype == MOE_DTYPE_BF16;
     if (a->plan) {
-        a2a_ll_plan_kernel<<<1, A2A_THREADS, 0, s>>>(*a);
+        MOE_CUDA_CHECK(moe_ep_launch((a2a_ll_plan_kernel), dim3(1), dim3(A2A_THREADS), 0, s, *a));
         MOE_CUDA_CHECK_LAUNCH("a2a low-latency plan");
-        if (a->src.x_dtype == MOE_DTYPE_BF16)
-            a2a_ll_send_kernel<__nv_bfloat16><<<G, A2A_THREADS, 0, s>>>(*a);
-        else
-            a2a_ll_send_kernel<float><<<G, A2A_THREADS, 0, s>>>(*a);
-    } else if (a->src.x_dtype == MOE_DTYPE_BF16)
-        a2a_ll_dispatch_kernel<__nv_bfloat16><<<G, A2A_THREADS, 0, s>>>(*a);
-    else
-        a2a_ll_dispatch_kernel<float><<<G, A2A_THREADS, 0, s>>>(*a);
+        MOE_CUDA_CHECK(bf16 ? moe_ep_launch((a2a_ll_send_kernel<__nv_bfloat16>), dim3(G),
+                                            dim3(A2A_THREADS), 0, s, *a)
+                            : moe_ep_launch((a2a_ll_send_kernel<float>), dim3(G), dim3(A2A_THREADS),
+                                            0, s, *a));
+    } else {
+        MOE_CUDA_CHECK(bf16 ? moe_ep_launch((a2a_ll_dispatch_kernel<__nv_bfloat16>), dim3(G),
+                                            dim3(A2A_THREADS), 0, s, *a)
+                            : moe_ep_launch((a2a_ll_dispatch_kernel<float>), dim3(G),
+                                            dim3(A2A_THREADS), 0, s, *a));
+    }
     MOE_CUDA_CHECK_LAUNCH("a2a low-latency dispatch");
     return MOE_STATUS_SUCCESS;
 }
@@ -994,7 +1011,8 @@ extern "C" moe_status_t moe_a2a_ll_layout_launch(const moe_a2a_ll_layout_args_t 
         return moe_error(MOE_STATUS_INVALID_ARGUMENT,
                          "a2a low-latency layout: %d experts (<= %d), block rows %d, world %d",
                          args->experts, LL_E, args->block_rows, args->world);
-    a2a_ll_layout_kernel<<<1, A2A_THREADS, 0, (cudaStream_t)stream>>>(*args);
+    MOE_CUDA_CHECK(moe_ep_launch((a2a_ll_layout_kernel), dim3(1), dim3(A2A_THREADS), 0,
+                                 (cudaStream_t)stream, *args));
     MOE_CUDA_CHECK_LAUNCH("a2a low-latency layout");
     return MOE_STATUS_SUCCESS;
 }

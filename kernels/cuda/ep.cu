@@ -5,6 +5,7 @@
 
 #include <cuda_bf16.h>
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/pdl.cuh"
 
 namespace
 {
@@ -16,6 +17,7 @@ __global__ void local_ids_kernel(const int32_t *__restrict__ in, int32_t *__rest
                                  int32_t *sticky, const int32_t *region_counts,
                                  int64_t region_slots, int top_k)
 {
+    moe_pdl_wait();
     const int64_t i = (int64_t)blockIdx.x * EP_THREADS + threadIdx.x;
     int bad = -1;
     for (int r = 0; flags && r < world && bad < 0; r++)
@@ -35,6 +37,7 @@ __global__ void local_ids_kernel(const int32_t *__restrict__ in, int32_t *__rest
 __global__ void flag_set_kernel(int32_t *flag, int32_t value, uint32_t *seq,
                                 const int32_t *skip_rows, int64_t first)
 {
+    moe_pdl_wait();
     if (skip_rows && (int64_t)*skip_rows <= first)
         return;
     *flag = value;
@@ -50,6 +53,7 @@ template <typename T> __device__ __forceinline__ bool finite_val(T v)
 template <typename T>
 __global__ void scan_finite_kernel(const T *__restrict__ x, int64_t n, int32_t *flag, int32_t code)
 {
+    moe_pdl_wait();
     bool bad = false;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x)
@@ -64,6 +68,7 @@ __global__ void scatter_kernel(const uint4 *__restrict__ rows,
                                const int32_t *__restrict__ num_blocks, int block_rows,
                                int vec_per_row, uint4 *__restrict__ dense)
 {
+    moe_pdl_wait();
     const int r = blockIdx.x;
     if (r >= *num_blocks * block_rows)
         return;
@@ -80,10 +85,10 @@ extern "C" moe_status_t moe_ep_local_ids_launch(const moe_ep_local_ids_args_t *a
 {
     if (a->n <= 0 && !a->sticky)
         return MOE_STATUS_SUCCESS;
-    local_ids_kernel<<<(unsigned)((a->n + EP_THREADS) / EP_THREADS), EP_THREADS, 0,
-                       (cudaStream_t)stream>>>(a->in, a->out, a->n, a->first, a->count, a->flags,
-                                               a->world, a->sticky, a->region_counts,
-                                               a->region_slots, a->top_k);
+    MOE_CUDA_CHECK(moe_ep_launch(
+        (local_ids_kernel), dim3((unsigned)((a->n + EP_THREADS) / EP_THREADS)), dim3(EP_THREADS), 0,
+        (cudaStream_t)stream, a->in, a->out, a->n, a->first, a->count, a->flags, a->world,
+        a->sticky, a->region_counts, a->region_slots, a->top_k));
     MOE_CUDA_CHECK_LAUNCH("ep local ids");
     return MOE_STATUS_SUCCESS;
 }
@@ -96,9 +101,9 @@ extern "C" moe_status_t moe_ep_scatter_launch(const moe_ep_scatter_args_t *a, vo
                          a->hidden);
     if (rows <= 0)
         return MOE_STATUS_SUCCESS;
-    scatter_kernel<<<rows, 128, 0, (cudaStream_t)stream>>>((const uint4 *)a->rows, a->slot_of_row,
-                                                           a->num_blocks, a->block_rows,
-                                                           a->hidden / 8, (uint4 *)a->dense);
+    MOE_CUDA_CHECK(moe_ep_launch((scatter_kernel), dim3((unsigned)rows), dim3(128), 0,
+                                 (cudaStream_t)stream, (const uint4 *)a->rows, a->slot_of_row,
+                                 a->num_blocks, a->block_rows, a->hidden / 8, (uint4 *)a->dense));
     MOE_CUDA_CHECK_LAUNCH("ep scatter");
     return MOE_STATUS_SUCCESS;
 }
@@ -107,7 +112,8 @@ extern "C" moe_status_t moe_step_flag_set_launch(int32_t *flag, int32_t value, u
                                                  const int32_t *skip_rows, int64_t first,
                                                  void *stream)
 {
-    flag_set_kernel<<<1, 1, 0, (cudaStream_t)stream>>>(flag, value, seq, skip_rows, first);
+    MOE_CUDA_CHECK(moe_ep_launch((flag_set_kernel), dim3(1), dim3(1), 0, (cudaStream_t)stream, flag,
+                                 value, seq, skip_rows, first));
     MOE_CUDA_CHECK_LAUNCH("step flag");
     return MOE_STATUS_SUCCESS;
 }
@@ -121,10 +127,12 @@ extern "C" moe_status_t moe_scan_finite_launch(const void *x, moe_dtype_t dtype,
     if (n <= 0)
         return MOE_STATUS_SUCCESS;
     if (dtype == MOE_DTYPE_F32)
-        scan_finite_kernel<float><<<grid, EP_THREADS, 0, s>>>((const float *)x, n, flag, code);
+        MOE_CUDA_CHECK(moe_ep_launch((scan_finite_kernel<float>), dim3(grid), dim3(EP_THREADS), 0,
+                                     s, (const float *)x, n, flag, code));
     else if (dtype == MOE_DTYPE_BF16)
-        scan_finite_kernel<__nv_bfloat16>
-            <<<grid, EP_THREADS, 0, s>>>((const __nv_bfloat16 *)x, n, flag, code);
+        MOE_CUDA_CHECK(moe_ep_launch((scan_finite_kernel<__nv_bfloat16>), dim3(grid),
+                                     dim3(EP_THREADS), 0, s, (const __nv_bfloat16 *)x, n, flag,
+                                     code));
     else
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "finite scan: dtype %s", moe_dtype_name(dtype));
     MOE_CUDA_CHECK_LAUNCH("finite scan");

@@ -18,6 +18,16 @@ __device__ __forceinline__ void moe_pdl_wait()
 #endif
 }
 
+/* The same wait for a kernel that spins on other ranks' signals: it does not let its dependent
+ * launch early (that happens at its end), so no early-resident CTAs of the next kernel hold SM
+ * slots while it spins (ranks sharing a GPU need those slots to make progress). */
+__device__ __forceinline__ void moe_pdl_wait_only()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 /* MOE_PDL=0 turns programmatic dependent launch off (then launches are plainly ordered). It
  * is used on sm_90+ only. */
 static inline bool moe_pdl_enabled()
@@ -41,10 +51,26 @@ static inline bool moe_pdl_enabled()
            }) == 1;
 }
 
-/* kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute where enabled. */
+/* MOE_EP_PDL=1 (default 0): the expert-parallel step's own kernels (a2a.cu, ep.cu) launched
+ * with PDL too, where moe_pdl_enabled(). Off by default: with two ranks on one H200 under MPS it
+ * was within noise at one token per rank and 20-40 us slower a step at eight (early-resident
+ * CTAs of the next kernel hold SM slots the other rank needs; bench/RESULTS.md, twelfth
+ * session). To be measured on two GPUs. */
+static inline bool moe_ep_pdl_enabled()
+{
+    static int env = -1;
+    int e = __atomic_load_n(&env, __ATOMIC_RELAXED);
+    if (e < 0) {
+        e = moe_env_int("MOE_EP_PDL", 0) != 0;
+        __atomic_store_n(&env, e, __ATOMIC_RELAXED);
+    }
+    return e && moe_pdl_enabled();
+}
+
+/* kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute when pdl is true. */
 template <typename... P, typename... A>
-static cudaError_t moe_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
-                              cudaStream_t stream, A... args)
+static cudaError_t moe_launch_pdl(bool pdl, void (*kernel)(P...), dim3 grid, dim3 block,
+                                  size_t smem, cudaStream_t stream, A... args)
 {
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];
@@ -52,13 +78,29 @@ static cudaError_t moe_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = stream;
-    if (moe_pdl_enabled()) {
+    if (pdl) {
         attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
         attr[0].val.programmaticStreamSerializationAllowed = 1;
         cfg.attrs = attr;
         cfg.numAttrs = 1;
     }
     return cudaLaunchKernelEx(&cfg, kernel, static_cast<P>(args)...);
+}
+
+/* kernel<<<grid, block, smem, stream>>>(args...) with the PDL attribute where enabled. */
+template <typename... P, typename... A>
+static cudaError_t moe_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+                              cudaStream_t stream, A... args)
+{
+    return moe_launch_pdl(moe_pdl_enabled(), kernel, grid, block, smem, stream, args...);
+}
+
+/* The same for the expert-parallel step's kernels: PDL only with MOE_EP_PDL=1. */
+template <typename... P, typename... A>
+static cudaError_t moe_ep_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+                                 cudaStream_t stream, A... args)
+{
+    return moe_launch_pdl(moe_ep_pdl_enabled(), kernel, grid, block, smem, stream, args...);
 }
 
 #endif /* MOE_PDL_CUH */
