@@ -272,7 +272,7 @@ int moe_dispatch_bench_main(int argc, char **argv)
     moe_layer_config_t cfg = MOE_LAYER_CONFIG_INIT;
     moe_runtime_t *rt = NULL;
     int rank, world, i, q, iters = 20, max_sizes = nsizes, told, transport, shared;
-    int64_t tmax, cap, round;
+    int64_t tmax, cap, round, routed; /* routed: the point's payload as lsa or p2p sent it */
     ncclUniqueId id;
     ncclComm_t comm;
     cudaStream_t s;
@@ -324,8 +324,9 @@ int moe_dispatch_bench_main(int argc, char **argv)
                "over ranks\n"
                "# sent: payload bytes a rank sent to the others (max over ranks); nccl: two "
                "grouped ncclSend/ncclRecv all-to-alls of half that payload each, graph-replayed; "
-               "ratio = (dispatch + combine) / nccl; ws: the layer's workspace with the IPC "
-               "buffer (moe_layer_info_t, max over ranks)\n"
+               "ratio = (dispatch + combine) / nccl (p2p-hdr, which moves whole regions: nccl "
+               "of the routed payload, lsa's or p2p's sent at the point); ws: the layer's "
+               "workspace with the IPC buffer (moe_layer_info_t, max over ranks)\n"
                "# capacity (max_tokens_per_rank): %s; max_tokens_across_ranks: %s\n#\n"
                "# %9s %10s %12s %12s %10s %10s %8s %9s %9s\n",
                world, cfg.num_experts, cfg.top_k, cfg.hidden, v, iters,
@@ -345,6 +346,7 @@ int moe_dispatch_bench_main(int argc, char **argv)
         const int64_t T = sizes[i];
         cfg.max_tokens_per_rank = cap ? cap : T;
         cfg.ep_round_tokens = round < cfg.max_tokens_per_rank ? round : cfg.max_tokens_per_rank;
+        routed = -1;
         for (q = 0; q < NT; q++) {
             point_t p;
             double a2a = 0.0;
@@ -362,7 +364,10 @@ int moe_dispatch_bench_main(int argc, char **argv)
             setenv("MOE_EP_LL", q == LSA_LL ? "1" : "0", 1);
             setenv("MOE_EP_P2P_HEADER", q == P2P_HDR ? "1" : "0", 1);
             p = run_point(rt, cfg, T, told, dx, dy, s, iters, rank);
-            half = (size_t)(p.bytes / 2) + 16;
+            if (q == 1 || q == 2) /* lsa, p2p: exactly the routed rows and their partials */
+                routed = p.bytes;
+            /* p2p-hdr moves whole regions: its reference moves the routed payload */
+            half = (size_t)((q == P2P_HDR && routed >= 0 ? routed : p.bytes) / 2) + 16;
             if (half > maxb / 2)
                 half = maxb / 2;
             if (!shared)
