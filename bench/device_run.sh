@@ -13,7 +13,8 @@
 #   bf16             moe-bench bf16 tables with phases (three presets, M = 1 .. 8192)
 #   fp8              moe-bench fp8 tables (three presets, per-tensor and block) + torch peers
 #   tune             moe-tune bf16 + fp8 for the three presets or $TUNE_PRESETS, $TUNE_DTYPES
-#                    (EP = all GPUs when 2+; each run up to 150 s: split over calls), into
+#                    (EP = all GPUs when 2+; each run up to $TUNE_SECONDS, default 150 s:
+#                    split over calls; Mixtral bf16 needs more), into
 #                    $TUNE_OUT (default $OUT/tune.json; bench/tune-h200.json to refresh it,
 #                    then copy it under $OUT)
 #   first            moe-bench --first-call under mpirun -np <GPUs, at least 2>
@@ -235,7 +236,8 @@ tune)
             d=""
             [ "$dt" = fp8 ] && d="--dtype fp8 --scales tensor"
             # shellcheck disable=SC2086 # $d: two options or none
-            timeout 150 mpirun -np "$([ "$ngpu" -ge 2 ] && echo "$ngpu" || echo 1)" $B/moe-tune \
+            timeout "${TUNE_SECONDS:-150}" \
+                mpirun -np "$([ "$ngpu" -ge 2 ] && echo "$ngpu" || echo 1)" $B/moe-tune \
                 --preset "$p" $d --out "${TUNE_OUT:-$OUT/tune.json}" --iters 10 2>&1 | quiet |
                 tee -a "$OUT/tune.log" | grep -E "^# moe-tune|best" | sed -E 's/^ +//; s/  +/ /g'
         done
