@@ -769,6 +769,14 @@ static moe_status_t copy_topk(const cuda_layer_t *s, const moe_forward_args_t *a
 
 /* ---- all-to-all step (lsa, p2p) ---------------------------------------------------------- */
 
+/* p2p: this rank's {count, status} words for rank r out, and rank r's for this rank in (inside
+ * an NCCL group). */
+static moe_status_t p2p_words(cuda_layer_t *s, int r, void *stream)
+{
+    MOE_CHECK(moe_nccl_send(s->nccl, s->sctrl + r * MOE_A2A_CTRL, 4 * MOE_A2A_CTRL, r, stream));
+    return moe_nccl_recv(s->nccl, s->rctrl + r * MOE_A2A_CTRL, 4 * MOE_A2A_CTRL, r, stream);
+}
+
 /* p2p, dispatch side. Host-read sizes: the {count, status} words by NCCL, the counts read on
  * the host (one bounded wait), then exactly the rows each rank sends. In-band sizes
  * (p2p_header): the words and every region's m rows in one group, nothing read on the host.
@@ -784,12 +792,8 @@ static moe_status_t p2p_rows(cuda_layer_t *s, void *stream)
 
     if (!s->p2p_header) {
         MOE_CHECK(moe_nccl_group_start());
-        for (r = 0; r < W && st == MOE_STATUS_SUCCESS; r++) {
-            st = moe_nccl_send(s->nccl, s->sctrl + r * MOE_A2A_CTRL, 4 * MOE_A2A_CTRL, r, stream);
-            if (st == MOE_STATUS_SUCCESS)
-                st = moe_nccl_recv(s->nccl, s->rctrl + r * MOE_A2A_CTRL, 4 * MOE_A2A_CTRL, r,
-                                   stream);
-        }
+        for (r = 0; r < W && st == MOE_STATUS_SUCCESS; r++)
+            st = p2p_words(s, r, stream);
         end = moe_nccl_group_end(s->nccl);
         MOE_CHECK(st);
         MOE_CHECK(end);
@@ -816,12 +820,8 @@ static moe_status_t p2p_rows(cuda_layer_t *s, void *stream)
         const int64_t n = s->p2p_header ? m : sent[r];
         const int64_t g = s->p2p_header ? m : got[r * MOE_A2A_CTRL + MOE_A2A_COUNT];
         const size_t at = (size_t)(r * m); /* rank r's region: its first row */
-        if (s->p2p_header) {
-            st = moe_nccl_send(s->nccl, s->sctrl + r * MOE_A2A_CTRL, 4 * MOE_A2A_CTRL, r, stream);
-            if (st == MOE_STATUS_SUCCESS)
-                st = moe_nccl_recv(s->nccl, s->rctrl + r * MOE_A2A_CTRL, 4 * MOE_A2A_CTRL, r,
-                                   stream);
-        }
+        if (s->p2p_header)
+            st = p2p_words(s, r, stream);
         for (p = 0; p < 4 && n > 0 && st == MOE_STATUS_SUCCESS; p++)
             st = moe_nccl_send(s->nccl, part[p].send + at * part[p].row_bytes,
                                (size_t)n * part[p].row_bytes, r, stream);

@@ -106,6 +106,17 @@ __device__ __forceinline__ bool skipped(const moe_a2a_skip_t &k)
     return k.rows && (int64_t)*k.rows <= k.first;
 }
 
+// A skipped round of a dispatch (Args: moe_a2a_dispatch_args_t or moe_a2a_ll_args_t): the
+// counts sent read 0, nothing else (every kernel of the dispatch returns).
+template <typename Args> __device__ __forceinline__ bool dispatch_skipped(const Args &a)
+{
+    if (!skipped(a.src.skip))
+        return false;
+    if (blockIdx.x == 0 && threadIdx.x < a.src.world)
+        a.counts[threadIdx.x] = 0;
+    return true;
+}
+
 // A source's header words for one destination, before its SENT word: {count, status}, its
 // round's layout (ROWS: the host's tag, or m where it gave none) and its step's tokens.
 __device__ __forceinline__ void put_header(volatile int32_t *c, int32_t count,
@@ -242,11 +253,8 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_send_kernel(moe_a2a_dispatch_
         rank_silenced(a.src.dead, a.src.seq); /* positions, counts; nothing to peers */
     int64_t b, e;
 
-    if (skipped(a.src.skip)) {
-        if (blockIdx.x == 0 && threadIdx.x < W)
-            a.counts[threadIdx.x] = 0;
+    if (dispatch_skipped(a))
         return;
-    }
     chunk_of(a.src.num_tokens, blockIdx.x, gridDim.x, &b, &e);
     if (threadIdx.x < W) {
         int s = 0;
@@ -699,16 +707,6 @@ __device__ void ll_signal(const moe_a2a_ll_args_t &a, const int *total, unsigned
     }
 }
 
-// A skipped round: counts 0, nothing else (every kernel of the dispatch returns).
-__device__ __forceinline__ bool ll_skipped(const moe_a2a_ll_args_t &a)
-{
-    if (!skipped(a.src.skip))
-        return false;
-    if (blockIdx.x == 0 && threadIdx.x < a.src.world)
-        a.counts[threadIdx.x] = 0;
-    return true;
-}
-
 // One kernel: every CTA ranks the pairs, CTA 0 publishes the counts, every CTA waits for them.
 template <typename TX>
 __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_dispatch_kernel(moe_a2a_ll_args_t a)
@@ -725,7 +723,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_dispatch_kernel(moe_a2a_ll
     const uint32_t seq = *a.src.seq;
     const bool quiet = rank_silenced(a.src.dead, a.src.seq); /* positions, counts only */
 
-    if (ll_skipped(a))
+    if (dispatch_skipped(a))
         return;
     for (int e = threadIdx.x; e < a.num_experts; e += A2A_THREADS)
         cnt[e] = 0;
@@ -766,7 +764,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_plan_kernel(moe_a2a_ll_arg
     const uint32_t seq = *a.src.seq;
     const bool quiet = rank_silenced(a.src.dead, a.src.seq);
 
-    if (ll_skipped(a))
+    if (dispatch_skipped(a))
         return;
     for (int e = threadIdx.x; e < E; e += A2A_THREADS)
         cnt[e] = 0;

@@ -688,24 +688,12 @@ static moe_status_t encode_map(CUtensorMap *map, const void *ptr, int64_t rows, 
     return MOE_STATUS_SUCCESS;
 }
 
-/* An integer from the environment (knob ranges: runtime/env.c, all >= 0), read once into *cache
- * (starts at -1). */
-static int env_once(int *cache, const char *name, int dflt)
-{
-    int v = __atomic_load_n(cache, __ATOMIC_RELAXED);
-    if (v < 0) {
-        v = (int)moe_env_int(name, dflt);
-        __atomic_store_n(cache, v, __ATOMIC_RELAXED);
-    }
-    return v;
-}
-
 /* MOE_GEMM_PDL=0 turns programmatic dependent launch off: the kernel's prologue then no longer
  * overlaps the previous kernel on the stream. */
 static int pdl_enabled(void)
 {
     static int cached = -1;
-    return env_once(&cached, "MOE_GEMM_PDL", 1) != 0;
+    return moe_env_once(&cached, "MOE_GEMM_PDL", 1) != 0;
 }
 
 /* MOE_GEMM_TMA_STORE=0 makes the normal-layout bf16 epilogue store from registers instead of
@@ -713,7 +701,7 @@ static int pdl_enabled(void)
 static int tma_store_enabled(void)
 {
     static int cached = -1;
-    return env_once(&cached, "MOE_GEMM_TMA_STORE", 1) != 0;
+    return moe_env_once(&cached, "MOE_GEMM_TMA_STORE", 1) != 0;
 }
 
 /* MOE_GEMM_GROUP=N sweeps N row blocks at a time over the weight tiles; 0 or unset: the
@@ -721,7 +709,7 @@ static int tma_store_enabled(void)
 static int sweep_group(void)
 {
     static int cached = -1;
-    return env_once(&cached, "MOE_GEMM_GROUP", 0);
+    return moe_env_once(&cached, "MOE_GEMM_GROUP", 0);
 }
 
 /* MOE_GEMM_MAX_CTAS=N caps the sm_90 GEMMs' persistent grid at N CTAs (0 or unset: one per SM):
@@ -729,7 +717,7 @@ static int sweep_group(void)
 static int max_ctas(void)
 {
     static int cached = -1;
-    return env_once(&cached, "MOE_GEMM_MAX_CTAS", 0);
+    return moe_env_once(&cached, "MOE_GEMM_MAX_CTAS", 0);
 }
 
 template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB = 1, int F8 = 0,

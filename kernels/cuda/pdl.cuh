@@ -35,12 +35,7 @@ static inline bool moe_pdl_enabled()
     static int cached[MOE_MAX_DEVICES]; /* 1: sm_90+, 2: older */
     static int env = -1;
     int dev = 0;
-    int e = __atomic_load_n(&env, __ATOMIC_RELAXED);
-    if (e < 0) {
-        e = moe_env_int("MOE_PDL", 1) != 0;
-        __atomic_store_n(&env, e, __ATOMIC_RELAXED);
-    }
-    if (!e || cudaGetDevice(&dev) != cudaSuccess)
+    if (!moe_env_once(&env, "MOE_PDL", 1) || cudaGetDevice(&dev) != cudaSuccess)
         return false;
     return moe_device_cached(cached, dev, [](int d) {
                int major = 0;
@@ -59,12 +54,7 @@ static inline bool moe_pdl_enabled()
 static inline bool moe_ep_pdl_enabled()
 {
     static int env = -1;
-    int e = __atomic_load_n(&env, __ATOMIC_RELAXED);
-    if (e < 0) {
-        e = moe_env_int("MOE_EP_PDL", 0) != 0;
-        __atomic_store_n(&env, e, __ATOMIC_RELAXED);
-    }
-    return e && moe_pdl_enabled();
+    return moe_env_once(&env, "MOE_EP_PDL", 0) != 0 && moe_pdl_enabled();
 }
 
 /* kernel<<<grid, block, smem, stream>>>(args...), with the PDL attribute when pdl is true. */
