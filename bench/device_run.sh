@@ -3,10 +3,11 @@
 # One call on the GPU machine (device tool, carry .device): build, then the MODEs in turn (each
 # alone fits a call's 10 minutes); logs under $OUT. Usage: bash bench/device_run.sh [MODE...]
 #   tests (default)  the GPU tests (one GPU, and mpirun -np <GPUs>; with one GPU the ranks
-#                    share it: MOE_TEST_SHARED_GPU=1, lsa only)
+#                    share it: MOE_TEST_SHARED_GPU=1, NCCL between them over loopback sockets)
 #   quick            the same
-#   ep               (2+ GPUs) a stopped peer under allgather, p2p and p2p-hdr; the dispatch
-#                    bench at a serving capacity, every transport, told and not
+#   ep               a stopped peer under allgather, p2p and p2p-hdr; the dispatch bench at a
+#                    serving capacity, every transport, told and not (one GPU: the ranks share
+#                    it, NCCL over loopback sockets; smoke runs, and no lsa-ll/PDL/rounds)
 #   ep-cap           (2+ GPUs) issue 10's capacity table (8 tokens per rank, capacity 8 ..
 #                    8192, each transport), weak scaling, first call
 #   ep-layer         DeepSeek-V3's whole layer at 8 and 4096 tokens per rank, all GPUs vs one
@@ -45,6 +46,8 @@ cmake --build build-gpu -j"$(nproc)" >"$OUT/build.log" 2>&1 ||
 echo "build: $(($(date +%s) - start)) s"
 export MOE_REQUIRE_GPU=1 MOE_TIMEOUT_MS=20000
 [ "$ngpu" -ge 2 ] || export MOE_TEST_SHARED_GPU=1
+W="" # one GPU: NCCL between ranks that share it (bench/shared_gpu_rank.sh)
+[ "$ngpu" -ge 2 ] || W="bash bench/shared_gpu_rank.sh"
 B=build-gpu/launch
 presets="mixtral-8x7b qwen3-30b-a3b deepseek-v3-ep8"
 quiet() { grep -vE "dlopen|pmix|Perhaps"; }
@@ -60,22 +63,28 @@ tests | quick)
         build-gpu/tests/mpi/test_gpu_faults 2>&1 | quiet | tail -4
     ;;
 ep)
-    [ "$ngpu" -ge 2 ] || { echo "ep: needs 2+ GPUs (this machine has $ngpu)"; exit 1; }
     # a stopped peer under each transport (ctest's run covers the default, lsa); p2p-hdr: p2p
-    # with the sizes in-band (MOE_EP_P2P_HEADER=1)
+    # with the sizes in-band (MOE_EP_P2P_HEADER=1). One GPU: the two ranks share it, and NCCL
+    # joins them as two hosts over loopback sockets (bench/shared_gpu_rank.sh)
     for t in allgather p2p p2p-hdr; do
         echo "== test_gpu_faults, transport $t"
         hdr=$([ $t = p2p-hdr ] && echo 1 || echo 0)
-        MOE_EP_TRANSPORT=${t%-hdr} MOE_EP_P2P_HEADER=$hdr timeout 60 mpirun -np "$ngpu" \
-            -x MOE_EP_TRANSPORT -x MOE_EP_P2P_HEADER build-gpu/tests/mpi/test_gpu_faults 2>&1 |
-            quiet | tail -4
+        MOE_EP_TRANSPORT=${t%-hdr} MOE_EP_P2P_HEADER=$hdr timeout 90 mpirun -np "$np" \
+            -x MOE_EP_TRANSPORT -x MOE_EP_P2P_HEADER \
+            build-gpu/tests/mpi/test_gpu_faults 2>&1 | quiet | tail -4
     done
     # p2p-hdr: p2p's sizes in-band (whole told regions, no host read) against p2p's host read
+    small="" # one GPU: a short smoke run
+    [ "$ngpu" -ge 2 ] || small="--max-tokens 128"
     for t in allgather lsa p2p p2p-hdr; do
-        echo "== dispatch, capacity 8192, told, transport $t"
-        timeout 120 mpirun -np "$ngpu" $B/moe-bench --dispatch-only --capacity 8192 --told \
-            --transport $t 2>&1 | quiet | tee -a "$OUT/dispatch.log" | tail -12
+        echo "== dispatch, capacity 8192, told, transport $t$([ "$ngpu" -ge 2 ] ||
+            echo ", one shared GPU: NCCL over loopback sockets, a smoke run, not NVLink")"
+        # shellcheck disable=SC2086 # $W: a command prefix or nothing; $small: options
+        timeout 120 mpirun -np "$np" $W $B/moe-bench --dispatch-only --capacity 8192 --told \
+            --transport $t $small 2>&1 |
+            quiet | tee -a "$OUT/dispatch.log" | tail -12
     done
+    [ "$ngpu" -ge 2 ] || continue # the rest times lsa, which the mps mode covers on one GPU
     # lsa-ll: lsa's low-latency layout (MOE_EP_LL=1, up to 128 tokens per rank), its dispatch
     # in one kernel (every CTA waits for the counts) and in two (the default)
     for n in 1 2; do

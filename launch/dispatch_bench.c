@@ -173,20 +173,27 @@ static int agree_options(int argc, char **argv, int64_t largest, int64_t *tmax, 
     return moe_cli_agree("moe-bench --dispatch-only", bad, err, f, 5);
 }
 
-/* Two ranks on one GPU (the device machine's one-GPU case, MPS or time slicing): NCCL refuses
- * them, so the bench then runs the lsa transports alone. */
+/* Two ranks on one GPU (the device machine's one-GPU case, MPS or time slicing): 0 when no two
+ * ranks share one, else 1: NCCL refuses them, so the bench then runs the lsa transports alone;
+ * or 2 when every rank has its own NCCL_HOSTID (bench/shared_gpu_rank.sh), so NCCL takes them
+ * for hosts and joins them over sockets: every transport runs, at socket speed. */
 static int ranks_share_gpu(int world)
 {
-    char mine[32] = "", *all = malloc(32 * (size_t)world);
-    int dev = 0, r, q, shared = 0;
+    enum { ID = 96 };
+    char *all = calloc((size_t)world, 2 * ID), mine[2 * ID] = "";
+    const char *host = getenv("NCCL_HOSTID");
+    int dev = 0, r, q, shared = 0, hosts = 1;
     CK(cudaGetDevice(&dev));
-    CK(cudaDeviceGetPCIBusId(mine, sizeof(mine), dev));
-    MPI_Allgather(mine, 32, MPI_CHAR, all, 32, MPI_CHAR, MPI_COMM_WORLD);
+    CK(cudaDeviceGetPCIBusId(mine, ID, dev));
+    snprintf(mine + ID, ID, "%s", host ? host : "");
+    MPI_Allgather(mine, 2 * ID, MPI_CHAR, all, 2 * ID, MPI_CHAR, MPI_COMM_WORLD);
     for (r = 0; r < world; r++)
-        for (q = r + 1; q < world; q++)
-            shared |= !strcmp(all + 32 * r, all + 32 * q);
+        for (q = r + 1; q < world; q++) {
+            shared |= !strcmp(all + 2 * ID * r, all + 2 * ID * q);
+            hosts &= all[2 * ID * r + ID] && strcmp(all + 2 * ID * r + ID, all + 2 * ID * q + ID);
+        }
     free(all);
-    return shared;
+    return shared ? 1 + hosts : 0;
 }
 
 /* One point: the layer's dispatch, combine and step (median over steps, max over ranks) and
@@ -271,7 +278,7 @@ int moe_dispatch_bench_main(int argc, char **argv)
     moe_runtime_config_t rc = MOE_RUNTIME_CONFIG_INIT;
     moe_layer_config_t cfg = MOE_LAYER_CONFIG_INIT;
     moe_runtime_t *rt = NULL;
-    int rank, world, i, q, iters = 20, max_sizes = nsizes, told, transport, shared;
+    int rank, world, i, q, iters = 20, max_sizes = nsizes, told, transport, shared, shared_gpu;
     int64_t tmax, cap, round, routed; /* routed: the point's payload as lsa or p2p sent it */
     ncclUniqueId id;
     ncclComm_t comm;
@@ -301,7 +308,8 @@ int moe_dispatch_bench_main(int argc, char **argv)
     rc.backend = MOE_BACKEND_CUDA;
     MK(moe_runtime_create_mpi(&rc, MPI_COMM_WORLD, &rt));
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    shared = ranks_share_gpu(world);
+    shared_gpu = ranks_share_gpu(world);
+    shared = shared_gpu == 1; /* no NCCL */
     if (rank == 0 && !shared)
         NK(ncclGetUniqueId(&id));
     MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD);
@@ -341,6 +349,9 @@ int moe_dispatch_bench_main(int argc, char **argv)
         if (shared)
             printf("# ranks share a GPU: lsa transports only, no NCCL column (NCCL refuses "
                    "two ranks on one GPU); not the two-GPU numbers\n");
+        else if (shared_gpu)
+            printf("# ranks share a GPU, each with its own NCCL_HOSTID: NCCL joins them as "
+                   "hosts over loopback sockets; a smoke run, not NVLink's or a NIC's numbers\n");
     }
     for (i = 0; i < max_sizes; i++) {
         const int64_t T = sizes[i];

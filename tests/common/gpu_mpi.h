@@ -8,7 +8,9 @@
 #include <cuda_runtime.h>
 #include <math.h>
 #include <mpi.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "launch/layer_gen.h"
 #include "testutil.h"
@@ -18,17 +20,36 @@
 
 /* 0 to run (a GPU per rank on every rank), else the exit code every rank returns after
  * MPI_Finalize: GT_SKIP only when some rank has too few devices and none failed. */
-/* MOE_TEST_SHARED_GPU=1: the ranks may share GPUs (a one-GPU machine; NCCL refuses that, so
- * only what runs without NCCL -- the lsa transport -- can be tested that way). */
+/* MOE_TEST_SHARED_GPU=1: the ranks may share GPUs (a one-GPU machine). NCCL refuses two ranks
+ * on one GPU of one host, so each rank takes its own NCCL_HOSTID (gt_mpi_gpu_gate, before any
+ * NCCL call): NCCL then sees a host per rank and joins them with its socket transport over
+ * loopback, and the NCCL transports (allgather, p2p, TP) run too -- as the path between hosts
+ * runs, for correctness, not speed. MOE_TEST_SHARED_GPU=lsa: no NCCL, only lsa is tested. */
 static inline int gt_shared_gpu(void)
 {
     const char *v = getenv("MOE_TEST_SHARED_GPU");
-    return v && v[0] == '1';
+    return v && (v[0] == '1' || !strcmp(v, "lsa"));
+}
+
+/* whether the NCCL transports can run here (not on ranks sharing a GPU without host ids) */
+static inline int gt_nccl_runs(void)
+{
+    const char *v = getenv("MOE_TEST_SHARED_GPU");
+    return !gt_shared_gpu() || strcmp(v, "lsa") != 0;
 }
 
 static inline int gt_mpi_gpu_gate(int world)
 {
     int g = gt_gpu_gate(gt_shared_gpu() ? 1 : world);
+    if (gt_shared_gpu() && gt_nccl_runs()) {
+        char id[64];
+        int rank = 0;
+        MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+        snprintf(id, sizeof(id), "moe-test-shared-gpu-rank-%d", rank);
+        setenv("NCCL_HOSTID", id, 1);
+        setenv("NCCL_SOCKET_IFNAME", "lo", 0);
+        setenv("NCCL_IB_DISABLE", "1", 0);
+    }
     g = g == GT_SKIP ? 1 : g == 0 ? 0 : 2; /* a failure wins over a skip */
     MPI_Allreduce(MPI_IN_PLACE, &g, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
     return g == 0 ? 0 : g == 1 ? GT_SKIP : 1;

@@ -93,7 +93,7 @@ static void test_ep_deepseek_shared(void **state)
 static void test_tp(void **state)
 {
     (void)state;
-    if (gt_shared_gpu()) /* TP needs the allgather transport: NCCL */
+    if (!gt_nccl_runs()) /* TP needs the allgather transport: NCCL */
         return;
     compare_layout(0, world, NULL);
 }
@@ -190,12 +190,12 @@ enum { LSA_LL = 3, P2P_HDR = 4 };
 
 static int microbatch; /* MOE_EP_MICROBATCH=1 is set: lsa alone takes it */
 
-/* Ranks sharing one GPU (MOE_TEST_SHARED_GPU=1) have no NCCL: lsa only. */
+/* Ranks sharing one GPU without NCCL (MOE_TEST_SHARED_GPU=lsa): lsa only. */
 static int transport_runs(int i)
 {
     if (microbatch)
         return i == 1;
-    return !gt_shared_gpu() || !strncmp(transports[i], "lsa", 3);
+    return gt_nccl_runs() || !strncmp(transports[i], "lsa", 3);
 }
 
 /* Sets the environment for transports[i] with n tokens on this rank; returns 0 where the entry
@@ -562,7 +562,7 @@ static void test_graph_capture(void **state)
         moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
         cudaGraph_t g = NULL;
         cudaGraphExec_t ge = NULL;
-        if (cases[i].p2p && gt_shared_gpu()) /* NCCL refuses two ranks on one GPU */
+        if (cases[i].p2p && !gt_nccl_runs()) /* MOE_TEST_SHARED_GPU=lsa: no NCCL */
             continue;
         setenv("MOE_EP_TRANSPORT", cases[i].p2p ? "p2p" : "lsa", 1);
         setenv("MOE_EP_P2P_HEADER", cases[i].p2p == 1 ? "1" : "0", 1);
@@ -724,7 +724,7 @@ static void test_transport_refused(void **state)
     setenv("MOE_EP_LL", rank == 0 ? "1" : "0", 1);
     create_fails(&c, MOE_STATUS_INVALID_ARGUMENT, "differs");
     setenv("MOE_EP_LL", "1", 1);
-    if (!gt_shared_gpu()) {
+    if (gt_nccl_runs()) {
         setenv("MOE_EP_TRANSPORT", "allgather", 1);
         create_fails(&c, MOE_STATUS_NOT_SUPPORTED, "MOE_EP_LL=1");
     }

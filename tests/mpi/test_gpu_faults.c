@@ -2,7 +2,7 @@
 /* GPU fault test (2+ GPUs, one rank each): the last rank stops (SIGSTOP) in the middle of a run,
  * before its third step. Every other rank's third step must end with MOE_STATUS_TIMEOUT (or a
  * NCCL error; the default transport on one host is lsa, whose device-side waits time out) within
- * timeout_ms + 1 s of its synchronize, never hang, and the layer refuses later steps. Rank 0 then
+ * timeout_ms + 1 s of its forward call, never hang, and the layer refuses later steps. Rank 0 then
  * wakes the stopped rank (SIGCONT), whose step returns (any status: its peers' halves may have
  * landed before they aborted), and every rank cleans up and exits normally: MPI itself is
  * unaffected, so the job ends with exit code 0. */
@@ -23,19 +23,20 @@
 
 static int rank, world;
 
-static moe_status_t step(moe_layer_t *l, void *dx, void *dy, int64_t n, double *sync_s)
+/* One step; *s: its seconds from the forward call (p2p reads the counts on the host, so its
+ * forward is where a dead peer is waited for) to the synchronize's return. */
+static moe_status_t step(moe_layer_t *l, void *dx, void *dy, int64_t n, double *s)
 {
     moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
     moe_status_t st;
-    double t0;
+    const double t0 = MPI_Wtime();
     a.num_tokens = n;
     a.x = dx;
     a.y = dy;
     st = moe_layer_forward(l, &a);
-    t0 = MPI_Wtime();
     if (st == MOE_STATUS_SUCCESS)
         st = moe_layer_synchronize(l, NULL);
-    *sync_s = MPI_Wtime() - t0;
+    *s = MPI_Wtime() - t0;
     return st;
 }
 
