@@ -3,7 +3,8 @@
 # One call on the GPU machine (device tool, carry .device): build, then the MODEs in turn (each
 # alone fits a call's 10 minutes); logs under $OUT. Usage: bash bench/device_run.sh [MODE...]
 #   tests (default)  the GPU tests (one GPU, and mpirun -np <GPUs>; with one GPU the ranks
-#                    share it: MOE_TEST_SHARED_GPU=1, NCCL between them over loopback sockets)
+#                    share it: MOE_TEST_SHARED_GPU=1, NCCL between them over loopback sockets,
+#                    and test_gpu_ep runs with 4 ranks on it as well)
 #   quick            the same
 #   ep               a stopped peer under allgather, p2p and p2p-hdr; the dispatch bench at a
 #                    serving capacity, every transport, told and not (one GPU: the ranks share
@@ -57,6 +58,12 @@ tests | quick)
     timeout 540 ctest --test-dir build-gpu -L gpu -R "${GPU_TESTS:-.}" -j3 --output-on-failure \
         --timeout 400 >"$OUT/ctest_gpu.log" 2>&1
     grep -E "Test +#|tests passed|FAIL|ERROR" "$OUT/ctest_gpu.log" | head -60
+    # one GPU: four ranks sharing it too (EP4, TP4, every transport: more than one peer)
+    if [ "$ngpu" -lt 2 ]; then
+        echo "== test_gpu_ep, 4 ranks on the one GPU"
+        timeout 240 mpirun -np 4 --oversubscribe build-gpu/tests/mpi/test_gpu_ep 2>&1 | quiet |
+            tee "$OUT/ep4.log" | grep -E "PASSED|FAILED" | sort | uniq -c
+    fi
     # a stopped peer with micro-batch lanes (lsa): the survivors' two streams end bounded
     echo "== test_gpu_faults, MOE_EP_MICROBATCH=1"
     MOE_EP_MICROBATCH=1 timeout 90 mpirun -np "$np" -x MOE_EP_MICROBATCH \
