@@ -35,8 +35,17 @@ static void nap(long spins)
 
 static moe_status_t nccl_error(ncclResult_t r, const char *what)
 {
-    return moe_error(MOE_STATUS_NCCL_ERROR, "%s: %s (%s)", what, ncclGetErrorString(r),
-                     ncclGetLastError(NULL));
+    const char *last = ncclGetLastError(NULL);
+    /* NCCL refuses two ranks on one GPU of one host (one rank per GPU; for tests on a one-GPU
+     * machine, a host id per rank: README, bench/shared_gpu_rank.sh) */
+    const int dup = last && strstr(last, "Duplicate GPU") != NULL;
+    return moe_error(
+        MOE_STATUS_NCCL_ERROR, "%s: %s (%s)%s", what, ncclGetErrorString(r), last ? last : "",
+        dup ? "; NCCL needs one rank per GPU: launch as many ranks per host as it "
+              "has GPUs (to test on one GPU, give each rank its own NCCL_HOSTID, as "
+              "bench/shared_gpu_rank.sh does), or, for EP alone, the lsa transport, which "
+              "needs no NCCL"
+            : "");
 }
 
 static void abort_comm(moe_nccl_t *n)
