@@ -179,18 +179,20 @@ static int agree_options(int argc, char **argv, int64_t largest, int64_t *tmax, 
  * for hosts and joins them over sockets: every transport runs, at socket speed. */
 static int ranks_share_gpu(int world)
 {
-    enum { ID = 96 };
-    char *all = calloc((size_t)world, 2 * ID), mine[2 * ID] = "";
+    typedef struct {
+        char bus[32], host[96]; /* PCI bus id; NCCL_HOSTID ("" when unset) */
+    } gpu_id_t;
+    gpu_id_t mine = {{0}, {0}}, *all = calloc((size_t)world, sizeof(gpu_id_t));
     const char *host = getenv("NCCL_HOSTID");
     int dev = 0, r, q, shared = 0, hosts = 1;
     CK(cudaGetDevice(&dev));
-    CK(cudaDeviceGetPCIBusId(mine, ID, dev));
-    snprintf(mine + ID, ID, "%s", host ? host : "");
-    MPI_Allgather(mine, 2 * ID, MPI_CHAR, all, 2 * ID, MPI_CHAR, MPI_COMM_WORLD);
+    CK(cudaDeviceGetPCIBusId(mine.bus, sizeof(mine.bus), dev));
+    snprintf(mine.host, sizeof(mine.host), "%s", host ? host : "");
+    MPI_Allgather(&mine, sizeof(mine), MPI_BYTE, all, sizeof(mine), MPI_BYTE, MPI_COMM_WORLD);
     for (r = 0; r < world; r++)
         for (q = r + 1; q < world; q++) {
-            shared |= !strcmp(all + 2 * ID * r, all + 2 * ID * q);
-            hosts &= all[2 * ID * r + ID] && strcmp(all + 2 * ID * r + ID, all + 2 * ID * q + ID);
+            shared |= !strcmp(all[r].bus, all[q].bus);
+            hosts &= all[r].host[0] && strcmp(all[r].host, all[q].host);
         }
     free(all);
     return shared ? 1 + hosts : 0;
@@ -278,7 +280,7 @@ int moe_dispatch_bench_main(int argc, char **argv)
     moe_runtime_config_t rc = MOE_RUNTIME_CONFIG_INIT;
     moe_layer_config_t cfg = MOE_LAYER_CONFIG_INIT;
     moe_runtime_t *rt = NULL;
-    int rank, world, i, q, iters = 20, max_sizes = nsizes, told, transport, shared, shared_gpu;
+    int rank, world, i, q, iters = 20, max_sizes = nsizes, told, transport, shared_gpu, no_nccl;
     int64_t tmax, cap, round, routed; /* routed: the point's payload as lsa or p2p sent it */
     ncclUniqueId id;
     ncclComm_t comm;
@@ -309,11 +311,11 @@ int moe_dispatch_bench_main(int argc, char **argv)
     MK(moe_runtime_create_mpi(&rc, MPI_COMM_WORLD, &rt));
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     shared_gpu = ranks_share_gpu(world);
-    shared = shared_gpu == 1; /* no NCCL */
-    if (rank == 0 && !shared)
+    no_nccl = shared_gpu == 1;
+    if (rank == 0 && !no_nccl)
         NK(ncclGetUniqueId(&id));
     MPI_Bcast(&id, sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD);
-    if (!shared)
+    if (!no_nccl)
         NK(ncclCommInitRank(&comm, world, id, rank));
     /* the largest payload: every token to every rank, rows out and f32 partials back */
     maxb = (size_t)tmax * world * (cfg.hidden * 6 + 64 * cfg.top_k + 64) + 4096;
@@ -346,7 +348,7 @@ int moe_dispatch_bench_main(int argc, char **argv)
             printf("# capacity %lld tokens per rank\n", (long long)cap);
         if (round)
             printf("# rounds of at most %lld tokens per rank (--round-tokens)\n", (long long)round);
-        if (shared)
+        if (no_nccl)
             printf("# ranks share a GPU: lsa transports only, no NCCL column (NCCL refuses "
                    "two ranks on one GPU); not the two-GPU numbers\n");
         else if (shared_gpu)
@@ -365,7 +367,7 @@ int moe_dispatch_bench_main(int argc, char **argv)
             /* rows per rank this step: told, else the capacity */
             const int64_t m = told ? T : cfg.max_tokens_per_rank;
             if ((transport >= 0 && q != transport) || (q == LSA_LL && m > MOE_A2A_LL_MAX_TOKENS) ||
-                (shared && q != 1 && q != LSA_LL))
+                (no_nccl && q != 1 && q != LSA_LL))
                 continue;
             setenv("MOE_EP_TRANSPORT",
                    q == LSA_LL    ? "lsa"
@@ -381,7 +383,7 @@ int moe_dispatch_bench_main(int argc, char **argv)
             half = (size_t)((q == P2P_HDR && routed >= 0 ? routed : p.bytes) / 2) + 16;
             if (half > maxb / 2)
                 half = maxb / 2;
-            if (!shared)
+            if (!no_nccl)
                 a2a = 2 * nccl_a2a_us(comm, world, half * world / (world > 1 ? world - 1 : 1), sbuf,
                                       rbuf, s, iters);
             MPI_Allreduce(MPI_IN_PLACE, &a2a, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
@@ -397,7 +399,7 @@ int moe_dispatch_bench_main(int argc, char **argv)
     unsetenv("MOE_EP_P2P_HEADER");
     if (rank == 0)
         printf("# target: ratio <= 1.2 from 128 tokens per rank\n");
-    if (!shared)
+    if (!no_nccl)
         ncclCommDestroy(comm);
     cudaFree(sbuf), cudaFree(rbuf), cudaFree(dx), cudaFree(dy);
     cudaStreamDestroy(s);
