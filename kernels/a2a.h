@@ -52,7 +52,7 @@ enum {
  * same words, so every rank skips the same rounds. A skipped round (skip.rows set and
  * *skip.rows <= skip.first, its first row) stores nothing into peers, signals nothing, waits
  * for nothing, and leaves the sequence number alone; its counts read 0, so the kernels after
- * it (local ids, permute, GEMMs) find no rows. So a step told or sized for more rows than any
+ * it (permute, scatter, GEMMs) find no rows. So a step told or sized for more rows than any
  * rank brings pays no exchange for the empty rounds, and ranks with different round counts
  * fail that one step and stay in step. */
 typedef struct moe_a2a_skip {

@@ -25,11 +25,6 @@ typedef struct moe_ep_local_ids_args {
     const int32_t *flags; /* device [world], or NULL */
     int world;
     int32_t *sticky; /* device scalar, or NULL */
-    /* All-to-all receive layout (or NULL): slots in regions of region_slots = m * k, region s
-     * holding region_counts[s] rows; slots of rows past the count are -1 as well. */
-    const int32_t *region_counts;
-    int64_t region_slots;
-    int top_k;
 } moe_ep_local_ids_args_t;
 
 moe_status_t moe_ep_local_ids_launch(const moe_ep_local_ids_args_t *args, void *stream);

@@ -37,6 +37,24 @@ static inline int64_t moe_permute_scratch_count(int64_t rows, int num_experts)
     return g > 1 ? (int64_t)g * num_experts : 0;
 }
 
+/* Expert parallelism's receive layout (kernels/a2a.h): topk_ids holds `regions` regions of
+ * `rows` tokens each (num_tokens = regions * rows), of which region r's first counts[r] (device,
+ * at most `rows`) are live, and the ids are global: a live slot's local expert is id - first
+ * when that lies in [0, num_experts). The work (and the multi-CTA chunks) follows the live
+ * slots, not num_tokens: slots past a region's count are neither read nor written (their
+ * row_of_slot is left as it was, so readers must stop at the counts as well). `flags`: the
+ * step's statuses, one per region (or NULL); when any is nonzero no live slot gets a row (-1)
+ * and `sticky` (when not NULL and still 0) records the first as (region << 8) | code. */
+#define MOE_PERMUTE_MAX_REGIONS 8
+
+typedef struct moe_permute_regions {
+    const int32_t *counts; /* device [regions]; NULL: the plain layout */
+    int64_t rows;
+    int regions, first;
+    const int32_t *flags;
+    int32_t *sticky;
+} moe_permute_regions_t;
+
 /* Metadata pass. Rows are (t, j) pairs in order t * top_k + j; within an expert
  * they keep that order (stable). Ids outside [0, num_experts) are skipped (row_of_slot -1):
  * expert parallelism passes local ids and marks remote experts that way. */
@@ -56,6 +74,7 @@ typedef struct moe_permute_args {
     int32_t *scratch;        /* device [scratch_count] (moe_permute_scratch_count), or NULL:
                                 one CTA whatever the rows (slow past a few thousand rows) */
     int64_t scratch_count;
+    moe_permute_regions_t regions; /* zero: the plain layout */
 } moe_permute_args_t;
 
 #define MOE_PERMUTE_MAX_EXPERTS 1024
@@ -79,7 +98,13 @@ typedef struct moe_gather_args {
     void *a;                    /* device bf16 [max_blocks * block_rows, hidden] */
     const int32_t *row_of_slot; /* optional device [num_tokens * top_k]: the scatter form */
     int64_t num_tokens;
+    /* The scatter form over the permute's receive regions (counts NULL: every token): only
+     * region r's first counts[r] tokens are read, by a grid that does not grow past
+     * MOE_GATHER_MAX_CTAS however large num_tokens is. */
+    moe_permute_regions_t regions;
 } moe_gather_args_t;
+
+#define MOE_GATHER_MAX_CTAS 1024
 
 moe_status_t moe_gather_launch(const moe_gather_args_t *args, void *stream);
 

@@ -914,7 +914,8 @@ static moe_status_t routed_gemms(cuda_layer_t *s, const moe_gemm_variant_t *v, c
 /* Token rows of `x` (T tokens) through their experts (ids, -1: not on this rank): permute,
  * gather, GEMM1 (act * up), GEMM2 into s->o. rows_per_expert picks the GEMM variant. */
 moe_status_t moe_cuda_routed_experts(cuda_layer_t *s, const void *x, moe_dtype_t x_dtype, int64_t T,
-                                     const int32_t *ids, double rows_per_expert, void *stream)
+                                     const int32_t *ids, const moe_permute_regions_t *regions,
+                                     double rows_per_expert, void *stream)
 {
     const int64_t rows = T * s->k;
     const moe_gemm_variant_t *v = moe_cuda_variant_for(s, rows_per_expert);
@@ -933,13 +934,18 @@ moe_status_t moe_cuda_routed_experts(cuda_layer_t *s, const void *x, moe_dtype_t
                             s->row_of_slot,
                             s->slot_of_row,
                             s->perm_scratch,
-                            s->perm_scratch_count};
+                            s->perm_scratch_count,
+                            {0}};
     /* the scatter form: each token row of x read once (padding rows of a left unwritten) */
-    moe_gather_args_t g = {x,  x_dtype, s->H, s->k, s->slot_of_row, s->num_blocks, br,
-                           mb, s->a,    NULL, 0};
+    moe_gather_args_t g = {x,    x_dtype, s->H, s->k, s->slot_of_row, s->num_blocks, br, mb,
+                           s->a, NULL,    0,    {0}};
     if (s->scatter_rows) {
         g.row_of_slot = s->row_of_slot;
         g.num_tokens = T;
+    }
+    if (regions) {
+        p.regions = *regions;
+        g.regions = *regions;
     }
 
     if (mb > s->max_blocks)
@@ -1062,7 +1068,7 @@ static moe_status_t one_gpu_forward(moe_layer_t *l, const moe_forward_args_t *a)
     MOE_CHECK(moe_cuda_scan_inputs(l, a, s->sticky));
     MOE_CHECK(moe_cuda_route(l, a, ids, w));
     MOE_CHECK(moe_cuda_record(s, EV_ROUTE, a->stream));
-    MOE_CHECK(moe_cuda_routed_experts(s, a->x, a->dtype, a->num_tokens, ids,
+    MOE_CHECK(moe_cuda_routed_experts(s, a->x, a->dtype, a->num_tokens, ids, NULL,
                                       (double)a->num_tokens * s->k / s->E, a->stream));
     MOE_CHECK(moe_cuda_record(s, EV_EXPERT, a->stream));
     if (s->ss > 0) {

@@ -7,6 +7,7 @@
 #include "comm/nccl_comm.h"
 #include "kernels/expert_gemm.h"
 #include "kernels/oracle.h"
+#include "kernels/permute.h"
 #include "runtime/layer.h"
 
 /* Events of a profiled forward (MOE_PROFILE=1): the boundaries of its phases. */
@@ -194,8 +195,12 @@ moe_status_t moe_cuda_ep_forward(moe_layer_t *l, const moe_forward_args_t *a, mo
 const moe_gemm_variant_t *moe_cuda_variant_for(const cuda_layer_t *s, double rows_per_expert);
 moe_status_t moe_cuda_record(const cuda_layer_t *s, int ev, void *stream);
 moe_status_t moe_cuda_route(moe_layer_t *l, const moe_forward_args_t *a, int32_t *ids, float *w);
+/* T token rows of x through their experts (ids: local, -1 for none), or with `regions` (else
+ * NULL) the all-to-all's receive regions of x and global ids (kernels/permute.h): the permute
+ * and the scatter then follow the live rows, not T. */
 moe_status_t moe_cuda_routed_experts(cuda_layer_t *s, const void *x, moe_dtype_t x_dtype, int64_t T,
-                                     const int32_t *ids, double rows_per_expert, void *stream);
+                                     const int32_t *ids, const moe_permute_regions_t *regions,
+                                     double rows_per_expert, void *stream);
 /* The routed GEMMs on rows already grouped by expert (a, bf16) with the layout in s->counts,
  * s->offsets, s->block_expert, s->num_blocks (at most max_blocks blocks of v's rows). */
 moe_status_t moe_cuda_experts_laid_out(cuda_layer_t *s, const moe_gemm_variant_t *v, const void *a,

@@ -455,7 +455,8 @@ void moe_cuda_ep_plan_workspace(cuda_layer_t *s, carve_t *c)
 {
     const size_t H = (size_t)s->H, k = (size_t)s->k, t1 = (size_t)s->tm, tm = (size_t)s->max_tokens;
     const size_t W = (size_t)s->world;
-    s->lids = moe_cuda_take(c, sizeof(int32_t) * tm * k);
+    if (s->transport == MOE_EP_ALLGATHER) /* the all-to-all's permute makes its ids local */
+        s->lids = moe_cuda_take(c, sizeof(int32_t) * tm * k);
     s->flag = moe_cuda_take(c, sizeof(int32_t));
     s->flags_all = moe_cuda_take(c, sizeof(int32_t) * W);
     if (s->transport != MOE_EP_ALLGATHER) {
@@ -642,17 +643,8 @@ static moe_status_t ep_dispatch(moe_layer_t *l, const void *x, moe_dtype_t dtype
     cuda_layer_t *s = l->state;
     const int64_t tm = s->m, k = s->k, H = s->H;
     moe_rows_args_t r = {x, dtype, T, s->H, (int)tm, 1, s->xsend, s->one_block, s->one_block + 1};
-    moe_ep_local_ids_args_t li = {s->ids_all,
-                                  s->lids,
-                                  s->world * tm * k,
-                                  s->first_local,
-                                  s->E,
-                                  s->flags_all,
-                                  s->world,
-                                  s->sticky,
-                                  NULL,
-                                  0,
-                                  0};
+    moe_ep_local_ids_args_t li = {s->ids_all, s->lids,      s->world * tm * k, s->first_local,
+                                  s->E,       s->flags_all, s->world,          s->sticky};
     moe_status_t st, end;
 
     if (T < tm)
@@ -1097,33 +1089,28 @@ static moe_status_t wait_rows(moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y, vo
     return MOE_STATUS_SUCCESS;
 }
 
-/* The received rows through the local experts: local ids, permute, gather and GEMMs over the
- * W m region rows (regular), or the GEMMs on the rows the low-latency dispatch laid out. */
+/* The received rows through the local experts: the permute and scatter over the live rows of
+ * the W regions (global ids made local there, none if any rank's step failed), GEMMs; or the
+ * GEMMs on the rows the low-latency dispatch laid out. */
 static moe_status_t local_experts(moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y, int64_t T,
                                   const moe_gemm_variant_t *llv, void *stream)
 {
     const int W = s->world, k = s->k;
     const int64_t m = s->m;
-    moe_ep_local_ids_args_t li;
+    moe_permute_regions_t rg;
     /* the variant's hint: the low-latency layout's comes from m, which every rank agrees on */
     s->last_rows_per_expert = (double)(llv ? m : T) * W * k / l->cfg.num_experts;
     if (llv)
         return ll_experts(l, s, y, llv,
                           (int)moe_permute_max_blocks(W * m * k, s->E, llv->block_rows), stream);
-    memset(&li, 0, sizeof(li));
-    li.in = s->rids;
-    li.out = s->lids;
-    li.n = W * m * k;
-    li.first = s->first_local;
-    li.count = s->E;
-    li.flags = s->flags_all;
-    li.world = W;
-    li.sticky = s->sticky;
-    li.region_counts = s->counts_all;
-    li.region_slots = m * k;
-    li.top_k = k;
-    MOE_CHECK(moe_ep_local_ids_launch(&li, stream));
-    return moe_cuda_routed_experts(s, s->rx, MOE_DTYPE_BF16, W * m, s->lids,
+    memset(&rg, 0, sizeof(rg));
+    rg.counts = s->counts_all;
+    rg.rows = m;
+    rg.regions = W;
+    rg.first = s->first_local;
+    rg.flags = s->flags_all;
+    rg.sticky = s->sticky;
+    return moe_cuda_routed_experts(s, s->rx, MOE_DTYPE_BF16, W * m, s->rids, &rg,
                                    s->last_rows_per_expert, stream);
 }
 
@@ -1313,7 +1300,7 @@ static moe_status_t ep_round(moe_layer_t *l, const moe_forward_args_t *ok, moe_s
         MOE_CHECK(ep_dispatch(l, ok ? ok->x : NULL, ok ? ok->dtype : MOE_DTYPE_BF16, T, stream));
         /* rows per local expert if every rank brought as many tokens as this one */
         s->last_rows_per_expert = (double)T * W * s->k / l->cfg.num_experts;
-        MOE_CHECK(moe_cuda_routed_experts(s, s->xall, MOE_DTYPE_BF16, W * tm, s->lids,
+        MOE_CHECK(moe_cuda_routed_experts(s, s->xall, MOE_DTYPE_BF16, W * tm, s->lids, NULL,
                                           s->last_rows_per_expert, stream));
         MOE_CHECK(moe_cuda_record(s, EV_EXPERT, stream));
         if (s->ss > 0 && !s->shared_local)

@@ -836,7 +836,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_layout_kernel(moe_a2a_ll_l
         for (int r = 0; r < W && bad < 0; r++)
             if (a.statuses[r])
                 bad = r;
-        /* the first failing rank's status, as moe_ep_local_ids records it */
+        /* the first failing rank's status, as the permute records it (moe_permute_regions_t) */
         if (bad >= 0 && a.sticky)
             atomicCAS(a.sticky, 0, (bad << 8) | (a.statuses[bad] & 0xff));
         none = bad >= 0 || skipped(a.skip) || step_timed_out(a.sticky) ||

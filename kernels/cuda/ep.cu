@@ -14,8 +14,7 @@ constexpr int EP_THREADS = 256;
 
 __global__ void local_ids_kernel(const int32_t *__restrict__ in, int32_t *__restrict__ out,
                                  int64_t n, int first, int count, const int32_t *flags, int world,
-                                 int32_t *sticky, const int32_t *region_counts,
-                                 int64_t region_slots, int top_k)
+                                 int32_t *sticky)
 {
     moe_pdl_wait();
     const int64_t i = (int64_t)blockIdx.x * EP_THREADS + threadIdx.x;
@@ -28,10 +27,7 @@ __global__ void local_ids_kernel(const int32_t *__restrict__ in, int32_t *__rest
     if (i >= n)
         return;
     const int32_t e = in[i];
-    bool live = bad < 0 && e >= first && e < first + count;
-    if (region_counts && live)
-        live = (i % region_slots) / top_k < region_counts[i / region_slots];
-    out[i] = live ? e - first : -1;
+    out[i] = bad < 0 && e >= first && e < first + count ? e - first : -1;
 }
 
 __global__ void flag_set_kernel(int32_t *flag, int32_t value, uint32_t *seq,
@@ -85,10 +81,10 @@ extern "C" moe_status_t moe_ep_local_ids_launch(const moe_ep_local_ids_args_t *a
 {
     if (a->n <= 0 && !a->sticky)
         return MOE_STATUS_SUCCESS;
-    MOE_CUDA_CHECK(moe_ep_launch(
-        (local_ids_kernel), dim3((unsigned)((a->n + EP_THREADS) / EP_THREADS)), dim3(EP_THREADS), 0,
-        (cudaStream_t)stream, a->in, a->out, a->n, a->first, a->count, a->flags, a->world,
-        a->sticky, a->region_counts, a->region_slots, a->top_k));
+    MOE_CUDA_CHECK(moe_ep_launch((local_ids_kernel),
+                                 dim3((unsigned)((a->n + EP_THREADS) / EP_THREADS)),
+                                 dim3(EP_THREADS), 0, (cudaStream_t)stream, a->in, a->out, a->n,
+                                 a->first, a->count, a->flags, a->world, a->sticky));
     MOE_CUDA_CHECK_LAUNCH("ep local ids");
     return MOE_STATUS_SUCCESS;
 }

@@ -16,26 +16,96 @@ namespace
 constexpr int META_THREADS = 1024;
 constexpr int META_WARPS = META_THREADS / 32;
 
+/* prefix[r] (shared, r <= regions) = the live entries of the regions before r, `per` entries a
+ * live token (counts clamped to [0, rg.rows]); returns the total. Every thread of the CTA calls
+ * it (one barrier). */
+__device__ __forceinline__ int region_prefix(const moe_permute_regions_t &rg, int per, int *prefix)
+{
+    if (threadIdx.x == 0) {
+        int run = 0;
+        for (int r = 0; r < rg.regions; r++) {
+            prefix[r] = run;
+            run += min(max(rg.counts[r], 0), (int)rg.rows) * per;
+        }
+        prefix[rg.regions] = run;
+    }
+    __syncthreads();
+    return prefix[rg.regions];
+}
+
+/* Live entry i (i < prefix[regions]) as an index of the whole layout, `span` entries a region. */
+__device__ __forceinline__ int region_index(const int *prefix, int regions, int64_t span, int i)
+{
+    int r = 0;
+    while (r + 1 < regions && i >= prefix[r + 1])
+        r++;
+    return (int)(r * span) + i - prefix[r];
+}
+
+/* The entries a pass walks: plain, slot i of ids (ids outside [0, E): no expert); or the live
+ * slots of the receive regions, in order, with global ids made local (moe_permute_regions_t). */
+struct slot_map {
+    const int32_t *ids;
+    int first = 0;
+    bool none = false; /* a failed step: no slot has an expert */
+    int regions = 0;   /* 0: plain */
+    int64_t span = 0;  /* slots a region */
+    const int *prefix = nullptr;
+
+    __device__ __forceinline__ int slot(int i) const
+    {
+        return regions ? region_index(prefix, regions, span, i) : i;
+    }
+    __device__ __forceinline__ int expert(int slot, int E) const
+    {
+        const int e = none ? -1 : __ldg(ids + slot) - first;
+        return e >= 0 && e < E ? e : -1;
+    }
+};
+
+/* The map of a pass over the n slots of `ids` (top_k a token); returns the entries it walks (n,
+ * or the live slots). Every thread of the CTA calls it; `prefix` is shared
+ * [MOE_PERMUTE_MAX_REGIONS + 1]. CTA 0 records a failed step in the sticky word when `record`. */
+__device__ __forceinline__ int map_setup(const int32_t *ids, int n, int top_k,
+                                         const moe_permute_regions_t &rg, bool record, int *prefix,
+                                         slot_map *m)
+{
+    m->ids = ids;
+    if (!rg.counts)
+        return n;
+    int bad = -1;
+    for (int r = 0; rg.flags && r < rg.regions && bad < 0; r++)
+        if (rg.flags[r])
+            bad = r;
+    if (record && blockIdx.x == 0 && threadIdx.x == 0 && bad >= 0 && rg.sticky && *rg.sticky == 0)
+        *rg.sticky = (bad << 8) | (rg.flags[bad] & 0xff);
+    m->first = rg.first;
+    m->none = bad >= 0;
+    m->regions = rg.regions;
+    m->span = rg.rows * top_k;
+    m->prefix = prefix;
+    return region_prefix(rg, top_k, prefix);
+}
+
 /* Ids a warp handles next, PREFETCH x 32 of them loaded at once (latency, not bandwidth, bounds
- * this kernel); entry u of lane l is index i0 + 32 u + l, so the order stays ascending. Ids
- * outside [0, E) and indices past `end` read as -1. */
+ * this kernel); entry u of lane l is entry i0 + 32 u + l, so the order stays ascending. Entries
+ * with no expert here and entries past `end` read as -1. */
 constexpr int PREFETCH = 8;
 
-__device__ __forceinline__ void load_ids(const int32_t *__restrict__ ids, int i0, int end, int E,
-                                         int lane, int *ev)
+__device__ __forceinline__ void load_ids(const slot_map &ids, int i0, int end, int E, int lane,
+                                         int *ev)
 {
 #pragma unroll
     for (int u = 0; u < PREFETCH; u++) {
         const int i = i0 + u * 32 + lane;
-        const int e = i < end ? __ldg(ids + i) : -1;
-        ev[u] = (e >= 0 && e < E) ? e : -1;
+        ev[u] = i < end ? ids.expert(ids.slot(i), E) : -1;
     }
 }
 
 /* Counts of a warp's ids [begin, end) per expert into wc[e] (a row of the CTA's [warp][E]
  * table, zeroed here). */
-__device__ __forceinline__ void warp_count(const int32_t *__restrict__ ids, int begin, int end,
-                                           int E, int lane, int *wc)
+__device__ __forceinline__ void warp_count(const slot_map &ids, int begin, int end, int E, int lane,
+                                           int *wc)
 {
     for (int e = lane; e < E; e += 32)
         wc[e] = 0;
@@ -70,8 +140,8 @@ __device__ __forceinline__ void warps_prefix(int *wcnt, int *tot, int E)
 
 /* Places a warp's ids [begin, end): row = base[e] + the warp's prefix wc[e] + the lanes before
  * it with the same expert (stable: ascending i within each expert). */
-__device__ __forceinline__ void warp_place(const int32_t *__restrict__ ids, int begin, int end,
-                                           int E, int lane, int *wc, const int *base,
+__device__ __forceinline__ void warp_place(const slot_map &ids, int begin, int end, int E, int lane,
+                                           int *wc, const int *base,
                                            int32_t *__restrict__ row_of_slot,
                                            int32_t *__restrict__ slot_of_row)
 {
@@ -91,9 +161,10 @@ __device__ __forceinline__ void warp_place(const int32_t *__restrict__ ids, int 
                 wc[e] += __popc(peers);
             __syncwarp();
             if (i < end) {
-                row_of_slot[i] = row;
+                const int slot = ids.slot(i);
+                row_of_slot[slot] = row;
                 if (row >= 0)
-                    slot_of_row[row] = i;
+                    slot_of_row[row] = slot;
             }
         }
     }
@@ -175,13 +246,17 @@ __device__ __forceinline__ void warp_range(int c0, int c1, int *begin, int *end)
  * per (warp, expert) and a prefix over warps gives every row its stable place with no atomics
  * (deterministic). */
 __global__ void __launch_bounds__(META_THREADS)
-    permute_meta_kernel(const int32_t *__restrict__ ids, int n, int E, int br, int max_blocks,
-                        int32_t *__restrict__ expert_counts, int32_t *__restrict__ expert_offsets,
-                        int32_t *__restrict__ block_expert, int32_t *__restrict__ num_blocks,
-                        int32_t *__restrict__ row_of_slot, int32_t *__restrict__ slot_of_row)
+    permute_meta_kernel(const int32_t *__restrict__ idv, int n, int top_k, int E, int br,
+                        int max_blocks, int32_t *__restrict__ expert_counts,
+                        int32_t *__restrict__ expert_offsets, int32_t *__restrict__ block_expert,
+                        int32_t *__restrict__ num_blocks, int32_t *__restrict__ row_of_slot,
+                        int32_t *__restrict__ slot_of_row, moe_permute_regions_t rg)
 {
     moe_pdl_wait();
     extern __shared__ int smem[];
+    __shared__ int prefix[MOE_PERMUTE_MAX_REGIONS + 1];
+    slot_map ids;
+    n = map_setup(idv, n, top_k, rg, true, prefix, &ids);
     int *wcnt = smem;                 /* [META_WARPS][E]: count, then exclusive prefix */
     int *cnt = wcnt + META_WARPS * E; /* [E] */
     int *offs = cnt + E;              /* [E + 1] padded offsets */
@@ -197,15 +272,19 @@ __global__ void __launch_bounds__(META_THREADS)
     warp_place(ids, begin, end, E, lane, wcnt + w * E, offs, row_of_slot, slot_of_row);
 }
 
-/* Many rows, pass 1 of 3 (one CTA per chunk of `chunk` rows): the chunk's count per expert
- * into part[g][e]. */
+/* Many rows, pass 1 of 3 (one CTA per chunk of the entries, ceil(n / grid) each): the chunk's
+ * count per expert into part[g][e]. */
 __global__ void __launch_bounds__(META_THREADS)
-    permute_count_kernel(const int32_t *__restrict__ ids, int n, int E, int chunk,
-                         int32_t *__restrict__ part)
+    permute_count_kernel(const int32_t *__restrict__ idv, int n, int top_k, int E,
+                         int32_t *__restrict__ part, moe_permute_regions_t rg)
 {
     moe_pdl_wait();
     extern __shared__ int smem[];
+    __shared__ int prefix[MOE_PERMUTE_MAX_REGIONS + 1];
+    slot_map ids;
+    n = map_setup(idv, n, top_k, rg, true, prefix, &ids);
     int *wcnt = smem;
+    const int chunk = (n + gridDim.x - 1) / gridDim.x;
     const int g = blockIdx.x, c0 = min(g * chunk, n), c1 = min(c0 + chunk, n);
     int begin, end;
     warp_range(c0, c1, &begin, &end);
@@ -254,14 +333,19 @@ __global__ void __launch_bounds__(META_THREADS)
 /* Pass 3 (one CTA per chunk): every row's place, from the expert's padded offset, the chunk's
  * first row within the expert and the warps before it in the chunk. */
 __global__ void __launch_bounds__(META_THREADS)
-    permute_place_kernel(const int32_t *__restrict__ ids, int n, int E, int chunk,
+    permute_place_kernel(const int32_t *__restrict__ idv, int n, int top_k, int E,
                          const int32_t *__restrict__ part,
                          const int32_t *__restrict__ expert_offsets,
-                         int32_t *__restrict__ row_of_slot, int32_t *__restrict__ slot_of_row)
+                         int32_t *__restrict__ row_of_slot, int32_t *__restrict__ slot_of_row,
+                         moe_permute_regions_t rg)
 {
     moe_pdl_wait();
     extern __shared__ int smem[];
+    __shared__ int prefix[MOE_PERMUTE_MAX_REGIONS + 1];
+    slot_map ids;
+    n = map_setup(idv, n, top_k, rg, false, prefix, &ids);
     int *wcnt = smem, *base = wcnt + META_WARPS * E;
+    const int chunk = (n + gridDim.x - 1) / gridDim.x;
     const int g = blockIdx.x, c0 = min(g * chunk, n), c1 = min(c0 + chunk, n);
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     int begin, end;
@@ -382,38 +466,51 @@ __global__ void __launch_bounds__(GATHER_THREADS)
     }
 }
 
-/* The scatter form: SCATTER_TOKENS tokens per CTA; a thread loads COPY_UNROLL 16-byte units of
- * a token row once and stores them into each of the token's top_k rows. */
+/* The scatter form: SCATTER_TOKENS tokens per CTA (grid-stride); a thread loads COPY_UNROLL
+ * 16-byte units of a token row once and stores them into each of the token's top_k rows. */
 constexpr int SCATTER_TOKENS = 4;
+
+template <typename T>
+__device__ __forceinline__ void scatter_token(const T *__restrict__ x, int hidden, int top_k, int t,
+                                              const int32_t *__restrict__ row_of_slot,
+                                              __nv_bfloat16 *__restrict__ a)
+{
+    const int n = hidden / 8;
+    const T *src = x + (size_t)t * hidden;
+    /* a token with no row here (EP: another rank's experts, or a padding row) is not read: the
+     * step's cost follows the rows, not the capacity */
+    bool any = false;
+    for (int j = 0; j < top_k && !any; j++)
+        any = __ldg(row_of_slot + (size_t)t * top_k + j) >= 0;
+    if (!any)
+        return;
+    for (int c0 = threadIdx.x; c0 < n; c0 += GATHER_THREADS * COPY_UNROLL) {
+        uint4 v[COPY_UNROLL];
+        load_units(v, c0, GATHER_THREADS, n, [&](int c) { return load_unit(src + 8 * c); });
+        for (int j = 0; j < top_k; j++) {
+            const int row = __ldg(row_of_slot + (size_t)t * top_k + j);
+            if (row >= 0)
+                store_units(v, c0, GATHER_THREADS, n,
+                            reinterpret_cast<uint4 *>(a + (size_t)row * hidden));
+        }
+    }
+}
 
 template <typename T>
 __global__ void __launch_bounds__(GATHER_THREADS)
     scatter_rows_kernel(const T *__restrict__ x, int hidden, int top_k, int num_tokens,
-                        const int32_t *__restrict__ row_of_slot, __nv_bfloat16 *__restrict__ a)
+                        const int32_t *__restrict__ row_of_slot, __nv_bfloat16 *__restrict__ a,
+                        moe_permute_regions_t rg)
 {
     moe_pdl_wait();
-    const int n = hidden / 8;
-    for (int t = blockIdx.x * SCATTER_TOKENS;
-         t < min(num_tokens, (int)(blockIdx.x + 1) * SCATTER_TOKENS); t++) {
-        const T *src = x + (size_t)t * hidden;
-        /* a token with no row here (EP: another rank's experts, or a padding row) is not
-         * read: the step's cost follows the rows, not the capacity */
-        bool live = false;
-        for (int j = 0; j < top_k && !live; j++)
-            live = __ldg(row_of_slot + (size_t)t * top_k + j) >= 0;
-        if (!live)
-            continue;
-        for (int c0 = threadIdx.x; c0 < n; c0 += GATHER_THREADS * COPY_UNROLL) {
-            uint4 v[COPY_UNROLL];
-            load_units(v, c0, GATHER_THREADS, n, [&](int c) { return load_unit(src + 8 * c); });
-            for (int j = 0; j < top_k; j++) {
-                const int row = __ldg(row_of_slot + (size_t)t * top_k + j);
-                if (row >= 0)
-                    store_units(v, c0, GATHER_THREADS, n,
-                                reinterpret_cast<uint4 *>(a + (size_t)row * hidden));
-            }
-        }
-    }
+    __shared__ int prefix[MOE_PERMUTE_MAX_REGIONS + 1];
+    /* receive regions: their live tokens only */
+    const int tokens = rg.counts ? region_prefix(rg, 1, prefix) : num_tokens;
+    for (int q0 = blockIdx.x * SCATTER_TOKENS; q0 < tokens; q0 += gridDim.x * SCATTER_TOKENS)
+        for (int q = q0; q < min(tokens, q0 + SCATTER_TOKENS); q++)
+            scatter_token(x, hidden, top_k,
+                          rg.counts ? region_index(prefix, rg.regions, rg.rows, q) : q, row_of_slot,
+                          a);
 }
 
 template <typename T, bool VEC>
@@ -446,12 +543,14 @@ moe_status_t launch_gather(const moe_gather_args_t *g, unsigned rows, cudaStream
     const bool vec = g->hidden % 8 == 0 && moe_aligned16(g->x) && moe_aligned16(g->a);
     const int th = row_threads(g->hidden, vec);
     if (vec && g->row_of_slot) {
-        if (g->num_tokens > 0)
-            MOE_CUDA_CHECK(
-                moe_launch((scatter_rows_kernel<T>),
-                           dim3((unsigned)((g->num_tokens + SCATTER_TOKENS - 1) / SCATTER_TOKENS)),
-                           dim3(GATHER_THREADS), 0, s, (const T *)g->x, g->hidden, g->top_k,
-                           (int)g->num_tokens, g->row_of_slot, (__nv_bfloat16 *)g->a));
+        int64_t grid = (g->num_tokens + SCATTER_TOKENS - 1) / SCATTER_TOKENS;
+        if (g->regions.counts && grid > MOE_GATHER_MAX_CTAS)
+            grid = MOE_GATHER_MAX_CTAS;
+        if (grid > 0)
+            MOE_CUDA_CHECK(moe_launch((scatter_rows_kernel<T>), dim3((unsigned)grid),
+                                      dim3(GATHER_THREADS), 0, s, (const T *)g->x, g->hidden,
+                                      g->top_k, (int)g->num_tokens, g->row_of_slot,
+                                      (__nv_bfloat16 *)g->a, g->regions));
     } else if (vec)
         MOE_CUDA_CHECK(
             moe_launch((gather_rows_kernel<T>), dim3((rows + GATHER_ROWS - 1) / GATHER_ROWS),
@@ -531,6 +630,19 @@ extern "C" moe_status_t moe_permute_prepare(void)
     return prepare_rows<__nv_bfloat16>();
 }
 
+/* The receive regions (when given) tile the num_tokens tokens. */
+static moe_status_t check_regions(const moe_permute_regions_t *rg, int64_t num_tokens)
+{
+    if (!rg->counts)
+        return MOE_STATUS_SUCCESS;
+    MOE_ARG_CHECK(rg->regions >= 1 && rg->regions <= MOE_PERMUTE_MAX_REGIONS,
+                  "permute: regions = %d (1..%d)", rg->regions, MOE_PERMUTE_MAX_REGIONS);
+    MOE_ARG_CHECK(rg->rows >= 0 && rg->rows * rg->regions == num_tokens,
+                  "permute: %d regions of %lld tokens for num_tokens = %lld", rg->regions,
+                  (long long)rg->rows, (long long)num_tokens);
+    return MOE_STATUS_SUCCESS;
+}
+
 extern "C" moe_status_t moe_permute_launch(const moe_permute_args_t *a, void *stream)
 {
     const int64_t n = a->num_tokens * a->top_k;
@@ -548,32 +660,32 @@ extern "C" moe_status_t moe_permute_launch(const moe_permute_args_t *a, void *st
                          a->num_experts, MOE_PERMUTE_MAX_EXPERTS);
     smem = sizeof(int) * ((size_t)META_WARPS * a->num_experts + 2 * (size_t)a->num_experts + 2);
     MOE_CHECK(raise_smem_limit());
+    MOE_CHECK(check_regions(&a->regions, a->num_tokens));
     const int G = moe_permute_chunks(n);
     cudaStream_t s = (cudaStream_t)stream;
     if (G <= 1 || !a->scratch) {
         MOE_CUDA_CHECK(moe_launch((permute_meta_kernel), dim3(1), dim3(META_THREADS), smem, s,
-                                  a->topk_ids, (int)n, a->num_experts, a->block_rows, a->max_blocks,
-                                  a->expert_counts, a->expert_offsets, a->block_expert,
-                                  a->num_blocks, a->row_of_slot, a->slot_of_row));
+                                  a->topk_ids, (int)n, a->top_k, a->num_experts, a->block_rows,
+                                  a->max_blocks, a->expert_counts, a->expert_offsets,
+                                  a->block_expert, a->num_blocks, a->row_of_slot, a->slot_of_row,
+                                  a->regions));
         MOE_CUDA_CHECK_LAUNCH("permute_meta_kernel");
         return MOE_STATUS_SUCCESS;
     }
     MOE_ARG_CHECK(a->scratch_count >= (int64_t)G * a->num_experts,
                   "permute: scratch of %lld ints < %lld needed", (long long)a->scratch_count,
                   (long long)G * a->num_experts);
-    {
-        const int chunk = (int)((n + G - 1) / G);
-        MOE_CUDA_CHECK(moe_launch((permute_count_kernel), dim3(G), dim3(META_THREADS), smem, s,
-                                  a->topk_ids, (int)n, a->num_experts, chunk, a->scratch));
-        MOE_CUDA_CHECK(moe_launch((permute_scan_kernel), dim3(1), dim3(META_THREADS), smem, s, G,
-                                  a->num_experts, a->block_rows, a->max_blocks, a->scratch,
-                                  a->expert_counts, a->expert_offsets, a->block_expert,
-                                  a->num_blocks, a->slot_of_row));
-        MOE_CUDA_CHECK(moe_launch((permute_place_kernel), dim3(G), dim3(META_THREADS), smem, s,
-                                  a->topk_ids, (int)n, a->num_experts, chunk,
-                                  (const int32_t *)a->scratch, (const int32_t *)a->expert_offsets,
-                                  a->row_of_slot, a->slot_of_row));
-    }
+    MOE_CUDA_CHECK(moe_launch((permute_count_kernel), dim3(G), dim3(META_THREADS), smem, s,
+                              a->topk_ids, (int)n, a->top_k, a->num_experts, a->scratch,
+                              a->regions));
+    MOE_CUDA_CHECK(moe_launch((permute_scan_kernel), dim3(1), dim3(META_THREADS), smem, s, G,
+                              a->num_experts, a->block_rows, a->max_blocks, a->scratch,
+                              a->expert_counts, a->expert_offsets, a->block_expert, a->num_blocks,
+                              a->slot_of_row));
+    MOE_CUDA_CHECK(moe_launch((permute_place_kernel), dim3(G), dim3(META_THREADS), smem, s,
+                              a->topk_ids, (int)n, a->top_k, a->num_experts,
+                              (const int32_t *)a->scratch, (const int32_t *)a->expert_offsets,
+                              a->row_of_slot, a->slot_of_row, a->regions));
     MOE_CUDA_CHECK_LAUNCH("permute count/scan/place");
     return MOE_STATUS_SUCCESS;
 }
@@ -587,6 +699,7 @@ extern "C" moe_status_t moe_gather_launch(const moe_gather_args_t *g, void *stre
     MOE_ARG_CHECK(rows <= INT32_MAX, "gather: %lld rows", (long long)rows);
     MOE_ARG_CHECK(!g->row_of_slot || (g->num_tokens >= 0 && g->num_tokens * g->top_k <= INT32_MAX),
                   "gather: num_tokens = %lld", (long long)g->num_tokens);
+    MOE_CHECK(check_regions(&g->regions, g->num_tokens));
     if (rows == 0)
         return MOE_STATUS_SUCCESS;
     switch (g->x_dtype) {

@@ -105,8 +105,10 @@ static void check_case(const perm_case_t *c, int64_t T, moe_dtype_t xt, int mult
                                 d.row_of_slot,
                                 d.slot_of_row,
                                 scratch,
-                                scratch_count};
-        moe_gather_args_t g = {d_x, xt, H, k, d.slot_of_row, d.num_blocks, br, mb, d_a, NULL, 0};
+                                scratch_count,
+                                {0}};
+        moe_gather_args_t g = {d_x, xt,   H, k,  d.slot_of_row, d.num_blocks, br, mb,
+                               d_a, NULL, 0, {0}};
         gt_ok(moe_permute_launch(&p, NULL), "permute");
         gt_ok(moe_gather_launch(&g, NULL), "gather");
     }
@@ -164,8 +166,8 @@ static void check_case(const perm_case_t *c, int64_t T, moe_dtype_t xt, int mult
     /* The scatter form: the same used rows; padding rows and rows past the blocks unwritten
      * (still poisoned). */
     {
-        moe_gather_args_t g = {d_x,           xt, H, k, d.slot_of_row, d.num_blocks, br, mb, d_a,
-                               d.row_of_slot, T};
+        moe_gather_args_t g = {d_x,           xt, H,  k, d.slot_of_row, d.num_blocks, br, mb, d_a,
+                               d.row_of_slot, T,  {0}};
         uint16_t poison;
         memset(&poison, GT_POISON_FLOAT, sizeof(poison));
         gt_poison(d_a, GT_POISON_FLOAT, 2 * (size_t)max_rows * H);
@@ -203,6 +205,158 @@ static void test_permute_gather(void **state)
             if (gt_token_counts[t] * cases[c].k > MOE_PERMUTE_CHUNK_ROWS) /* the one-CTA path */
                 check_case(&cases[c], gt_token_counts[t], MOE_DTYPE_BF16, 0);
         }
+}
+
+/* The all-to-all's receive regions: W regions of `rows` tokens, region r live for its first
+ * counts[r] tokens (clamped to rows), global ids of which [first, first + E) are this rank's.
+ * The region permute and scatter must give what the plain ones give on the local ids with every
+ * dead slot -1 (test_permute_gather checks those against the CPU), must not touch a dead slot's
+ * row_of_slot, and with a failed region (bad >= 0, status code 3) place nothing and record it. */
+typedef struct region_case {
+    int W;
+    int64_t rows;
+    int64_t counts[MOE_PERMUTE_MAX_REGIONS];
+    int k, E, br, multi, bad;
+} region_case_t;
+
+static const region_case_t region_cases[] = {
+    {2, 8192, {1, 0}, 8, 32, 64, 1, -1},  /* an untold decode round: capacity 8192, 1 token */
+    {2, 8192, {1, 0}, 8, 32, 64, 0, -1},  /* the same in one CTA */
+    {2, 8192, {0, 0}, 8, 32, 64, 1, -1},  /* a skipped (empty) round */
+    {2, 300, {300, 0}, 8, 32, 64, 1, -1}, /* the 300/0 split */
+    {4, 100, {7, 100, 0, 55}, 8, 16, 16, 1, -1},
+    {8, 3000, {3000, 17, 0, 2999, 1, 3005, 1500, 64}, 4, 60, 128, 1, -1}, /* 3005: clamped */
+    {2, 64, {64, 10}, 8, 32, 64, 1, 1},    /* region 1's step failed */
+    {3, 50, {50, 50, 50}, 2, 8, 16, 0, 0}, /* region 0's, one CTA */
+};
+
+static void check_regions(const region_case_t *c)
+{
+    const int W = c->W, k = c->k, E = c->E, br = c->br, H = 72, first = E;
+    const int64_t T = W * c->rows, n = T * k;
+    const int mb = (int)moe_permute_max_blocks(n, E, br);
+    const int64_t max_rows = (int64_t)mb * br;
+    const int64_t scratch_count = c->multi ? moe_permute_scratch_count(n, E) : 0;
+    int32_t *gids = malloc(sizeof(int32_t) * (size_t)n),
+            *lids = malloc(sizeof(int32_t) * (size_t)n);
+    int32_t *want[6], *got[6], cnt[MOE_PERMUTE_MAX_REGIONS], flags[MOE_PERMUTE_MAX_REGIONS];
+    const size_t sizes[6] = {sizeof(int32_t) * (size_t)E,  sizeof(int32_t) * (size_t)(E + 1),
+                             sizeof(int32_t) * (size_t)mb, sizeof(int32_t),
+                             sizeof(int32_t) * (size_t)n,  sizeof(int32_t) * (size_t)max_rows};
+    int32_t *dev[2][6], *d_ids[2], *d_cnt, *d_flags, *d_sticky, sticky = -1;
+    int32_t *scratch =
+        scratch_count ? gt_dalloc(sizeof(int32_t) * (size_t)scratch_count) : (int32_t *)NULL;
+    uint16_t *xb = malloc(2 * (size_t)(T * H)), *a = malloc(2 * (size_t)max_rows * H), poison16;
+    float *x = malloc(sizeof(float) * (size_t)(T * H));
+    int32_t poison32;
+    void *d_x, *d_a;
+    int64_t i, r;
+    int v, f, nb;
+
+    memset(&poison32, GT_POISON_INT, sizeof(poison32));
+    memset(&poison16, GT_POISON_FLOAT, sizeof(poison16));
+    random_ids(gids, T, 4 * E, k, 10); /* 4 E experts in all, a tenth of the slots -1 */
+    for (r = 0; r < W; r++) {
+        cnt[r] = (int32_t)c->counts[r];
+        flags[r] = r == c->bad ? 3 : 0;
+    }
+    for (i = 0; i < n; i++) {
+        const int64_t reg = i / (c->rows * k), tok = i % (c->rows * k) / k;
+        const int e = gids[i] - first;
+        lids[i] = c->bad < 0 && tok < c->counts[reg] && e >= 0 && e < E ? e : -1;
+    }
+    d_ids[0] = gt_dup(lids, sizeof(int32_t) * (size_t)n);
+    d_ids[1] = gt_dup(gids, sizeof(int32_t) * (size_t)n);
+    d_cnt = gt_dup(cnt, sizeof(int32_t) * (size_t)W);
+    d_flags = gt_dup(flags, sizeof(int32_t) * (size_t)W);
+    d_sticky = gt_dalloc(sizeof(int32_t));
+    gt_ok(moe_gpu_memset_async(d_sticky, 0, sizeof(int32_t), NULL), "sticky");
+    for (v = 0; v < 2; v++) /* 0: plain on the local ids, 1: the regions on the global ones */
+        for (f = 0; f < 6; f++) {
+            dev[v][f] = gt_dalloc(sizes[f]);
+            gt_poison(dev[v][f], GT_POISON_INT, sizes[f]);
+        }
+    for (v = 0; v < 2; v++) {
+        moe_permute_args_t p = {
+            d_ids[v],  T,         k,         E,         br,        mb,      dev[v][0],
+            dev[v][1], dev[v][2], dev[v][3], dev[v][4], dev[v][5], scratch, scratch_count,
+            {0}};
+        if (v == 1) {
+            p.regions.counts = d_cnt;
+            p.regions.rows = c->rows;
+            p.regions.regions = W;
+            p.regions.first = first;
+            p.regions.flags = d_flags;
+            p.regions.sticky = d_sticky;
+        }
+        gt_ok(moe_permute_launch(&p, NULL), v ? "region permute" : "plain permute");
+    }
+    for (f = 0; f < 6; f++) {
+        want[f] = malloc(sizes[f]);
+        got[f] = malloc(sizes[f]);
+        gt_get(want[f], dev[0][f], sizes[f]);
+        gt_get(got[f], dev[1][f], sizes[f]);
+    }
+    gt_get(&sticky, d_sticky, sizeof(int32_t));
+    nb = want[3][0];
+    assert_int_equal(got[3][0], nb);
+    assert_memory_equal(got[0], want[0], sizes[0]);
+    assert_memory_equal(got[1], want[1], sizes[1]);
+    assert_memory_equal(got[2], want[2], sizes[2]);
+    assert_memory_equal(got[5], want[5], sizeof(int32_t) * (size_t)nb * br);
+    for (i = 0; i < n; i++) { /* a live slot's row, a dead slot untouched */
+        const int64_t reg = i / (c->rows * k), tok = i % (c->rows * k) / k;
+        if (got[4][i] != (tok < c->counts[reg] ? want[4][i] : poison32)) {
+            fprintf(stderr, "regions W%d rows %lld: row_of_slot[%lld] = %d\n", W,
+                    (long long)c->rows, (long long)i, got[4][i]);
+            fail();
+        }
+    }
+    assert_int_equal(sticky, c->bad >= 0 ? (c->bad << 8) | 3 : 0);
+    if (c->bad >= 0)
+        assert_int_equal(nb, 0);
+
+    /* the scatter over the regions: the used rows from x, the rest untouched */
+    gt_fill_bf16(x, xb, (size_t)(T * H), 3.0f);
+    d_x = gt_dup(xb, 2 * (size_t)(T * H));
+    d_a = gt_dalloc(2 * (size_t)max_rows * H);
+    gt_poison(d_a, GT_POISON_FLOAT, 2 * (size_t)max_rows * H);
+    {
+        moe_gather_args_t g = {d_x, MOE_DTYPE_BF16, H, k,  dev[1][5], dev[1][3], br, mb,
+                               d_a, dev[1][4],      T, {0}};
+        g.regions.counts = d_cnt;
+        g.regions.rows = c->rows;
+        g.regions.regions = W;
+        gt_ok(moe_gather_launch(&g, NULL), "region scatter");
+    }
+    gt_get(a, d_a, 2 * (size_t)max_rows * H);
+    for (r = 0; r < max_rows; r++) {
+        const int32_t slot = r < (int64_t)nb * br ? got[5][r] : -1;
+        int h;
+        for (h = 0; h < H; h++) {
+            const uint16_t w = slot >= 0 ? xb[(slot / k) * H + h] : poison16;
+            if (a[r * H + h] != w) {
+                fprintf(stderr, "region scatter W%d rows %lld: row %lld col %d: %04x want %04x\n",
+                        W, (long long)c->rows, (long long)r, h, a[r * H + h], w);
+                fail();
+            }
+        }
+    }
+    for (f = 0; f < 6; f++) {
+        free(want[f]), free(got[f]);
+        moe_gpu_free(dev[0][f]), moe_gpu_free(dev[1][f]);
+    }
+    free(gids), free(lids), free(xb), free(a), free(x);
+    moe_gpu_free(d_ids[0]), moe_gpu_free(d_ids[1]), moe_gpu_free(d_cnt), moe_gpu_free(d_flags);
+    moe_gpu_free(d_sticky), moe_gpu_free(scratch), moe_gpu_free(d_x), moe_gpu_free(d_a);
+}
+
+static void test_permute_regions(void **state)
+{
+    size_t c;
+    (void)state;
+    for (c = 0; c < sizeof(region_cases) / sizeof(region_cases[0]); c++)
+        check_regions(&region_cases[c]);
 }
 
 /* The shared-MLP rows: x in bf16, zero padding, one-group block table. */
@@ -328,6 +482,7 @@ static void test_combine(void **state)
 
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_permute_gather),
+    cmocka_unit_test(test_permute_regions),
     cmocka_unit_test(test_rows),
     cmocka_unit_test(test_combine),
 };
