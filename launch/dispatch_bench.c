@@ -198,10 +198,75 @@ static int ranks_share_gpu(int world)
     return shared ? 1 + hosts : 0;
 }
 
+/* What the caller sees, unprofiled: the median of forward + synchronize (after a barrier), as
+ * the issue's first table was taken. t: scratch [iters]. */
+static double wall_us(moe_layer_t *layer, const moe_forward_args_t *a, double *t, int iters)
+{
+    int it;
+    for (it = 0; it < iters; it++) {
+        double t0;
+        MPI_Barrier(MPI_COMM_WORLD);
+        t0 = MPI_Wtime();
+        MK(moe_layer_forward(layer, a));
+        MK(moe_layer_synchronize(layer, a->stream));
+        t[it] = (MPI_Wtime() - t0) * 1e6;
+    }
+    moe_cli_sort(t, iters);
+    return t[iters / 2];
+}
+
+/* The step captured once in a CUDA graph and replayed (a serving engine's decode): median GPU
+ * time of a replay (events around it, after a barrier), or -1 on every rank when any rank's
+ * forward refuses capture (host-read p2p). */
+static double graph_us(moe_layer_t *layer, const moe_forward_args_t *a, double *t, int iters)
+{
+    cudaStream_t s = (cudaStream_t)a->stream;
+    cudaGraph_t g = NULL;
+    cudaGraphExec_t ge = NULL;
+    cudaEvent_t e0, e1;
+    moe_status_t st;
+    int ok, it;
+    float ms;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    st = moe_layer_forward(layer, a);
+    CK(cudaStreamEndCapture(s, &g));
+    ok = st == MOE_STATUS_SUCCESS;
+    MPI_Allreduce(MPI_IN_PLACE, &ok, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    if (!ok) {
+        if (g)
+            cudaGraphDestroy(g);
+        return -1.0;
+    }
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    for (it = 0; it < 3; it++)
+        CK(cudaGraphLaunch(ge, s));
+    CK(cudaStreamSynchronize(s));
+    for (it = 0; it < iters; it++) {
+        MPI_Barrier(MPI_COMM_WORLD);
+        CK(cudaEventRecord(e0, s));
+        CK(cudaGraphLaunch(ge, s));
+        CK(cudaEventRecord(e1, s));
+        CK(cudaEventSynchronize(e1));
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        t[it] = ms * 1e3;
+    }
+    MK(moe_layer_synchronize(layer, a->stream)); /* the replays' statuses */
+    moe_cli_sort(t, iters);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    cudaGraphExecDestroy(ge);
+    cudaGraphDestroy(g);
+    return t[iters / 2];
+}
+
 /* One point: the layer's dispatch, combine and step (median over steps, max over ranks) and
  * the payload this rank sent (max over ranks). */
 typedef struct point {
     double dispatch, combine, step;
+    double wall, graph; /* unprofiled: forward + synchronize; the step graph-replayed (< 0: the
+                           transport refuses capture) */
     int64_t bytes;
     double ws_mib; /* the layer's workspace (IPC buffer included), max over ranks */
 } point_t;
@@ -213,7 +278,7 @@ static point_t run_point(moe_runtime_t *rt, moe_layer_config_t cfg, int64_t T, i
     moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
     moe_layer_stats_t st;
     moe_layer_info_t info;
-    double *d = malloc(sizeof(double) * iters), *c = malloc(sizeof(double) * iters), v[4];
+    double *d = malloc(sizeof(double) * iters), *c = malloc(sizeof(double) * iters), v[6];
     double *tot = malloc(sizeof(double) * iters);
     uint16_t *hx = malloc(2 * (size_t)T * cfg.hidden);
     float *fx = malloc(4 * (size_t)T * cfg.hidden);
@@ -257,12 +322,16 @@ static point_t run_point(moe_runtime_t *rt, moe_layer_config_t cfg, int64_t T, i
     v[1] = c[iters / 2];
     v[2] = tot[iters / 2];
     v[3] = info.workspace_bytes / 1048576.0;
-    MPI_Allreduce(MPI_IN_PLACE, v, 4, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    v[4] = wall_us(layer, &a, tot, iters);
+    v[5] = graph_us(layer, &a, tot, iters);
+    MPI_Allreduce(MPI_IN_PLACE, v, 6, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     MPI_Allreduce(MPI_IN_PLACE, &bytes, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
     p.dispatch = v[0];
     p.combine = v[1];
     p.step = v[2];
     p.ws_mib = v[3];
+    p.wall = v[4];
+    p.graph = v[5];
     p.bytes = bytes;
     MK(moe_layer_destroy(layer));
     free(d);
@@ -336,14 +405,16 @@ int moe_dispatch_bench_main(int argc, char **argv)
                "grouped ncclSend/ncclRecv all-to-alls of half that payload each, graph-replayed; "
                "ratio = (dispatch + combine) / nccl (p2p-hdr, which moves whole regions: nccl "
                "of the routed payload, lsa's or p2p's sent at the point); ws: the layer's "
-               "workspace with the IPC buffer (moe_layer_info_t, max over ranks)\n"
+               "workspace with the IPC buffer (moe_layer_info_t, max over ranks); wall: "
+               "forward + synchronize unprofiled, as a caller sees it; graph: the step "
+               "captured once and replayed (- where the transport refuses capture)\n"
                "# capacity (max_tokens_per_rank): %s; max_tokens_across_ranks: %s\n#\n"
-               "# %9s %10s %12s %12s %10s %10s %8s %9s %9s\n",
+               "# %9s %10s %12s %12s %10s %10s %8s %9s %9s %9s %9s\n",
                world, cfg.num_experts, cfg.top_k, cfg.hidden, v, iters,
                cap ? "fixed (--capacity)" : "each point's tokens",
                told ? "the point's tokens (--told)" : "not given", "tok/rank", "transport",
                "dispatch(us)", "combine(us)", "sent(MB)", "nccl(us)", "ratio", "step(us)",
-               "ws(MiB)");
+               "ws(MiB)", "wall(us)", "graph(us)");
         if (cap)
             printf("# capacity %lld tokens per rank\n", (long long)cap);
         if (round)
@@ -387,10 +458,15 @@ int moe_dispatch_bench_main(int argc, char **argv)
                 a2a = 2 * nccl_a2a_us(comm, world, half * world / (world > 1 ? world - 1 : 1), sbuf,
                                       rbuf, s, iters);
             MPI_Allreduce(MPI_IN_PLACE, &a2a, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-            if (rank == 0)
-                printf("  %9lld %10s %12.1f %12.1f %10.3f %10.1f %8.2f %9.1f %9.1f\n", (long long)T,
-                       transport_names[q], p.dispatch, p.combine, p.bytes / 1e6, a2a,
-                       a2a > 0 ? (p.dispatch + p.combine) / a2a : 0.0, p.step, p.ws_mib);
+            if (rank == 0) {
+                char graph[16] = "-";
+                if (p.graph >= 0)
+                    snprintf(graph, sizeof(graph), "%.1f", p.graph);
+                printf("  %9lld %10s %12.1f %12.1f %10.3f %10.1f %8.2f %9.1f %9.1f %9.1f %9s\n",
+                       (long long)T, transport_names[q], p.dispatch, p.combine, p.bytes / 1e6, a2a,
+                       a2a > 0 ? (p.dispatch + p.combine) / a2a : 0.0, p.step, p.ws_mib, p.wall,
+                       graph);
+            }
             fflush(stdout);
         }
     }
