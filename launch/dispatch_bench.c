@@ -61,27 +61,15 @@ int moe_dispatch_bench_main(int argc, char **argv)
             DIE("%s: %s: %s", #call, moe_status_string(s_), moe_last_error());                     \
     } while (0)
 
-/* NCCL grouped send/recv all-to-all of `bytes` per rank (split evenly over the peers),
- * captured once in a graph and replayed; median microseconds. */
-static double nccl_a2a_us(ncclComm_t comm, int world, size_t bytes, void *sbuf, void *rbuf,
-                          cudaStream_t s, int iters)
+/* `g` instantiated and replayed (a few warm-up launches, then each timed by events after a
+ * barrier); median microseconds. Destroys g. */
+static double replay_us(cudaGraph_t g, cudaStream_t s, int iters)
 {
-    const size_t per = bytes / (size_t)world;
-    cudaGraph_t g;
     cudaGraphExec_t ge;
     cudaEvent_t e0, e1;
     double *t = malloc(sizeof(double) * (size_t)iters), med;
     float ms;
-    int p, i;
-
-    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    NK(ncclGroupStart());
-    for (p = 0; p < world; p++) {
-        NK(ncclSend((char *)sbuf + per * p, per, ncclUint8, p, comm, s));
-        NK(ncclRecv((char *)rbuf + per * p, per, ncclUint8, p, comm, s));
-    }
-    NK(ncclGroupEnd());
-    CK(cudaStreamEndCapture(s, &g));
+    int i;
     CK(cudaGraphInstantiate(&ge, g, 0));
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
@@ -105,6 +93,26 @@ static double nccl_a2a_us(ncclComm_t comm, int world, size_t bytes, void *sbuf, 
     cudaGraphExecDestroy(ge);
     cudaGraphDestroy(g);
     return med;
+}
+
+/* NCCL grouped send/recv all-to-all of `bytes` per rank (split evenly over the peers),
+ * captured once in a graph and replayed; median microseconds. */
+static double nccl_a2a_us(ncclComm_t comm, int world, size_t bytes, void *sbuf, void *rbuf,
+                          cudaStream_t s, int iters)
+{
+    const size_t per = bytes / (size_t)world;
+    cudaGraph_t g;
+    int p;
+
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    NK(ncclGroupStart());
+    for (p = 0; p < world; p++) {
+        NK(ncclSend((char *)sbuf + per * p, per, ncclUint8, p, comm, s));
+        NK(ncclRecv((char *)rbuf + per * p, per, ncclUint8, p, comm, s));
+    }
+    NK(ncclGroupEnd());
+    CK(cudaStreamEndCapture(s, &g));
+    return replay_us(g, s, iters);
 }
 
 /* --max-tokens T (default: the largest size), --capacity C (max_tokens_per_rank of every
@@ -216,17 +224,15 @@ static double wall_us(moe_layer_t *layer, const moe_forward_args_t *a, double *t
 }
 
 /* The step captured once in a CUDA graph and replayed (a serving engine's decode): median GPU
- * time of a replay (events around it, after a barrier), or -1 on every rank when any rank's
- * forward refuses capture (host-read p2p). */
-static double graph_us(moe_layer_t *layer, const moe_forward_args_t *a, double *t, int iters)
+ * time of a replay, or -1 on every rank when any rank's forward refuses capture (host-read
+ * p2p). */
+static double graph_us(moe_layer_t *layer, const moe_forward_args_t *a, int iters)
 {
     cudaStream_t s = (cudaStream_t)a->stream;
     cudaGraph_t g = NULL;
-    cudaGraphExec_t ge = NULL;
-    cudaEvent_t e0, e1;
     moe_status_t st;
-    int ok, it;
-    float ms;
+    double med;
+    int ok;
     CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
     st = moe_layer_forward(layer, a);
     CK(cudaStreamEndCapture(s, &g));
@@ -237,28 +243,9 @@ static double graph_us(moe_layer_t *layer, const moe_forward_args_t *a, double *
             cudaGraphDestroy(g);
         return -1.0;
     }
-    CK(cudaGraphInstantiate(&ge, g, 0));
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    for (it = 0; it < 3; it++)
-        CK(cudaGraphLaunch(ge, s));
-    CK(cudaStreamSynchronize(s));
-    for (it = 0; it < iters; it++) {
-        MPI_Barrier(MPI_COMM_WORLD);
-        CK(cudaEventRecord(e0, s));
-        CK(cudaGraphLaunch(ge, s));
-        CK(cudaEventRecord(e1, s));
-        CK(cudaEventSynchronize(e1));
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        t[it] = ms * 1e3;
-    }
+    med = replay_us(g, s, iters);
     MK(moe_layer_synchronize(layer, a->stream)); /* the replays' statuses */
-    moe_cli_sort(t, iters);
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
-    cudaGraphExecDestroy(ge);
-    cudaGraphDestroy(g);
-    return t[iters / 2];
+    return med;
 }
 
 /* One point: the layer's dispatch, combine and step (median over steps, max over ranks) and
@@ -323,7 +310,7 @@ static point_t run_point(moe_runtime_t *rt, moe_layer_config_t cfg, int64_t T, i
     v[2] = tot[iters / 2];
     v[3] = info.workspace_bytes / 1048576.0;
     v[4] = wall_us(layer, &a, tot, iters);
-    v[5] = graph_us(layer, &a, tot, iters);
+    v[5] = graph_us(layer, &a, iters);
     MPI_Allreduce(MPI_IN_PLACE, v, 6, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     MPI_Allreduce(MPI_IN_PLACE, &bytes, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
     p.dispatch = v[0];
