@@ -42,19 +42,61 @@ __device__ __forceinline__ int region_index(const int *prefix, int regions, int6
     return (int)(r * span) + i - prefix[r];
 }
 
-/* The entries a pass walks: plain, slot i of ids (ids outside [0, E): no expert); or the live
- * slots of the receive regions, in order, with global ids made local (moe_permute_regions_t). */
-struct slot_map {
+/* The entries a pass walks (a template argument, so that the plain layout's kernels are the
+ * code they were before the regions came). plain_slots: slot i of ids, ids outside [0, E) no
+ * expert. region_slots: the live slots of the receive regions, in order, with global ids made
+ * local (moe_permute_regions_t). setup: every thread of the CTA calls it; it returns the entries
+ * to walk; `prefix` is shared [MOE_PERMUTE_MAX_REGIONS + 1]; with `record`, CTA 0 records a
+ * failed step in the sticky word. */
+struct plain_slots {
     const int32_t *ids;
-    int first = 0;
-    bool none = false; /* a failed step: no slot has an expert */
-    int regions = 0;   /* 0: plain */
-    int64_t span = 0;  /* slots a region */
-    const int *prefix = nullptr;
 
+    __device__ __forceinline__ int setup(const int32_t *idv, int n, int,
+                                         const moe_permute_regions_t &, bool, int *)
+    {
+        ids = idv;
+        return n;
+    }
     __device__ __forceinline__ int slot(int i) const
     {
-        return regions ? region_index(prefix, regions, span, i) : i;
+        return i;
+    }
+    __device__ __forceinline__ int expert(int slot, int E) const
+    {
+        const int e = __ldg(ids + slot);
+        return e >= 0 && e < E ? e : -1;
+    }
+};
+
+struct region_slots {
+    const int32_t *ids;
+    int first, regions;
+    bool none;    /* a failed step: no slot has an expert */
+    int64_t span; /* slots a region */
+    const int *prefix;
+
+    __device__ __forceinline__ int setup(const int32_t *idv, int n, int top_k,
+                                         const moe_permute_regions_t &rg, bool record, int *pre)
+    {
+        int bad = -1;
+        (void)n;
+        for (int r = 0; rg.flags && r < rg.regions && bad < 0; r++)
+            if (rg.flags[r])
+                bad = r;
+        if (record && blockIdx.x == 0 && threadIdx.x == 0 && bad >= 0 && rg.sticky &&
+            *rg.sticky == 0)
+            *rg.sticky = (bad << 8) | (rg.flags[bad] & 0xff);
+        ids = idv;
+        first = rg.first;
+        regions = rg.regions;
+        none = bad >= 0;
+        span = rg.rows * top_k;
+        prefix = pre;
+        return region_prefix(rg, top_k, pre);
+    }
+    __device__ __forceinline__ int slot(int i) const
+    {
+        return region_index(prefix, regions, span, i);
     }
     __device__ __forceinline__ int expert(int slot, int E) const
     {
@@ -63,36 +105,13 @@ struct slot_map {
     }
 };
 
-/* The map of a pass over the n slots of `ids` (top_k a token); returns the entries it walks (n,
- * or the live slots). Every thread of the CTA calls it; `prefix` is shared
- * [MOE_PERMUTE_MAX_REGIONS + 1]. CTA 0 records a failed step in the sticky word when `record`. */
-__device__ __forceinline__ int map_setup(const int32_t *ids, int n, int top_k,
-                                         const moe_permute_regions_t &rg, bool record, int *prefix,
-                                         slot_map *m)
-{
-    m->ids = ids;
-    if (!rg.counts)
-        return n;
-    int bad = -1;
-    for (int r = 0; rg.flags && r < rg.regions && bad < 0; r++)
-        if (rg.flags[r])
-            bad = r;
-    if (record && blockIdx.x == 0 && threadIdx.x == 0 && bad >= 0 && rg.sticky && *rg.sticky == 0)
-        *rg.sticky = (bad << 8) | (rg.flags[bad] & 0xff);
-    m->first = rg.first;
-    m->none = bad >= 0;
-    m->regions = rg.regions;
-    m->span = rg.rows * top_k;
-    m->prefix = prefix;
-    return region_prefix(rg, top_k, prefix);
-}
-
 /* Ids a warp handles next, PREFETCH x 32 of them loaded at once (latency, not bandwidth, bounds
  * this kernel); entry u of lane l is entry i0 + 32 u + l, so the order stays ascending. Entries
  * with no expert here and entries past `end` read as -1. */
 constexpr int PREFETCH = 8;
 
-__device__ __forceinline__ void load_ids(const slot_map &ids, int i0, int end, int E, int lane,
+template <typename Slots>
+__device__ __forceinline__ void load_ids(const Slots &ids, int i0, int end, int E, int lane,
                                          int *ev)
 {
 #pragma unroll
@@ -104,7 +123,8 @@ __device__ __forceinline__ void load_ids(const slot_map &ids, int i0, int end, i
 
 /* Counts of a warp's ids [begin, end) per expert into wc[e] (a row of the CTA's [warp][E]
  * table, zeroed here). */
-__device__ __forceinline__ void warp_count(const slot_map &ids, int begin, int end, int E, int lane,
+template <typename Slots>
+__device__ __forceinline__ void warp_count(const Slots &ids, int begin, int end, int E, int lane,
                                            int *wc)
 {
     for (int e = lane; e < E; e += 32)
@@ -140,10 +160,10 @@ __device__ __forceinline__ void warps_prefix(int *wcnt, int *tot, int E)
 
 /* Places a warp's ids [begin, end): row = base[e] + the warp's prefix wc[e] + the lanes before
  * it with the same expert (stable: ascending i within each expert). */
-__device__ __forceinline__ void warp_place(const slot_map &ids, int begin, int end, int E, int lane,
-                                           int *wc, const int *base,
-                                           int32_t *__restrict__ row_of_slot,
-                                           int32_t *__restrict__ slot_of_row)
+template <typename Slots>
+__device__ __forceinline__ void
+warp_place(const Slots &ids, int begin, int end, int E, int lane, int *wc, const int *base,
+           int32_t *__restrict__ row_of_slot, int32_t *__restrict__ slot_of_row)
 {
     const unsigned lt = (1u << lane) - 1u;
     for (int i0 = begin; i0 < end; i0 += 32 * PREFETCH) {
@@ -245,6 +265,7 @@ __device__ __forceinline__ void warp_range(int c0, int c1, int *begin, int *end)
 /* Few rows: everything in one CTA. Each warp owns a contiguous chunk of the rows, so counting
  * per (warp, expert) and a prefix over warps gives every row its stable place with no atomics
  * (deterministic). */
+template <typename Slots>
 __global__ void __launch_bounds__(META_THREADS)
     permute_meta_kernel(const int32_t *__restrict__ idv, int n, int top_k, int E, int br,
                         int max_blocks, int32_t *__restrict__ expert_counts,
@@ -255,8 +276,8 @@ __global__ void __launch_bounds__(META_THREADS)
     moe_pdl_wait();
     extern __shared__ int smem[];
     __shared__ int prefix[MOE_PERMUTE_MAX_REGIONS + 1];
-    slot_map ids;
-    n = map_setup(idv, n, top_k, rg, true, prefix, &ids);
+    Slots ids;
+    n = ids.setup(idv, n, top_k, rg, true, prefix);
     int *wcnt = smem;                 /* [META_WARPS][E]: count, then exclusive prefix */
     int *cnt = wcnt + META_WARPS * E; /* [E] */
     int *offs = cnt + E;              /* [E + 1] padded offsets */
@@ -274,6 +295,7 @@ __global__ void __launch_bounds__(META_THREADS)
 
 /* Many rows, pass 1 of 3 (one CTA per chunk of the entries, ceil(n / grid) each): the chunk's
  * count per expert into part[g][e]. */
+template <typename Slots>
 __global__ void __launch_bounds__(META_THREADS)
     permute_count_kernel(const int32_t *__restrict__ idv, int n, int top_k, int E,
                          int32_t *__restrict__ part, moe_permute_regions_t rg)
@@ -281,8 +303,8 @@ __global__ void __launch_bounds__(META_THREADS)
     moe_pdl_wait();
     extern __shared__ int smem[];
     __shared__ int prefix[MOE_PERMUTE_MAX_REGIONS + 1];
-    slot_map ids;
-    n = map_setup(idv, n, top_k, rg, true, prefix, &ids);
+    Slots ids;
+    n = ids.setup(idv, n, top_k, rg, true, prefix);
     int *wcnt = smem;
     const int chunk = (n + gridDim.x - 1) / gridDim.x;
     const int g = blockIdx.x, c0 = min(g * chunk, n), c1 = min(c0 + chunk, n);
@@ -332,6 +354,7 @@ __global__ void __launch_bounds__(META_THREADS)
 
 /* Pass 3 (one CTA per chunk): every row's place, from the expert's padded offset, the chunk's
  * first row within the expert and the warps before it in the chunk. */
+template <typename Slots>
 __global__ void __launch_bounds__(META_THREADS)
     permute_place_kernel(const int32_t *__restrict__ idv, int n, int top_k, int E,
                          const int32_t *__restrict__ part,
@@ -342,8 +365,8 @@ __global__ void __launch_bounds__(META_THREADS)
     moe_pdl_wait();
     extern __shared__ int smem[];
     __shared__ int prefix[MOE_PERMUTE_MAX_REGIONS + 1];
-    slot_map ids;
-    n = map_setup(idv, n, top_k, rg, false, prefix, &ids);
+    Slots ids;
+    n = ids.setup(idv, n, top_k, rg, false, prefix);
     int *wcnt = smem, *base = wcnt + META_WARPS * E;
     const int chunk = (n + gridDim.x - 1) / gridDim.x;
     const int g = blockIdx.x, c0 = min(g * chunk, n), c1 = min(c0 + chunk, n);
@@ -496,7 +519,7 @@ __device__ __forceinline__ void scatter_token(const T *__restrict__ x, int hidde
     }
 }
 
-template <typename T>
+template <typename T, bool REGIONS>
 __global__ void __launch_bounds__(GATHER_THREADS)
     scatter_rows_kernel(const T *__restrict__ x, int hidden, int top_k, int num_tokens,
                         const int32_t *__restrict__ row_of_slot, __nv_bfloat16 *__restrict__ a,
@@ -505,11 +528,11 @@ __global__ void __launch_bounds__(GATHER_THREADS)
     moe_pdl_wait();
     __shared__ int prefix[MOE_PERMUTE_MAX_REGIONS + 1];
     /* receive regions: their live tokens only */
-    const int tokens = rg.counts ? region_prefix(rg, 1, prefix) : num_tokens;
+    const int tokens = REGIONS ? region_prefix(rg, 1, prefix) : num_tokens;
     for (int q0 = blockIdx.x * SCATTER_TOKENS; q0 < tokens; q0 += gridDim.x * SCATTER_TOKENS)
         for (int q = q0; q < min(tokens, q0 + SCATTER_TOKENS); q++)
             scatter_token(x, hidden, top_k,
-                          rg.counts ? region_index(prefix, rg.regions, rg.rows, q) : q, row_of_slot,
+                          REGIONS ? region_index(prefix, rg.regions, rg.rows, q) : q, row_of_slot,
                           a);
 }
 
@@ -547,10 +570,10 @@ moe_status_t launch_gather(const moe_gather_args_t *g, unsigned rows, cudaStream
         if (g->regions.counts && grid > MOE_GATHER_MAX_CTAS)
             grid = MOE_GATHER_MAX_CTAS;
         if (grid > 0)
-            MOE_CUDA_CHECK(moe_launch((scatter_rows_kernel<T>), dim3((unsigned)grid),
-                                      dim3(GATHER_THREADS), 0, s, (const T *)g->x, g->hidden,
-                                      g->top_k, (int)g->num_tokens, g->row_of_slot,
-                                      (__nv_bfloat16 *)g->a, g->regions));
+            MOE_CUDA_CHECK(moe_launch(
+                g->regions.counts ? scatter_rows_kernel<T, true> : scatter_rows_kernel<T, false>,
+                dim3((unsigned)grid), dim3(GATHER_THREADS), 0, s, (const T *)g->x, g->hidden,
+                g->top_k, (int)g->num_tokens, g->row_of_slot, (__nv_bfloat16 *)g->a, g->regions));
     } else if (vec)
         MOE_CUDA_CHECK(
             moe_launch((gather_rows_kernel<T>), dim3((rows + GATHER_ROWS - 1) / GATHER_ROWS),
@@ -597,11 +620,15 @@ moe_status_t raise_smem_limit()
     MOE_CUDA_CHECK(cudaGetDevice(&dev));
     if (moe_device_cached(done, dev, [&](int d) {
             int optin = 0;
-            const void *k[4] = {
-                (const void *)permute_meta_kernel, (const void *)permute_count_kernel,
-                (const void *)permute_scan_kernel, (const void *)permute_place_kernel};
+            const void *k[7] = {(const void *)permute_meta_kernel<plain_slots>,
+                                (const void *)permute_count_kernel<plain_slots>,
+                                (const void *)permute_scan_kernel,
+                                (const void *)permute_place_kernel<plain_slots>,
+                                (const void *)permute_meta_kernel<region_slots>,
+                                (const void *)permute_count_kernel<region_slots>,
+                                (const void *)permute_place_kernel<region_slots>};
             err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, d);
-            for (int i = 0; i < 4 && err == cudaSuccess; i++)
+            for (int i = 0; i < 7 && err == cudaSuccess; i++)
                 err = cudaFuncSetAttribute(k[i], cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            need < optin ? need : optin);
             return err == cudaSuccess ? 1 : 0;
@@ -616,7 +643,8 @@ moe_status_t raise_smem_limit()
 template <typename T> moe_status_t prepare_rows()
 {
     MOE_CUDA_PREPARE((gather_rows_kernel<T>));
-    MOE_CUDA_PREPARE((scatter_rows_kernel<T>));
+    MOE_CUDA_PREPARE((scatter_rows_kernel<T, false>));
+    MOE_CUDA_PREPARE((scatter_rows_kernel<T, true>));
     MOE_CUDA_PREPARE((gather_kernel<T, false>));
     MOE_CUDA_PREPARE((rows_kernel<T, true>));
     MOE_CUDA_PREPARE((rows_kernel<T, false>));
@@ -625,9 +653,42 @@ template <typename T> moe_status_t prepare_rows()
 
 extern "C" moe_status_t moe_permute_prepare(void)
 {
-    MOE_CHECK(raise_smem_limit()); /* loads the four meta kernels */
+    MOE_CHECK(raise_smem_limit()); /* loads the meta kernels */
     MOE_CHECK(prepare_rows<float>());
     return prepare_rows<__nv_bfloat16>();
+}
+
+/* The metadata pass over n slots: one CTA, or count / scan / place over the chunks. */
+template <typename Slots>
+static moe_status_t launch_permute(const moe_permute_args_t *a, int64_t n, size_t smem,
+                                   cudaStream_t s)
+{
+    const int G = moe_permute_chunks(n);
+    if (G <= 1 || !a->scratch) {
+        MOE_CUDA_CHECK(moe_launch((permute_meta_kernel<Slots>), dim3(1), dim3(META_THREADS), smem,
+                                  s, a->topk_ids, (int)n, a->top_k, a->num_experts, a->block_rows,
+                                  a->max_blocks, a->expert_counts, a->expert_offsets,
+                                  a->block_expert, a->num_blocks, a->row_of_slot, a->slot_of_row,
+                                  a->regions));
+        MOE_CUDA_CHECK_LAUNCH("permute_meta_kernel");
+        return MOE_STATUS_SUCCESS;
+    }
+    MOE_ARG_CHECK(a->scratch_count >= (int64_t)G * a->num_experts,
+                  "permute: scratch of %lld ints < %lld needed", (long long)a->scratch_count,
+                  (long long)G * a->num_experts);
+    MOE_CUDA_CHECK(moe_launch((permute_count_kernel<Slots>), dim3(G), dim3(META_THREADS), smem, s,
+                              a->topk_ids, (int)n, a->top_k, a->num_experts, a->scratch,
+                              a->regions));
+    MOE_CUDA_CHECK(moe_launch((permute_scan_kernel), dim3(1), dim3(META_THREADS), smem, s, G,
+                              a->num_experts, a->block_rows, a->max_blocks, a->scratch,
+                              a->expert_counts, a->expert_offsets, a->block_expert, a->num_blocks,
+                              a->slot_of_row));
+    MOE_CUDA_CHECK(moe_launch((permute_place_kernel<Slots>), dim3(G), dim3(META_THREADS), smem, s,
+                              a->topk_ids, (int)n, a->top_k, a->num_experts,
+                              (const int32_t *)a->scratch, (const int32_t *)a->expert_offsets,
+                              a->row_of_slot, a->slot_of_row, a->regions));
+    MOE_CUDA_CHECK_LAUNCH("permute count/scan/place");
+    return MOE_STATUS_SUCCESS;
 }
 
 /* The receive regions (when given) tile the num_tokens tokens. */
@@ -661,33 +722,8 @@ extern "C" moe_status_t moe_permute_launch(const moe_permute_args_t *a, void *st
     smem = sizeof(int) * ((size_t)META_WARPS * a->num_experts + 2 * (size_t)a->num_experts + 2);
     MOE_CHECK(raise_smem_limit());
     MOE_CHECK(check_regions(&a->regions, a->num_tokens));
-    const int G = moe_permute_chunks(n);
-    cudaStream_t s = (cudaStream_t)stream;
-    if (G <= 1 || !a->scratch) {
-        MOE_CUDA_CHECK(moe_launch((permute_meta_kernel), dim3(1), dim3(META_THREADS), smem, s,
-                                  a->topk_ids, (int)n, a->top_k, a->num_experts, a->block_rows,
-                                  a->max_blocks, a->expert_counts, a->expert_offsets,
-                                  a->block_expert, a->num_blocks, a->row_of_slot, a->slot_of_row,
-                                  a->regions));
-        MOE_CUDA_CHECK_LAUNCH("permute_meta_kernel");
-        return MOE_STATUS_SUCCESS;
-    }
-    MOE_ARG_CHECK(a->scratch_count >= (int64_t)G * a->num_experts,
-                  "permute: scratch of %lld ints < %lld needed", (long long)a->scratch_count,
-                  (long long)G * a->num_experts);
-    MOE_CUDA_CHECK(moe_launch((permute_count_kernel), dim3(G), dim3(META_THREADS), smem, s,
-                              a->topk_ids, (int)n, a->top_k, a->num_experts, a->scratch,
-                              a->regions));
-    MOE_CUDA_CHECK(moe_launch((permute_scan_kernel), dim3(1), dim3(META_THREADS), smem, s, G,
-                              a->num_experts, a->block_rows, a->max_blocks, a->scratch,
-                              a->expert_counts, a->expert_offsets, a->block_expert, a->num_blocks,
-                              a->slot_of_row));
-    MOE_CUDA_CHECK(moe_launch((permute_place_kernel), dim3(G), dim3(META_THREADS), smem, s,
-                              a->topk_ids, (int)n, a->top_k, a->num_experts,
-                              (const int32_t *)a->scratch, (const int32_t *)a->expert_offsets,
-                              a->row_of_slot, a->slot_of_row, a->regions));
-    MOE_CUDA_CHECK_LAUNCH("permute count/scan/place");
-    return MOE_STATUS_SUCCESS;
+    return a->regions.counts ? launch_permute<region_slots>(a, n, smem, (cudaStream_t)stream)
+                             : launch_permute<plain_slots>(a, n, smem, (cudaStream_t)stream);
 }
 
 extern "C" moe_status_t moe_gather_launch(const moe_gather_args_t *g, void *stream)
