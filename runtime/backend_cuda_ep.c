@@ -25,6 +25,10 @@
 #include "runtime/diag.h"
 #include "runtime/ep_rounds.h"
 
+/* local_experts hands the permute one receive region per rank of the all-to-all */
+_Static_assert(MOE_A2A_MAX_WORLD <= MOE_PERMUTE_MAX_REGIONS,
+               "the permute walks at most MOE_PERMUTE_MAX_REGIONS receive regions");
+
 /* ---- the IPC buffer of the lsa transport (one per runtime, mapped by every rank) --------- */
 
 typedef struct cuda_sym {
