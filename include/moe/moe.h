@@ -166,6 +166,18 @@ moe_status_t moe_runtime_destroy(moe_runtime_t *runtime);
 
 moe_status_t moe_runtime_get_info(const moe_runtime_t *runtime, moe_runtime_info_t *info);
 
+/* Collective over the runtime's ranks, on the host: *max_tokens_across_ranks = the largest
+ * num_tokens any rank passes, for moe_forward_args_t.max_tokens_across_ranks of the coming step
+ * (every layer of it). For callers that do not know that bound already (a serving engine knows
+ * it from its batch metadata): one small host all-reduce a step (bounded by the runtime's
+ * timeout) instead of a step sized by the capacity, which with expert parallelism on the CUDA
+ * backend runs ceil(capacity / ep_round_tokens) rounds, W by default, however few tokens it has
+ * (docs/KERNELS.md, "Rounds"). num_tokens must be >= 0; a rank whose arguments fail returns
+ * INVALID_ARGUMENT and every other rank PEER_FAILURE naming it (a NULL runtime cannot take
+ * part: its peers get TIMEOUT). */
+moe_status_t moe_runtime_max_tokens(moe_runtime_t *runtime, int64_t num_tokens,
+                                    int64_t *max_tokens_across_ranks);
+
 /* ------------------------------------------------------------------------------------------ */
 /* Layer                                                                                       */
 /* ------------------------------------------------------------------------------------------ */

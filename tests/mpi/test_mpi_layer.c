@@ -7,6 +7,7 @@
 
 #include <math.h>
 #include <mpi.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -246,6 +247,62 @@ static void test_bad_forward_on_one_rank(void **state)
     TU_OK(moe_layer_destroy(l));
 }
 
+/* moe_runtime_max_tokens: the largest count on every rank; one rank's bad arguments fail the
+ * call on every rank, naming it, and the runtime stays usable; the bound it gives serves a
+ * step whose ranks bring different counts. */
+static void test_max_tokens(void **state)
+{
+    moe_layer_config_t c = family(FAM_DEEPSEEK);
+    moe_layer_t *l = NULL;
+    moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
+    float *x, *y;
+    int64_t m = -7, T = 5 * rank + 1;
+    moe_status_t st;
+    (void)state;
+    TU_OK(moe_runtime_max_tokens(rt_world, T, &m));
+    assert_int_equal(m, 5 * (world - 1) + 1);
+    TU_OK(moe_runtime_max_tokens(rt_self, T, &m));
+    assert_int_equal(m, T);
+    TU_OK(moe_runtime_max_tokens(rt_world, 0, &m));
+    assert_int_equal(m, 0);
+    /* the last rank's count is negative, then rank 0 gives no place for the result */
+    m = -7;
+    st = moe_runtime_max_tokens(rt_world, rank == world - 1 ? -3 : 2, &m);
+    assert_int_equal(st, rank == world - 1 ? MOE_STATUS_INVALID_ARGUMENT : MOE_STATUS_PEER_FAILURE);
+    assert_int_equal(m, -7);
+    if (rank != world - 1) {
+        char want[64];
+        snprintf(want, sizeof(want), "rank %d's arguments failed", world - 1);
+        assert_non_null(strstr(moe_last_error(), want));
+    }
+    st = moe_runtime_max_tokens(rt_world, 2, rank == 0 ? NULL : &m);
+    assert_int_equal(st, rank == 0 ? MOE_STATUS_INVALID_ARGUMENT : MOE_STATUS_PEER_FAILURE);
+    /* usable after: the bound of uneven counts passed to a step, against the CPU reference run
+     * on one rank (each rank's tokens are its own: T of them) */
+    TU_OK(moe_runtime_max_tokens(rt_world, T, &m));
+    assert_int_equal(m, 5 * (world - 1) + 1);
+    x = malloc(sizeof(float) * (size_t)(T * c.hidden));
+    y = malloc(sizeof(float) * (size_t)(T * c.hidden));
+    moe_gen_tokens(tu_seed("max_tokens"), 100 * rank, T, c.hidden, x);
+    TU_OK(moe_layer_create(rt_world, &c, &l));
+    TU_OK(moe_gen_set_weights(l, &c, 3));
+    a.num_tokens = T;
+    a.x = x;
+    a.y = y;
+    a.max_tokens_across_ranks = m;
+    TU_OK(moe_layer_forward(l, &a));
+    TU_OK(moe_layer_synchronize(l, NULL));
+    TU_OK(moe_layer_destroy(l));
+    {
+        float *ref = malloc(sizeof(float) * (size_t)(T * c.hidden));
+        run(rt_self, c, 3, x, T, NULL, ref);
+        assert_true(tu_rel_err(y, ref, T * c.hidden) <= 1e-5);
+        free(ref);
+    }
+    free(x);
+    free(y);
+}
+
 /* All ranks of this test share one host: node-local ranks are the world ranks. */
 static void test_node_local_rank(void **state)
 {
@@ -264,7 +321,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_node_local_rank),           cmocka_unit_test(test_layouts_modes_families),
     cmocka_unit_test(test_fp8_scales_under_tp),       cmocka_unit_test(test_hot_expert),
     cmocka_unit_test(test_deterministic_batch_sizes), cmocka_unit_test(test_mismatched_config),
-    cmocka_unit_test(test_bad_forward_on_one_rank),
+    cmocka_unit_test(test_bad_forward_on_one_rank),   cmocka_unit_test(test_max_tokens),
 };
 
 CPU_MPI_MAIN(tests)
