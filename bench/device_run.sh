@@ -7,8 +7,9 @@
 #                    and test_gpu_ep runs with 4 ranks on it as well)
 #   quick            the same
 #   ep               a stopped peer under allgather, p2p and p2p-hdr; the dispatch bench at a
-#                    serving capacity, every transport, told and not (one GPU: the ranks share
-#                    it, NCCL over loopback sockets; smoke runs, and no lsa-ll/PDL/rounds)
+#                    serving capacity, every transport, told, not and asked (one GPU: the
+#                    ranks share it, NCCL over loopback sockets; smoke runs, told only, and
+#                    no lsa-ll/PDL/rounds)
 #   ep-cap           (2+ GPUs) issue 10's capacity table (8 tokens per rank, capacity 8 ..
 #                    8192, each transport), weak scaling, first call
 #   ep-layer         DeepSeek-V3's whole layer at 8 and 4096 tokens per rank, all GPUs vs one
@@ -24,7 +25,8 @@
 #                    KERNEL_X = bf16 or f32 tokens)
 #   rotate           moe-bench with and without L2 rotation (issue 13's bench check)
 #   mps              (one GPU) two ranks share it under MPS (daemon started and stopped here):
-#                    the lsa dispatch table, capacity 8192 told and not, rounds and one round,
+#                    the lsa dispatch table, capacity 8192 told, not and asked (--ask),
+#                    rounds and one round,
 #                    and moe-run's EP layer in rounds ($MPS_LAYER_TOKENS per rank, default
 #                    "512 4096"; empty: none; MPS_DISPATCH=0: no dispatch table), and with
 #                    micro-batch lanes off and on
@@ -119,6 +121,11 @@ ep)
             --max-tokens 512 --round-tokens $R 2>&1 | quiet | tee -a "$OUT/dispatch.log" |
             grep -E "^ +[0-9]"
     done
+    # not told but asked: moe_runtime_max_tokens before each step (its all-reduce in wall)
+    echo "== dispatch, capacity 8192, --ask"
+    timeout 120 mpirun -np "$ngpu" $B/moe-bench --dispatch-only --capacity 8192 --ask \
+        --max-tokens 512 --transport lsa 2>&1 | quiet | tee -a "$OUT/dispatch.log" |
+        grep -E "^ +[0-9]"
     ;;
 ep-cap)
     [ "$ngpu" -ge 2 ] || { echo "ep-cap: needs 2+ GPUs (this machine has $ngpu)"; exit 1; }
@@ -178,7 +185,7 @@ mps)
     mkdir -p /tmp/mps /tmp/mpslog
     nvidia-cuda-mps-control -d
     X="-x CUDA_MPS_PIPE_DIRECTORY -x CUDA_MPS_LOG_DIRECTORY -x MOE_TIMEOUT_MS"
-    for told in --told ""; do
+    for told in --told "" --ask; do
         [ "${MPS_DISPATCH:-1}" = 1 ] || break
         for R in 0 8192; do
             echo "== dispatch, 2 ranks on one GPU (MPS), capacity 8192 ${told:-not told}, --round-tokens $R"

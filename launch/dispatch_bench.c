@@ -117,7 +117,9 @@ static double nccl_a2a_us(ncclComm_t comm, int world, size_t bytes, void *sbuf, 
 
 /* --max-tokens T (default: the largest size), --capacity C (max_tokens_per_rank of every
  * point's layer, as a serving engine sets it; default: the point's own token count),
- * --told (pass max_tokens_across_ranks = the point's tokens) and --round-tokens R (the
+ * --told (pass max_tokens_across_ranks = the point's tokens), --ask (get it from
+ * moe_runtime_max_tokens before every step, as a caller that does not know it would; the wall
+ * column then includes that all-reduce) and --round-tokens R (the
  * layers' ep_round_tokens, at most each point's capacity; 0: the library's default), checked
  * and agreed among the ranks before the first collective; nonzero (after one message) on a
  * bad or mismatched one. */
@@ -125,6 +127,8 @@ static const char *const transport_names[] = {"allgather", "lsa", "p2p", "lsa-ll
 /* lsa-ll: lsa with MOE_EP_LL=1, at up to 128 rows per rank; p2p-hdr: p2p with
  * MOE_EP_P2P_HEADER=1 (whole regions, sizes in-band, no host read) */
 enum { NT = 5, LSA_LL = 3, P2P_HDR = 4 };
+/* how a step learns max_tokens_across_ranks: not at all, from the caller, by asking */
+enum { UNTOLD = 0, TOLD = 1, ASK = 2 };
 
 static int agree_options(int argc, char **argv, int64_t largest, int64_t *tmax, int64_t *cap,
                          int *told, int *transport, int64_t *round)
@@ -133,7 +137,7 @@ static int agree_options(int argc, char **argv, int64_t largest, int64_t *tmax, 
     int i, j, bad = 0;
     moe_cli_field_t f[5] = {{"--max-tokens", 0, 0},
                             {"--capacity", 0, 0},
-                            {"--told", 0, 0},
+                            {"--told/--ask", 0, 0},
                             {"--transport", 0, 0},
                             {"--round-tokens", 0, 0}};
 
@@ -145,9 +149,12 @@ static int agree_options(int argc, char **argv, int64_t largest, int64_t *tmax, 
     for (i = 1; i < argc && !bad; i++) {
         if (!strcmp(argv[i], "--dispatch-only"))
             continue;
-        if (!strcmp(argv[i], "--told"))
-            *told = 1;
-        else if (!strcmp(argv[i], "--transport") && i + 1 < argc) {
+        if (!strcmp(argv[i], "--told") || !strcmp(argv[i], "--ask")) {
+            const int mode = argv[i][2] == 't' ? TOLD : ASK;
+            if (*told && *told != mode)
+                bad = snprintf(err, sizeof(err), "--told and --ask: one or the other") > 0;
+            *told = mode;
+        } else if (!strcmp(argv[i], "--transport") && i + 1 < argc) {
             const char *v = argv[++i];
             for (j = 0; j < NT && strcmp(v, transport_names[j]); j++)
                 ;
@@ -207,14 +214,18 @@ static int ranks_share_gpu(int world)
 }
 
 /* What the caller sees, unprofiled: the median of forward + synchronize (after a barrier), as
- * the issue's first table was taken. t: scratch [iters]. */
-static double wall_us(moe_layer_t *layer, const moe_forward_args_t *a, double *t, int iters)
+ * the issue's first table was taken; with `ask`, moe_runtime_max_tokens on it first. t: scratch
+ * [iters]. */
+static double wall_us(moe_layer_t *layer, moe_forward_args_t *a, moe_runtime_t *ask, double *t,
+                      int iters)
 {
     int it;
     for (it = 0; it < iters; it++) {
         double t0;
         MPI_Barrier(MPI_COMM_WORLD);
         t0 = MPI_Wtime();
+        if (ask)
+            MK(moe_runtime_max_tokens(ask, a->num_tokens, &a->max_tokens_across_ranks));
         MK(moe_layer_forward(layer, a));
         MK(moe_layer_synchronize(layer, a->stream));
         t[it] = (MPI_Wtime() - t0) * 1e6;
@@ -287,7 +298,9 @@ static point_t run_point(moe_runtime_t *rt, moe_layer_config_t cfg, int64_t T, i
     a.x = dx;
     a.y = dy;
     a.stream = s;
-    a.max_tokens_across_ranks = told ? T : 0;
+    a.max_tokens_across_ranks = told == TOLD ? T : 0;
+    if (told == ASK) /* the profiled steps and the graph: what the all-reduce gives */
+        MK(moe_runtime_max_tokens(rt, T, &a.max_tokens_across_ranks));
     setenv("MOE_PROFILE", "1", 1);
     for (it = 0; it < 3; it++)
         MK(moe_layer_forward(layer, &a));
@@ -309,7 +322,7 @@ static point_t run_point(moe_runtime_t *rt, moe_layer_config_t cfg, int64_t T, i
     v[1] = c[iters / 2];
     v[2] = tot[iters / 2];
     v[3] = info.workspace_bytes / 1048576.0;
-    v[4] = wall_us(layer, &a, tot, iters);
+    v[4] = wall_us(layer, &a, told == ASK ? rt : NULL, tot, iters);
     v[5] = graph_us(layer, &a, iters);
     MPI_Allreduce(MPI_IN_PLACE, v, 6, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     MPI_Allreduce(MPI_IN_PLACE, &bytes, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
@@ -399,9 +412,11 @@ int moe_dispatch_bench_main(int argc, char **argv)
                "# %9s %10s %12s %12s %10s %10s %8s %9s %9s %9s %9s\n",
                world, cfg.num_experts, cfg.top_k, cfg.hidden, v, iters,
                cap ? "fixed (--capacity)" : "each point's tokens",
-               told ? "the point's tokens (--told)" : "not given", "tok/rank", "transport",
-               "dispatch(us)", "combine(us)", "sent(MB)", "nccl(us)", "ratio", "step(us)",
-               "ws(MiB)", "wall(us)", "graph(us)");
+               told == TOLD  ? "the point's tokens (--told)"
+               : told == ASK ? "moe_runtime_max_tokens before each step (--ask; in wall)"
+                             : "not given",
+               "tok/rank", "transport", "dispatch(us)", "combine(us)", "sent(MB)", "nccl(us)",
+               "ratio", "step(us)", "ws(MiB)", "wall(us)", "graph(us)");
         if (cap)
             printf("# capacity %lld tokens per rank\n", (long long)cap);
         if (round)

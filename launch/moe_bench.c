@@ -95,11 +95,12 @@ static void usage(void)
            "         steady step at that count; and of the first forward after create. Eager\n"
            "         steps on any backend (MOE_BACKEND), wall clock to moe_layer_synchronize)\n"
            "       mpirun -np N moe-bench --dispatch-only [--max-tokens T] [--capacity C] "
-           "[--told]\n"
+           "[--told | --ask]\n"
            "                 [--round-tokens R]\n"
            "         (expert-parallel dispatch/combine next to NCCL all-to-all; --capacity: a\n"
            "         serving engine's max_tokens_per_rank for every point; --told: pass\n"
-           "         max_tokens_across_ranks = the point's tokens; --round-tokens: the layers'\n"
+           "         max_tokens_across_ranks = the point's tokens; --ask: get it from\n"
+           "         moe_runtime_max_tokens before each step; --round-tokens: the layers'\n"
            "         ep_round_tokens, 0 the library's default)\n"
            "presets: %s\n",
            MAX_ROTATE, moe_gen_preset_names());

@@ -223,6 +223,11 @@ if [ -n "$moe_bench" ]; then
         "${mpirun[@]}" -np 1 "$moe_bench" --tokens 1,8 : -np 1 "$moe_bench" --tokens 1,16
     expect bench-dispatch-max 2 "--max-tokens 0: out of range" \
         b --dispatch-only --max-tokens 0
+    expect bench-dispatch-told-ask 2 "--told and --ask: one or the other" \
+        b --dispatch-only --told --ask
+    expect bench-mpmd-told-ask 2 "--told/--ask is 1 on rank 0 but 2 on rank 1" \
+        "${mpirun[@]}" -np 1 "$moe_bench" --dispatch-only --told : \
+        -np 1 "$moe_bench" --dispatch-only --ask
     expect bench-capacity-zero 2 "--capacity 0: out of range" b --capacity 0
     expect bench-tokens-over-capacity 2 "--tokens 600 is over --capacity 512" \
         b --tokens 1,600 --capacity 512
