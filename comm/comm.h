@@ -52,6 +52,9 @@ moe_status_t moe_comm_reduce_scatter_f32(moe_comm_t *comm, const float *send, fl
  * rank's status as MOE_STATUS_PEER_FAILURE (or its own). Used to end collective calls
  * with one verdict on all ranks. */
 moe_status_t moe_comm_agree(moe_comm_t *comm, moe_status_t status);
+/* The same agreement and, in the same all-reduce, *value = the largest *value over the ranks
+ * (>= 0 each; left as it is unless every rank succeeded). */
+moe_status_t moe_comm_agree_max(moe_comm_t *comm, moe_status_t status, int64_t *value);
 
 #ifdef __cplusplus
 }

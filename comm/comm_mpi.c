@@ -545,24 +545,35 @@ out:
     return st;
 }
 
-moe_status_t moe_comm_agree(moe_comm_t *c, moe_status_t status)
+moe_status_t moe_comm_agree_max(moe_comm_t *c, moe_status_t status, int64_t *value)
 {
-    /* MIN over failing ranks of (rank * 64 + status): the first failing rank and its status. */
-    int64_t v = status != MOE_STATUS_SUCCESS ? (int64_t)c->rank * 64 + (int64_t)status : INT64_MAX;
+    /* MIN over failing ranks of (rank * 64 + status): the first failing rank and its status;
+     * MIN of -value: the largest value, in the same all-reduce. */
+    int64_t v[2];
     moe_status_t st;
+    v[0] = status != MOE_STATUS_SUCCESS ? (int64_t)c->rank * 64 + (int64_t)status : INT64_MAX;
+    v[1] = value ? -*value : 0;
     /* A rank whose own step failed on this communicator (a timeout) reports that failure,
      * not the communicator's state. */
     if (c->failed && status != MOE_STATUS_SUCCESS)
         return status;
-    st = moe_comm_allreduce_i64(c, &v, 1, MOE_REDUCE_MIN);
+    st = moe_comm_allreduce_i64(c, v, value ? 2 : 1, MOE_REDUCE_MIN);
     if (st != MOE_STATUS_SUCCESS)
         return st;
-    if (v == INT64_MAX)
+    if (v[0] == INT64_MAX) {
+        if (value)
+            *value = -v[1];
         return MOE_STATUS_SUCCESS;
+    }
     if (status != MOE_STATUS_SUCCESS)
         return status; /* keep this rank's own message */
-    return moe_error(MOE_STATUS_PEER_FAILURE, "rank %lld failed with %s", (long long)(v / 64),
-                     moe_status_string((moe_status_t)(v % 64)));
+    return moe_error(MOE_STATUS_PEER_FAILURE, "rank %lld failed with %s", (long long)(v[0] / 64),
+                     moe_status_string((moe_status_t)(v[0] % 64)));
+}
+
+moe_status_t moe_comm_agree(moe_comm_t *c, moe_status_t status)
+{
+    return moe_comm_agree_max(c, status, NULL);
 }
 
 moe_status_t moe_comm_node_rank(moe_comm_t *c, int *local_rank, int *local_size)

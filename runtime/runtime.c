@@ -172,10 +172,9 @@ moe_status_t moe_runtime_destroy(moe_runtime_t *rt)
 moe_status_t moe_runtime_max_tokens(moe_runtime_t *rt, int64_t num_tokens,
                                     int64_t *max_tokens_across_ranks)
 {
-    /* one all-reduce (MAX) of {tokens, world - the rank if its arguments failed}: the largest
-     * count, and the lowest failing rank */
-    moe_status_t local = MOE_STATUS_SUCCESS, st;
-    int64_t v[2];
+    /* the runtime's agreement, with the largest count in the same all-reduce */
+    moe_status_t local = MOE_STATUS_SUCCESS;
+    int64_t m;
     moe_error_clear();
     MOE_ARG_CHECK(rt != NULL, "runtime = NULL");
     if (!max_tokens_across_ranks)
@@ -184,16 +183,9 @@ moe_status_t moe_runtime_max_tokens(moe_runtime_t *rt, int64_t num_tokens,
     else if (num_tokens < 0)
         local = moe_error(MOE_STATUS_INVALID_ARGUMENT, "num_tokens = %lld: must be >= 0",
                           (long long)num_tokens);
-    v[0] = local == MOE_STATUS_SUCCESS ? num_tokens : 0;
-    v[1] = local == MOE_STATUS_SUCCESS ? 0 : rt->info.world_size - rt->info.rank;
-    st = moe_comm_allreduce_i64(rt->comm, v, 2, MOE_REDUCE_MAX);
-    if (st != MOE_STATUS_SUCCESS || local != MOE_STATUS_SUCCESS)
-        return local != MOE_STATUS_SUCCESS ? local : st;
-    if (v[1] > 0)
-        return moe_error(MOE_STATUS_PEER_FAILURE,
-                         "moe_runtime_max_tokens: rank %lld's arguments failed",
-                         (long long)(rt->info.world_size - v[1]));
-    *max_tokens_across_ranks = v[0];
+    m = local == MOE_STATUS_SUCCESS ? num_tokens : 0;
+    MOE_CHECK(moe_comm_agree_max(rt->comm, local, &m));
+    *max_tokens_across_ranks = m;
     return MOE_STATUS_SUCCESS;
 }
 

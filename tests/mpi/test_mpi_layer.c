@@ -271,8 +271,9 @@ static void test_max_tokens(void **state)
     assert_int_equal(st, rank == world - 1 ? MOE_STATUS_INVALID_ARGUMENT : MOE_STATUS_PEER_FAILURE);
     assert_int_equal(m, -7);
     if (rank != world - 1) {
-        char want[64];
-        snprintf(want, sizeof(want), "rank %d's arguments failed", world - 1);
+        char want[96];
+        snprintf(want, sizeof(want), "rank %d failed with %s", world - 1,
+                 moe_status_string(MOE_STATUS_INVALID_ARGUMENT));
         assert_non_null(strstr(moe_last_error(), want));
     }
     st = moe_runtime_max_tokens(rt_world, 2, rank == 0 ? NULL : &m);
