@@ -620,15 +620,15 @@ moe_status_t raise_smem_limit()
     MOE_CUDA_CHECK(cudaGetDevice(&dev));
     if (moe_device_cached(done, dev, [&](int d) {
             int optin = 0;
-            const void *k[7] = {(const void *)permute_meta_kernel<plain_slots>,
-                                (const void *)permute_count_kernel<plain_slots>,
-                                (const void *)permute_scan_kernel,
-                                (const void *)permute_place_kernel<plain_slots>,
-                                (const void *)permute_meta_kernel<region_slots>,
-                                (const void *)permute_count_kernel<region_slots>,
-                                (const void *)permute_place_kernel<region_slots>};
+            const void *k[] = {(const void *)permute_meta_kernel<plain_slots>,
+                               (const void *)permute_count_kernel<plain_slots>,
+                               (const void *)permute_scan_kernel,
+                               (const void *)permute_place_kernel<plain_slots>,
+                               (const void *)permute_meta_kernel<region_slots>,
+                               (const void *)permute_count_kernel<region_slots>,
+                               (const void *)permute_place_kernel<region_slots>};
             err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, d);
-            for (int i = 0; i < 7 && err == cudaSuccess; i++)
+            for (int i = 0; i < (int)(sizeof(k) / sizeof(k[0])) && err == cudaSuccess; i++)
                 err = cudaFuncSetAttribute(k[i], cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            need < optin ? need : optin);
             return err == cudaSuccess ? 1 : 0;
