@@ -20,7 +20,8 @@ static inline int64_t moe_permute_max_blocks(int64_t rows, int num_experts, int 
 }
 
 /* Rows per CTA of the multi-CTA metadata pass; fewer rows than this use one CTA (one launch),
- * more use ceil(rows / chunk) CTAs (at most MOE_PERMUTE_MAX_CHUNKS) in three launches. */
+ * more use ceil(rows / chunk) CTAs (at most MOE_PERMUTE_MAX_CHUNKS) in two launches: count (the
+ * CTA that finishes last scans the counts) and place. */
 #define MOE_PERMUTE_CHUNK_ROWS 4096
 #define MOE_PERMUTE_MAX_CHUNKS 512
 
@@ -42,7 +43,9 @@ static inline int64_t moe_permute_scratch_count(int64_t rows, int num_experts)
  * at most `rows`) are live, and the ids are global: a live slot's local expert is id - first
  * when that lies in [0, num_experts). The work (and the multi-CTA chunks) follows the live
  * slots, not num_tokens: slots past a region's count are neither read nor written (their
- * row_of_slot is left as it was, so readers must stop at the counts as well). `flags`: the
+ * row_of_slot is left as it was, so readers must stop at the counts as well). With scratch, few
+ * live slots (<= MOE_PERMUTE_CHUNK_ROWS) take the one-CTA pass inside the first launch, and the
+ * second returns at once. `flags`: the
  * step's statuses, one per region (or NULL); when any is nonzero no live slot gets a row (-1)
  * and `sticky` (when not NULL and still 0) records the first as (region << 8) | code. */
 #define MOE_PERMUTE_MAX_REGIONS 8
@@ -74,6 +77,11 @@ typedef struct moe_permute_args {
     int32_t *scratch;        /* device [scratch_count] (moe_permute_scratch_count), or NULL:
                                 one CTA whatever the rows (slow past a few thousand rows) */
     int64_t scratch_count;
+    int32_t *done;                 /* device int, required with scratch: 0 before the first launch,
+                                      and every launch leaves it 0 (the multi-CTA pass counts its
+                                      finished CTAs there). Persistent: not memory that anything
+                                      else writes between launches, and one per stream that
+                                      permutes concurrently */
     moe_permute_regions_t regions; /* zero: the plain layout */
 } moe_permute_args_t;
 

@@ -229,6 +229,7 @@ static void plan_weights(cuda_layer_t *s, carve_t *c)
     s->router = moe_cuda_take(c, sizeof(float) * (size_t)s->E_total * H); /* every expert's row */
     s->router3 = moe_cuda_take(c, 3 * sizeof(uint16_t) * (size_t)s->E_total * H);
     s->bias = moe_cuda_take(c, sizeof(float) * (size_t)s->E_total);
+    s->perm_done = moe_cuda_take(c, 2 * sizeof(int32_t)); /* lane 0's, lane 1's */
     if (ss > 0) {
         s->sw13 = moe_cuda_take(c, eb * 2 * ss * H);
         s->sw2 = moe_cuda_take(c, eb * H * ss);
@@ -477,6 +478,7 @@ static moe_status_t cuda_init(moe_layer_t *l)
     c.off = 0;
     plan_weights(s, &c);
     MOE_CHECK_GOTO(moe_gpu_memset(s->bias, 0, sizeof(float) * (size_t)s->E_total), st, fail);
+    MOE_CHECK_GOTO(moe_gpu_memset(s->perm_done, 0, 2 * sizeof(int32_t)), st, fail);
     if (s->f8 == 1) { /* no static scale until a weight brings one: every expert dynamic */
         MOE_CHECK_GOTO(moe_gpu_memset(s->in13, 0, sizeof(float) * (size_t)s->E), st, fail);
         MOE_CHECK_GOTO(moe_gpu_memset(s->in2, 0, sizeof(float) * (size_t)s->E), st, fail);
@@ -935,6 +937,7 @@ moe_status_t moe_cuda_routed_experts(cuda_layer_t *s, const void *x, moe_dtype_t
                             s->slot_of_row,
                             s->perm_scratch,
                             s->perm_scratch_count,
+                            s->perm_done,
                             {0}};
     /* the scatter form: each token row of x read once (padding rows of a left unwritten) */
     moe_gather_args_t g = {x,    x_dtype, s->H, s->k, s->slot_of_row, s->num_blocks, br, mb,

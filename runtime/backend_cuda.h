@@ -67,6 +67,7 @@ typedef struct cuda_layer {
     int32_t *slot_of_row;               /* [max_rows] */
     int32_t *perm_scratch;              /* the multi-CTA permute's [chunks][E] */
     int64_t perm_scratch_count;
+    int32_t *perm_done;           /* persistent [2], a lane's each: its counter, 0 */
     void *a, *h, *o;              /* bf16 [max_rows][H], [max_rows][is], [max_rows][H] */
     void *sa, *sh, *so;           /* bf16 [s_rows][H], [s_rows][ss], [s_rows][H] */
     uint8_t *a8, *h8, *sa8, *sh8; /* W8A8: e4m3 copies of a, h, sa, sh */

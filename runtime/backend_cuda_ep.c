@@ -1367,8 +1367,8 @@ static moe_status_t run_round(moe_layer_t *l, cuda_layer_t *v, const moe_forward
 }
 
 /* Lane 1's view of the layer (micro-batches): lane 0's state on the workspace's second half,
- * with lane 1's IPC arrays, control words, sequence number and dispatch scratch, no profile
- * and no side stream. */
+ * with lane 1's IPC arrays, control words, sequence number, dispatch scratch and permute
+ * counter, no profile and no side stream. */
 static void lane_view(const moe_layer_t *l, const cuda_layer_t *s, cuda_layer_t *t)
 {
     *t = *s;
@@ -1379,6 +1379,7 @@ static void lane_view(const moe_layer_t *l, const cuda_layer_t *s, cuda_layer_t 
     moe_cuda_carve_workspace(t, (char *)l->rt->gpu_ws + s->ws_bytes);
     t->a2a_chain = s->a2a_chain + MOE_A2A_MAX_CTAS * MOE_A2A_MAX_WORLD;
     t->a2a_done = s->a2a_done + 2;
+    t->perm_done = s->perm_done + 1;
     sym_layout(t, s->sym_end);
 }
 

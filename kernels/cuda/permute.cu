@@ -262,22 +262,16 @@ __device__ __forceinline__ void warp_range(int c0, int c1, int *begin, int *end)
     *end = min(*begin + chunk, c1);
 }
 
-/* Few rows: everything in one CTA. Each warp owns a contiguous chunk of the rows, so counting
- * per (warp, expert) and a prefix over warps gives every row its stable place with no atomics
- * (deterministic). */
+/* Few rows: everything in one CTA (every thread calls it; n: the entries `ids` walks). Each warp
+ * owns a contiguous chunk of the rows, so counting per (warp, expert) and a prefix over warps
+ * gives every row its stable place with no atomics (deterministic). */
 template <typename Slots>
-__global__ void __launch_bounds__(META_THREADS)
-    permute_meta_kernel(const int32_t *__restrict__ idv, int n, int top_k, int E, int br,
-                        int max_blocks, int32_t *__restrict__ expert_counts,
-                        int32_t *__restrict__ expert_offsets, int32_t *__restrict__ block_expert,
-                        int32_t *__restrict__ num_blocks, int32_t *__restrict__ row_of_slot,
-                        int32_t *__restrict__ slot_of_row, moe_permute_regions_t rg)
+__device__ __forceinline__ void
+meta_pass(const Slots &ids, int n, int E, int br, int max_blocks, int *smem,
+          int32_t *__restrict__ expert_counts, int32_t *__restrict__ expert_offsets,
+          int32_t *__restrict__ block_expert, int32_t *__restrict__ num_blocks,
+          int32_t *__restrict__ row_of_slot, int32_t *__restrict__ slot_of_row)
 {
-    moe_pdl_wait();
-    extern __shared__ int smem[];
-    __shared__ int prefix[MOE_PERMUTE_MAX_REGIONS + 1];
-    Slots ids;
-    n = ids.setup(idv, n, top_k, rg, true, prefix);
     int *wcnt = smem;                 /* [META_WARPS][E]: count, then exclusive prefix */
     int *cnt = wcnt + META_WARPS * E; /* [E] */
     int *offs = cnt + E;              /* [E + 1] padded offsets */
@@ -293,51 +287,45 @@ __global__ void __launch_bounds__(META_THREADS)
     warp_place(ids, begin, end, E, lane, wcnt + w * E, offs, row_of_slot, slot_of_row);
 }
 
-/* Many rows, pass 1 of 3 (one CTA per chunk of the entries, ceil(n / grid) each): the chunk's
- * count per expert into part[g][e]. */
 template <typename Slots>
 __global__ void __launch_bounds__(META_THREADS)
-    permute_count_kernel(const int32_t *__restrict__ idv, int n, int top_k, int E,
-                         int32_t *__restrict__ part, moe_permute_regions_t rg)
+    permute_meta_kernel(const int32_t *__restrict__ idv, int n, int top_k, int E, int br,
+                        int max_blocks, int32_t *__restrict__ expert_counts,
+                        int32_t *__restrict__ expert_offsets, int32_t *__restrict__ block_expert,
+                        int32_t *__restrict__ num_blocks, int32_t *__restrict__ row_of_slot,
+                        int32_t *__restrict__ slot_of_row, moe_permute_regions_t rg)
 {
     moe_pdl_wait();
     extern __shared__ int smem[];
     __shared__ int prefix[MOE_PERMUTE_MAX_REGIONS + 1];
     Slots ids;
     n = ids.setup(idv, n, top_k, rg, true, prefix);
-    int *wcnt = smem;
-    const int chunk = (n + gridDim.x - 1) / gridDim.x;
-    const int g = blockIdx.x, c0 = min(g * chunk, n), c1 = min(c0 + chunk, n);
-    int begin, end;
-    warp_range(c0, c1, &begin, &end);
-    warp_count(ids, begin, end, E, threadIdx.x & 31, wcnt + (threadIdx.x >> 5) * E);
-    __syncthreads();
-    warps_prefix(wcnt, part + (size_t)g * E, E);
+    meta_pass(ids, n, E, br, max_blocks, smem, expert_counts, expert_offsets, block_expert,
+              num_blocks, row_of_slot, slot_of_row);
 }
 
 constexpr int SCAN_LOADS = 8;
 
-/* Pass 2 (one CTA): part[g][e] becomes the chunk's first row within expert e (exclusive prefix
- * over the chunks, in chunk order: stable), and the block table from the totals. */
-__global__ void __launch_bounds__(META_THREADS)
-    permute_scan_kernel(int G, int E, int br, int max_blocks, int32_t *__restrict__ part,
-                        int32_t *__restrict__ expert_counts, int32_t *__restrict__ expert_offsets,
-                        int32_t *__restrict__ block_expert, int32_t *__restrict__ num_blocks,
-                        int32_t *__restrict__ slot_of_row)
+/* The last chunk's CTA: part[g][e] becomes the chunk's first row within expert e (exclusive
+ * prefix over the chunks, in chunk order: stable), and the block table from the totals. The
+ * parts were stored by other CTAs of this grid: read through the L2 (__ldcg), never a stale L1
+ * line. */
+__device__ __forceinline__ void
+scan_parts(int G, int E, int br, int max_blocks, int *smem, int32_t *__restrict__ part,
+           int32_t *__restrict__ expert_counts, int32_t *__restrict__ expert_offsets,
+           int32_t *__restrict__ block_expert, int32_t *__restrict__ num_blocks,
+           int32_t *__restrict__ slot_of_row)
 {
-    moe_pdl_wait();
-    extern __shared__ int smem[];
     int *cnt = smem, *offs = cnt + E;
     for (int e = threadIdx.x; e < E; e += META_THREADS) {
         int run = 0;
         /* SCAN_LOADS chunks' counts loaded before any is overwritten, so that they are in
-         * flight together rather than G round trips one after another (the kernel still takes
-         * ~17 us cold at 65536 rows under ncu: the block table and a lone CTA dominate) */
+         * flight together rather than G round trips one after another */
         for (int g0 = 0; g0 < G; g0 += SCAN_LOADS) {
             int c[SCAN_LOADS];
 #pragma unroll
             for (int u = 0; u < SCAN_LOADS; u++)
-                c[u] = g0 + u < G ? part[(size_t)(g0 + u) * E + e] : 0;
+                c[u] = g0 + u < G ? __ldcg(part + (size_t)(g0 + u) * E + e) : 0;
 #pragma unroll
             for (int u = 0; u < SCAN_LOADS; u++)
                 if (g0 + u < G) {
@@ -352,7 +340,64 @@ __global__ void __launch_bounds__(META_THREADS)
                 num_blocks, slot_of_row);
 }
 
-/* Pass 3 (one CTA per chunk): every row's place, from the expert's padded offset, the chunk's
+/* Whether this CTA finished the grid's counts last (counted on `done`, which it leaves 0 for the
+ * next launch, stream-ordered after this one). Every CTA fences its part's stores before it
+ * counts, so the last one sees them all. Every thread calls it. */
+__device__ __forceinline__ bool last_chunk(int32_t *done)
+{
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(done, 1) == (int)gridDim.x - 1;
+        if (last)
+            *done = 0;
+    }
+    __syncthreads();
+    if (last)
+        __threadfence();
+    return last;
+}
+
+/* Many rows, pass 1 of 2 (one CTA per chunk of the entries, ceil(n / grid) each): the chunk's
+ * count per expert into part[g][e]; the CTA that finishes last scans them (scan_parts). With
+ * the receive regions the entries are the live slots, known only here: when they are few
+ * (n <= MOE_PERMUTE_CHUNK_ROWS, what a told step runs in one CTA) CTA 0 does the whole pass as
+ * the one-CTA kernel does and the others return, as does pass 2 (each CTA reads the same n). */
+template <typename Slots>
+__global__ void __launch_bounds__(META_THREADS)
+    permute_count_kernel(const int32_t *__restrict__ idv, int n, int top_k, int E, int br,
+                         int max_blocks, int32_t *__restrict__ part, int32_t *__restrict__ done,
+                         int32_t *__restrict__ expert_counts, int32_t *__restrict__ expert_offsets,
+                         int32_t *__restrict__ block_expert, int32_t *__restrict__ num_blocks,
+                         int32_t *__restrict__ row_of_slot, int32_t *__restrict__ slot_of_row,
+                         moe_permute_regions_t rg)
+{
+    moe_pdl_wait();
+    extern __shared__ int smem[];
+    __shared__ int prefix[MOE_PERMUTE_MAX_REGIONS + 1];
+    Slots ids;
+    n = ids.setup(idv, n, top_k, rg, true, prefix);
+    if (n <= MOE_PERMUTE_CHUNK_ROWS) {
+        if (blockIdx.x == 0)
+            meta_pass(ids, n, E, br, max_blocks, smem, expert_counts, expert_offsets, block_expert,
+                      num_blocks, row_of_slot, slot_of_row);
+        return;
+    }
+    int *wcnt = smem;
+    const int chunk = (n + gridDim.x - 1) / gridDim.x;
+    const int g = blockIdx.x, c0 = min(g * chunk, n), c1 = min(c0 + chunk, n);
+    int begin, end;
+    warp_range(c0, c1, &begin, &end);
+    warp_count(ids, begin, end, E, threadIdx.x & 31, wcnt + (threadIdx.x >> 5) * E);
+    __syncthreads();
+    warps_prefix(wcnt, part + (size_t)g * E, E);
+    if (last_chunk(done))
+        scan_parts((int)gridDim.x, E, br, max_blocks, smem, part, expert_counts, expert_offsets,
+                   block_expert, num_blocks, slot_of_row);
+}
+
+/* Pass 2 (one CTA per chunk): every row's place, from the expert's padded offset, the chunk's
  * first row within the expert and the warps before it in the chunk. */
 template <typename Slots>
 __global__ void __launch_bounds__(META_THREADS)
@@ -367,6 +412,8 @@ __global__ void __launch_bounds__(META_THREADS)
     __shared__ int prefix[MOE_PERMUTE_MAX_REGIONS + 1];
     Slots ids;
     n = ids.setup(idv, n, top_k, rg, false, prefix);
+    if (n <= MOE_PERMUTE_CHUNK_ROWS) /* pass 1's CTA 0 placed them */
+        return;
     int *wcnt = smem, *base = wcnt + META_WARPS * E;
     const int chunk = (n + gridDim.x - 1) / gridDim.x;
     const int g = blockIdx.x, c0 = min(g * chunk, n), c1 = min(c0 + chunk, n);
@@ -622,7 +669,6 @@ moe_status_t raise_smem_limit()
             int optin = 0;
             const void *k[] = {(const void *)permute_meta_kernel<plain_slots>,
                                (const void *)permute_count_kernel<plain_slots>,
-                               (const void *)permute_scan_kernel,
                                (const void *)permute_place_kernel<plain_slots>,
                                (const void *)permute_meta_kernel<region_slots>,
                                (const void *)permute_count_kernel<region_slots>,
@@ -658,7 +704,7 @@ extern "C" moe_status_t moe_permute_prepare(void)
     return prepare_rows<__nv_bfloat16>();
 }
 
-/* The metadata pass over n slots: one CTA, or count / scan / place over the chunks. */
+/* The metadata pass over n slots: one CTA, or count (and scan) / place over the chunks. */
 template <typename Slots>
 static moe_status_t launch_permute(const moe_permute_args_t *a, int64_t n, size_t smem,
                                    cudaStream_t s)
@@ -676,18 +722,18 @@ static moe_status_t launch_permute(const moe_permute_args_t *a, int64_t n, size_
     MOE_ARG_CHECK(a->scratch_count >= (int64_t)G * a->num_experts,
                   "permute: scratch of %lld ints < %lld needed", (long long)a->scratch_count,
                   (long long)G * a->num_experts);
+    MOE_ARG_CHECK(a->done, "permute: the multi-CTA pass (%lld rows) needs its `done` counter",
+                  (long long)n);
     MOE_CUDA_CHECK(moe_launch((permute_count_kernel<Slots>), dim3(G), dim3(META_THREADS), smem, s,
-                              a->topk_ids, (int)n, a->top_k, a->num_experts, a->scratch,
-                              a->regions));
-    MOE_CUDA_CHECK(moe_launch((permute_scan_kernel), dim3(1), dim3(META_THREADS), smem, s, G,
-                              a->num_experts, a->block_rows, a->max_blocks, a->scratch,
-                              a->expert_counts, a->expert_offsets, a->block_expert, a->num_blocks,
-                              a->slot_of_row));
+                              a->topk_ids, (int)n, a->top_k, a->num_experts, a->block_rows,
+                              a->max_blocks, a->scratch, a->done, a->expert_counts,
+                              a->expert_offsets, a->block_expert, a->num_blocks, a->row_of_slot,
+                              a->slot_of_row, a->regions));
     MOE_CUDA_CHECK(moe_launch((permute_place_kernel<Slots>), dim3(G), dim3(META_THREADS), smem, s,
                               a->topk_ids, (int)n, a->top_k, a->num_experts,
                               (const int32_t *)a->scratch, (const int32_t *)a->expert_offsets,
                               a->row_of_slot, a->slot_of_row, a->regions));
-    MOE_CUDA_CHECK_LAUNCH("permute count/scan/place");
+    MOE_CUDA_CHECK_LAUNCH("permute count/place");
     return MOE_STATUS_SUCCESS;
 }
 

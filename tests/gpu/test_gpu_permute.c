@@ -70,8 +70,10 @@ static void check_case(const perm_case_t *c, int64_t T, moe_dtype_t xt, int mult
     const int64_t scratch_count = multi ? moe_permute_scratch_count(n, E) : 0;
     int32_t *scratch =
         scratch_count ? gt_dalloc(sizeof(int32_t) * (size_t)scratch_count) : (int32_t *)NULL;
+    int32_t *d_done = gt_dalloc(sizeof(int32_t)), done = -1;
     if (scratch)
         gt_poison(scratch, GT_POISON_INT, sizeof(int32_t) * (size_t)scratch_count);
+    gt_ok(moe_gpu_memset_async(d_done, 0, sizeof(int32_t), NULL), "done");
     random_ids(ids, T, E, k, c->skip_percent);
     gt_fill_bf16(x, xb, (size_t)(T * H), 3.0f);
     d_ids = gt_dup(ids, sizeof(int32_t) * (size_t)(n + 1));
@@ -106,6 +108,7 @@ static void check_case(const perm_case_t *c, int64_t T, moe_dtype_t xt, int mult
                                 d.slot_of_row,
                                 scratch,
                                 scratch_count,
+                                d_done,
                                 {0}};
         moe_gather_args_t g = {d_x, xt,   H, k,  d.slot_of_row, d.num_blocks, br, mb,
                                d_a, NULL, 0, {0}};
@@ -119,6 +122,8 @@ static void check_case(const perm_case_t *c, int64_t T, moe_dtype_t xt, int mult
     gt_get(ros, d.row_of_slot, sizeof(int32_t) * (size_t)(n + 1));
     gt_get(sor, d.slot_of_row, sizeof(int32_t) * (size_t)max_rows);
     gt_get(a, d_a, 2 * (size_t)max_rows * H);
+    gt_get(&done, d_done, sizeof(int32_t));
+    assert_int_equal(done, 0); /* left for the next launch */
 
     /* Reference: stable grouping of the valid rows; skipped rows go to group E. */
     for (i = 0; i < n; i++)
@@ -191,7 +196,7 @@ static void check_case(const perm_case_t *c, int64_t T, moe_dtype_t xt, int mult
     moe_gpu_free(d_ids), moe_gpu_free(d_x), moe_gpu_free(d_a);
     moe_gpu_free(d.counts), moe_gpu_free(d.offsets), moe_gpu_free(d.block_expert);
     moe_gpu_free(d.num_blocks), moe_gpu_free(d.row_of_slot), moe_gpu_free(d.slot_of_row);
-    moe_gpu_free(scratch);
+    moe_gpu_free(scratch), moe_gpu_free(d_done);
 }
 
 static void test_permute_gather(void **state)
@@ -220,10 +225,11 @@ typedef struct region_case {
 } region_case_t;
 
 static const region_case_t region_cases[] = {
-    {2, 8192, {1, 0}, 8, 32, 64, 1, -1},  /* an untold decode round: capacity 8192, 1 token */
-    {2, 8192, {1, 0}, 8, 32, 64, 0, -1},  /* the same in one CTA */
-    {2, 8192, {0, 0}, 8, 32, 64, 1, -1},  /* a skipped (empty) round */
-    {2, 300, {300, 0}, 8, 32, 64, 1, -1}, /* the 300/0 split */
+    {2, 8192, {1, 0}, 8, 32, 64, 1, -1},    /* an untold decode round: capacity 8192, 1 token */
+    {2, 8192, {1, 0}, 8, 32, 64, 0, -1},    /* the same in one CTA */
+    {2, 8192, {0, 0}, 8, 32, 64, 1, -1},    /* a skipped (empty) round */
+    {2, 300, {300, 0}, 8, 32, 64, 1, -1},   /* the 300/0 split */
+    {2, 4096, {4096, 1}, 1, 16, 16, 1, -1}, /* 4097 live slots: the chunks, across regions */
     {4, 100, {7, 100, 0, 55}, 8, 16, 16, 1, -1},
     {8, 3000, {3000, 17, 0, 2999, 1, 3005, 1500, 64}, 4, 60, 128, 1, -1}, /* 3005: clamped */
     {2, 64, {64, 10}, 8, 32, 64, 1, 1},    /* region 1's step failed */
@@ -243,7 +249,7 @@ static void check_regions(const region_case_t *c)
     const size_t sizes[6] = {sizeof(int32_t) * (size_t)E,  sizeof(int32_t) * (size_t)(E + 1),
                              sizeof(int32_t) * (size_t)mb, sizeof(int32_t),
                              sizeof(int32_t) * (size_t)n,  sizeof(int32_t) * (size_t)max_rows};
-    int32_t *dev[2][6], *d_ids[2], *d_cnt, *d_flags, *d_sticky, sticky = -1;
+    int32_t *dev[2][6], *d_ids[2], *d_cnt, *d_flags, *d_sticky, sticky = -1, *d_done, done = -1;
     int32_t *scratch =
         scratch_count ? gt_dalloc(sizeof(int32_t) * (size_t)scratch_count) : (int32_t *)NULL;
     uint16_t *xb = malloc(2 * (size_t)(T * H)), *a = malloc(2 * (size_t)max_rows * H), poison16;
@@ -271,6 +277,8 @@ static void check_regions(const region_case_t *c)
     d_flags = gt_dup(flags, sizeof(int32_t) * (size_t)W);
     d_sticky = gt_dalloc(sizeof(int32_t));
     gt_ok(moe_gpu_memset_async(d_sticky, 0, sizeof(int32_t), NULL), "sticky");
+    d_done = gt_dalloc(sizeof(int32_t)); /* both launches count on it */
+    gt_ok(moe_gpu_memset_async(d_done, 0, sizeof(int32_t), NULL), "done");
     for (v = 0; v < 2; v++) /* 0: plain on the local ids, 1: the regions on the global ones */
         for (f = 0; f < 6; f++) {
             dev[v][f] = gt_dalloc(sizes[f]);
@@ -280,7 +288,7 @@ static void check_regions(const region_case_t *c)
         moe_permute_args_t p = {
             d_ids[v],  T,         k,         E,         br,        mb,      dev[v][0],
             dev[v][1], dev[v][2], dev[v][3], dev[v][4], dev[v][5], scratch, scratch_count,
-            {0}};
+            d_done,    {0}};
         if (v == 1) {
             p.regions.counts = d_cnt;
             p.regions.rows = c->rows;
@@ -298,6 +306,8 @@ static void check_regions(const region_case_t *c)
         gt_get(got[f], dev[1][f], sizes[f]);
     }
     gt_get(&sticky, d_sticky, sizeof(int32_t));
+    gt_get(&done, d_done, sizeof(int32_t));
+    assert_int_equal(done, 0);
     nb = want[3][0];
     assert_int_equal(got[3][0], nb);
     assert_memory_equal(got[0], want[0], sizes[0]);
@@ -349,6 +359,7 @@ static void check_regions(const region_case_t *c)
     free(gids), free(lids), free(xb), free(a), free(x);
     moe_gpu_free(d_ids[0]), moe_gpu_free(d_ids[1]), moe_gpu_free(d_cnt), moe_gpu_free(d_flags);
     moe_gpu_free(d_sticky), moe_gpu_free(scratch), moe_gpu_free(d_x), moe_gpu_free(d_a);
+    moe_gpu_free(d_done);
 }
 
 static void test_permute_regions(void **state)
