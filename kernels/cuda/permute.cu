@@ -359,6 +359,20 @@ __device__ __forceinline__ bool last_chunk(int32_t *done)
     return last;
 }
 
+/* This CTA's chunk of the n entries (ceil(n / grid) each, by block index): its warp's range
+ * [*begin, *end), counted per expert into the warp's row of wcnt [META_WARPS][E]. Every thread
+ * calls it (one barrier). */
+template <typename Slots>
+__device__ __forceinline__ void count_chunk(const Slots &ids, int n, int E, int *wcnt, int *begin,
+                                            int *end)
+{
+    const int chunk = (n + gridDim.x - 1) / gridDim.x;
+    const int c0 = min((int)blockIdx.x * chunk, n), c1 = min(c0 + chunk, n);
+    warp_range(c0, c1, begin, end);
+    warp_count(ids, *begin, *end, E, threadIdx.x & 31, wcnt + (threadIdx.x >> 5) * E);
+    __syncthreads();
+}
+
 /* Many rows, pass 1 of 2 (one CTA per chunk of the entries, ceil(n / grid) each): the chunk's
  * count per expert into part[g][e]; the CTA that finishes last scans them (scan_parts). With
  * the receive regions the entries are the live slots, known only here: when they are few
@@ -384,14 +398,9 @@ __global__ void __launch_bounds__(META_THREADS)
                       num_blocks, row_of_slot, slot_of_row);
         return;
     }
-    int *wcnt = smem;
-    const int chunk = (n + gridDim.x - 1) / gridDim.x;
-    const int g = blockIdx.x, c0 = min(g * chunk, n), c1 = min(c0 + chunk, n);
     int begin, end;
-    warp_range(c0, c1, &begin, &end);
-    warp_count(ids, begin, end, E, threadIdx.x & 31, wcnt + (threadIdx.x >> 5) * E);
-    __syncthreads();
-    warps_prefix(wcnt, part + (size_t)g * E, E);
+    count_chunk(ids, n, E, smem, &begin, &end);
+    warps_prefix(smem, part + (size_t)blockIdx.x * E, E);
     if (last_chunk(done))
         scan_parts((int)gridDim.x, E, br, max_blocks, smem, part, expert_counts, expert_offsets,
                    block_expert, num_blocks, slot_of_row);
@@ -415,19 +424,15 @@ __global__ void __launch_bounds__(META_THREADS)
     if (n <= MOE_PERMUTE_CHUNK_ROWS) /* pass 1's CTA 0 placed them */
         return;
     int *wcnt = smem, *base = wcnt + META_WARPS * E;
-    const int chunk = (n + gridDim.x - 1) / gridDim.x;
-    const int g = blockIdx.x, c0 = min(g * chunk, n), c1 = min(c0 + chunk, n);
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     int begin, end;
-    warp_range(c0, c1, &begin, &end);
-    warp_count(ids, begin, end, E, lane, wcnt + w * E);
-    __syncthreads();
+    count_chunk(ids, n, E, wcnt, &begin, &end);
     warps_prefix(wcnt, base, E); /* base is overwritten next: only the prefix is kept */
     __syncthreads();
     for (int e = threadIdx.x; e < E; e += META_THREADS)
-        base[e] = __ldg(expert_offsets + e) + __ldg(part + (size_t)g * E + e);
+        base[e] = __ldg(expert_offsets + e) + __ldg(part + (size_t)blockIdx.x * E + e);
     __syncthreads();
-    warp_place(ids, begin, end, E, lane, wcnt + w * E, base, row_of_slot, slot_of_row);
+    warp_place(ids, begin, end, E, threadIdx.x & 31, wcnt + (threadIdx.x >> 5) * E, base,
+               row_of_slot, slot_of_row);
 }
 
 /* Copies one row of hidden values into bf16 dst (8 per 16-byte store when VEC), or zeroes it.
