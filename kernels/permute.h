@@ -45,9 +45,9 @@ static inline int64_t moe_permute_scratch_count(int64_t rows, int num_experts)
  * slots, not num_tokens: slots past a region's count are neither read nor written (their
  * row_of_slot is left as it was, so readers must stop at the counts as well). With scratch, few
  * live slots (<= MOE_PERMUTE_CHUNK_ROWS) take the one-CTA pass inside the first launch, and the
- * second returns at once. `flags`: the
- * step's statuses, one per region (or NULL); when any is nonzero no live slot gets a row (-1)
- * and `sticky` (when not NULL and still 0) records the first as (region << 8) | code. */
+ * second returns at once. `flags`: the step's statuses, one per region (or NULL); when any is
+ * nonzero no live slot gets a row (-1) and `sticky` (when not NULL and still 0) records the
+ * first as (region << 8) | code. */
 #define MOE_PERMUTE_MAX_REGIONS 8
 
 typedef struct moe_permute_regions {

@@ -8,6 +8,7 @@
 #include <cuda_bf16.h>
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/sticky.cuh"
 #include "kernels/cuda/vec8.cuh"
 
 namespace
@@ -832,14 +833,9 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_layout_kernel(moe_a2a_ll_l
     __shared__ int none;
     const int W = a.world, E = a.experts;
     if (threadIdx.x == 0) {
-        int bad = -1;
-        for (int r = 0; r < W && bad < 0; r++)
-            if (a.statuses[r])
-                bad = r;
-        /* the first failing rank's status, as the permute records it (moe_permute_regions_t) */
-        if (bad >= 0 && a.sticky)
-            atomicCAS(a.sticky, 0, (bad << 8) | (a.statuses[bad] & 0xff));
-        none = bad >= 0 || skipped(a.skip) || step_timed_out(a.sticky) ||
+        /* the first failing rank's status into the sticky word, as the permute records it */
+        none = moe_first_failure(a.statuses, W, a.sticky, true) >= 0 || skipped(a.skip) ||
+               step_timed_out(a.sticky) ||
                (a.sticky && (*(volatile const int32_t *)a.sticky & MOE_A2A_STICKY_ROWS));
     }
     for (int e = threadIdx.x; e < E; e += A2A_THREADS) {

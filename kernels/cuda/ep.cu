@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/sticky.cuh"
 
 namespace
 {
@@ -18,12 +19,7 @@ __global__ void local_ids_kernel(const int32_t *__restrict__ in, int32_t *__rest
 {
     moe_pdl_wait();
     const int64_t i = (int64_t)blockIdx.x * EP_THREADS + threadIdx.x;
-    int bad = -1;
-    for (int r = 0; flags && r < world && bad < 0; r++)
-        if (flags[r])
-            bad = r;
-    if (i == 0 && bad >= 0 && sticky && *sticky == 0)
-        *sticky = (bad << 8) | (flags[bad] & 0xff);
+    const int bad = moe_first_failure(flags, world, sticky, i == 0);
     if (i >= n)
         return;
     const int32_t e = in[i];

@@ -8,6 +8,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_cache.cuh"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/sticky.cuh"
 #include "kernels/cuda/vec8.cuh"
 
 namespace
@@ -78,18 +79,12 @@ struct region_slots {
     __device__ __forceinline__ int setup(const int32_t *idv, int n, int top_k,
                                          const moe_permute_regions_t &rg, bool record, int *pre)
     {
-        int bad = -1;
         (void)n;
-        for (int r = 0; rg.flags && r < rg.regions && bad < 0; r++)
-            if (rg.flags[r])
-                bad = r;
-        if (record && blockIdx.x == 0 && threadIdx.x == 0 && bad >= 0 && rg.sticky &&
-            *rg.sticky == 0)
-            *rg.sticky = (bad << 8) | (rg.flags[bad] & 0xff);
         ids = idv;
         first = rg.first;
         regions = rg.regions;
-        none = bad >= 0;
+        none = moe_first_failure(rg.flags, rg.regions, rg.sticky,
+                                 record && blockIdx.x == 0 && threadIdx.x == 0) >= 0;
         span = rg.rows * top_k;
         prefix = pre;
         return region_prefix(rg, top_k, pre);
