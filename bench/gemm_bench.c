@@ -11,7 +11,8 @@
 #include <string.h>
 
 #include "kernels/expert_gemm.h"
-#include "runtime/diag.h"
+#include "runtime/oracle.h"
+#include "base/diag.h"
 
 #define CUDA_OK(x)                                                                                 \
     do {                                                                                           \

@@ -15,7 +15,7 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
-#include "runtime/diag.h"
+#include "base/diag.h"
 
 /* A request abandoned by a failed wait and the staging memory MPI may still write. */
 typedef struct parked {

@@ -19,7 +19,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "runtime/diag.h"
+#include "base/diag.h"
 
 struct moe_nccl {
     ncclComm_t comm;

@@ -1,13 +1,13 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The grouped expert GEMM variant table and its default choice (thresholds: docs/KERNELS.md). */
+/* The grouped expert GEMM variant table. Which variant a step runs is the oracle's choice
+ * (runtime/oracle.c; thresholds: docs/KERNELS.md). */
 #include "kernels/expert_gemm.h"
 
 #include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
-#include "kernels/oracle.h"
-#include "runtime/diag.h"
+#include "base/diag.h"
 
 #ifdef MOE_HAVE_CUDA
 #include "kernels/expert_gemm_simple.h"
@@ -15,7 +15,7 @@
 #endif
 
 /* The table is built without CUDA too (launch NULL): the oracle and the tune file reader
- * check variant names, dtypes and archs on any machine. */
+ * (runtime/oracle.c) check variant names, dtypes and archs on any machine. */
 #ifdef MOE_HAVE_CUDA
 #include "kernels/cuda/expert_gemm_launch.h"
 #define L(fn) fn
@@ -140,31 +140,4 @@ const moe_gemm_variant_t *moe_gemm_variant_by_name(const char *name)
         if (strcmp(variants[i].name, name) == 0)
             return &variants[i];
     return NULL;
-}
-
-/* The built-in choice of the oracle (kernels/oracle.c holds the tables). */
-static int pick_default(int arch, moe_dtype_t dtype, moe_scale_kind_t scale, double rows,
-                        moe_oracle_choice_t *c)
-{
-    const moe_oracle_query_t q = {arch, dtype, scale, 1, 1, MOE_ORACLE_ANY, rows};
-    return moe_oracle_pick_gemm(NULL, &q, c);
-}
-
-void moe_gemm_explain(int arch, double rows_per_expert, char *text, size_t len)
-{
-    moe_oracle_choice_t c;
-    if (!text || !len)
-        return;
-    if (pick_default(arch, MOE_DTYPE_BF16, MOE_SCALE_NONE, rows_per_expert, &c))
-        moe_oracle_describe(&c, "rows/expert", rows_per_expert, text, len);
-    else
-        snprintf(text, len, "simt_ref (no tuned variant for sm_%d)", arch);
-}
-
-const moe_gemm_variant_t *moe_gemm_select(int arch, moe_dtype_t dtype, moe_scale_kind_t scale,
-                                          double rows_per_expert)
-{
-    moe_oracle_choice_t c;
-    return pick_default(arch, dtype, scale, rows_per_expert, &c) ? moe_gemm_variant_by_name(c.name)
-                                                                 : NULL;
 }

@@ -76,16 +76,6 @@ int moe_gemm_variant_runs_on(const moe_gemm_variant_t *v, int arch);
  * MOE_STATUS_NOT_SUPPORTED with a message naming `what` and the dimension. */
 moe_status_t moe_gemm_check_shape(const char *what, int n, int k, moe_gemm_epilogue_t epilogue);
 
-/* One line on what moe_gemm_select picks at `rows_per_expert` on `arch` for bf16, and why
- * (the built-in table's bucket; kernels/oracle.h has the tuned and forced choices). */
-void moe_gemm_explain(int arch, double rows_per_expert, char *text, size_t len);
-
-/* The default choice (the oracle's built-in table, kernels/oracle.h) for a device arch (e.g.
- * 90), dtype, scale kind and the expected rows per expert (host-known: num_tokens * top_k /
- * num_experts). Never NULL for bf16 on sm_80+. */
-const moe_gemm_variant_t *moe_gemm_select(int arch, moe_dtype_t dtype, moe_scale_kind_t scale,
-                                          double rows_per_expert);
-
 #ifdef __cplusplus
 }
 #endif

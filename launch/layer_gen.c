@@ -3,7 +3,7 @@
  * activation scales: runtime/weights.h's set-weight entry, the checkpoint loader's). */
 #include "layer_gen.h"
 #include "cli.h"
-#include "kernels/numeric.h"
+#include "base/numeric.h"
 #include "runtime/weights.h"
 
 #include <math.h>

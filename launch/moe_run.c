@@ -13,7 +13,7 @@
 
 #include "cli.h"
 #include "layer_gen.h"
-#include "kernels/numeric.h"
+#include "base/numeric.h"
 #include "moe/moe.h"
 #include "moe/moe_mpi.h"
 #ifdef MOE_RUN_HAVE_MODEL

@@ -21,7 +21,7 @@
 
 #include "cli.h"
 #include "kernels/expert_gemm.h"
-#include "kernels/oracle.h"
+#include "runtime/oracle.h"
 #include "layer_gen.h"
 #include "tool_check.h"
 #include "moe/moe.h"

@@ -8,8 +8,8 @@
 #include <string.h>
 
 #include "kernels/cpu/moe_cpu.h"
-#include "kernels/numeric.h"
-#include "runtime/diag.h"
+#include "base/numeric.h"
+#include "base/diag.h"
 #include "runtime/layer.h"
 
 typedef struct cpu_state {

@@ -16,13 +16,13 @@
 #include "kernels/ep.h"
 #include "kernels/expert_gemm_simple.h"
 #include "kernels/gpu.h"
-#include "kernels/numeric.h"
+#include "base/numeric.h"
 #include "kernels/permute.h"
 #include "kernels/prepare.h"
 #include "kernels/quant.h"
 #include "kernels/route.h"
 #include "runtime/backend_cuda.h"
-#include "runtime/diag.h"
+#include "base/diag.h"
 #include "runtime/ep_rounds.h"
 
 /* MOE_PROFILE=1: synchronise after each forward and fill the layer's stats per phase (read at

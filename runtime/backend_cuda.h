@@ -6,7 +6,7 @@
 
 #include "comm/nccl_comm.h"
 #include "kernels/expert_gemm.h"
-#include "kernels/oracle.h"
+#include "runtime/oracle.h"
 #include "kernels/permute.h"
 #include "runtime/layer.h"
 

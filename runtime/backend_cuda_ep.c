@@ -22,7 +22,7 @@
 #include "kernels/permute.h"
 #include "kernels/route.h"
 #include "runtime/backend_cuda.h"
-#include "runtime/diag.h"
+#include "base/diag.h"
 #include "runtime/ep_rounds.h"
 
 /* local_experts hands the permute one receive region per rank of the all-to-all */

@@ -6,8 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/numeric.h"
-#include "runtime/diag.h"
+#include "base/numeric.h"
+#include "base/diag.h"
 #include "runtime/layer.h"
 
 #define MOE_MAX_EXPERTS 65536

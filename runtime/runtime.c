@@ -5,7 +5,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "runtime/diag.h"
+#include "base/diag.h"
 #include "runtime/layer.h"
 #include "runtime/topology.h"
 #ifdef MOE_HAVE_CUDA

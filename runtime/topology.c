@@ -5,7 +5,7 @@
 
 #include <hwloc.h>
 #include <stdio.h>
-#include "runtime/diag.h"
+#include "base/diag.h"
 #ifdef MOE_HAVE_CUDA
 #include "kernels/gpu_topo.h"
 #endif

@@ -3,8 +3,8 @@
 #include "kernels/cpu/moe_cpu.h"
 
 #include <stdlib.h>
-#include "kernels/numeric.h"
-#include "runtime/diag.h"
+#include "base/numeric.h"
+#include "base/diag.h"
 
 #define MOE_BLOCK 128
 

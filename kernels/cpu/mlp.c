@@ -5,7 +5,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include "runtime/diag.h"
+#include "base/diag.h"
 
 void moe_cpu_act_mul(moe_activation_t act, const float *gate, const float *up, float *h, int64_t n)
 {

@@ -4,7 +4,7 @@
 
 #include <math.h>
 #include <stdlib.h>
-#include "runtime/diag.h"
+#include "base/diag.h"
 
 /* Index of the largest allowed score; ties go to the lower index. -1 if none allowed. */
 static int argmax_allowed(const float *v, const unsigned char *allowed, int n)

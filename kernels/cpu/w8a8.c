@@ -5,8 +5,8 @@
 #include <stdlib.h>
 
 #include "kernels/cpu/moe_cpu.h"
-#include "kernels/numeric.h"
-#include "runtime/diag.h"
+#include "base/numeric.h"
+#include "base/diag.h"
 
 #define W8A8_BLOCK 128
 

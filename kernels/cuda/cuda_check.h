@@ -4,7 +4,7 @@
 #define MOE_CUDA_CHECK_H
 
 #include <cuda_runtime.h>
-#include "runtime/diag.h"
+#include "base/diag.h"
 
 /* Returns MOE_STATUS_CUDA_ERROR naming the call and CUDA's message when `call` fails. */
 #define MOE_CUDA_CHECK(call)                                                                       \

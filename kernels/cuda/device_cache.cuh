@@ -6,11 +6,11 @@
 #ifndef MOE_DEVICE_CACHE_CUH
 #define MOE_DEVICE_CACHE_CUH
 
-#include "runtime/diag.h"
+#include "base/diag.h"
 
 #define MOE_MAX_DEVICES 64
 
-/* An integer from the environment (knob ranges: runtime/env.c, all >= 0), read once into *cache
+/* An integer from the environment (knob ranges: base/env.c, all >= 0), read once into *cache
  * (starts at -1). */
 static inline int moe_env_once(int *cache, const char *name, int dflt)
 {

@@ -10,7 +10,7 @@
 
 #include "kernels/cuda/device_cache.cuh"
 #include "kernels/expert_gemm.h"
-#include "runtime/diag.h"
+#include "base/diag.h"
 
 /* Plain values every kernel needs; the operand pointers travel in tensor maps (sm_90a) or
  * next to this struct (sm_80). */

@@ -2,7 +2,7 @@
 // PCI bus id of a CUDA device, for hwloc locality (runtime/topology.c).
 #include <cuda_runtime.h>
 #include "kernels/gpu_topo.h"
-#include "runtime/diag.h"
+#include "base/diag.h"
 
 extern "C" moe_status_t moe_gpu_pci_bus_id(int device, char *buf, int len)
 {

@@ -6,7 +6,7 @@
 
 #include <cuda_runtime.h>
 #include "kernels/cuda/device_cache.cuh"
-#include "runtime/diag.h"
+#include "base/diag.h"
 
 /* First statement of every kernel launched through moe_launch: nothing is read or written
  * before the previous kernel on the stream has completed and flushed. */

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* moe_kernels_prepare: every kernel family loaded on the current device (see prepare.h). */
 #include "kernels/prepare.h"
-#include "runtime/diag.h"
+#include "base/diag.h"
 
 extern "C" moe_status_t moe_kernels_prepare(int arch)
 {

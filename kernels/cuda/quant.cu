@@ -7,7 +7,7 @@
 #include <cuda_fp8.h>
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/vec8.cuh"
-#include "kernels/numeric.h"
+#include "base/numeric.h"
 #include "kernels/prepare.h"
 
 namespace

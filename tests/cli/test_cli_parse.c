@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The tools' number parser (launch/cli.c) and the library's environment knobs (runtime/env.c):
+/* The tools' number parser (launch/cli.c) and the library's environment knobs (base/env.c):
  * whole strings only, ranges enforced, nothing wraps, errors name the option and the value. */
 #include "testutil.h"
 
@@ -8,7 +8,7 @@
 #include <string.h>
 
 #include "launch/cli.h"
-#include "runtime/diag.h"
+#include "base/diag.h"
 
 /* In diag.h once runtime.c reads MOE_TIMEOUT_MS with it; the same declaration is harmless. */
 moe_status_t moe_env_int_checked(const char *name, int64_t dflt, int64_t *out);

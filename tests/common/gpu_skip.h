@@ -8,7 +8,7 @@
 #include <stdlib.h>
 
 #include "kernels/gpu.h"
-#include "runtime/diag.h"
+#include "base/diag.h"
 
 #define GT_SKIP 77
 

@@ -10,7 +10,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "kernels/numeric.h"
+#include "base/numeric.h"
 #include "launch/layer_gen.h"
 
 double tu_rel_err(const float *a, const float *ref, int64_t n)

@@ -8,7 +8,7 @@
 #include <string.h>
 
 #include "moe/moe_checkpoint.h"
-#include "runtime/checkpoint.h"
+#include "runtime/formats/checkpoint.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

@@ -9,8 +9,8 @@
 #include <string.h>
 
 #include "moe/moe_checkpoint.h"
-#include "runtime/checkpoint.h"
-#include "runtime/json.h"
+#include "runtime/formats/checkpoint.h"
+#include "base/json.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

@@ -5,8 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "runtime/json.h"
-#include "runtime/safetensors.h"
+#include "base/json.h"
+#include "runtime/formats/safetensors.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/numeric.h"
+#include "base/numeric.h"
 #include "runtime/weights.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);

@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "kernels/expert_gemm.h"
-#include "kernels/oracle.h"
+#include "runtime/oracle.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerInitialize(int *argc, char ***argv);

@@ -17,8 +17,8 @@
 
 #include "gpu_skip.h"
 #include "kernels/gpu.h"
-#include "kernels/numeric.h"
-#include "runtime/diag.h"
+#include "base/numeric.h"
+#include "base/diag.h"
 
 /* Token counts every stage is checked at. */
 static const int64_t gt_token_counts[] = {0, 1, 3, 17, 64, 255, 1024, 8192};

@@ -13,8 +13,9 @@
 #include <string.h>
 
 #include "kernels/expert_gemm.h"
+#include "runtime/oracle.h"
 #include "gpu_skip.h"
-#include "runtime/diag.h"
+#include "base/diag.h"
 
 #define TOL 1e-2
 

@@ -16,7 +16,7 @@
 
 #include "gpu_skip.h"
 #include "kernels/gpu.h"
-#include "kernels/oracle.h"
+#include "runtime/oracle.h"
 #include "launch/layer_gen.h"
 #include "moe/moe.h"
 

@@ -3,7 +3,7 @@
 #include "gpu_test.h"
 
 #include "kernels/cpu/moe_cpu.h"
-#include "kernels/numeric.h"
+#include "base/numeric.h"
 #include "kernels/route.h"
 
 typedef struct route_case {

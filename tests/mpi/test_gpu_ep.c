@@ -17,7 +17,7 @@
 #include <string.h>
 
 #include "kernels/a2a.h"
-#include "kernels/numeric.h"
+#include "base/numeric.h"
 #include "launch/layer_gen.h"
 
 static int rank, world;

@@ -21,7 +21,7 @@
 
 #include "comm/comm.h"
 #include "launch/layer_gen.h"
-#include "runtime/diag.h"
+#include "base/diag.h"
 #include "runtime/layer.h"
 
 #if defined(__SANITIZE_ADDRESS__)

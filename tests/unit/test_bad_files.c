@@ -17,10 +17,10 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "kernels/numeric.h"
+#include "base/numeric.h"
 #include "moe/moe_checkpoint.h"
-#include "runtime/json.h"
-#include "runtime/safetensors.h"
+#include "base/json.h"
+#include "runtime/formats/safetensors.h"
 
 static moe_runtime_t *rt;
 static char g_root[256];

@@ -12,9 +12,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "kernels/numeric.h"
+#include "base/numeric.h"
 #include "moe/moe_checkpoint.h"
-#include "runtime/safetensors.h"
+#include "runtime/formats/safetensors.h"
 
 static moe_runtime_t *rt;
 static char g_root[256];

@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "kernels/cpu/moe_cpu.h"
-#include "kernels/numeric.h"
+#include "base/numeric.h"
 #include "launch/layer_gen.h"
 
 static float e4m3(float v)

@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "kernels/cpu/moe_cpu.h"
-#include "kernels/numeric.h"
+#include "base/numeric.h"
 #include "launch/layer_gen.h"
 
 static moe_layer_config_t small(void)

@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/numeric.h"
+#include "base/numeric.h"
 
 static void test_fp8_all_codes_round_trip(void **state)
 {

@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 #include "kernels/expert_gemm.h"
-#include "kernels/oracle.h"
+#include "runtime/oracle.h"
 
 /* ---- the built-in thresholds as measured (bench/RESULTS.md, "Tuned defaults"; a fixture) -- */
 

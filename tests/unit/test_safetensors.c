@@ -13,8 +13,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "runtime/json.h"
-#include "runtime/safetensors.h"
+#include "base/json.h"
+#include "runtime/formats/safetensors.h"
 
 static char g_dir[256];
 

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Per-thread last error, status names, stderr logging with host/rank/GPU identity. */
-#include "diag.h"
+/* Per-thread last error, status names, stderr logging with host/rank/GPU identity, and what a
+ * bad environment knob says (base/env.c reads and parses it). */
+#include "base/diag.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -148,4 +149,31 @@ double moe_now_ms(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+/* What a bad knob says (base/env.c parses it): an error for the checked knobs, else a warning
+ * and the default. */
+moe_status_t moe_env_int_checked(const char *name, int64_t dflt, int64_t *out)
+{
+    int64_t min, max, x = dflt;
+    const char *why = moe_env_int_parse(name, dflt, &x, &min, &max);
+
+    if (why)
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT, "%s=%s: %s (expected %lld..%lld)", name,
+                         moe_env_str(name, ""), why, (long long)min, (long long)max);
+    *out = x;
+    return MOE_STATUS_SUCCESS;
+}
+
+int64_t moe_env_int(const char *name, int64_t dflt)
+{
+    int64_t min, max, x = dflt;
+    const char *why = moe_env_int_parse(name, dflt, &x, &min, &max);
+
+    if (why) {
+        MOE_LOG_WARN("ENV", "%s=%s: %s (expected %lld..%lld); using %lld", name,
+                     moe_env_str(name, ""), why, (long long)min, (long long)max, (long long)dflt);
+        return dflt;
+    }
+    return x;
 }

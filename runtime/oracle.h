@@ -8,6 +8,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include "kernels/expert_gemm.h"
 #include "moe/moe.h"
 
 #ifdef __cplusplus
@@ -170,6 +171,16 @@ const char *moe_oracle_scale_name(moe_scale_kind_t scale); /* "none", "per_chann
 
 /* The built-in tables (the defaults), for moe-tune's buckets. */
 const moe_oracle_group_t *moe_oracle_defaults(int *count);
+
+/* One line on what moe_gemm_select picks at `rows_per_expert` on `arch` for bf16, and why
+ * (the built-in table's bucket; moe_oracle_pick_gemm has the tuned and forced choices). */
+void moe_gemm_explain(int arch, double rows_per_expert, char *text, size_t len);
+
+/* The default choice (the built-in table) for a device arch (e.g.
+ * 90), dtype, scale kind and the expected rows per expert (host-known: num_tokens * top_k /
+ * num_experts). Never NULL for bf16 on sm_80+. */
+const moe_gemm_variant_t *moe_gemm_select(int arch, moe_dtype_t dtype, moe_scale_kind_t scale,
+                                          double rows_per_expert);
 
 #ifdef __cplusplus
 }

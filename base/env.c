@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The one place libmoe reads the environment, and the one parser of its integer knobs. */
-#include "diag.h"
+/* The one place libmoe reads the environment, and the one parser of its integer knobs. What a
+ * bad value says (a warning or an error) is base/diag.c's: this file reports nothing. */
+#include "base/env.h"
 
 #include <errno.h>
 #include <stdlib.h>
@@ -67,31 +68,15 @@ static const char *parse_int(const char *v, int64_t min, int64_t max, int64_t *x
     return NULL;
 }
 
-moe_status_t moe_env_int_checked(const char *name, int64_t dflt, int64_t *out)
+const char *moe_env_int_parse(const char *name, int64_t dflt, int64_t *out, int64_t *min,
+                              int64_t *max)
 {
     const char *v = getenv(name), *why;
-    int64_t min, max, x = dflt;
+    int64_t x = dflt;
 
-    knob_range(name, &min, &max);
-    if (v && *v && (why = parse_int(v, min, max, &x)) != NULL)
-        return moe_error(MOE_STATUS_INVALID_ARGUMENT, "%s=%s: %s (expected %lld..%lld)", name, v,
-                         why, (long long)min, (long long)max);
+    knob_range(name, min, max);
+    if (v && *v && (why = parse_int(v, *min, *max, &x)) != NULL)
+        return why;
     *out = x;
-    return MOE_STATUS_SUCCESS;
-}
-
-int64_t moe_env_int(const char *name, int64_t dflt)
-{
-    const char *v = getenv(name), *why;
-    int64_t min, max, x = dflt;
-
-    if (!v || !*v)
-        return dflt;
-    knob_range(name, &min, &max);
-    if ((why = parse_int(v, min, max, &x)) != NULL) {
-        MOE_LOG_WARN("ENV", "%s=%s: %s (expected %lld..%lld); using %lld", name, v, why,
-                     (long long)min, (long long)max, (long long)dflt);
-        return dflt;
-    }
-    return x;
+    return NULL;
 }

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* safetensors reader (validated header, pread of exact byte ranges) and writer. */
 #define _POSIX_C_SOURCE 200809L
-#include "safetensors.h"
+#include "runtime/formats/safetensors.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -11,7 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "diag.h"
+#include "base/diag.h"
 
 /* Bounce buffer for coalesced column-slice reads. */
 #define COALESCE_BUFFER_BYTES (8u << 20)

@@ -7,7 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "moe/moe.h"
-#include "json.h"
+#include "base/json.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Scalar f32 <-> bf16/f16/fp8-e4m3 conversions, bit-exact, round to nearest even. */
-#include "kernels/numeric.h"
+#include "base/numeric.h"
 
 #include <math.h>
 #include <string.h>

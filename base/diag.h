@@ -1,10 +1,11 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Diagnostics shared by every module: per-thread last error, logging, environment parameters.
- * The one header below include/ that comm/ and kernels/ may use (see docs/ARCHITECTURE.md). */
+ * In base/, the bottom room every other room may use (docs/ARCHITECTURE.md, "Rooms"). */
 #ifndef MOE_DIAG_H
 #define MOE_DIAG_H
 
 #include <stdint.h>
+#include "base/env.h"
 #include "moe/moe.h"
 
 #if defined(__GNUC__)
@@ -41,8 +42,9 @@ void moe_log_set_identity(int rank, int device);
             moe_log(MOE_LOG_LEVEL_DEBUG, sub, __VA_ARGS__);                                        \
     } while (0)
 
-/* Environment parameters (getenv lives in env.c only). Each parameter is declared next to
- * its use with the default; an unparsable value is a warning and the default is used. */
+/* Environment parameters (getenv lives in base/env.c only; this file says what a bad value
+ * means). Each parameter is declared next to its use with the default; an unparsable value is
+ * a warning and the default is used. */
 int64_t moe_env_int(const char *name, int64_t dflt);
 
 /* Milliseconds from a monotonic clock (deadlines, timings): the one clock of the library. */
@@ -51,7 +53,6 @@ static inline double moe_now_us(void)
 {
     return 1e3 * moe_now_ms();
 }
-const char *moe_env_str(const char *name, const char *dflt);
 /* Like moe_env_int, but a bad value is MOE_STATUS_INVALID_ARGUMENT with a message naming the
  * variable, its value and the valid range (for knobs where guessing is worse than stopping:
  * MOE_TIMEOUT_MS). */

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The oracle's tables (built in, tuned, forced), its picks, and the tune file reader/writer. */
-#include "kernels/oracle.h"
+#include "runtime/oracle.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -11,8 +11,8 @@
 #include <sys/stat.h>
 
 #include "kernels/expert_gemm.h"
-#include "runtime/diag.h"
-#include "runtime/json.h"
+#include "base/diag.h"
+#include "base/json.h"
 
 /* ---- built-in tables: rows per expert at or below which each variant is the default,
  * measured on the H200 (docs/KERNELS.md, bench/RESULTS.md "grouped GEMM"). ---------------- */
@@ -782,4 +782,31 @@ moe_status_t moe_oracle_write(const char *path, const moe_oracle_table_t *t)
     if (fail)
         return moe_error(MOE_STATUS_IO_ERROR, "tune file %s: write failed", path);
     return MOE_STATUS_SUCCESS;
+}
+
+/* The built-in choice (the default tables above), as the variant table's entries. */
+static int pick_default(int arch, moe_dtype_t dtype, moe_scale_kind_t scale, double rows,
+                        moe_oracle_choice_t *c)
+{
+    const moe_oracle_query_t q = {arch, dtype, scale, 1, 1, MOE_ORACLE_ANY, rows};
+    return moe_oracle_pick_gemm(NULL, &q, c);
+}
+
+void moe_gemm_explain(int arch, double rows_per_expert, char *text, size_t len)
+{
+    moe_oracle_choice_t c;
+    if (!text || !len)
+        return;
+    if (pick_default(arch, MOE_DTYPE_BF16, MOE_SCALE_NONE, rows_per_expert, &c))
+        moe_oracle_describe(&c, "rows/expert", rows_per_expert, text, len);
+    else
+        snprintf(text, len, "simt_ref (no tuned variant for sm_%d)", arch);
+}
+
+const moe_gemm_variant_t *moe_gemm_select(int arch, moe_dtype_t dtype, moe_scale_kind_t scale,
+                                          double rows_per_expert)
+{
+    moe_oracle_choice_t c;
+    return pick_default(arch, dtype, scale, rows_per_expert, &c) ? moe_gemm_variant_by_name(c.name)
+                                                                 : NULL;
 }

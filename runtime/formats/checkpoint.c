@@ -14,11 +14,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "kernels/numeric.h"
-#include "runtime/diag.h"
-#include "runtime/json.h"
-#include "runtime/checkpoint.h"
-#include "runtime/safetensors.h"
+#include "base/numeric.h"
+#include "base/diag.h"
+#include "base/json.h"
+#include "runtime/formats/checkpoint.h"
+#include "runtime/formats/safetensors.h"
 #include "runtime/weights.h"
 
 /* config.json and the index are small; anything larger is not one. */

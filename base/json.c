@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Strict recursive-descent JSON parser with bounded depth and node count (see json.h). */
-#include "json.h"
+#include "base/json.h"
 
 #include <locale.h>
 #include <stdarg.h>
@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "diag.h"
+#include "base/diag.h"
 
 /* Nodes come from chunks so that a large document costs few mallocs. */
 #define NODE_CHUNK 1024
