@@ -18,15 +18,14 @@ $NVCC $nvflags -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,co
     -c kernels/cuda/expert_gemm_sm80.cu -o "$out/expert_gemm_sm80.o" 2> "$out/ptxas_sm80.txt" &
 p2=$!
 cflags="-std=c11 -D_GNU_SOURCE -O2 -Wall -Wextra -Wno-unused-parameter -DMOE_HAVE_CUDA=1 $inc -I $cuinc"
-for f in kernels/expert_gemm.c runtime/oracle.c base/json.c base/diag.c base/env.c \
-    tests/gpu/test_gpu_expert_gemm.c \
-    bench/gemm_bench.c; do
+for f in kernels/expert_gemm.c kernels/expert_gemm_table.c runtime/oracle.c base/json.c \
+    base/diag.c base/env.c tests/gpu/test_gpu_expert_gemm.c bench/gemm_bench.c; do
     $CC $cflags -c "$f" -o "$out/$(basename "$f" .c).o"
 done
 wait $p1 || { cat "$out/ptxas_sm90.txt"; exit 1; }
 wait $p2 || { cat "$out/ptxas_sm80.txt"; exit 1; }
-common="$out/expert_gemm_sm90.o $out/expert_gemm_sm80.o $out/expert_gemm.o $out/oracle.o $out/json.o
-    $out/diag.o $out/env.o"
+common="$out/expert_gemm_sm90.o $out/expert_gemm_sm80.o $out/expert_gemm.o $out/expert_gemm_table.o"
+common="$common $out/oracle.o $out/json.o $out/diag.o $out/env.o"
 $NVCC -o "$out/test_gpu_expert_gemm" "$out/test_gpu_expert_gemm.o" $common -lm
 $NVCC -o "$out/gemm_bench" "$out/gemm_bench.o" $common -lm
 echo "built $out/test_gpu_expert_gemm $out/gemm_bench"

@@ -1,123 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The grouped expert GEMM variant table. Which variant a step runs is the oracle's choice
- * (runtime/oracle.c; thresholds: docs/KERNELS.md). */
+/* The shape rule every grouped-GEMM variant covers (kernels/expert_gemm.h). */
 #include "kernels/expert_gemm.h"
 
-#include <stddef.h>
-#include <stdio.h>
-#include <string.h>
-
 #include "base/diag.h"
-
-#ifdef MOE_HAVE_CUDA
-#include "kernels/expert_gemm_simple.h"
-#include "kernels/prepare.h"
-#endif
-
-/* The table is built without CUDA too (launch NULL): the oracle and the tune file reader
- * (runtime/oracle.c) check variant names, dtypes and archs on any machine. */
-#ifdef MOE_HAVE_CUDA
-#include "kernels/cuda/expert_gemm_launch.h"
-#define L(fn) fn
-#else
-#define L(fn) NULL
-#endif
-
-/* An FP8 variant slots in as another row with its ab_dtype / scale_kind; moe_gemm_select only
- * returns rows whose dtype and scale kind match. */
-static const moe_gemm_variant_t variants[] = {
-    {"sm90_swapab_n8", 90, 8, 1, MOE_DTYPE_BF16, MOE_SCALE_NONE, L(moe_gemm_sm90_swap8_launch)},
-    {"sm90_swapab_n16", 90, 16, 1, MOE_DTYPE_BF16, MOE_SCALE_NONE, L(moe_gemm_sm90_swap16_launch)},
-    {"sm90_swapab_n32", 90, 32, 1, MOE_DTYPE_BF16, MOE_SCALE_NONE, L(moe_gemm_sm90_swap32_launch)},
-    {"sm90_swapab_n64", 90, 64, 1, MOE_DTYPE_BF16, MOE_SCALE_NONE, L(moe_gemm_sm90_swap64_launch)},
-    {"sm90_swapab_w128_n32", 90, 32, 1, MOE_DTYPE_BF16, MOE_SCALE_NONE,
-     L(moe_gemm_sm90_swap32w_launch)},
-    {"sm90_wgmma_tma_m64n256", 90, 64, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE,
-     L(moe_gemm_sm90_m64_launch)},
-    {"sm90_wgmma_tma_m64n256_pp", 90, 64, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE,
-     L(moe_gemm_sm90_m64pp_launch)},
-    {"sm90_wgmma_tma_m128n256", 90, 128, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE,
-     L(moe_gemm_sm90_m128_launch)},
-    {"sm90_wgmma_tma_m192n128", 90, 192, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE,
-     L(moe_gemm_sm90_m192_launch)},
-    {"sm90_wgmma_tma_m256n128", 90, 256, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE,
-     L(moe_gemm_sm90_m256_launch)},
-    {"sm90_fp8_swapab_n16", 90, 16, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
-     L(moe_gemm_sm90_fp8_swap16_launch)},
-    {"sm90_fp8_swapab_n32", 90, 32, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
-     L(moe_gemm_sm90_fp8_swap32_launch)},
-    {"sm90_fp8_swapab_n64", 90, 64, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
-     L(moe_gemm_sm90_fp8_swap64_launch)},
-    {"sm90_fp8_m64n128", 90, 64, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
-     L(moe_gemm_sm90_fp8_m64_launch)},
-    {"sm90_fp8_m128n128", 90, 128, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
-     L(moe_gemm_sm90_fp8_m128_launch)},
-    {"sm90_fp8_m192n128", 90, 192, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
-     L(moe_gemm_sm90_fp8_m192_launch)},
-    {"sm90_fp8_block_swapab_n16", 90, 16, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
-     L(moe_gemm_sm90_fp8b_swap16_launch)},
-    {"sm90_fp8_block_swapab_n32", 90, 32, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
-     L(moe_gemm_sm90_fp8b_swap32_launch)},
-    {"sm90_fp8_block_m64n128", 90, 64, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
-     L(moe_gemm_sm90_fp8b_m64_launch)},
-    {"sm90_fp8_block_m128n128", 90, 128, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
-     L(moe_gemm_sm90_fp8b_m128_launch)},
-    {"sm90_fp8_block_m192n128", 90, 192, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
-     L(moe_gemm_sm90_fp8b_m192_launch)},
-    {"sm80_mma_m32n128", 80, 32, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE, L(moe_gemm_sm80_m32_launch)},
-    {"sm80_mma_m64n128", 80, 64, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE, L(moe_gemm_sm80_m64_launch)},
-};
-#define NUM_VARIANTS ((int)(sizeof(variants) / sizeof(variants[0])))
-#undef L
-
-const moe_gemm_variant_t *moe_gemm_variants(int *count)
-{
-    if (count)
-        *count = NUM_VARIANTS;
-    return variants;
-}
-
-int moe_gemm_variant_runs_on(const moe_gemm_variant_t *v, int arch)
-{
-    /* sm_90a code runs on compute capability 9.0 alone; the sm_80 family carries PTX that
-     * the driver compiles for any newer device. */
-    if (!v)
-        return 0;
-    return v->min_arch == 90 ? arch == 90 : arch >= v->min_arch;
-}
-
-#ifdef MOE_HAVE_CUDA
-static moe_status_t prepare_variant(const moe_gemm_variant_t *v)
-{
-    /* Never dereferenced: max_blocks = 0 returns before any operand is read. */
-    static _Alignas(16) char dummy[16];
-    static float dummy_scale[1];
-    moe_gemm_args_t g;
-    int epi;
-    memset(&g, 0, sizeof(g));
-    g.a = g.b = g.c = dummy;
-    g.a_scale = g.b_scale = dummy_scale;
-    g.block_expert = g.num_blocks = (const int32_t *)dummy;
-    g.c = dummy;
-    g.num_experts = 1;
-    g.n = g.k = 64;
-    g.ab_dtype = v->ab_dtype;
-    g.scale_kind = v->scale_kind;
-    for (epi = MOE_GEMM_EPI_STORE; epi <= MOE_GEMM_EPI_GELU_MUL; epi++) {
-        g.epilogue = (moe_gemm_epilogue_t)epi;
-        MOE_CHECK(v->launch(&g, NULL));
-    }
-    return MOE_STATUS_SUCCESS;
-}
-
-moe_status_t moe_gemm_prepare(int arch)
-{
-    for (int i = 0; i < NUM_VARIANTS; i++)
-        if (moe_gemm_variant_runs_on(&variants[i], arch))
-            MOE_CHECK(prepare_variant(&variants[i]));
-    return prepare_variant(moe_gemm_simple_variant());
-}
-#endif
 
 moe_status_t moe_gemm_check_shape(const char *what, int n, int k, moe_gemm_epilogue_t epilogue)
 {
@@ -130,14 +15,4 @@ moe_status_t moe_gemm_check_shape(const char *what, int n, int k, moe_gemm_epilo
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: n = %d: n%s must be a multiple of %d", what,
                          n, mul ? "/2" : "", MOE_GEMM_ALIGN);
     return MOE_STATUS_SUCCESS;
-}
-
-const moe_gemm_variant_t *moe_gemm_variant_by_name(const char *name)
-{
-    if (!name)
-        return NULL;
-    for (int i = 0; i < NUM_VARIANTS; i++)
-        if (strcmp(variants[i].name, name) == 0)
-            return &variants[i];
-    return NULL;
 }

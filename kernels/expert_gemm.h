@@ -59,14 +59,6 @@ typedef struct moe_gemm_variant {
     moe_status_t (*launch)(const moe_gemm_args_t *args, void *stream);
 } moe_gemm_variant_t;
 
-/* All variants (static table). A build without CUDA has the same table with launch = NULL
- * (names, archs and dtypes for the oracle and the tune file reader). */
-const moe_gemm_variant_t *moe_gemm_variants(int *count);
-const moe_gemm_variant_t *moe_gemm_variant_by_name(const char *name);
-/* 1 if the variant has an image that runs on a device of compute capability `arch` (90, 100,
- * ...): sm_90a variants on 90 only, sm_80 ones (SASS + PTX) on 80 and newer. */
-int moe_gemm_variant_runs_on(const moe_gemm_variant_t *v, int arch);
-
 /* The shapes every bf16 variant runs at every row count: rows of whole 16-byte units
  * (k % 8, TMA's stride unit), n % 8 and, for the gate|up epilogues, n/2 % 8. Tails past a tile
  * are handled inside the kernels (zero fill along k, masked stores along n). */

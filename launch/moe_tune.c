@@ -20,7 +20,7 @@
 #include <string.h>
 
 #include "cli.h"
-#include "kernels/expert_gemm.h"
+#include "kernels/expert_gemm_table.h"
 #include "runtime/oracle.h"
 #include "layer_gen.h"
 #include "tool_check.h"

@@ -10,7 +10,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "kernels/expert_gemm.h"
+#include "kernels/expert_gemm_table.h"
 #include "base/diag.h"
 #include "base/json.h"
 

@@ -39,7 +39,7 @@ typedef enum moe_oracle_kind {
     MOE_ORACLE_TRANSPORT = 1 /* buckets of max tokens per rank -> allgather | lsa | p2p */
 } moe_oracle_kind_t;
 
-/* The expert-parallel transports by name (runtime/backend_cuda_ep.c); a GEMM table's layout
+/* The expert-parallel transports by name (runtime/cuda/ep_transport.c); a GEMM table's layout
  * key may name one, or MOE_ORACLE_ANY. A one-GPU layer queries with MOE_ORACLE_ANY. */
 #define MOE_ORACLE_ANY (-1)
 enum { MOE_ORACLE_ALLGATHER = 0, MOE_ORACLE_LSA = 1, MOE_ORACLE_P2P = 2 };

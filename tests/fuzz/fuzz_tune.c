@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/expert_gemm.h"
+#include "kernels/expert_gemm_table.h"
 #include "runtime/oracle.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);

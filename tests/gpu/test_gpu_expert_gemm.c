@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/expert_gemm.h"
+#include "kernels/expert_gemm_table.h"
 #include "runtime/oracle.h"
 #include "gpu_skip.h"
 #include "base/diag.h"

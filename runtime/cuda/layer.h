@@ -1,14 +1,18 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The CUDA backend's private state and the pieces its one-GPU part (backend_cuda.c) and its
- * expert-parallel part (backend_cuda_ep.c) share. */
-#ifndef MOE_BACKEND_CUDA_H
-#define MOE_BACKEND_CUDA_H
+/* The CUDA backend's private state: one layer's device data, workspace pieces and expert-parallel
+ * fields (cuda_layer_t), and the carving of one allocation into 256-byte-aligned pieces. The
+ * one-GPU half (runtime/cuda/one_gpu.h), the expert-parallel half (runtime/cuda/ep.h) and the
+ * backend's entry (runtime/cuda/backend.c) include it; it includes neither half. */
+#ifndef MOE_CUDA_LAYER_H
+#define MOE_CUDA_LAYER_H
 
+#include <stddef.h>
+#include <stdint.h>
 #include "comm/nccl_comm.h"
 #include "kernels/expert_gemm.h"
-#include "runtime/oracle.h"
 #include "kernels/permute.h"
 #include "runtime/layer.h"
+#include "runtime/oracle.h"
 
 /* Events of a profiled forward (MOE_PROFILE=1): the boundaries of its phases. */
 enum { EV_START, EV_ROUTE, EV_PERMUTE, EV_EXPERT, EV_SHARED, EV_COMBINE, EV_COUNT };
@@ -172,49 +176,29 @@ typedef struct carve {
     size_t off;
 } carve_t;
 
-void *moe_cuda_take(carve_t *c, size_t bytes);
-/* The layer's workspace pieces carved from `base` (a lane's half: micro-batches). */
-void moe_cuda_carve_workspace(cuda_layer_t *s, char *base);
+static inline size_t align_up(size_t x)
+{
+    return (x + 255) & ~(size_t)255;
+}
 
-/* The EP part's buffers in the workspace / persistent allocation. */
-void moe_cuda_ep_plan_workspace(cuda_layer_t *s, carve_t *c);
-void moe_cuda_ep_plan_persistent(cuda_layer_t *s, carve_t *c);
-/* Before the workspace is planned (collective): the transport (MOE_EP_TRANSPORT, else from
- * cfg.dispatch and the hardware), agreed by every rank. */
-moe_status_t moe_cuda_ep_choose(moe_layer_t *l, cuda_layer_t *s);
-moe_status_t moe_cuda_ep_init(moe_layer_t *l, cuda_layer_t *s);
-void moe_cuda_ep_fini(cuda_layer_t *s);
-/* synchronize saw the all-to-all time out waiting for `rank`: later steps are refused. */
-void moe_cuda_ep_timed_out(moe_layer_t *l, int rank);
-const char *moe_cuda_ep_transport_name(int transport);
-/* One step across the ranks. `local` is this rank's argument verdict: on failure the rank
- * still joins every collective (with no tokens), its flag makes every rank skip the routed
- * compute, and every rank's synchronize returns the status. */
-moe_status_t moe_cuda_ep_forward(moe_layer_t *l, const moe_forward_args_t *a, moe_status_t local);
+static inline void *moe_cuda_take(carve_t *c, size_t bytes)
+{
+    void *p = c->base ? c->base + c->off : NULL;
+    c->off += align_up(bytes);
+    return p;
+}
 
-/* Shared steps (backend_cuda.c). */
-const moe_gemm_variant_t *moe_cuda_variant_for(const cuda_layer_t *s, double rows_per_expert);
-moe_status_t moe_cuda_record(const cuda_layer_t *s, int ev, void *stream);
-moe_status_t moe_cuda_route(moe_layer_t *l, const moe_forward_args_t *a, int32_t *ids, float *w);
-/* T token rows of x through their experts (ids: local, -1 for none), or with `regions` (else
- * NULL) the all-to-all's receive regions of x and global ids (kernels/permute.h): the permute
- * and the scatter then follow the live rows, not T. */
-moe_status_t moe_cuda_routed_experts(cuda_layer_t *s, const void *x, moe_dtype_t x_dtype, int64_t T,
-                                     const int32_t *ids, const moe_permute_regions_t *regions,
-                                     double rows_per_expert, void *stream);
-/* The routed GEMMs on rows already grouped by expert (a, bf16) with the layout in s->counts,
- * s->offsets, s->block_expert, s->num_blocks (at most max_blocks blocks of v's rows). */
-moe_status_t moe_cuda_experts_laid_out(cuda_layer_t *s, const moe_gemm_variant_t *v, const void *a,
-                                       int max_blocks, double rows_per_expert, void *stream);
-moe_status_t moe_cuda_shared_experts(cuda_layer_t *s, const void *x, moe_dtype_t x_dtype, int64_t T,
-                                     void *stream);
-moe_status_t moe_cuda_shared_gate(moe_layer_t *l, const moe_forward_args_t *a);
-moe_status_t moe_cuda_combine(moe_layer_t *l, const moe_forward_args_t *a, const void *rows,
-                              const int32_t *row_of_slot, const float *w, const void *shared);
-/* The profiled step's phase times, and the rows this rank's experts received (accumulate: added
- * to the earlier rounds' times and counts instead of replacing them). Synchronises. */
-moe_status_t moe_cuda_finish_profile(moe_layer_t *l, int accumulate, void *stream);
-/* check_inputs: NaN/Inf in x or the given router logits sets *flag = NUMERIC_ERROR. */
-moe_status_t moe_cuda_scan_inputs(moe_layer_t *l, const moe_forward_args_t *a, int32_t *flag);
+/* The GEMMs' scale kind: none (bf16), per row (W8A8 per-tensor / per-channel weights, their
+ * scales expanded per row) or 128 x 128 blocks with 1 x 128 activation groups. */
+static inline moe_scale_kind_t f8_scale_kind(const cuda_layer_t *s)
+{
+    return s->f8 == 2 ? MOE_SCALE_BLOCK_128 : s->f8 ? MOE_SCALE_PER_CHANNEL : MOE_SCALE_NONE;
+}
 
-#endif /* MOE_BACKEND_CUDA_H */
+/* 128-wide k slices of a row of `k` with block scales, else 1 (one scale per row). */
+static inline size_t f8_groups(const cuda_layer_t *s, int64_t k)
+{
+    return s->f8 == 2 ? (size_t)((k + 127) / 128) : 1;
+}
+
+#endif /* MOE_CUDA_LAYER_H */

@@ -1,0 +1,26 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The grouped expert GEMM variant table: every variant compiled ahead of time, by name, arch,
+ * dtype and scale kind (CUDA-free). Which one a step runs is the oracle's choice
+ * (runtime/oracle.h); the variants' interface is kernels/expert_gemm.h. */
+#ifndef MOE_EXPERT_GEMM_TABLE_H
+#define MOE_EXPERT_GEMM_TABLE_H
+
+#include "kernels/expert_gemm.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* All variants (static table). A build without CUDA has the same table with launch = NULL
+ * (names, archs and dtypes for the oracle and the tune file reader). */
+const moe_gemm_variant_t *moe_gemm_variants(int *count);
+const moe_gemm_variant_t *moe_gemm_variant_by_name(const char *name);
+/* 1 if the variant has an image that runs on a device of compute capability `arch` (90, 100,
+ * ...): sm_90a variants on 90 only, sm_80 ones (SASS + PTX) on 80 and newer. */
+int moe_gemm_variant_runs_on(const moe_gemm_variant_t *v, int arch);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOE_EXPERT_GEMM_TABLE_H */

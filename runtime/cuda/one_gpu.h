@@ -1,0 +1,51 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The CUDA backend's one-GPU half: the variants a layer may run and the memory planned for
+ * them (runtime/cuda/plan.c), the weights' upload (runtime/cuda/weights.c) and the stages of a
+ * step, route -> permute -> expert GEMMs -> shared MLP -> combine (runtime/cuda/step.c). The
+ * expert-parallel half (runtime/cuda/ep.h) builds on this interface; nothing here calls it. */
+#ifndef MOE_CUDA_ONE_GPU_H
+#define MOE_CUDA_ONE_GPU_H
+
+#include "runtime/cuda/layer.h"
+
+/* plan.c: the workspace pieces and the persistent weights block of one GPU's step (the
+ * expert-parallel half adds its own after them, runtime/cuda/ep.h). */
+void moe_cuda_plan_workspace(cuda_layer_t *s, carve_t *c);
+void moe_cuda_plan_weights(cuda_layer_t *s, carve_t *c);
+/* The variant for this step: forced, or the oracle's choice for the expected rows per expert
+ * (host-known, so a captured graph replays the same choice). */
+const moe_gemm_variant_t *moe_cuda_variant_for(const cuda_layer_t *s, double rows_per_expert);
+/* The variant a GEMM of this layer gets at rows_per_expert, and why (moe_layer_explain). */
+void moe_cuda_explain_gemm(const cuda_layer_t *s, double rows_per_expert, char *text, size_t len);
+
+/* weights.c: moe_backend_ops_t.store_weight. */
+moe_status_t moe_cuda_store_weight(moe_layer_t *l, moe_weight_kind_t kind, int local,
+                                   const moe_matrix_t *m);
+
+/* step.c: the stages. */
+moe_status_t moe_cuda_record(const cuda_layer_t *s, int ev, void *stream);
+moe_status_t moe_cuda_route(moe_layer_t *l, const moe_forward_args_t *a, int32_t *ids, float *w);
+/* T token rows of x through their experts (ids: local, -1 for none), or with `regions` (else
+ * NULL) the all-to-all's receive regions of x and global ids (kernels/permute.h): the permute
+ * and the scatter then follow the live rows, not T. */
+moe_status_t moe_cuda_routed_experts(cuda_layer_t *s, const void *x, moe_dtype_t x_dtype, int64_t T,
+                                     const int32_t *ids, const moe_permute_regions_t *regions,
+                                     double rows_per_expert, void *stream);
+/* The routed GEMMs on rows already grouped by expert (a, bf16) with the layout in s->counts,
+ * s->offsets, s->block_expert, s->num_blocks (at most max_blocks blocks of v's rows). */
+moe_status_t moe_cuda_experts_laid_out(cuda_layer_t *s, const moe_gemm_variant_t *v, const void *a,
+                                       int max_blocks, double rows_per_expert, void *stream);
+moe_status_t moe_cuda_shared_experts(cuda_layer_t *s, const void *x, moe_dtype_t x_dtype, int64_t T,
+                                     void *stream);
+moe_status_t moe_cuda_shared_gate(moe_layer_t *l, const moe_forward_args_t *a);
+moe_status_t moe_cuda_combine(moe_layer_t *l, const moe_forward_args_t *a, const void *rows,
+                              const int32_t *row_of_slot, const float *w, const void *shared);
+/* The profiled step's phase times, and the rows this rank's experts received (accumulate: added
+ * to the earlier rounds' times and counts instead of replacing them). Synchronises. */
+moe_status_t moe_cuda_finish_profile(moe_layer_t *l, int accumulate, void *stream);
+/* check_inputs: NaN/Inf in x or the given router logits sets *flag = NUMERIC_ERROR. */
+moe_status_t moe_cuda_scan_inputs(moe_layer_t *l, const moe_forward_args_t *a, int32_t *flag);
+/* One step on one GPU (world 1, arguments checked, num_tokens > 0). */
+moe_status_t moe_cuda_forward_one_gpu(moe_layer_t *l, const moe_forward_args_t *a);
+
+#endif /* MOE_CUDA_ONE_GPU_H */

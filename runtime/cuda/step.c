@@ -1,0 +1,347 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The stages of a CUDA step on one GPU (the expert-parallel half runs them on its rows):
+ * route -> permute -> GEMM1 (act * up) -> GEMM2 -> combine on the caller's stream with no host
+ * synchronisation and no allocation, so a step can be captured in a CUDA graph.
+ *
+ * Routing weights are applied in combine (f32), not in GEMM2's row_scale epilogue: GEMM2
+ * writes each expert row unweighted in bf16 and combine sums w_tj * row in a fixed j order. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/diag.h"
+#include "kernels/combine.h"
+#include "kernels/cpu/moe_cpu.h"
+#include "kernels/ep.h"
+#include "kernels/expert_gemm_simple.h"
+#include "kernels/gpu.h"
+#include "kernels/permute.h"
+#include "kernels/prepare.h"
+#include "kernels/quant.h"
+#include "kernels/route.h"
+#include "runtime/cuda/one_gpu.h"
+
+/* The expert MLP's two GEMMs on the rows of a (bf16); W8A8: each GEMM's input quantised per
+ * row first (a -> a8, h -> h8), e4m3 weights with per-row scales; in13 / in2 (optional): each
+ * expert's static scale of that input (0: dynamic). */
+typedef struct mlp_io {
+    const void *a; /* bf16 rows; W8A8 with src_slot: NULL, GEMM 1's input gathered from x */
+    const void *x; /* W8A8 gather: tokens [T][H] of x_dtype, row r = x[src_slot[r] / k] */
+    moe_dtype_t x_dtype;
+    const int32_t *src_slot;
+    int src_k;
+    void *h, *o;
+    uint8_t *a8, *h8;
+    float *as, *hs;
+    const void *w13, *w2;
+    const float *w13s, *w2s;
+    const float *in13, *in2;
+    int64_t inter;
+    int num_experts;
+} mlp_io_t;
+
+static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_t *v,
+                                  const mlp_io_t *m, const int32_t *block_expert,
+                                  const int32_t *num_blocks, int max_blocks, const int32_t *counts,
+                                  const int32_t *offsets, void *stream)
+{
+    const int64_t rows = (int64_t)max_blocks * v->block_rows;
+    moe_gemm_args_t g;
+    memset(&g, 0, sizeof(g));
+    g.expert_counts = counts; /* the permute's: lets a variant skip all-padding rows */
+    g.expert_offsets = offsets;
+    g.a = m->a;
+    g.b = m->w13;
+    g.c = m->h;
+    g.block_expert = block_expert;
+    g.num_blocks = num_blocks;
+    g.max_blocks = max_blocks;
+    g.num_experts = m->num_experts;
+    g.n = (int)(2 * m->inter);
+    g.k = s->H;
+    g.epilogue = s->act == MOE_ACTIVATION_GELU ? MOE_GEMM_EPI_GELU_MUL : MOE_GEMM_EPI_SILU_MUL;
+    g.ab_dtype = MOE_DTYPE_BF16;
+    g.scale_kind = MOE_SCALE_NONE;
+    if (s->f8) {
+        moe_quant_rows_args_t q = {
+            m->a,         MOE_DTYPE_BF16, rows,  num_blocks,           v->block_rows, s->H, m->in13,
+            block_expert, m->a8,          m->as, s->f8 == 2 ? 128 : 0, NULL,          0};
+        if (m->src_slot) { /* the permute's gather fused in: no bf16 copy of the rows */
+            q.x = m->x;
+            q.x_dtype = m->x_dtype;
+            q.src_slot = m->src_slot;
+            q.src_k = m->src_k;
+        }
+        MOE_CHECK(moe_quant_rows_launch(&q, stream));
+        g.a = m->a8;
+        g.a_scale = m->as;
+        g.b_scale = m->w13s;
+        g.ab_dtype = MOE_DTYPE_FP8_E4M3;
+        g.scale_kind = f8_scale_kind(s);
+    }
+    g.max_ctas = s->gemm_max_ctas;
+    MOE_CHECK(v->launch(&g, stream));
+    g.a = m->h;
+    g.b = m->w2;
+    g.c = m->o;
+    g.n = s->H;
+    g.k = (int)m->inter;
+    g.epilogue = MOE_GEMM_EPI_STORE;
+    if (s->f8) {
+        moe_quant_rows_args_t q = {
+            m->h,   MOE_DTYPE_BF16, rows,  num_blocks, v->block_rows,        (int)m->inter,
+            m->in2, block_expert,   m->h8, m->hs,      s->f8 == 2 ? 128 : 0, NULL,
+            0};
+        MOE_CHECK(moe_quant_rows_launch(&q, stream));
+        g.a = m->h8;
+        g.a_scale = m->hs;
+        g.b_scale = m->w2s;
+    }
+    return v->launch(&g, stream);
+}
+
+moe_status_t moe_cuda_record(const cuda_layer_t *s, int ev, void *stream)
+{
+    return s->profile ? moe_gpu_event_record(s->ev[ev], stream) : MOE_STATUS_SUCCESS;
+}
+
+moe_status_t moe_cuda_route(moe_layer_t *l, const moe_forward_args_t *a, int32_t *ids, float *w)
+{
+    cuda_layer_t *s = l->state;
+    const float *logits = a->router_logits;
+    moe_route_args_t r;
+
+    if (!logits) {
+        moe_route_logits_args_t g = {a->x,      a->dtype,      s->router,
+                                     s->logits, a->num_tokens, s->E_total,
+                                     s->H,      s->router3,    s->router_planes};
+        MOE_CHECK(moe_route_logits_launch(&g, a->stream));
+        logits = s->logits;
+    }
+    memset(&r, 0, sizeof(r));
+    r.params.num_experts = l->cfg.num_experts;
+    r.params.top_k = l->cfg.top_k;
+    r.params.scoring = l->cfg.scoring;
+    r.params.use_bias = l->cfg.use_score_bias;
+    r.params.n_group = l->cfg.n_group;
+    r.params.topk_group = l->cfg.topk_group;
+    r.params.renormalize = l->cfg.renormalize;
+    r.params.scaling = l->cfg.routed_scaling_factor;
+    r.logits = logits;
+    r.bias = l->cfg.use_score_bias ? s->bias : NULL;
+    r.topk_ids = ids;
+    r.topk_weights = w;
+    r.num_tokens = a->num_tokens;
+    return moe_route_launch(&r, a->stream);
+}
+
+moe_status_t moe_cuda_scan_inputs(moe_layer_t *l, const moe_forward_args_t *a, int32_t *flag)
+{
+    cuda_layer_t *s = l->state;
+    if (!l->cfg.check_inputs || a->num_tokens == 0)
+        return MOE_STATUS_SUCCESS;
+    MOE_CHECK(moe_scan_finite_launch(a->x, a->dtype, a->num_tokens * s->H, flag,
+                                     MOE_STATUS_NUMERIC_ERROR, a->stream));
+    if (a->router_logits)
+        MOE_CHECK(moe_scan_finite_launch(a->router_logits, MOE_DTYPE_F32,
+                                         a->num_tokens * s->E_total, flag, MOE_STATUS_NUMERIC_ERROR,
+                                         a->stream));
+    return MOE_STATUS_SUCCESS;
+}
+
+/* GEMM 1, the activation and GEMM 2 over the expert-grouped rows of the layout in s->counts,
+ * s->offsets, s->block_expert, s->num_blocks: from `a` (bf16), or (W8A8, a NULL) gathered from
+ * x through s->slot_of_row by GEMM 1's quantisation. */
+static moe_status_t routed_gemms(cuda_layer_t *s, const moe_gemm_variant_t *v, const void *a,
+                                 const void *x, moe_dtype_t x_dtype, int mb, double rows_per_expert,
+                                 void *stream)
+{
+    const float *in13 = s->has_in[0] ? s->in13 : NULL, *in2 = s->has_in[1] ? s->in2 : NULL;
+    mlp_io_t m = {
+        a,      NULL,  MOE_DTYPE_INVALID, NULL,   0,    s->h, s->o,  s->a8, s->h8, s->as, s->hs,
+        s->w13, s->w2, s->w13s,           s->w2s, in13, in2,  s->is, s->E};
+    if (!a) {
+        m.x = x;
+        m.x_dtype = x_dtype;
+        m.src_slot = s->slot_of_row;
+        m.src_k = (int)s->k;
+    }
+    /* The counts let the m128 variants idle a consumer warpgroup on an all-padding half
+     * block. Measured in one run (bench/RESULTS.md): 2-3.5 % faster at up to 1.5 blocks of
+     * rows per expert, 4-15 % slower at 2-4 blocks per expert, so only the former. */
+    const int skip = s->skip_pad && rows_per_expert <= 1.5 * v->block_rows;
+    return run_mlp_gemms(s, v, &m, s->block_expert, s->num_blocks, mb, skip ? s->counts : NULL,
+                         skip ? s->offsets : NULL, stream);
+}
+
+/* Token rows of `x` (T tokens) through their experts (ids, -1: not on this rank): permute,
+ * gather, GEMM1 (act * up), GEMM2 into s->o. rows_per_expert picks the GEMM variant. */
+moe_status_t moe_cuda_routed_experts(cuda_layer_t *s, const void *x, moe_dtype_t x_dtype, int64_t T,
+                                     const int32_t *ids, const moe_permute_regions_t *regions,
+                                     double rows_per_expert, void *stream)
+{
+    const int64_t rows = T * s->k;
+    const moe_gemm_variant_t *v = moe_cuda_variant_for(s, rows_per_expert);
+    const int br = v->block_rows;
+    const int mb = (int)moe_permute_max_blocks(rows, s->E, br);
+    moe_permute_args_t p = {ids,
+                            T,
+                            s->k,
+                            s->E,
+                            br,
+                            mb,
+                            s->counts,
+                            s->offsets,
+                            s->block_expert,
+                            s->num_blocks,
+                            s->row_of_slot,
+                            s->slot_of_row,
+                            s->perm_scratch,
+                            s->perm_scratch_count,
+                            s->perm_done,
+                            {0}};
+    /* the scatter form: each token row of x read once (padding rows of a left unwritten) */
+    moe_gather_args_t g = {x,    x_dtype, s->H, s->k, s->slot_of_row, s->num_blocks, br, mb,
+                           s->a, NULL,    0,    {0}};
+    if (s->scatter_rows) {
+        g.row_of_slot = s->row_of_slot;
+        g.num_tokens = T;
+    }
+    if (regions) {
+        p.regions = *regions;
+        g.regions = *regions;
+    }
+
+    if (mb > s->max_blocks)
+        return moe_error(MOE_STATUS_INTERNAL_ERROR, "variant %s needs %d blocks > planned %d",
+                         v->name, mb, s->max_blocks);
+    MOE_CHECK(moe_permute_launch(&p, stream));
+    if (!s->f8) /* W8A8: GEMM 1's quantisation gathers the rows itself */
+        MOE_CHECK(moe_gather_launch(&g, stream));
+    MOE_CHECK(moe_cuda_record(s, EV_PERMUTE, stream));
+    return routed_gemms(s, v, s->f8 ? NULL : s->a, x, x_dtype, mb, rows_per_expert, stream);
+}
+
+moe_status_t moe_cuda_experts_laid_out(cuda_layer_t *s, const moe_gemm_variant_t *v, const void *a,
+                                       int max_blocks, double rows_per_expert, void *stream)
+{
+    if (s->f8 || max_blocks > s->max_blocks)
+        return moe_error(MOE_STATUS_INTERNAL_ERROR,
+                         "laid-out experts: %s, variant %s needs %d blocks (planned %d)",
+                         s->f8 ? "W8A8" : "bf16", v->name, max_blocks, s->max_blocks);
+    MOE_CHECK(moe_cuda_record(s, EV_PERMUTE, stream));
+    return routed_gemms(s, v, a, NULL, MOE_DTYPE_INVALID, max_blocks, rows_per_expert, stream);
+}
+
+/* The shared MLP (this rank's slice) on T tokens of x into s->so. */
+moe_status_t moe_cuda_shared_experts(cuda_layer_t *s, const void *x, moe_dtype_t x_dtype, int64_t T,
+                                     void *stream)
+{
+    const moe_gemm_variant_t *v = moe_cuda_variant_for(s, (double)T);
+    const int br = v->block_rows;
+    const int mb = (int)((T + br - 1) / br);
+    moe_rows_args_t r = {x, x_dtype, T, s->H, br, mb, s->sa, s->s_block_expert, s->s_num_blocks};
+
+    if (mb > s->s_max_blocks)
+        return moe_error(MOE_STATUS_INTERNAL_ERROR, "shared: %d blocks > planned %d", mb,
+                         s->s_max_blocks);
+    MOE_CHECK(moe_rows_launch(&r, stream));
+    {
+        const float *in13 = s->has_in[2] ? s->sin13 : NULL, *in2 = s->has_in[3] ? s->sin2 : NULL;
+        const mlp_io_t m = {
+            s->sa,  NULL,   MOE_DTYPE_INVALID, NULL,   0,        s->sh,   s->so, s->sa8, s->sh8,
+            s->sas, s->shs, s->sw13,           s->sw2, s->sw13s, s->sw2s, in13,  in2,    s->ss,
+            1};
+        return run_mlp_gemms(s, v, &m, s->s_block_expert, s->s_num_blocks, mb, NULL, NULL, stream);
+    }
+}
+
+/* sigmoid input of Qwen2's shared-expert gate for this rank's tokens. */
+moe_status_t moe_cuda_shared_gate(moe_layer_t *l, const moe_forward_args_t *a)
+{
+    cuda_layer_t *s = l->state;
+    moe_route_logits_args_t g = {a->x, a->dtype, s->sgate, s->s_gate_logit, a->num_tokens, 1,
+                                 s->H, NULL,     0};
+    if (!l->cfg.shared_expert_gate || a->num_tokens == 0)
+        return MOE_STATUS_SUCCESS;
+    return moe_route_logits_launch(&g, a->stream);
+}
+
+moe_status_t moe_cuda_finish_profile(moe_layer_t *l, int accumulate, void *stream)
+{
+    cuda_layer_t *s = l->state;
+    float ms[EV_COUNT] = {0};
+    int64_t rows = 0;
+    int i;
+    /* the step's earlier rounds (EP rounds), which this one adds to */
+    const moe_layer_stats_t prev = accumulate ? l->stats : (moe_layer_stats_t){0};
+
+    /* bounded like every other wait: through NCCL's watchdog with EP */
+    if (s->nccl)
+        MOE_CHECK(moe_nccl_wait(s->nccl, stream));
+    else
+        MOE_CHECK(moe_gpu_event_synchronize(s->ev[EV_COMBINE]));
+    for (i = 1; i < EV_COUNT; i++)
+        MOE_CHECK(moe_gpu_event_elapsed_ms(s->ev[i - 1], s->ev[i], &ms[i]));
+    l->stats.route_us = prev.route_us + 1e3 * ms[EV_ROUTE];
+    l->stats.dispatch_us = prev.dispatch_us + 1e3 * ms[EV_PERMUTE];
+    l->stats.expert_us = prev.expert_us + 1e3 * ms[EV_EXPERT];
+    l->stats.shared_us = prev.shared_us + 1e3 * ms[EV_SHARED];
+    l->stats.combine_us = prev.combine_us + 1e3 * ms[EV_COMBINE];
+    MOE_CHECK(moe_gpu_event_elapsed_ms(s->ev[EV_START], s->ev[EV_COMBINE], &ms[0]));
+    l->stats.total_us = prev.total_us + 1e3 * ms[0];
+    MOE_CHECK(moe_gpu_memcpy_d2h_async(s->host_counts, s->counts, sizeof(int32_t) * (size_t)s->E,
+                                       stream));
+    MOE_CHECK(moe_gpu_stream_synchronize(stream));
+    for (i = 0; i < s->E; i++) {
+        l->expert_load[l->plan.first_local_expert + i] =
+            s->host_counts[i] + (accumulate ? l->expert_load[l->plan.first_local_expert + i] : 0);
+        rows += s->host_counts[i];
+    }
+    l->stats.rows_received = prev.rows_received + rows;
+    return MOE_STATUS_SUCCESS;
+}
+
+/* y = sum over slots in order of w * expert rows (+ [gated] shared rows), into args->y. */
+moe_status_t moe_cuda_combine(moe_layer_t *l, const moe_forward_args_t *a, const void *rows,
+                              const int32_t *row_of_slot, const float *w, const void *shared)
+{
+    cuda_layer_t *s = l->state;
+    moe_combine_args_t c;
+    memset(&c, 0, sizeof(c));
+    c.expert_out = rows;
+    c.row_of_slot = row_of_slot;
+    c.topk_weights = w;
+    c.shared_out = s->ss > 0 ? shared : NULL;
+    c.shared_gate_logit = s->ss > 0 && l->cfg.shared_expert_gate ? s->s_gate_logit : NULL;
+    c.y = a->y;
+    c.y_dtype = a->dtype;
+    c.num_tokens = a->num_tokens;
+    c.hidden = s->H;
+    c.top_k = s->k;
+    return moe_combine_launch(&c, a->stream);
+}
+
+moe_status_t moe_cuda_forward_one_gpu(moe_layer_t *l, const moe_forward_args_t *a)
+{
+    cuda_layer_t *s = l->state;
+    int32_t *ids = a->topk_ids ? a->topk_ids : s->ids;
+    float *w = a->topk_weights ? a->topk_weights : s->weights;
+
+    MOE_CHECK(moe_cuda_record(s, EV_START, a->stream));
+    MOE_CHECK(moe_cuda_scan_inputs(l, a, s->sticky));
+    MOE_CHECK(moe_cuda_route(l, a, ids, w));
+    MOE_CHECK(moe_cuda_record(s, EV_ROUTE, a->stream));
+    MOE_CHECK(moe_cuda_routed_experts(s, a->x, a->dtype, a->num_tokens, ids, NULL,
+                                      (double)a->num_tokens * s->k / s->E, a->stream));
+    MOE_CHECK(moe_cuda_record(s, EV_EXPERT, a->stream));
+    if (s->ss > 0) {
+        MOE_CHECK(moe_cuda_shared_experts(s, a->x, a->dtype, a->num_tokens, a->stream));
+        MOE_CHECK(moe_cuda_shared_gate(l, a));
+    }
+    MOE_CHECK(moe_cuda_record(s, EV_SHARED, a->stream));
+    MOE_CHECK(moe_cuda_combine(l, a, s->o, s->row_of_slot, w, s->so));
+    MOE_CHECK(moe_cuda_record(s, EV_COMBINE, a->stream));
+    return s->profile ? moe_cuda_finish_profile(l, 0, a->stream) : MOE_STATUS_SUCCESS;
+}
