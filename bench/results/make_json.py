@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+# Rebuilds bench/results/h200.json from the tables of bench/RESULTS.md (run from the repository
+# root: python3 bench/results/make_json.py). META lists, table by table in the order they
+# appear, the topic, date, commit and command; a table added to RESULTS.md needs its entry.
+import json,re
+md=open('bench/RESULTS.md').read().split('\n')
+tables=[];cur=None;title=None
+for ln in md:
+    if ln.startswith('## '): title=ln[3:].strip()
+    if ln.startswith('|'):
+        cells=[c.strip() for c in ln.strip().strip('|').split('|')]
+        if cur is None: cur={'section':title,'header':cells,'rows':[]}
+        elif set(''.join(cells))<=set('-: '): pass
+        else: cur['rows'].append(cells)
+    else:
+        if cur: tables.append(cur); cur=None
+if cur: tables.append(cur)
+def num(c):
+    c=c.replace('**','').replace('`','').strip()
+    m=re.fullmatch(r'(-?[\d.]+)\s*\(([\d.]+)\)',c)
+    if m: return {'value':float(m.group(1)),'score':float(m.group(2))}
+    try: return float(c) if '.' in c else int(c)
+    except ValueError: return c
+META=[
+ dict(topic='layer_step_bf16',date='2026-12-01',commit='32fcdd3',unit='us',command='mpirun -np 1 build-gpu/launch/moe-bench --preset P --dtype bf16 --tokens 1,8,64,512,1024,2048,4096,8192 --seconds 0.1'),
+ dict(topic='layer_step_bf16_remeasured',date='2026-12-02',commit='555aca0 / 6bef0eb (per row)',unit='us',command='moe-bench --preset P --tokens ... (three interleaved runs, range)'),
+ dict(topic='kernels_qwen3_bf16',date='2026-12-01',commit='2626905',unit='us',command='KERNEL_TOKENS="1 8192" bash bench/device_run.sh kernels (Nsight Compute, caches flushed)'),
+ dict(topic='layer_step_fp8_per_tensor',date='2026-12-01',commit='32fcdd3',unit='us',command='moe-bench --preset P --dtype fp8 --scales tensor --tokens 1,8,64,512,1024,2048,4096,8192 --seconds 0.1'),
+ dict(topic='layer_step_fp8_block',date='2026-12-01',commit='2935fd8 (Mixtral) / 8a3c2f0 (Qwen3, DeepSeek-V3 shard)',unit='us',command='moe-bench --preset P --dtype fp8 --scales block --tokens 1,8,64,512,2048,8192 --seconds 0.2'),
+ dict(topic='peers_bf16',date='2026-12-01 (libmoe, vLLM GEMMs); 2026-11-30 (torch)',commit='32fcdd3 / 8a3c2f0 / e6ed185',unit='us',command='moe-bench --json FILE; python3 bench/torch_peers.py --moe-json FILE --markdown OUT.md'),
+ dict(topic='peers_fp8',date='2026-12-01',commit='32fcdd3 / 8a3c2f0 / 2935fd8; vLLM: issue 12',unit='us',command='python3 bench/torch_peers.py --dtype fp8 --moe-json ...'),
+ dict(topic='ep_two_h200_allgather',date='2026-11-30',commit='f4c48f6',unit='us',machine='2 x H200 of one host (NVLink), NCCL 2.28.9',command='mpirun -np 2 build-gpu/launch/moe-bench --dispatch-only'),
+ dict(topic='ep_mps_lsa',date='2026-12-02',commit='555aca0',unit='us (dispatch / combine / step / wall / graph)',machine='two ranks sharing one H200 under MPS: not two-GPU numbers',command='mpirun -np 2 moe-bench --dispatch-only --capacity 8192 --transport lsa --max-tokens 512 [--told]'),
+ dict(topic='ep_mps_untold_ask',date='2026-12-02',commit='cd3a31d (6bef0eb measured)',unit='us (dispatch / wall / graph)',machine='two ranks sharing one H200 under MPS',command='mpirun -np 2 moe-bench --dispatch-only --capacity 8192 --transport lsa --max-tokens 8 [--told | --ask]'),
+ dict(topic='first_call',date='2026-12-01',commit='2935fd8',unit='ratio',command='mpirun -np 1 build-gpu/launch/moe-bench --first-call --preset P'),
+ dict(topic='tuning_bf16_qwen3_dsv3',date='2026-12-01',commit='f7ac806',unit='us / loss',command='mpirun -np 1 moe-tune --preset P --out bench/tune-h200.json --iters 10'),
+ dict(topic='tuning_mixtral_bf16_and_fp8',date='2026-12-02',commit='1814ad6',unit='built-in pick, loss',command='mpirun -np 1 moe-tune --preset P [--dtype fp8 --scales tensor] --iters 10'),
+ dict(topic='correctness',date='2026-11-30 .. 2026-12-02',commit='per row',unit='',command='bash bench/device_run.sh tests (ctest -L gpu, MOE_REQUIRE_GPU=1)'),
+]
+assert len(tables)==len(META),(len(tables),[t['header'][:2] for t in tables])
+out={'about':'The current tables of bench/RESULTS.md as data (same numbers, same sections). Times in microseconds unless "unit" says otherwise; a cell "x (s)" is {"value": x, "score": s}, score = limit / time.',
+     'machine':'NVIDIA H200 (132 SMs, clocks not locked), CUDA 13.0, NCCL 2.28.9 unless a table says otherwise',
+     'tables':[],'runs':[]}
+for t,m in zip(tables,META):
+    e=dict(m); e['section']=t['section']; e['columns']=t['header']; e['rows']=[[num(c) for c in r] for r in t['rows']]
+    e.setdefault('machine','one NVIDIA H200')
+    out['tables'].append(e)
+# normalised layer-step points
+presets=['mixtral-8x7b','qwen3-30b-a3b','deepseek-v3-ep8']
+for t,m in zip(tables,META):
+    if m['topic'] in ('layer_step_bf16','layer_step_fp8_per_tensor','layer_step_fp8_block'):
+        for r in t['rows']:
+            M=int(r[0])
+            for i,p in enumerate(presets):
+                v=num(r[1+i]); rec={'topic':m['topic'],'preset':p,'dtype':'bf16' if 'bf16' in m['topic'] else 'fp8','scales':None if 'bf16' in m['topic'] else ('tensor' if 'tensor' in m['topic'] else 'block'),'tokens':M,
+                     'date':m['date'],'commit':m['commit'] if m['topic']!='layer_step_fp8_block' else ('2935fd8' if i==0 else '8a3c2f0'),'command':m['command'].replace('--preset P','--preset '+p)}
+                if isinstance(v,dict): rec['us']=v['value']; rec['score']=v['score']
+                else: rec['us']=v
+                out['runs'].append(rec)
+json.dump(out,open('bench/results/h200.json','w'),indent=1,ensure_ascii=False)
+open('bench/results/h200.json','a').write('\n')
+print(len(out['tables']),len(out['runs']))
