@@ -32,7 +32,7 @@
 #                    micro-batch lanes off and on
 #                    ($MPS_MB_TOKENS, default 4096); not two-GPU numbers (bench/RESULTS.md)
 set -uo pipefail
-# shellcheck source=/dev/null # written by shared/device/prepare.sh, not in the repository
+# shellcheck source=/dev/null # written by the GPU machine's setup, not in the repository
 source .device/env.sh
 export LIBRARY_PATH=/opt/dep/usr/lib/x86_64-linux-gnu:${LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/out}

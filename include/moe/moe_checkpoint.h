@@ -18,7 +18,7 @@ extern "C" {
 
 typedef struct moe_checkpoint moe_checkpoint_t;
 
-/* Model families whose config.json and tensor names libmoe knows (MOE-SEMANTICS.md). */
+/* Model families whose config.json and tensor names libmoe knows (docs/SEMANTICS.md). */
 typedef enum moe_model_family {
     MOE_FAMILY_UNKNOWN = 0,    /* no config.json, or a model_type libmoe does not map */
     MOE_FAMILY_MIXTRAL = 1,    /* model_type "mixtral" */

@@ -46,7 +46,7 @@ typedef struct moe_route_params {
 } moe_route_params_t;
 
 /* Top-k per token from logits [T, E]. Ties: lower expert id first. ids[T, k] in order of
- * falling choice score; weights[T, k] as MOE-SEMANTICS.md says for each scoring. */
+ * falling choice score; weights[T, k] as docs/SEMANTICS.md says for each scoring. */
 moe_status_t moe_cpu_route(const moe_route_params_t *p, const float *logits, const float *bias,
                            int64_t num_tokens, int32_t *topk_ids, float *topk_weights);
 

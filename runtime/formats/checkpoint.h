@@ -21,7 +21,7 @@ moe_status_t moe_checkpoint_from_memory(const char *config, size_t config_len, c
 const char *moe_checkpoint_tensor_file(const moe_checkpoint_t *ckpt, const char *name);
 
 /* The full name of the tensor of `kind` (and `expert`) of decoder layer `layer_index` under
- * the checkpoint family's naming (MOE-SEMANTICS.md). INVALID_ARGUMENT for an unknown family, a
+ * the checkpoint family's naming (docs/SEMANTICS.md). INVALID_ARGUMENT for an unknown family, a
  * kind the family does not have, or `n` too small. */
 moe_status_t moe_checkpoint_tensor_name(const moe_checkpoint_t *ckpt, int layer_index,
                                         moe_weight_kind_t kind, int expert, char *out, size_t n);
