@@ -15,7 +15,7 @@
 #include "base/json.h"
 
 /* ---- built-in tables: rows per expert at or below which each variant is the default,
- * measured on the H200 (docs/KERNELS.md, bench/RESULTS.md "grouped GEMM"). ---------------- */
+ * measured on the H200 (docs/KERNELS.md, bench/RESULTS.md "Tuning"). ---------------------- */
 
 /* A built-in GEMM table: any shape, any layout. */
 #define BUILTIN(arch, dtype, scale, n, ...)                                                        \
@@ -29,22 +29,24 @@
 
 static const moe_oracle_group_t defaults[] = {
     /* moe-tune on the H200 for Mixtral, Qwen3-30B-A3B and the DeepSeek-V3 EP8 shard at 1, 2, 4,
-     * ... 256 rows per expert (bench/RESULTS.md, "Tuned defaults"): the variant with the smallest
-     * worst loss over the three shapes, bounds halfway (geometrically) between the points */
+     * ... 256 rows per expert (2026-12-01, commit b627729; bench/RESULTS.md, "Tuning"): the variant
+     * with the smallest worst loss over the three shapes, bounds halfway (geometrically) between
+     * the points */
     /* ... and one block per expert where most experts fit one: m192n128 (three consumer
      * warpgroups) at about 120 to 180 rows per expert on average, m256n128 (four) up to 248. Each
-     * weight tile is then read once per expert, not twice (bench/RESULTS.md "seventh session").
+     * weight tile is then read once per expert, not twice (docs/KERNELS.md, "How the thresholds
+     * were chosen").
      * Up to 45 rows, where one 64-row item covers an expert, the ping-pong m64n256 (two consumer
      * warpgroups on alternate items: one's epilogue under the other's wgmmas) is 2-6% faster
-     * than m64n256 (bench/RESULTS.md "eighth session") */
+     * than m64n256 (the same section) */
     BUILTIN(90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 8, {5.66, "sm90_swapab_n8", 0, 0},
             {11.3, "sm90_swapab_n16", 0, 0}, {22.6, "sm90_swapab_w128_n32", 0, 0},
             {45.3, "sm90_wgmma_tma_m64n256_pp", 0, 0}, {119.7, "sm90_wgmma_tma_m128n256", 0, 0},
             {180.0, "sm90_wgmma_tma_m192n128", 0, 0}, {247.9, "sm90_wgmma_tma_m256n128", 0, 0},
             {OPEN, "sm90_wgmma_tma_m128n256", 0, 0}),
     /* FP8 per-tensor / per-channel (per-row scales): measured as above; m192n128 (one block per
-     * expert) at 120..184 rows per expert, 3-23% faster there (bench/RESULTS.md "eighth
-     * session") */
+     * expert) at 120..184 rows per expert, 3-23% faster there (docs/KERNELS.md, "FP8 W8A8
+     * (sm_90a)") */
     BUILTIN(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, 5, {22.6, "sm90_fp8_swapab_n16", 0, 0},
             {45.3, "sm90_fp8_swapab_n32", 0, 0}, {119.7, "sm90_fp8_m128n128", 0, 0},
             {183.8, "sm90_fp8_m192n128", 0, 0}, {OPEN, "sm90_fp8_m128n128", 0, 0}),

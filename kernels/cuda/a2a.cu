@@ -19,7 +19,7 @@ constexpr int A2A_WARPS = A2A_THREADS / 32;
 constexpr int A2A_ONE_CTA_TOKENS = 256; // tokens a CTA takes in one round (one a thread)
 // Tokens per CTA of the dispatch by default: up to 8 tokens one CTA and one launch, more a
 // count pass and ceil(T / 8) CTAs (at most the SM count), so the rows go out over many CTAs.
-// Measured with two ranks on one H200 under MPS (bench/RESULTS.md, ninth session), dispatch
+// Measured with two ranks on one H200 under MPS (2026-12-01, commit 3b2a430), dispatch
 // phase at 32 / 128 / 512 tokens per rank: 87 / 251 / 778 us with 256 tokens per CTA, 57 / 69 /
 // 158 us with 8 (16: 68 / 82 / 178; 32: 85 / 104 / 181); 1 and 8 tokens unchanged.
 constexpr int A2A_CHUNK_TOKENS = 8;

@@ -233,8 +233,8 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
     const int total = nb * p.n_tiles;
     /* Row blocks per sweep: set (MOE_GEMM_GROUP), or for the normal layout the step's blocks
      * per expert within [4, GROUP_BLOCKS] (one expert's blocks share each weight tile while it
-     * is in L2; fewer blocks a sweep measured faster where experts have few blocks: bench/
-     * RESULTS.md, sixth session), GROUP_BLOCKS for swap-AB. */
+     * is in L2; fewer blocks a sweep measured faster where experts have few blocks: docs/
+     * KERNELS.md, "The variants"), GROUP_BLOCKS for swap-AB. */
     const int group = p.group > 0 ? p.group
                       : SWAP      ? GROUP_BLOCKS
                                   : min(GROUP_BLOCKS, max(4, nb / max(p.num_experts, 1)));

@@ -49,8 +49,8 @@ static inline bool moe_pdl_enabled()
 /* MOE_EP_PDL=1 (default 0): the expert-parallel step's own kernels (a2a.cu, ep.cu) launched
  * with PDL too, where moe_pdl_enabled(). Off by default: with two ranks on one H200 under MPS it
  * was within noise at one token per rank and 20-40 us slower a step at eight (early-resident
- * CTAs of the next kernel hold SM slots the other rank needs; bench/RESULTS.md, twelfth
- * session). To be measured on two GPUs. */
+ * CTAs of the next kernel hold SM slots the other rank needs; bench/RESULTS.md, "Tried and
+ * rejected"). To be measured on two GPUs. */
 static inline bool moe_ep_pdl_enabled()
 {
     static int env = -1;

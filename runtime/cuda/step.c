@@ -168,8 +168,8 @@ static moe_status_t routed_gemms(cuda_layer_t *s, const moe_gemm_variant_t *v, c
         m.src_k = (int)s->k;
     }
     /* The counts let the m128 variants idle a consumer warpgroup on an all-padding half
-     * block. Measured in one run (bench/RESULTS.md): 2-3.5 % faster at up to 1.5 blocks of
-     * rows per expert, 4-15 % slower at 2-4 blocks per expert, so only the former. */
+     * block. Measured in one run (2026-12-01, commit 60251c7): 2-3.5 % faster at up to 1.5 blocks
+     * of rows per expert, 4-15 % slower at 2-4 blocks per expert, so only the former. */
     const int skip = s->skip_pad && rows_per_expert <= 1.5 * v->block_rows;
     return run_mlp_gemms(s, v, &m, s->block_expert, s->num_blocks, mb, skip ? s->counts : NULL,
                          skip ? s->offsets : NULL, stream);

@@ -13,7 +13,7 @@
 #include "kernels/expert_gemm.h"
 #include "runtime/oracle.h"
 
-/* ---- the built-in thresholds as measured (bench/RESULTS.md, "Tuned defaults"; a fixture) -- */
+/* ---- the built-in thresholds as measured (bench/RESULTS.md, "Tuning"; a fixture) ---------- */
 
 typedef struct old_bucket {
     double max;
@@ -614,8 +614,8 @@ static void test_forced(void **state)
 }
 
 /* bench/tune-h200.json (moe-tune on the H200 for the three presets, bf16 and fp8) loads for
- * each of its shapes, and picks what the measurement found best (Qwen3 and DeepSeek-V3 bf16
- * re-timed with every variant in the twelfth session, the rest in the thirteenth). */
+ * each of its shapes, and picks what the measurement found best (bench/RESULTS.md, "Tuning":
+ * every table timed with every variant there is). */
 static void test_shipped_h200_file(void **state)
 {
     static const struct {
