@@ -13,9 +13,9 @@
 #include <string.h>
 
 #include "base/diag.h"
-#include "kernels/expert_gemm_table.h"
 #include "kernels/a2a.h"
 #include "kernels/expert_gemm_simple.h"
+#include "kernels/expert_gemm_table.h"
 #include "kernels/gpu.h"
 #include "kernels/prepare.h"
 #include "kernels/route.h"

@@ -13,15 +13,10 @@
 
 #include "base/diag.h"
 #include "kernels/a2a.h"
-#include "kernels/combine.h"
-#include "kernels/ep.h"
 #include "kernels/gpu.h"
-#include "kernels/gpu_topo.h"
 #include "kernels/permute.h"
-#include "kernels/route.h"
 #include "runtime/cuda/ep_internal.h"
 #include "runtime/cuda/one_gpu.h"
-#include "runtime/ep_rounds.h"
 
 /* local_experts hands the permute one receive region per rank of the all-to-all */
 _Static_assert(MOE_A2A_MAX_WORLD <= MOE_PERMUTE_MAX_REGIONS,

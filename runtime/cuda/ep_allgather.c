@@ -7,16 +7,13 @@
 #include <string.h>
 
 #include "base/diag.h"
-#include "kernels/a2a.h"
 #include "kernels/combine.h"
 #include "kernels/ep.h"
 #include "kernels/gpu.h"
-#include "kernels/gpu_topo.h"
 #include "kernels/permute.h"
 #include "kernels/route.h"
 #include "runtime/cuda/ep_internal.h"
 #include "runtime/cuda/one_gpu.h"
-#include "runtime/ep_rounds.h"
 
 /* Dispatch: this rank's tokens (bf16, padded to tm rows, ids -1 past T) and its status flag to
  * every rank by all-gather; then the local experts' ids, all -1 if any rank's flag is set.

@@ -6,16 +6,9 @@
 #include <string.h>
 
 #include "base/diag.h"
-#include "kernels/a2a.h"
-#include "kernels/combine.h"
-#include "kernels/ep.h"
 #include "kernels/gpu.h"
-#include "kernels/gpu_topo.h"
-#include "kernels/permute.h"
-#include "kernels/route.h"
 #include "runtime/cuda/ep_internal.h"
 #include "runtime/cuda/one_gpu.h"
-#include "runtime/ep_rounds.h"
 
 /* The whole shared MLP (and Qwen2's gate) on this rank's T tokens: on the stream, or where
  * MOE_EP_SHARED_OVERLAP=1 on the side stream after an event of the stream's, so it runs

@@ -1,30 +1,16 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* A step across GPUs (world > 1): its rounds (runtime/ep_rounds.h), one or two micro-batch
- * lanes, each round's route, exchange and experts, and the profile. Three transports for the
- * tokens and the results (ep_transport.c chooses):
- *  - allgather (NCCL): every rank gets every rank's tokens (padded to the step's rows per
- *    rank), computes its experts' rows; they return summed per rank in f32 by reduce-scatter,
- *    or in the dense exact layout in deterministic mode. TP layouts use it.
- *  - lsa (CUDA IPC, NVLink loads/stores, one host): kernels/a2a.h stores each token row only
- *    into the receive arrays of the ranks owning its experts, with device-side counts, signals
- *    and bounded waits: nothing waits on the host, so a step can be captured in a graph.
- *  - p2p (NCCL send/recv, any hosts): the same kernels into local staging arrays; the counts
- *    are read on the host (one bounded synchronisation per step, not capturable), then NCCL
- *    moves exactly the rows sent; or (MOE_EP_P2P_HEADER=1) the counts travel in-band with
- *    each round's whole regions (no host read, capturable, bytes follow the round's rows).
- * Each step carries every rank's status, so every rank fails the same step together. */
+/* A step across GPUs (world > 1): its rounds (runtime/ep_rounds.h) on one or two micro-batch
+ * lanes, each round's route, exchange and experts (ep_allgather.c or ep_a2a.c; ep.h says how
+ * each transport moves the rows), and the profile. Each step carries every rank's status, so
+ * every rank fails the same step together. */
 
 #include <stdlib.h>
 #include <string.h>
 
 #include "base/diag.h"
 #include "kernels/a2a.h"
-#include "kernels/combine.h"
 #include "kernels/ep.h"
 #include "kernels/gpu.h"
-#include "kernels/gpu_topo.h"
-#include "kernels/permute.h"
-#include "kernels/route.h"
 #include "runtime/cuda/ep_internal.h"
 #include "runtime/cuda/one_gpu.h"
 #include "runtime/ep_rounds.h"

@@ -9,15 +9,10 @@
 
 #include "base/diag.h"
 #include "kernels/a2a.h"
-#include "kernels/combine.h"
-#include "kernels/ep.h"
 #include "kernels/gpu.h"
 #include "kernels/gpu_topo.h"
-#include "kernels/permute.h"
-#include "kernels/route.h"
 #include "runtime/cuda/ep_internal.h"
 #include "runtime/cuda/one_gpu.h"
-#include "runtime/ep_rounds.h"
 
 /* An on/off environment switch that must be alike on every rank (collective): 0 or 1 into *on. */
 static moe_status_t agreed_switch(moe_layer_t *l, const char *name, int *on)

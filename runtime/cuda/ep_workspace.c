@@ -8,15 +8,10 @@
 
 #include "base/diag.h"
 #include "kernels/a2a.h"
-#include "kernels/combine.h"
-#include "kernels/ep.h"
 #include "kernels/gpu.h"
-#include "kernels/gpu_topo.h"
 #include "kernels/permute.h"
-#include "kernels/route.h"
 #include "runtime/cuda/ep_internal.h"
 #include "runtime/cuda/one_gpu.h"
-#include "runtime/ep_rounds.h"
 
 static size_t up256(size_t x)
 {

@@ -7,9 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/diag.h"
-#include "kernels/expert_gemm_table.h"
 #include "kernels/expert_gemm_simple.h"
+#include "kernels/expert_gemm_table.h"
 #include "kernels/permute.h"
 #include "runtime/cuda/one_gpu.h"
 

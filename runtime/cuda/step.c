@@ -12,12 +12,9 @@
 
 #include "base/diag.h"
 #include "kernels/combine.h"
-#include "kernels/cpu/moe_cpu.h"
 #include "kernels/ep.h"
-#include "kernels/expert_gemm_simple.h"
 #include "kernels/gpu.h"
 #include "kernels/permute.h"
-#include "kernels/prepare.h"
 #include "kernels/quant.h"
 #include "kernels/route.h"
 #include "runtime/cuda/one_gpu.h"

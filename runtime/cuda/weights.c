@@ -10,7 +10,6 @@
 #include "base/numeric.h"
 #include "kernels/cpu/moe_cpu.h"
 #include "kernels/gpu.h"
-#include "kernels/quant.h"
 #include "runtime/cuda/one_gpu.h"
 
 /* Copies a host f32 (or bf16) matrix as f32 to device memory. */
