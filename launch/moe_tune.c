@@ -334,8 +334,9 @@ static int make_layer(const bench_t *b, const moe_layer_config_t *cfg, moe_layer
     return 1;
 }
 
-/* Buckets from measured points: the winner at each point; a bound halfway (geometrically)
- * between points whose winners differ; the last bucket open. */
+/* Transport buckets from measured points (the transport rule has no built-in table to keep
+ * between them): the winner at each point; a bound halfway (geometrically) between points whose
+ * winners differ; the last bucket open. */
 static void make_buckets(moe_oracle_group_t *g, const double *at, const int *win,
                          const double *best_us, char names[][MOE_ORACLE_NAME_LEN], int n)
 {
@@ -432,7 +433,18 @@ static void tune_gemm(const bench_t *b, options_t *o, int arch, moe_oracle_group
             printf("\n");
         }
     }
-    make_buckets(g, at, win, best, names, np);
+    {
+        const char *w[MAX_POINTS];
+        for (i = 0; i < np; i++)
+            w[i] = win[i] >= 0 ? names[win[i]] : NULL;
+        /* between points whose winners differ, the built-in choice stays (a coarse grid must
+         * not make a step slower than the built-in table where nothing was measured) */
+        if (moe_oracle_buckets_from_points(g, at, w, best, np) < 0) {
+            g->num_buckets = 0;
+            if (rank == 0)
+                printf("# GEMM table not written: more than %d buckets\n", MOE_ORACLE_MAX_BUCKETS);
+        }
+    }
 }
 
 /* Every transport at every tokens-per-rank point (the capacity is the point: the transport is

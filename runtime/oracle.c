@@ -197,6 +197,70 @@ int moe_oracle_pick_transport(const moe_oracle_t *o, const moe_oracle_query_t *q
     return pick(o, MOE_ORACLE_TRANSPORT, q, c);
 }
 
+/* One bucket (max, name) after those in g: widened where the last has the same name. */
+static int push_bucket(moe_oracle_group_t *g, double max, const char *name, double at, double us)
+{
+    moe_oracle_bucket_t *k = g->num_buckets ? &g->bucket[g->num_buckets - 1] : NULL;
+    if (!k || strcmp(k->name, name)) {
+        if (g->num_buckets == MOE_ORACLE_MAX_BUCKETS)
+            return -1;
+        k = &g->bucket[g->num_buckets++];
+        memset(k, 0, sizeof(*k));
+        snprintf(k->name, sizeof(k->name), "%s", name);
+    }
+    if (at > 0.0 && k->at == 0.0) {
+        k->at = at;
+        k->time_us = us;
+    }
+    k->max = max;
+    return 0;
+}
+
+/* The built-in table's choices on (lo, hi) (hi excluded; HUGE_VAL: open), or `fallback` where
+ * it has none. */
+static int push_builtin(moe_oracle_group_t *g, double lo, double hi, const char *fallback)
+{
+    moe_oracle_query_t q = {g->arch, g->dtype, g->scale, g->ep_size, g->tp_size, g->transport, 0};
+    const double end = isinf(hi) ? HUGE_VAL : nextafter(hi, 0.0);
+    double x = lo;
+    while (x < end) {
+        moe_oracle_choice_t c;
+        q.value = nextafter(x, HUGE_VAL);
+        if (!pick(NULL, g->kind, &q, &c))
+            return push_bucket(g, isinf(hi) ? HUGE_VAL : end, fallback, 0, 0);
+        x = c.hi < end ? c.hi : end;
+        if (push_bucket(g, x, c.name, 0, 0) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+int moe_oracle_buckets_from_points(moe_oracle_group_t *g, const double *at,
+                                   const char *const *winner, const double *best_us, int n)
+{
+    int prev = -1;
+    g->num_buckets = 0;
+    for (int i = 0; i < n; i++) {
+        if (!winner[i])
+            continue;
+        if (prev < 0 || strcmp(winner[prev], winner[i])) {
+            /* below the first point, or between neighbours that disagree: the built-in table */
+            if (push_builtin(g, prev < 0 ? 0.0 : at[prev], at[i], winner[i]) < 0)
+                return -1;
+        }
+        if (push_bucket(g, at[i], winner[i], at[i], best_us ? best_us[i] : 0) < 0)
+            return -1;
+        prev = i;
+    }
+    if (prev < 0)
+        return 0;
+    /* above the last point: the built-in table */
+    if (push_builtin(g, at[prev], HUGE_VAL, winner[prev]) < 0)
+        return -1;
+    g->bucket[g->num_buckets - 1].max = HUGE_VAL;
+    return g->num_buckets;
+}
+
 void moe_oracle_describe(const moe_oracle_choice_t *c, const char *unit, double value, char *text,
                          size_t len)
 {

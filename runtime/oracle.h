@@ -137,6 +137,16 @@ moe_status_t moe_oracle_write(const char *path, const moe_oracle_table_t *t);
 /* The text moe_oracle_write writes, into buf[len]; returns its length (like snprintf). */
 size_t moe_oracle_format(const moe_oracle_table_t *t, char *buf, size_t len);
 
+/* Buckets for g (its key set) from moe-tune's points: at[i] ascending, winner[i] the fastest
+ * variant or transport there (NULL: none ran), best_us[i] its time (or NULL). A measured point
+ * keeps its winner; between two points the winner only where both agree, else the built-in
+ * table's choices there; below the first and above the last point the built-in table's (a
+ * point's winner where it has none). So a tune file never replaces the built-in choice where
+ * it was not measured to lose. Returns the number of buckets, -1 if more than
+ * MOE_ORACLE_MAX_BUCKETS would be needed (g then unusable). */
+int moe_oracle_buckets_from_points(moe_oracle_group_t *g, const double *at,
+                                   const char *const *winner, const double *best_us, int n);
+
 /* The variant for q (q->value: rows per expert): the first tuned table whose key fits, else
  * the built-in one. Returns 1 with *c filled, or 0 (c->name NULL) when no table has one. o may
  * be NULL (built-in tables only). */

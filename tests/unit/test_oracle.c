@@ -663,12 +663,69 @@ static void test_shipped_h200_file(void **state)
     }
 }
 
+/* moe-tune's buckets from a coarse grid (--rows 1,4,16,64,256, bf16): a point keeps its
+ * winner, neighbours that agree keep theirs between them, and wherever they disagree (or beyond
+ * the grid) the built-in choice stays: the grid's n32 win at 16 rows must not reach 8 or 30. */
+static const char *bucket_pick(const moe_oracle_group_t *g, double v)
+{
+    for (int i = 0; i < g->num_buckets; i++)
+        if (v <= g->bucket[i].max)
+            return g->bucket[i].name;
+    return NULL;
+}
+
+static void test_buckets_from_points(void **state)
+{
+    (void)state;
+    moe_oracle_group_t g;
+    memset(&g, 0, sizeof(g));
+    g.kind = MOE_ORACLE_GEMM;
+    g.arch = 90;
+    g.dtype = MOE_DTYPE_BF16;
+    g.scale = MOE_SCALE_NONE;
+    g.transport = MOE_ORACLE_ANY;
+    const double at[] = {1, 4, 16, 64, 256};
+    const double us[] = {10, 11, 12, 13, 14};
+    const char *w[] = {"sm90_swapab_n8", "sm90_swapab_n8", "sm90_swapab_n32",
+                       "sm90_wgmma_tma_m128n256", "sm90_wgmma_tma_m128n256"};
+    int n = moe_oracle_buckets_from_points(&g, at, w, us, 5);
+    assert_int_equal(n, g.num_buckets);
+    assert_true(n > 0 && n <= MOE_ORACLE_MAX_BUCKETS);
+    for (int i = 1; i < n; i++)
+        assert_true(g.bucket[i].max > g.bucket[i - 1].max);
+    assert_true(isinf(g.bucket[n - 1].max));
+    /* points and agreeing neighbours */
+    assert_string_equal(bucket_pick(&g, 1), "sm90_swapab_n8");
+    assert_string_equal(bucket_pick(&g, 2.5), "sm90_swapab_n8");
+    assert_string_equal(bucket_pick(&g, 4), "sm90_swapab_n8");
+    assert_string_equal(bucket_pick(&g, 16), "sm90_swapab_n32");
+    assert_string_equal(bucket_pick(&g, 64), "sm90_wgmma_tma_m128n256");
+    assert_string_equal(bucket_pick(&g, 100), "sm90_wgmma_tma_m128n256");
+    assert_string_equal(bucket_pick(&g, 256), "sm90_wgmma_tma_m128n256");
+    /* disagreeing neighbours and beyond the grid: the built-in table (old_select) */
+    const double between[] = {0.5, 4.5, 8, 12, 15.9, 17, 30, 50, 63.9, 300, 5000};
+    for (size_t i = 0; i < sizeof(between) / sizeof(between[0]); i++)
+        assert_string_equal(bucket_pick(&g, between[i]),
+                            old_select(90, MOE_DTYPE_BF16, MOE_SCALE_NONE, between[i]));
+    /* the measured point's time is kept with its bucket */
+    for (int i = 0; i < n; i++)
+        if (g.bucket[i].at == 16)
+            assert_true(g.bucket[i].time_us == 12);
+    /* no point ran: no table; a point with no winner is skipped */
+    const char *none[] = {NULL, NULL, NULL, NULL, NULL};
+    assert_int_equal(moe_oracle_buckets_from_points(&g, at, none, us, 5), 0);
+    const char *gap[] = {"sm90_swapab_n8", NULL, "sm90_swapab_n8", NULL, NULL};
+    assert_true(moe_oracle_buckets_from_points(&g, at, gap, NULL, 5) > 0);
+    assert_string_equal(bucket_pick(&g, 10), "sm90_swapab_n8");
+    assert_string_equal(bucket_pick(&g, 30), old_select(90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 30));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_defaults_match_old_table), cmocka_unit_test(test_round_trip),
         cmocka_unit_test(test_bad_tune_files),           cmocka_unit_test(test_forced),
-        cmocka_unit_test(test_shipped_h200_file),
+        cmocka_unit_test(test_shipped_h200_file),        cmocka_unit_test(test_buckets_from_points),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
