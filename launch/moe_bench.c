@@ -612,14 +612,39 @@ static void run_point(const bench_t *b, const options_t *o, moe_forward_args_t a
     }
 }
 
-/* The JSON reports' opening: "{" and the layer's shape, ending in ", ". */
+/* The commit the tool was built from: MOE_BENCH_COMMIT in the environment (a build without
+ * .git, as on a copied tree), else the configure-time one, else "unknown". */
+static const char *bench_commit(void)
+{
+    const char *e = getenv("MOE_BENCH_COMMIT");
+    if (e && *e)
+        return e;
+#ifdef MOE_GIT_COMMIT
+    return MOE_GIT_COMMIT;
+#else
+    return "unknown";
+#endif
+}
+
+/* The JSON reports' opening: "{", when and from what, and the layer's shape and weight types,
+ * ending in ", ". */
 static void json_shape(FILE *f, const options_t *o)
 {
     const moe_layer_config_t *c = &o->cfg;
+    const int fp8 = c->weight_dtype == MOE_DTYPE_FP8_E4M3;
+    time_t now = time(NULL);
+    char date[32];
+    strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", gmtime(&now));
     fprintf(f,
-            "{\"preset\": \"%s\", \"experts\": %d, \"top_k\": %d, \"hidden\": %d, "
-            "\"intermediate\": %d, ",
-            o->preset, c->num_experts, c->top_k, c->hidden, c->intermediate);
+            "{\"date\": \"%s\", \"commit\": \"%s\", \"preset\": \"%s\", \"experts\": %d, "
+            "\"top_k\": %d, \"hidden\": %d, \"intermediate\": %d, \"dtype\": \"%s\", "
+            "\"scales\": \"%s\", ",
+            date, bench_commit(), o->preset, c->num_experts, c->top_k, c->hidden, c->intermediate,
+            fp8 ? "fp8_e4m3" : "bf16",
+            !fp8                                     ? "none"
+            : c->scale_kind == MOE_SCALE_PER_CHANNEL ? "per_channel"
+            : c->scale_kind == MOE_SCALE_BLOCK_128   ? "block_128"
+                                                     : "per_tensor");
 }
 
 /* Into the file opened at start; nonzero if a write failed. */
