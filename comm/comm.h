@@ -48,6 +48,23 @@ moe_status_t moe_comm_allgatherv(moe_comm_t *comm, const void *send, int64_t sen
 /* Sum over ranks of send[total], rank i keeps recv_counts[i] floats (MPI's order of summing). */
 moe_status_t moe_comm_reduce_scatter_f32(moe_comm_t *comm, const float *send, float *recv,
                                          const int64_t *recv_counts);
+/* One point-to-point message of an exchange: `bytes` at `buf` to or from rank `peer`. */
+typedef struct moe_comm_msg {
+    int peer;
+    void *buf;
+    size_t bytes;
+} moe_comm_msg_t;
+
+/* Posts every receive, then every send, and waits for all of them within the timeout. Not a
+ * collective of the whole communicator: each pair of ranks must list the messages between them
+ * in the same order on both sides (MPI matches them in that order). Unlike the collectives it
+ * reads and writes the caller's buffers directly (the weights it moves are large); after a
+ * failure (TIMEOUT, MPI_ERROR) the communicator is unusable and MPI may still read or write
+ * those buffers, so the caller must never free or reuse them. Messages over 1 GiB go in
+ * pieces. */
+moe_status_t moe_comm_exchange(moe_comm_t *comm, const moe_comm_msg_t *sends, int num_sends,
+                               const moe_comm_msg_t *recvs, int num_recvs);
+
 /* All ranks agree that every rank's `status` is SUCCESS; else each returns the first failing
  * rank's status as MOE_STATUS_PEER_FAILURE (or its own). Used to end collective calls
  * with one verdict on all ranks. */

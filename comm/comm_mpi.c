@@ -545,6 +545,95 @@ out:
     return st;
 }
 
+/* Pieces of at most 1 GiB: MPI counts are int. */
+#define MOE_EXCHANGE_PIECE ((size_t)1 << 30)
+#define MOE_EXCHANGE_TAG 7177
+
+static int exchange_pieces(const moe_comm_msg_t *m, int n)
+{
+    int64_t total = 0;
+    int i;
+    for (i = 0; i < n; i++)
+        total += (int64_t)((m[i].bytes + MOE_EXCHANGE_PIECE - 1) / MOE_EXCHANGE_PIECE);
+    return total > INT_MAX / 2 ? -1 : (int)total;
+}
+
+/* Posts the pieces of n messages into req[*k...]; recv: Irecv, else Isend. */
+static moe_status_t exchange_post(moe_comm_t *c, const moe_comm_msg_t *m, int n, int recv,
+                                  MPI_Request *req, int *k)
+{
+    int i;
+    for (i = 0; i < n; i++) {
+        size_t off;
+        MOE_ARG_CHECK(m[i].peer >= 0 && m[i].peer < c->size && (m[i].buf || !m[i].bytes),
+                      "exchange: message %d to or from rank %d of %d (buffer %p)", i, m[i].peer,
+                      c->size, m[i].buf);
+        for (off = 0; off < m[i].bytes; off += MOE_EXCHANGE_PIECE) {
+            const size_t left = m[i].bytes - off;
+            const int cnt = (int)(left < MOE_EXCHANGE_PIECE ? left : MOE_EXCHANGE_PIECE);
+            char *at = (char *)m[i].buf + off;
+            int rc =
+                recv ? MPI_Irecv(at, cnt, MPI_BYTE, m[i].peer, MOE_EXCHANGE_TAG, c->comm, &req[*k])
+                     : MPI_Isend(at, cnt, MPI_BYTE, m[i].peer, MOE_EXCHANGE_TAG, c->comm, &req[*k]);
+            if (rc != MPI_SUCCESS)
+                return mpi_error(rc, recv ? "MPI_Irecv" : "MPI_Isend");
+            ++*k;
+        }
+    }
+    return MOE_STATUS_SUCCESS;
+}
+
+moe_status_t moe_comm_exchange(moe_comm_t *c, const moe_comm_msg_t *sends, int num_sends,
+                               const moe_comm_msg_t *recvs, int num_recvs)
+{
+    const int ns = exchange_pieces(sends, num_sends), nr = exchange_pieces(recvs, num_recvs);
+    double deadline;
+    MPI_Request *req;
+    moe_status_t st;
+    long spins = 0;
+    int k = 0, done = 0;
+
+    MOE_CHECK(check_usable(c, "exchange"));
+    if (ns < 0 || nr < 0)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "exchange: too many message pieces");
+    req = malloc(sizeof(MPI_Request) * ((size_t)ns + (size_t)nr + 1));
+    if (!req)
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "exchange: %d requests", ns + nr);
+    st = exchange_post(c, recvs, num_recvs, 1, req, &k);
+    if (st == MOE_STATUS_SUCCESS)
+        st = exchange_post(c, sends, num_sends, 0, req, &k);
+    if (st != MOE_STATUS_SUCCESS) {
+        c->failed = k > 0; /* posted requests may still touch the buffers */
+        free(req);         /* they are abandoned with the communicator */
+        return st;
+    }
+    deadline = moe_now_ms() + c->timeout_ms;
+    for (;;) {
+        int rc = MPI_Testall(k, req, &done, MPI_STATUSES_IGNORE);
+        if (rc != MPI_SUCCESS) {
+            c->failed = 1;
+            free(req);
+            return mpi_error(rc, "exchange");
+        }
+        if (done)
+            break;
+        if (++spins > 1000) {
+            struct timespec ts = {0, spins > 20000 ? 1000000L : 50000L};
+            nanosleep(&ts, NULL);
+            if (moe_now_ms() > deadline) {
+                c->failed = 1;
+                free(req);
+                return moe_error(MOE_STATUS_TIMEOUT,
+                                 "exchange: a peer did not answer within %d ms (rank %d of %d); "
+                                 "the communicator is no longer usable",
+                                 c->timeout_ms, c->rank, c->size);
+            }
+        }
+    }
+    free(req);
+    return MOE_STATUS_SUCCESS;
+}
+
 moe_status_t moe_comm_agree_max(moe_comm_t *c, moe_status_t status, int64_t *value)
 {
     /* MIN over failing ranks of (rank * 64 + status): the first failing rank and its status;

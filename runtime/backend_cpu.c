@@ -25,6 +25,7 @@ typedef struct step {
     int64_t *token_displ; /* [world] first global token of each rank */
     float *x;             /* [T, H] */
     int32_t *ids;         /* [T, K] */
+    int32_t *slot;        /* [T, K]: the physical slot serving each (t, j) */
     float *w;             /* [T, K] */
     float *routed;        /* [T, H] */
     float *xall;          /* [Tg, H] when needed */
@@ -180,6 +181,7 @@ static void step_free(step_t *s)
     free(s->token_displ);
     free(s->x);
     free(s->ids);
+    free(s->slot);
     free(s->w);
     free(s->routed);
     free(s->xall);
@@ -239,8 +241,11 @@ static moe_status_t route(moe_layer_t *l, const moe_forward_args_t *a, step_t *s
     if (r != MOE_STATUS_SUCCESS)
         return r;
     memset(l->expert_load, 0, sizeof(int64_t) * (size_t)c->num_experts);
-    for (i = 0; i < s->T * c->top_k; i++)
+    for (i = 0; i < s->T * c->top_k; i++) {
         l->expert_load[s->ids[i]]++;
+        l->load_window[s->ids[i]]++;
+        s->slot[i] = moe_plan_route_slot(&l->plan, s->ids[i], i / c->top_k, l->plan.rank);
+    }
     if (a->topk_ids)
         memcpy(a->topk_ids, s->ids, sizeof(int32_t) * (size_t)(s->T * c->top_k));
     if (a->topk_weights)
@@ -285,8 +290,8 @@ static moe_status_t exchange_counts(moe_layer_t *l, moe_status_t local, step_t *
     return MOE_STATUS_SUCCESS;
 }
 
-/* Rows (t, j, q) of this rank's tokens to rank owner(e_tj) * tp + q, destination-major. */
-static moe_status_t make_send_plan(const moe_layer_t *l, const int32_t *ids, int64_t T,
+/* Rows (t, j, q) of this rank's tokens to rank owner(slot_tj) * tp + q, destination-major. */
+static moe_status_t make_send_plan(const moe_layer_t *l, const int32_t *slots, int64_t T,
                                    send_plan_t *p)
 {
     const int K = l->cfg.top_k, tp = l->plan.tp_size, world = l->plan.world;
@@ -304,7 +309,7 @@ static moe_status_t make_send_plan(const moe_layer_t *l, const int32_t *ids, int
     }
     for (i = 0; i < T * K; i++)
         for (q = 0; q < tp; q++)
-            p->count[l->plan.expert_owner[ids[i]] * tp + q]++;
+            p->count[l->plan.slot_owner[slots[i]] * tp + q]++;
     p->total = 0;
     for (r = 0; r < world; r++) {
         p->displ[r] = p->total;
@@ -312,7 +317,7 @@ static moe_status_t make_send_plan(const moe_layer_t *l, const int32_t *ids, int
     }
     for (i = 0; i < T * K; i++)
         for (q = 0; q < tp; q++) {
-            int d = l->plan.expert_owner[ids[i]] * tp + q;
+            int d = l->plan.slot_owner[slots[i]] * tp + q;
             p->pos[i * tp + q] = p->displ[d] + cur[d]++;
         }
     free(cur);
@@ -432,7 +437,7 @@ static moe_status_t routed_all_to_all(moe_layer_t *l, step_t *s)
         st = moe_error(MOE_STATUS_OUT_OF_MEMORY, "counts");
         goto out;
     }
-    MOE_CHECK_GOTO(make_send_plan(l, s->ids, s->T, &p), st, out);
+    MOE_CHECK_GOTO(make_send_plan(l, s->slot, s->T, &p), st, out);
     smeta = malloc(sizeof(int32_t) * (size_t)(p.total + 1));
     spay = malloc(row_bytes * (size_t)(p.total + 1));
     if (!smeta || !spay) {
@@ -442,7 +447,7 @@ static moe_status_t routed_all_to_all(moe_layer_t *l, step_t *s)
     for (i = 0; i < s->T * K; i++)
         for (q = 0; q < tp; q++) {
             int64_t at = p.pos[i * tp + q];
-            smeta[at] = l->plan.expert_local_index[s->ids[i]];
+            smeta[at] = l->plan.slot_local[s->slot[i]];
             memcpy(spay + at * H, s->x + (i / K) * H, row_bytes);
         }
     MOE_CHECK_GOTO(moe_comm_alltoall_i64(l->rt->comm, p.count, rcount), st, out);
@@ -511,10 +516,12 @@ static moe_status_t ag_rows(const moe_layer_t *l, const step_t *s, int64_t *n, i
     for (r = 0; r < l->plan.world; r++) {
         displ[r] = m;
         for (i = s->token_displ[r] * K; i < (s->token_displ[r] + s->tokens[r]) * K; i++) {
-            if (l->plan.expert_owner[s->ids_all[i]] != l->plan.ep_rank)
+            const int slot =
+                moe_plan_route_slot(&l->plan, s->ids_all[i], i / K - s->token_displ[r], r);
+            if (l->plan.slot_owner[slot] != l->plan.ep_rank)
                 continue;
             (*xrow)[m] = i / K;
-            (*lexp)[m] = l->plan.expert_local_index[s->ids_all[i]];
+            (*lexp)[m] = l->plan.slot_local[slot];
             (*slot_of)[m] = (int32_t)(i % K);
             m++;
         }
@@ -596,7 +603,7 @@ static moe_status_t routed_all_gather(moe_layer_t *l, step_t *s)
         l->stats.combine_us = moe_now_us() - t0;
         goto out;
     }
-    MOE_CHECK_GOTO(make_send_plan(l, s->ids, s->T, &p), st, out);
+    MOE_CHECK_GOTO(make_send_plan(l, s->slot, s->T, &p), st, out);
     st = return_and_combine(l, s, &p, out, count, displ);
 out:
     plan_free(&p);
@@ -719,9 +726,10 @@ static moe_status_t step_alloc(moe_layer_t *l, step_t *s)
     s->token_displ = calloc((size_t)l->plan.world, sizeof(int64_t));
     s->x = malloc(sizeof(float) * (size_t)(s->T * H + 1));
     s->ids = malloc(sizeof(int32_t) * (size_t)(s->T * K + 1));
+    s->slot = malloc(sizeof(int32_t) * (size_t)(s->T * K + 1));
     s->w = malloc(sizeof(float) * (size_t)(s->T * K + 1));
     s->routed = malloc(sizeof(float) * (size_t)(s->T * H + 1));
-    if (!s->tokens || !s->token_displ || !s->x || !s->ids || !s->w || !s->routed)
+    if (!s->tokens || !s->token_displ || !s->x || !s->ids || !s->slot || !s->w || !s->routed)
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "step buffers for %lld tokens", (long long)s->T);
     return MOE_STATUS_SUCCESS;
 }
@@ -761,5 +769,193 @@ out:
     return st;
 }
 
+/* ------------------------------------------------------------------------------------------ */
+/* Placement change                                                                            */
+/* ------------------------------------------------------------------------------------------ */
+
+/* The weight moves of one placement change, the same list on every rank: new slot i of EP
+ * rank g takes logical expert e from g's own old slots when g held e, else from the
+ * ((g + i) mod replicas)-th old replica of e, between the ranks of the same TP index. */
+typedef struct move_plan {
+    moe_matrix_t *next;  /* [S * 3]: the new slots' matrices */
+    unsigned char *kept; /* [S]: old local slot j lives on in `next` */
+    unsigned char *own;  /* [S]: next slot i's matrices allocated here: 1 a copy, 2 received */
+    moe_comm_msg_t *sends, *recvs;
+    int num_sends, num_recvs;
+    float *meta; /* [S * 3] received, then [S * 3] sent: the matrices' static input scales */
+} move_plan_t;
+
+static moe_status_t alloc_like(const moe_matrix_t *src, moe_matrix_t *dst)
+{
+    *dst = *src;
+    dst->data = malloc(moe_matrix_data_bytes(src->dtype, src->rows, src->cols) + 1);
+    dst->scale =
+        calloc(moe_matrix_scale_count(src->scale_kind, src->rows, src->cols) + 1, sizeof(float));
+    if (!dst->data || !dst->scale) {
+        free(dst->data);
+        free(dst->scale);
+        dst->data = NULL;
+        dst->scale = NULL;
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "placement: expert matrix of %zu bytes",
+                         moe_matrix_data_bytes(src->dtype, src->rows, src->cols));
+    }
+    return MOE_STATUS_SUCCESS;
+}
+
+/* The old slot of this EP rank `g` holding e, or -1. */
+static int old_local_slot(const moe_plan_t *p, int e, int g)
+{
+    int k;
+    for (k = p->replica_begin[e]; k < p->replica_begin[e + 1]; k++)
+        if (p->slot_owner[p->replica_slot[k]] == g)
+            return p->slot_local[p->replica_slot[k]];
+    return -1;
+}
+
+/* Adds the data and scale messages of the three matrices at m, and their input scales. */
+static void add_msgs(moe_comm_msg_t *list, int *n, int peer, moe_matrix_t *m, float *meta,
+                     int64_t *bytes)
+{
+    int k;
+    for (k = 0; k < 3; k++) {
+        const size_t db = moe_matrix_data_bytes(m[k].dtype, m[k].rows, m[k].cols);
+        const size_t sb =
+            sizeof(float) * moe_matrix_scale_count(m[k].scale_kind, m[k].rows, m[k].cols);
+        list[(*n)++] = (moe_comm_msg_t){peer, m[k].data, db};
+        if (sb)
+            list[(*n)++] = (moe_comm_msg_t){peer, m[k].scale, sb};
+        *bytes += (int64_t)(db + sb);
+    }
+    list[(*n)++] = (moe_comm_msg_t){peer, meta, 3 * sizeof(float)};
+}
+
+/* Fills `mp` for this rank: the new slots' matrices (kept, copied or fresh) and the messages. */
+static moe_status_t plan_moves(moe_layer_t *l, const int32_t *map, move_plan_t *mp,
+                               moe_placement_stats_t *stats)
+{
+    const moe_plan_t *p = &l->plan;
+    const int S = p->num_local_experts, tp = p->tp_size, me = p->ep_rank, q = p->tp_rank;
+    moe_matrix_t *old = ((cpu_state_t *)l->state)->experts;
+    int g, i, k;
+
+    mp->next = calloc((size_t)S * 3 + 1, sizeof(moe_matrix_t));
+    mp->kept = calloc((size_t)S + 1, 1);
+    mp->own = calloc((size_t)S + 1, 1);
+    mp->meta = calloc((size_t)S * 6 + 1, sizeof(float));
+    /* per slot at most 7 messages (3 data, 3 scales, 1 meta); a rank sends each of its S old
+     * slots to at most ep_size ranks */
+    mp->sends = malloc(sizeof(moe_comm_msg_t) * ((size_t)S * p->ep_size * 7 + 1));
+    mp->recvs = malloc(sizeof(moe_comm_msg_t) * ((size_t)S * 7 + 1));
+    if (!mp->next || !mp->kept || !mp->own || !mp->meta || !mp->sends || !mp->recvs)
+        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "placement plan of %d slots", S);
+    for (g = 0; g < p->ep_size; g++)
+        for (i = 0; i < S; i++) {
+            const int e = map[g * S + i], mine = old_local_slot(p, e, g);
+            int src, n, slot;
+            if (mine >= 0) {
+                if (g != me)
+                    continue;
+                if (!mp->kept[mine]) { /* the old slot's matrices move over as they are */
+                    mp->kept[mine] = 1;
+                    memcpy(&mp->next[i * 3], &old[mine * 3], 3 * sizeof(moe_matrix_t));
+                    continue;
+                }
+                mp->own[i] = 1; /* a second local replica: a copy */
+                for (k = 0; k < 3; k++) {
+                    moe_matrix_t *d = &mp->next[i * 3 + k], *o = &old[mine * 3 + k];
+                    MOE_CHECK(alloc_like(o, d));
+                    memcpy(d->data, o->data, moe_matrix_data_bytes(o->dtype, o->rows, o->cols));
+                    memcpy(d->scale, o->scale,
+                           sizeof(float) * moe_matrix_scale_count(o->scale_kind, o->rows, o->cols));
+                }
+                stats->slots_copied++;
+                continue;
+            }
+            n = p->replica_begin[e + 1] - p->replica_begin[e];
+            slot = p->replica_slot[p->replica_begin[e] + (g + i) % n];
+            src = p->slot_owner[slot];
+            if (g == me) {
+                mp->own[i] = 2; /* received */
+                for (k = 0; k < 3; k++)
+                    MOE_CHECK(alloc_like(&old[k], &mp->next[i * 3 + k]));
+                add_msgs(mp->recvs, &mp->num_recvs, src * tp + q, &mp->next[i * 3],
+                         &mp->meta[i * 3], &stats->bytes_received);
+                stats->slots_received++;
+            }
+            if (src == me) {
+                float *meta = &mp->meta[(S + p->slot_local[slot]) * 3];
+                for (k = 0; k < 3; k++)
+                    meta[k] = old[p->slot_local[slot] * 3 + k].input_scale;
+                add_msgs(mp->sends, &mp->num_sends, g * tp + q, &old[p->slot_local[slot] * 3], meta,
+                         &stats->bytes_sent);
+            }
+        }
+    return MOE_STATUS_SUCCESS;
+}
+
+/* Frees the matrices allocated for the new slots (a failed change) and the plan's lists. */
+static void moves_free(move_plan_t *mp, int S, int drop_new)
+{
+    int i;
+    for (i = 0; drop_new && mp->own && i < S; i++)
+        if (mp->own[i]) {
+            free_matrix(&mp->next[i * 3]);
+            free_matrix(&mp->next[i * 3 + 1]);
+            free_matrix(&mp->next[i * 3 + 2]);
+        }
+    if (drop_new)
+        free(mp->next);
+    free(mp->kept);
+    free(mp->own);
+    free(mp->meta);
+    free(mp->sends);
+    free(mp->recvs);
+}
+
+static moe_status_t cpu_set_placement(moe_layer_t *l, const int32_t *map, int move_weights,
+                                      moe_placement_stats_t *stats)
+{
+    cpu_state_t *s = l->state;
+    const int S = l->plan.num_local_experts;
+    move_plan_t mp;
+    moe_status_t st;
+    int i;
+
+    if (!move_weights)
+        return MOE_STATUS_SUCCESS;
+    memset(&mp, 0, sizeof(mp));
+    st = moe_comm_agree(l->rt->comm, plan_moves(l, map, &mp, stats));
+    if (st == MOE_STATUS_SUCCESS) {
+        st = moe_comm_exchange(l->rt->comm, mp.sends, mp.num_sends, mp.recvs, mp.num_recvs);
+        if (st == MOE_STATUS_TIMEOUT || st == MOE_STATUS_MPI_ERROR) {
+            /* MPI may still read the old slots and write the new ones: both are left to it */
+            s->experts = calloc((size_t)S * 3 + 1, sizeof(moe_matrix_t));
+            moves_free(&mp, S, 0);
+            return st;
+        }
+        st = moe_comm_agree(l->rt->comm, st);
+    }
+    if (st != MOE_STATUS_SUCCESS) {
+        moves_free(&mp, S, 1);
+        return st;
+    }
+    for (i = 0; i < S; i++) {
+        if (mp.own[i] == 2) { /* received: the input scales came in the meta message */
+            mp.next[i * 3].input_scale = mp.meta[i * 3];
+            mp.next[i * 3 + 1].input_scale = mp.meta[i * 3 + 1];
+            mp.next[i * 3 + 2].input_scale = mp.meta[i * 3 + 2];
+        }
+        if (!mp.kept[i]) {
+            free_matrix(&s->experts[i * 3]);
+            free_matrix(&s->experts[i * 3 + 1]);
+            free_matrix(&s->experts[i * 3 + 2]);
+        }
+    }
+    free(s->experts);
+    s->experts = mp.next;
+    moves_free(&mp, S, 0);
+    return MOE_STATUS_SUCCESS;
+}
+
 const moe_backend_ops_t moe_backend_cpu = {"cpu",       cpu_init, cpu_fini, cpu_store_weight,
-                                           cpu_forward, NULL,     NULL};
+                                           cpu_forward, NULL,     NULL,     cpu_set_placement};

@@ -130,6 +130,14 @@ static moe_status_t validate_layout(moe_layer_config_t *c, int world)
                   c->tp_size, (long long)c->ep_size * c->tp_size, world);
     MOE_ARG_CHECK(c->ep_size <= c->num_experts, "ep_size = %d: more EP ranks than num_experts = %d",
                   c->ep_size, c->num_experts);
+    MOE_ARG_CHECK(c->num_redundant_experts >= 0 && c->num_redundant_experts <= MOE_MAX_EXPERTS &&
+                      c->num_redundant_experts % c->ep_size == 0,
+                  "num_redundant_experts = %d: must be a multiple of ep_size = %d in 0..%d",
+                  c->num_redundant_experts, c->ep_size, MOE_MAX_EXPERTS);
+    MOE_ARG_CHECK(c->num_redundant_experts == 0 || c->num_experts % c->ep_size == 0,
+                  "num_redundant_experts = %d needs num_experts (%d) a multiple of ep_size (%d): "
+                  "every EP rank holds the same number of expert slots",
+                  c->num_redundant_experts, c->num_experts, c->ep_size);
     MOE_ARG_CHECK(c->intermediate % c->tp_size == 0,
                   "intermediate = %d is not divisible by tp_size = %d", c->intermediate,
                   c->tp_size);
@@ -176,7 +184,6 @@ static moe_status_t make_plan(moe_layer_t *l, int world, int rank)
 {
     moe_plan_t *p = &l->plan;
     const moe_layer_config_t *c = &l->cfg;
-    int e, g;
 
     p->world = world;
     p->rank = rank;
@@ -184,23 +191,7 @@ static moe_status_t make_plan(moe_layer_t *l, int world, int rank)
     p->tp_size = c->tp_size;
     p->ep_rank = rank / c->tp_size;
     p->tp_rank = rank % c->tp_size;
-    p->expert_owner = malloc(sizeof(int) * (size_t)c->num_experts);
-    p->expert_local_index = malloc(sizeof(int) * (size_t)c->num_experts);
-    if (!p->expert_owner || !p->expert_local_index)
-        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "plan for %d experts", c->num_experts);
-    /* Contiguous blocks (floor split); the table stays general for later load balancing. */
-    for (g = 0; g < c->ep_size; g++) {
-        int b = (int)moe_split_begin(c->num_experts, c->ep_size, g);
-        int end = (int)moe_split_begin(c->num_experts, c->ep_size, g + 1);
-        for (e = b; e < end; e++) {
-            p->expert_owner[e] = g;
-            p->expert_local_index[e] = e - b;
-        }
-        if (g == p->ep_rank) {
-            p->first_local_expert = b;
-            p->num_local_experts = end - b;
-        }
-    }
+    MOE_CHECK(moe_plan_init_placement(p, c->num_experts, c->num_redundant_experts));
     p->i_begin = moe_split_begin(c->intermediate, c->tp_size, p->tp_rank);
     p->i_end = moe_split_begin(c->intermediate, c->tp_size, p->tp_rank + 1);
     p->shared_intermediate = c->num_shared_experts > 0 ? c->shared_intermediate : 0;
@@ -244,7 +235,8 @@ static uint64_t config_hash(const moe_layer_config_t *c)
                    c->deterministic,
                    c->check_inputs,
                    c->fp8_math,
-                   c->ep_round_tokens};
+                   c->ep_round_tokens,
+                   c->num_redundant_experts};
     uint64_t h = 1469598103934665603ULL;
     size_t i, b;
     for (i = 0; i < sizeof(f) / sizeof(f[0]); i++)
@@ -301,7 +293,8 @@ static moe_status_t layer_setup(moe_layer_t *l, const moe_layer_config_t *config
     l->weight_set =
         calloc((size_t)MOE_WEIGHT_KIND_COUNT * (size_t)(l->plan.num_local_experts + 1), 1);
     l->expert_load = calloc((size_t)l->cfg.num_experts, sizeof(int64_t));
-    if (!l->weight_set || !l->expert_load)
+    l->load_window = calloc((size_t)l->cfg.num_experts, sizeof(int64_t));
+    if (!l->weight_set || !l->expert_load || !l->load_window)
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "layer bookkeeping");
     l->ops = backend_ops(l->rt);
     return MOE_STATUS_SUCCESS;
@@ -348,10 +341,10 @@ static void layer_free(moe_layer_t *l)
 {
     if (l->ops && l->state)
         l->ops->fini(l);
-    free(l->plan.expert_owner);
-    free(l->plan.expert_local_index);
+    moe_plan_free_placement(&l->plan);
     free(l->weight_set);
     free(l->expert_load);
+    free(l->load_window);
     free(l);
 }
 

@@ -36,9 +36,19 @@ struct moe_runtime {
 typedef struct moe_plan {
     int world, rank;
     int ep_size, tp_size, ep_rank, tp_rank;
-    int num_local_experts, first_local_expert;
-    int *expert_owner;       /* [num_experts] -> EP rank (general table, contiguous by default) */
-    int *expert_local_index; /* [num_experts] -> index on its owner */
+    int num_local_experts, first_local_expert; /* slots; first_local_expert -1 if not a block */
+    /* The placement: num_slots physical expert slots (E + R), slot_logical the map. With
+     * `placed` the slots split equally, S = num_slots / ep_size per EP rank, rank-major; without
+     * (R = 0 and ep_size not dividing E) slot e holds expert e by the floor split. */
+    int num_slots, placed;
+    int32_t *slot_logical;   /* [num_slots] -> logical expert */
+    int *slot_owner;         /* [num_slots] -> EP rank */
+    int *slot_local;         /* [num_slots] -> index among its owner's slots */
+    int *replica_begin;      /* [E + 1]: e's slots are replica_slot[replica_begin[e] ..] */
+    int *replica_slot;       /* [num_slots]: slots by logical expert, ascending */
+    int *local_logical;      /* [num_local_experts]: logical expert of each local slot */
+    int *expert_owner;       /* [num_experts] -> EP rank of the expert's first replica */
+    int *expert_local_index; /* [num_experts] -> that replica's index on its owner */
     int64_t i_begin, i_end;  /* this rank's slice of each routed expert's intermediate */
     int64_t s_begin, s_end;  /* this rank's slice of the shared MLP's intermediate */
     int64_t shared_intermediate;
@@ -48,6 +58,15 @@ typedef struct moe_plan {
 static inline int64_t moe_split_begin(int64_t n, int parts, int i)
 {
     return (n * i) / parts;
+}
+
+/* The physical slot that serves logical expert e for token t (index on its rank) of source
+ * rank src (docs/SEMANTICS.md, "Replicas"): its replicas in slot order, the
+ * ((t + src) mod replicas)-th. */
+static inline int moe_plan_route_slot(const moe_plan_t *p, int e, int64_t t, int src)
+{
+    const int b = p->replica_begin[e], n = p->replica_begin[e + 1] - b;
+    return p->replica_slot[b + (n == 1 ? 0 : (int)((t + src) % n))];
 }
 
 /* Weight matrix on a rank, in the layer's storage dtype (host or device memory). */
@@ -79,6 +98,11 @@ typedef struct moe_backend_ops {
     /* One line on what a step of num_tokens tokens on this rank runs and why; NULL: the
      * layer writes a generic line. */
     void (*explain)(const struct moe_layer *layer, int64_t num_tokens, char *text, size_t len);
+    /* Collective: gives this rank the expert weights of new_map's slots (from the ranks that
+     * hold them under layer->plan) when move_weights, else only resizes nothing; the layer
+     * switches its plan after it succeeds on every rank. NULL: placement not supported. */
+    moe_status_t (*set_placement)(struct moe_layer *layer, const int32_t *new_map, int move_weights,
+                                  moe_placement_stats_t *stats);
 } moe_backend_ops_t;
 
 extern const moe_backend_ops_t moe_backend_cpu;
@@ -95,6 +119,8 @@ struct moe_layer {
     unsigned char *weight_set; /* [MOE_WEIGHT_KIND_COUNT * (num_local_experts + 1)] */
     moe_layer_stats_t stats;
     int64_t *expert_load; /* [num_experts] */
+    int64_t *load_window; /* [num_experts]: rows per logical expert since the window began */
+    moe_placement_stats_t placement_stats; /* of the last placement change */
     size_t weight_bytes, workspace_bytes;
     int64_t ep_round_tokens; /* resolved (moe_layer_info_t) */
     int broken; /* a collective failed: every later call returns MOE_STATUS_INVALID_STATE */
@@ -116,6 +142,14 @@ void moe_layer_weight_storage(const struct moe_layer *layer, moe_weight_kind_t k
 /* Bytes of a matrix's data and scales in a storage dtype. */
 size_t moe_matrix_data_bytes(moe_dtype_t dtype, int64_t rows, int64_t cols);
 size_t moe_matrix_scale_count(moe_scale_kind_t kind, int64_t rows, int64_t cols);
+
+/* Allocates the plan's placement tables and fills them with the default placement (ep_size,
+ * ep_rank set). */
+moe_status_t moe_plan_init_placement(moe_plan_t *p, int num_experts, int num_redundant);
+void moe_plan_free_placement(moe_plan_t *p);
+
+/* Builds the plan's placement tables from map[num_slots] (equal slots per EP rank). */
+moe_status_t moe_plan_set_map(moe_plan_t *p, int num_experts, const int32_t *map);
 
 /* Whether every weight this rank needs has been set; else an INVALID_STATE naming one. */
 moe_status_t moe_layer_check_weights(const struct moe_layer *layer, int need_router);

@@ -429,9 +429,12 @@ moe_status_t moe_layer_set_weight_from(moe_layer_t *l, moe_weight_kind_t kind, i
                          (long long)fcols, (long long)rows, (long long)cols);
     }
     if (per_expert(kind)) {
-        if (l->plan.expert_owner[expert] != l->plan.ep_rank)
+        /* the first of this rank's slots that hold the expert (it may hold several replicas) */
+        for (local = 0; local < l->plan.num_local_experts; local++)
+            if (l->plan.local_logical[local] == expert)
+                break;
+        if (local == l->plan.num_local_experts)
             return MOE_STATUS_SUCCESS; /* another rank's expert */
-        local = l->plan.expert_local_index[expert];
     }
     if (!l->cfg.skip_weight_check) {
         /* Before anything is kept: a bad weight leaves the layer as it was. */
@@ -459,10 +462,32 @@ moe_status_t moe_layer_set_weight_from(moe_layer_t *l, moe_weight_kind_t kind, i
     MOE_CHECK_GOTO(convert_slice(t, r0, c0, &m, what), st, out);
     MOE_CHECK_GOTO(l->ops->store_weight(l, kind, local, &m), st, out);
     *set_mark(l, kind, local) = 1;
+    while (local >= 0 && ++local < l->plan.num_local_experts) /* its other local replicas */
+        if (l->plan.local_logical[local] == expert) {
+            MOE_CHECK_GOTO(l->ops->store_weight(l, kind, local, &m), st, out);
+            *set_mark(l, kind, local) = 1;
+        }
 out:
     free(m.data);
     free(m.scale);
     return st;
+}
+
+int moe_layer_expert_weights_state(const moe_layer_t *l)
+{
+    int e, k, set = 0, total = 0;
+    for (e = 0; e < l->plan.num_local_experts; e++)
+        for (k = MOE_WEIGHT_GATE_PROJ; k <= MOE_WEIGHT_DOWN_PROJ; k++, total++)
+            set += *set_mark((moe_layer_t *)l, (moe_weight_kind_t)k, e) != 0;
+    return set == 0 ? 0 : set == total ? 1 : 2;
+}
+
+void moe_layer_mark_expert_weights(moe_layer_t *l, int set)
+{
+    int e, k;
+    for (e = 0; e < l->plan.num_local_experts; e++)
+        for (k = MOE_WEIGHT_GATE_PROJ; k <= MOE_WEIGHT_DOWN_PROJ; k++)
+            *set_mark(l, (moe_weight_kind_t)k, e) = (unsigned char)(set != 0);
 }
 
 moe_status_t moe_layer_check_weights(const moe_layer_t *l, int need_router)
@@ -477,7 +502,7 @@ moe_status_t moe_layer_check_weights(const moe_layer_t *l, int need_router)
         for (k = MOE_WEIGHT_GATE_PROJ; k <= MOE_WEIGHT_DOWN_PROJ; k++)
             if (!*set_mark((moe_layer_t *)l, (moe_weight_kind_t)k, e))
                 return moe_error(MOE_STATUS_INVALID_STATE, "%s of expert %d not set", kind_names[k],
-                                 l->plan.first_local_expert + e);
+                                 l->plan.local_logical[e]);
     if (l->plan.shared_intermediate > 0)
         for (k = MOE_WEIGHT_SHARED_GATE_PROJ; k <= MOE_WEIGHT_SHARED_DOWN_PROJ; k++)
             if (!*set_mark((moe_layer_t *)l, (moe_weight_kind_t)k, -1))

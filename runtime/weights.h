@@ -38,6 +38,14 @@ moe_status_t moe_layer_set_weight_from(moe_layer_t *layer, moe_weight_kind_t kin
                                        const moe_tensor_t *t, float input_scale, const char *origin,
                                        int64_t row_off, int64_t col_off);
 
+/* Of this rank's expert slots' matrices (gate, up, down): 0 when none is set, 1 when all are,
+ * 2 when some are. */
+int moe_layer_expert_weights_state(const moe_layer_t *layer);
+
+/* Marks every expert slot's matrices of this rank set (1) or not (0), after a placement
+ * change moved them. */
+void moe_layer_mark_expert_weights(moe_layer_t *layer, int set);
+
 #ifdef __cplusplus
 }
 #endif

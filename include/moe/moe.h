@@ -235,22 +235,34 @@ typedef struct moe_layer_config {
      * experts' weights once). Must be 0..max_tokens_per_rank. The CPU backend and one GPU
      * ignore it. */
     int64_t ep_round_tokens;
+    /* Redundant expert slots R (EPLB): the layer holds E + R physical expert slots, (E + R) /
+     * ep_size on each EP rank, each slot a copy of one logical expert; a hot expert placed in
+     * several slots has its tokens split over them (docs/SEMANTICS.md, "Replicas"). 0 (default):
+     * E slots, expert e on EP rank e / (E / ep_size) as without it. R must be a multiple of
+     * ep_size and, when > 0, num_experts too. The default placement puts rank g's R / ep_size
+     * redundant slots on the first experts of rank g + 1 (mod ep_size); moe_layer_set_placement
+     * and moe_layer_rebalance move them. CPU backend only for now: the CUDA backend refuses
+     * R > 0 at create (MOE_STATUS_NOT_SUPPORTED). */
+    int num_redundant_experts;
 } moe_layer_config_t;
 
 #define MOE_LAYER_CONFIG_INIT                                                                      \
     {                                                                                              \
         0, 0, 0, 0, 0, MOE_AUTO, 0, MOE_ACTIVATION_SILU, MOE_SCORING_SOFTMAX, 0, 0, 0, 1, 1.0f,    \
             MOE_DTYPE_BF16, MOE_SCALE_NONE, 0, MOE_AUTO, MOE_AUTO, MOE_DISPATCH_AUTO, MOE_AUTO, 0, \
-            0, MOE_FP8_MATH_AUTO, 0                                                                \
+            0, MOE_FP8_MATH_AUTO, 0, 0                                                             \
     }
 
 /* What the layer resolved on this rank. */
 typedef struct moe_layer_info {
     int ep_size, tp_size, ep_rank, tp_rank;
-    int num_local_experts, first_local_expert; /* contiguous block by default */
-    int intermediate_begin, intermediate_end;  /* this rank's slice of each expert's I */
-    int shared_begin, shared_end;              /* this rank's slice of the shared MLP's I */
-    moe_dispatch_t dispatch;                   /* as configured (AUTO resolves per step) */
+    /* This rank's expert slots and, when they hold a contiguous block of distinct experts
+     * (the default with num_redundant_experts = 0), the first; else -1
+     * (moe_layer_get_placement says which experts they hold). */
+    int num_local_experts, first_local_expert;
+    int intermediate_begin, intermediate_end; /* this rank's slice of each expert's I */
+    int shared_begin, shared_end;             /* this rank's slice of the shared MLP's I */
+    moe_dispatch_t dispatch;                  /* as configured (AUTO resolves per step) */
     int deterministic;
     size_t weight_bytes; /* expert + shared + router weights held by this rank */
     /* Scratch this layer needs per step. CUDA backend: taken from the runtime's one shared
@@ -383,6 +395,73 @@ moe_status_t moe_layer_get_stats(const moe_layer_t *layer, moe_layer_stats_t *st
  * MOE_PROFILE=1 (reading them needs a host synchronisation); otherwise the counts of the last
  * profiled step stay (zeros at first). Summed over the ranks, both give the global load. */
 moe_status_t moe_layer_get_expert_load(const moe_layer_t *layer, int64_t *counts, int n);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Expert placement and load balancing (EPLB)                                                  */
+/* ------------------------------------------------------------------------------------------ */
+
+/* Plans a placement of num_experts logical experts and num_redundant redundant slots on
+ * num_ranks EP ranks from a load per logical expert (rows, or any non-negative weight), by
+ * DeepSeek's hierarchical EPLB: groups of num_experts / num_groups experts are packed onto
+ * nodes of ranks_per_node ranks by their summed load (0 or 1 group, a group count that does not
+ * split evenly over the nodes, or ranks_per_node 0: one level over all ranks); inside a node
+ * each redundant slot replicates the expert of the largest load per replica; the replicas, each
+ * carrying load / replicas, are packed onto the node's ranks, (E + R) / num_ranks each, heaviest
+ * first to the lightest rank with room. Ties go to the lower index, so every rank computes the
+ * same map. Writes map[num_experts + num_redundant]: the logical expert of each physical slot,
+ * rank-major (rank r holds slots r * S .. r * S + S - 1, S = map_len / num_ranks). num_experts
+ * and num_redundant must be multiples of num_ranks. Pure: not collective, no layer needed. */
+moe_status_t moe_eplb_plan(const int64_t *load, int num_experts, int num_groups, int num_ranks,
+                           int ranks_per_node, int num_redundant, int32_t *map, int map_len);
+
+/* The load each rank of a placement carries when every logical expert's load splits evenly
+ * over its replicas: rank_load[num_ranks]. For comparing placements; not collective. */
+moe_status_t moe_eplb_rank_loads(const int64_t *load, int num_experts, const int32_t *map,
+                                 int map_len, int num_ranks, double *rank_load);
+
+/* Collective over the runtime's ranks, on the host, between steps: every rank passes the same
+ * map of n = num_experts + num_redundant_experts physical slots (the logical expert of each,
+ * rank-major as moe_eplb_plan writes it; ranks that pass different maps get MOE_STATUS_MISMATCH).
+ * Every logical expert must be placed at least once and the slots must split equally over the
+ * EP ranks (else INVALID_ARGUMENT naming the value). Each rank then gets the weights of the
+ * experts it newly holds from a rank that holds them (MPI on the CPU backend; nothing is read
+ * from disk), keeps those it still holds, frees the others, and the next forward routes by the
+ * new map. If no expert weight is set yet on any rank, only the map changes (set the weights
+ * after it); a layer with some expert weights set and others not is INVALID_STATE. One verdict
+ * on every rank. CUDA backend: MOE_STATUS_NOT_SUPPORTED for now. */
+moe_status_t moe_layer_set_placement(moe_layer_t *layer, const int32_t *map, int n);
+
+/* The placement in force: map[n], n = num_experts + num_redundant_experts. With R = 0 and a
+ * num_experts that ep_size does not divide, the default floor split (rank g holds experts
+ * E * g / ep_size .. E * (g + 1) / ep_size - 1) is written as the identity map. Not collective. */
+moe_status_t moe_layer_get_placement(const moe_layer_t *layer, int32_t *map, int n);
+
+/* Rows each logical expert received in the forwards since the layer was created, last
+ * rebalanced or last reset (the load window), summed over the tokens this rank brought:
+ * counts[num_experts]. Summed over the ranks it is the global load the rebalance plans from.
+ * Counted on the host by the CPU backend; not collective. */
+moe_status_t moe_layer_get_expert_load_window(const moe_layer_t *layer, int64_t *counts, int n);
+
+/* Starts a new load window (zeros). Not collective. */
+moe_status_t moe_layer_reset_expert_load(moe_layer_t *layer);
+
+/* Collective: sums the ranks' load windows, plans with moe_eplb_plan (the layer's n_group
+ * groups, the EP ranks of one host as a node, num_redundant_experts), sets that placement as
+ * moe_layer_set_placement does, and starts a new window. A window with no rows keeps the
+ * placement. CUDA backend: MOE_STATUS_NOT_SUPPORTED for now. */
+moe_status_t moe_layer_rebalance(moe_layer_t *layer);
+
+/* What the last placement change (moe_layer_set_placement or moe_layer_rebalance) did on this
+ * rank. */
+typedef struct moe_placement_stats {
+    int slots_received;     /* slots whose expert this rank got from another rank */
+    int slots_copied;       /* slots filled from another local slot (a new local replica) */
+    int64_t bytes_received; /* weight bytes received (data and scales) */
+    int64_t bytes_sent;     /* weight bytes sent to other ranks */
+    double seconds;         /* wall time of the change on this rank (the move and the checks) */
+} moe_placement_stats_t;
+
+moe_status_t moe_layer_get_placement_stats(const moe_layer_t *layer, moe_placement_stats_t *stats);
 
 /* Names for printing. */
 const char *moe_dtype_name(moe_dtype_t dtype);

@@ -146,6 +146,12 @@ static moe_status_t check_supported(const moe_layer_t *l)
                              "slice (%lld) and shared slice (%lld) to be multiples of 16",
                              c->hidden, (long long)is, (long long)ss);
     }
+    if (c->num_redundant_experts > 0)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                         "CUDA backend: num_redundant_experts = %d (redundant expert slots and "
+                         "placement changes run on the CPU backend only for now; use 0 or "
+                         "MOE_BACKEND=cpu)",
+                         c->num_redundant_experts);
     if (c->num_experts > MOE_ROUTE_MAX_EXPERTS || c->top_k > MOE_ROUTE_MAX_TOP_K)
         return moe_error(MOE_STATUS_NOT_SUPPORTED,
                          "CUDA backend: num_experts = %d, top_k = %d (routing is built for up "
@@ -426,5 +432,5 @@ static void cuda_explain(const moe_layer_t *l, int64_t T, char *text, size_t len
 }
 
 const moe_backend_ops_t moe_backend_cuda = {
-    "cuda",       cuda_init,        cuda_fini,   moe_cuda_store_weight,
-    cuda_forward, cuda_synchronize, cuda_explain};
+    "cuda",       cuda_init,        cuda_fini,    moe_cuda_store_weight,
+    cuda_forward, cuda_synchronize, cuda_explain, NULL /* set_placement: not yet (docs/EPLB.md) */};

@@ -19,6 +19,7 @@
 #include "base/json.h"
 #include "runtime/formats/checkpoint.h"
 #include "runtime/formats/safetensors.h"
+#include "runtime/layer.h"
 #include "runtime/weights.h"
 
 /* config.json and the index are small; anything larger is not one. */
@@ -1133,9 +1134,8 @@ moe_status_t moe_layer_load(moe_layer_t *layer, moe_checkpoint_t *c, int layer_i
     i1 = info.intermediate_end;
     s0 = info.shared_begin;
     s1 = info.shared_end;
-    MOE_ARG_CHECK(info.first_local_expert >= 0 &&
-                      info.first_local_expert + info.num_local_experts <= E && i0 >= 0 &&
-                      i0 <= i1 && i1 <= I && (S == 0 || (s0 >= 0 && s0 <= s1 && s1 <= S)),
+    MOE_ARG_CHECK(layer->cfg.num_experts == E && i0 >= 0 && i0 <= i1 && i1 <= I &&
+                      (S == 0 || (s0 >= 0 && s0 <= s1 && s1 <= S)),
                   "layer_load: the layer (experts %d..%d, intermediate [%lld, %lld)) does not "
                   "match layer %d of the checkpoint (%lld experts, intermediate %lld); create "
                   "it from moe_checkpoint_layer_config",
@@ -1158,8 +1158,14 @@ moe_status_t moe_layer_load(moe_layer_t *layer, moe_checkpoint_t *c, int layer_i
     if (nm->bias && cfg.use_score_bias)
         MOE_CHECK_GOTO(load_matrix(&x, nm->bias, MOE_WEIGHT_ROUTER_BIAS, -1, 1, E, 0, 1, 0, E), st,
                        out);
-    for (int e = info.first_local_expert; e < info.first_local_expert + info.num_local_experts;
-         e++) {
+    /* the logical experts of this rank's slots, each once (set_weight fills its replicas) */
+    for (int slot = 0; slot < layer->plan.num_local_experts; slot++) {
+        const int e = layer->plan.local_logical[slot];
+        int again = 0;
+        for (int j = 0; j < slot; j++)
+            again |= layer->plan.local_logical[j] == e;
+        if (again)
+            continue;
         /* gate/up [I, H]: rows of this rank's slice; down [H, I]: its columns. */
         MOE_CHECK_GOTO(load_matrix(&x, nm->expert[0], ek[0], e, I, H, i0, i1, 0, H), st, out);
         MOE_CHECK_GOTO(load_matrix(&x, nm->expert[1], ek[1], e, I, H, i0, i1, 0, H), st, out);
