@@ -60,6 +60,19 @@ void moe_gen_tokens(uint64_t seed, int64_t t0, int64_t n, int hidden, float *x)
             x[t * hidden + h] = unit(key(seed, 99, 0, t0 + t, h));
 }
 
+void moe_gen_skewed_logits(uint64_t seed, int64_t t0, int64_t n, int num_experts, double skew,
+                           float *logits)
+{
+    int64_t t;
+    int e;
+    for (t = 0; t < n; t++)
+        for (e = 0; e < num_experts; e++) {
+            /* u in (0, 1), 24 bits; -ln(-ln u) is a standard Gumbel draw */
+            const double u = ((double)(key(seed, 97, e, t0 + t, 0) >> 40) + 0.5) / 16777216.0;
+            logits[t * num_experts + e] = (float)(-skew * log(e + 1.0) - log(-log(u)));
+        }
+}
+
 float moe_gen_input_scale(uint64_t seed, moe_weight_kind_t kind, int expert)
 {
     const float u = unit(key(seed, 98, expert, (int64_t)kind, 0)); /* [-1, 1) */
@@ -101,6 +114,38 @@ static moe_status_t set_one(moe_layer_t *layer, uint64_t seed, moe_weight_kind_t
     return moe_layer_set_weight(layer, kind, expert, &t);
 }
 
+/* The logical experts of this rank's slots (*mine[num_local_experts], malloc'd; -1 where an
+ * earlier slot holds the same expert): the contiguous block, or the placement's slots. */
+static moe_status_t local_experts(moe_layer_t *layer, const moe_layer_config_t *cfg,
+                                  const moe_layer_info_t *info, int **mine)
+{
+    const int n = cfg->num_experts + cfg->num_redundant_experts, S = info->num_local_experts;
+    int32_t *map = NULL;
+    moe_status_t st = MOE_STATUS_SUCCESS;
+    int i, j;
+
+    *mine = malloc(sizeof(int) * ((size_t)S + 1));
+    if (!*mine)
+        return MOE_STATUS_OUT_OF_MEMORY;
+    if (info->first_local_expert >= 0) {
+        for (i = 0; i < S; i++)
+            (*mine)[i] = info->first_local_expert + i;
+        return MOE_STATUS_SUCCESS;
+    }
+    map = malloc(sizeof(int32_t) * (size_t)n);
+    if (!map)
+        return MOE_STATUS_OUT_OF_MEMORY;
+    st = moe_layer_get_placement(layer, map, n);
+    for (i = 0; st == MOE_STATUS_SUCCESS && i < S; i++) { /* slots of EP rank r: r * S .. */
+        (*mine)[i] = map[info->ep_rank * S + i];
+        for (j = 0; j < i; j++)
+            if (map[info->ep_rank * S + j] == (*mine)[i])
+                (*mine)[i] = -1;
+    }
+    free(map);
+    return st;
+}
+
 /* moe_gen_set_weights; `input_scales`: the expert and shared matrices with moe_gen_input_scale's
  * static activation scales. */
 static moe_status_t set_weights(moe_layer_t *layer, const moe_layer_config_t *cfg, uint64_t seed,
@@ -111,7 +156,8 @@ static moe_status_t set_weights(moe_layer_t *layer, const moe_layer_config_t *cf
     moe_status_t st;
     int64_t is, S, ss, big;
     float *buf;
-    int e, whole;
+    int *mine = NULL;
+    int e, i, whole;
 
     if ((st = moe_layer_get_info(layer, &info)) != MOE_STATUS_SUCCESS)
         return st;
@@ -141,7 +187,11 @@ static moe_status_t set_weights(moe_layer_t *layer, const moe_layer_config_t *cf
     SET(MOE_WEIGHT_ROUTER, -1, 0, E, 0, H, E, H, 0);
     if (cfg->use_score_bias)
         SET(MOE_WEIGHT_ROUTER_BIAS, -1, 0, 1, 0, E, 1, E, 0);
-    for (e = info.first_local_expert; e < info.first_local_expert + info.num_local_experts; e++) {
+    if ((st = local_experts(layer, cfg, &info, &mine)) != MOE_STATUS_SUCCESS)
+        goto out;
+    for (i = 0; i < info.num_local_experts; i++) {
+        if ((e = mine[i]) < 0)
+            continue; /* a second local replica: set_weight fills every one */
         SET(MOE_WEIGHT_GATE_PROJ, e, info.intermediate_begin, is, 0, H, I, H, whole);
         SET(MOE_WEIGHT_UP_PROJ, e, info.intermediate_begin, is, 0, H, I, H, whole);
         SET(MOE_WEIGHT_DOWN_PROJ, e, 0, H, info.intermediate_begin, is, H, I, whole);
@@ -156,6 +206,7 @@ static moe_status_t set_weights(moe_layer_t *layer, const moe_layer_config_t *cf
 #undef SET
 out:
     free(buf);
+    free(mine);
     return st;
 }
 

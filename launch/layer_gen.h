@@ -27,6 +27,13 @@ void moe_gen_matrix(uint64_t seed, moe_weight_kind_t kind, int expert, int64_t r
 /* Tokens [t0, t0 + n) of the global batch, uniform in [-1, 1). */
 void moe_gen_tokens(uint64_t seed, int64_t t0, int64_t n, int hidden, float *x);
 
+/* Router logits of tokens [t0, t0 + n) of the global batch, [n, num_experts]: -skew * ln(e + 1)
+ * plus a standard Gumbel draw per (token, expert), so a token's first choice is expert e with
+ * probability proportional to (e + 1)^-skew (Zipf) and its top k are a draw without replacement
+ * by those weights (the Gumbel-max trick). */
+void moe_gen_skewed_logits(uint64_t seed, int64_t t0, int64_t n, int num_experts, double skew,
+                           float *logits);
+
 /* Sets this rank's slice of every weight of `layer` (config `cfg`) from `seed`. */
 moe_status_t moe_gen_set_weights(moe_layer_t *layer, const moe_layer_config_t *cfg, uint64_t seed);
 

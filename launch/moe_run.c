@@ -43,6 +43,10 @@ typedef struct opts {
     int64_t round_tokens; /* --round-tokens: ep_round_tokens (0: the library's default) */
     uint64_t seed;
     int iters, warmup, bind, ep, tp, deterministic, quiet, help;
+    int redundant; /* --redundant-experts R */
+    int eplb;      /* --eplb: rebalance once after the warm-up steps */
+    double skew;   /* --route-skew S: Zipf router logits (0: the layer's router) */
+    const char *skew_text;
     int tokens_given;     /* --tokens on the command line (else --input's row count) */
     int dtype_given;      /* --dtype on the command line */
     FILE *json_file;      /* rank 0: --json, opened before the run so a bad path fails first */
@@ -135,6 +139,13 @@ static void usage(void)
            "                       today; w8a8: CPU, and CUDA on sm_90)\n"
            "  --layers N           N layers (a model's worth), run in turn each step; reports\n"
            "                       the memory per rank (weights + the one shared workspace)\n"
+           "  --redundant-experts R   R redundant expert slots (EPLB; a multiple of the EP\n"
+           "                       size; default 0)\n"
+           "  --eplb               rebalance the experts over the ranks once, after the warm-up\n"
+           "                       steps, from their load; prints the rank load imbalance\n"
+           "                       before and after\n"
+           "  --route-skew S       router logits so expert e's popularity follows (e+1)^-S\n"
+           "                       (Zipf; expert 0 the hottest); 0 (default): the layer's router\n"
            "  --json FILE          also write the results as JSON\n"
            "Every rank must get the same options (checked before the first collective).\n",
            moe_gen_preset_names());
@@ -233,6 +244,8 @@ static int parse_one(opts_t *o, const char *a, const char *v, int *used)
         return o->bind = 1, 0;
     if (!strcmp(a, "--quiet"))
         return o->quiet = 1, 0;
+    if (!strcmp(a, "--eplb"))
+        return o->eplb = 1, 0;
     if (strncmp(a, "--", 2))
         return REJECT("unexpected argument %s (see --help)", a);
     if (!v)
@@ -263,6 +276,14 @@ static int parse_one(opts_t *o, const char *a, const char *v, int *used)
         if (int_opt(o, a, v, 0, MAX_TOKENS, &o->tokens))
             return -1;
         o->tokens_given = 1;
+    } else if (!strcmp(a, "--redundant-experts")) {
+        return int_field(o, a, v, 0, 65536, &o->redundant);
+    } else if (!strcmp(a, "--route-skew")) {
+        char *end = NULL;
+        o->skew_text = v;
+        o->skew = strtod(v, &end);
+        if (!end || *end || !(o->skew >= 0.0 && o->skew <= 16.0))
+            return REJECT("--route-skew %s: expected a number in 0..16", v);
     } else if (!strcmp(a, "--round-tokens")) {
         return int_opt(o, a, v, 0, MAX_TOKENS, &o->round_tokens);
     } else if (!strcmp(a, "--seed")) {
@@ -379,6 +400,11 @@ static int parse(int argc, char **argv, opts_t *o)
         o->fp8_math = MOE_FP8_MATH_W8A8;
     else
         return REJECT("--fp8-math %s: expected w8a16 or w8a8", o->fp8_math_name);
+    if (o->eplb && o->warmup < 1)
+        return REJECT("--eplb rebalances from the warm-up steps' load: it needs --warmup >= 1");
+    if (o->skew > 0.0 && o->model)
+        return REJECT("--route-skew with --model: the checkpoint's router routes its tokens");
+    o->cfg.num_redundant_experts = o->redundant;
     if (!o->x_dtype_name || !strcmp(o->x_dtype_name, "f32"))
         o->x_dtype = MOE_DTYPE_F32;
     else if (!strcmp(o->x_dtype_name, "bf16"))
@@ -395,6 +421,7 @@ typedef struct io {
     int device;
     void *x, *y; /* what forward sees */
     float *hx, *hy;
+    float *logits; /* --route-skew: router logits where forward reads them, else NULL */
 } io_t;
 
 /* x (n values, f32 on the host) where forward reads it, as f32 or (bf16) rounded to bf16. */
@@ -443,14 +470,42 @@ static void io_fetch(io_t *io, int64_t n)
         moe_convert_to_f32(MOE_DTYPE_BF16, io->yb, io->hy, (size_t)n);
 }
 
+/* --route-skew: this rank's router logits [n, E] where forward reads them. */
+static void io_logits(io_t *io, const opts_t *o, int64_t t0, int64_t n)
+{
+    const int E = o->cfg.num_experts;
+    float *h;
+    if (o->skew <= 0.0)
+        return;
+    h = malloc(sizeof(float) * (size_t)(n * E + 1));
+    if (!h)
+        DIE("out of host memory for %lld x %d router logits", (long long)n, E);
+    moe_gen_skewed_logits(o->seed, t0, n, E, o->skew, h);
+    io->logits = h;
+#ifdef MOE_HAVE_CUDA
+    if (io->device) {
+        void *d = NULL;
+        if (cudaMalloc(&d, sizeof(float) * (size_t)(n * E + 1)) != cudaSuccess ||
+            cudaMemcpy(d, h, sizeof(float) * (size_t)(n * E), cudaMemcpyHostToDevice) !=
+                cudaSuccess)
+            DIE("cuda: cannot place %lld x %d router logits on the device", (long long)n, E);
+        free(h);
+        io->logits = d;
+    }
+#endif
+}
+
 static void io_free(io_t *io)
 {
 #ifdef MOE_HAVE_CUDA
     if (io->device) {
         cudaFree(io->x);
         cudaFree(io->y);
+        cudaFree(io->logits);
+        io->logits = NULL;
     }
 #endif
+    free(io->logits);
     free(io->hy);
     free(io->xb);
     free(io->yb);
@@ -478,11 +533,45 @@ static uint64_t bits_hash(const float *v, int64_t n)
 enum { PH_ROUTE, PH_DISPATCH, PH_EXPERT, PH_COMBINE, PH_SHARED, PH_TOTAL, PH_N };
 
 typedef struct results {
-    double phase_us[PH_N]; /* median over iterations, max over ranks */
+    double phase_us[PH_N];                    /* median over iterations, max over ranks */
+    double imbalance_before, imbalance_after; /* rows per rank, max / mean (--eplb: before) */
+    double rebalance_s, rebalance_mib;        /* --eplb: max over ranks (last layer) */
     double checksum, abs_sum;
     uint64_t hash;
     double tokens_per_s;
 } results_t;
+
+/* Rows the ranks computed in the layer's last forward: max / mean (0 when nothing counted them:
+ * the CUDA backend counts them with MOE_PROFILE=1 only). */
+static double rank_imbalance(moe_layer_t *layer)
+{
+    moe_layer_stats_t st;
+    int64_t v[2], mx, sum;
+    int world;
+    CHECK(moe_layer_get_stats(layer, &st));
+    MPI_Comm_size(MPI_COMM_WORLD, &world);
+    v[0] = v[1] = st.rows_received;
+    MPI_Allreduce(&v[0], &mx, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+    MPI_Allreduce(&v[1], &sum, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+    return sum > 0 ? (double)mx * world / (double)sum : 0.0;
+}
+
+/* --eplb: every layer rebalanced from the warm-up steps' load. */
+static void rebalance(moe_layer_t **layers, int nl, results_t *res)
+{
+    moe_placement_stats_t ps;
+    double v[2], mx[2];
+    int l;
+    res->imbalance_before = rank_imbalance(layers[nl - 1]);
+    for (l = 0; l < nl; l++)
+        CHECK_ALL(moe_layer_rebalance(layers[l]));
+    CHECK(moe_layer_get_placement_stats(layers[nl - 1], &ps));
+    v[0] = ps.seconds;
+    v[1] = ps.bytes_received / 1048576.0;
+    MPI_Allreduce(v, mx, 2, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    res->rebalance_s = mx[0];
+    res->rebalance_mib = mx[1];
+}
 
 /* One step = every layer's forward in turn on the same tokens (layers of one runtime run one
  * at a time: they share its workspace); phases are the last layer's. */
@@ -500,6 +589,8 @@ static void time_steps(moe_layer_t **layers, int nl, const moe_forward_args_t *f
             CHECK_ALL(moe_layer_forward(layers[l], fa));
     if (o->warmup)
         CHECK(moe_layer_synchronize(layers[nl - 1], NULL));
+    if (o->eplb)
+        rebalance(layers, nl, res);
     for (i = 0; i < o->iters; i++) {
         MPI_Barrier(MPI_COMM_WORLD);
         wall0 = MPI_Wtime();
@@ -517,6 +608,7 @@ static void time_steps(moe_layer_t **layers, int nl, const moe_forward_args_t *f
         ph[PH_SHARED * o->iters + i] = st.shared_us;
         ph[PH_TOTAL * o->iters + i] = (MPI_Wtime() - wall0) * 1e6;
     }
+    res->imbalance_after = rank_imbalance(layers[nl - 1]);
     for (p = 0; p < PH_N; p++)
         med[p] = median(ph + p * o->iters, o->iters);
     MPI_Reduce(med, res->phase_us, PH_N, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
@@ -660,6 +752,12 @@ static void print_results(opts_t *o, const results_t *r, const moe_runtime_info_
     for (p = 0; p < PH_N; p++)
         printf(" %s %.1f", names[p], r->phase_us[p]);
     printf("\ntokens/s %.1f\n", r->tokens_per_s);
+    if (o->eplb)
+        printf("# rebalance: %.3f s, %.1f MiB of weights received (max over ranks)\n"
+               "rank load imbalance (max/mean): before %.3f after %.3f\n",
+               r->rebalance_s, r->rebalance_mib, r->imbalance_before, r->imbalance_after);
+    else
+        printf("rank load imbalance (max/mean): %.3f\n", r->imbalance_after);
     printf("checksum %.6e abs %.6e\n", r->checksum, r->abs_sum);
     printf("output_hash 0x%016llx\n", (unsigned long long)r->hash);
     if (!o->json_file)
@@ -770,6 +868,9 @@ static int agree_options(const opts_t *o, int bad)
         {"--deterministic", o->deterministic, 0},
         {"--seed", (int64_t)o->seed, 0},
         {"--round-tokens", o->round_tokens, 0},
+        {"--redundant-experts", o->redundant, 0},
+        {"--eplb", o->eplb, 0},
+        {"--route-skew (x 1e6)", (int64_t)llround(o->skew * 1e6), 0},
     };
     return moe_cli_agree("moe-run", bad, o->err, f, (int)(sizeof(f) / sizeof(f[0])));
 }
@@ -846,6 +947,10 @@ int main(int argc, char **argv)
             o.cfg.scoring == MOE_SCORING_SIGMOID ? "sigmoid" : "softmax",
             o.cfg.n_group > 1 ? " grouped" : "", moe_dtype_name(o.x_dtype), (long long)o.tokens,
             (unsigned long long)o.seed);
+    if (rank_g == 0 && (o.redundant || o.eplb || o.skew > 0.0))
+        printf("# EPLB: %d redundant expert slot(s) (%d per EP rank), route skew %g%s\n",
+               o.redundant, o.redundant / li.ep_size, o.skew,
+               o.eplb ? ", one rebalance after the warm-up" : "");
     if (rank_g == 0 && li.ep_round_tokens < o.cfg.max_tokens_per_rank)
         printf(
             "# EP rounds of %lld tokens per rank (ep_round_tokens): %lld per step\n",
@@ -880,6 +985,8 @@ int main(int argc, char **argv)
     fa.dtype = o.x_dtype;
     fa.x = io.x;
     fa.y = io.y;
+    io_logits(&io, &o, t0, my_tokens);
+    fa.router_logits = io.logits;
     memset(&res, 0, sizeof(res));
     time_steps(layers_g, o.num_layers, &fa, &o, &res);
     io_fetch(&io, my_tokens * o.cfg.hidden);
