@@ -20,6 +20,7 @@
 
 #include "cli.h"
 #include "dispatch_bench.h"
+#include "eplb_bench.h"
 #include "layer_gen.h"
 #include "tool_check.h"
 #include "moe/moe.h"
@@ -94,6 +95,7 @@ static void usage(void)
            "         layer never ran, default odd counts spread over 1..C, C = 8192, over the\n"
            "         steady step at that count; and of the first forward after create. Eager\n"
            "         steps on any backend (MOE_BACKEND), wall clock to moe_layer_synchronize)\n"
+           "       mpirun -np N moe-bench --eplb [--help]   expert placement (EPLB)\n"
            "       mpirun -np N moe-bench --dispatch-only [--max-tokens T] [--capacity C] "
            "[--told | --ask]\n"
            "                 [--round-tokens R]\n"
@@ -1032,6 +1034,10 @@ int main(int argc, char **argv)
     for (i = 1; i < argc; i++)
         if (!strcmp(argv[i], "--dispatch-only")) {
             int rc2 = moe_dispatch_bench_main(argc, argv);
+            MPI_Finalize();
+            return rc2;
+        } else if (!strcmp(argv[i], "--eplb")) {
+            int rc2 = moe_eplb_bench_main(argc, argv);
             MPI_Finalize();
             return rc2;
         }
