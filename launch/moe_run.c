@@ -46,7 +46,6 @@ typedef struct opts {
     int redundant; /* --redundant-experts R */
     int eplb;      /* --eplb: rebalance once after the warm-up steps */
     double skew;   /* --route-skew S: Zipf router logits (0: the layer's router) */
-    const char *skew_text;
     int tokens_given;     /* --tokens on the command line (else --input's row count) */
     int dtype_given;      /* --dtype on the command line */
     FILE *json_file;      /* rank 0: --json, opened before the run so a bad path fails first */
@@ -279,11 +278,7 @@ static int parse_one(opts_t *o, const char *a, const char *v, int *used)
     } else if (!strcmp(a, "--redundant-experts")) {
         return int_field(o, a, v, 0, 65536, &o->redundant);
     } else if (!strcmp(a, "--route-skew")) {
-        char *end = NULL;
-        o->skew_text = v;
-        o->skew = strtod(v, &end);
-        if (!end || *end || !(o->skew >= 0.0 && o->skew <= 16.0))
-            return REJECT("--route-skew %s: expected a number in 0..16", v);
+        return moe_cli_double(a, v, 0.0, 16.0, &o->skew, o->err, sizeof(o->err));
     } else if (!strcmp(a, "--round-tokens")) {
         return int_opt(o, a, v, 0, MAX_TOKENS, &o->round_tokens);
     } else if (!strcmp(a, "--seed")) {

@@ -81,6 +81,13 @@ expect fp8-math-unknown 2 "--fp8-math w4a8: expected w8a16 or w8a8" run1 --fp8-m
 expect fp8-math-bf16 2 "--fp8-math w8a8: the layer's weights are bf16, not FP8" \
     run1 --dtype bf16 --fp8-math w8a8
 expect x-dtype-unknown 2 "--x-dtype f16: expected f32 or bf16" run1 --x-dtype f16
+expect route-skew-junk 2 "--route-skew 1.2x: not a number" run1 --route-skew 1.2x
+expect route-skew-negative 2 "--route-skew -1: must be a finite number in 0..16" run1 --route-skew -1
+expect eplb-no-warmup 2 "--eplb rebalances from the warm-up steps' load" run1 --eplb --warmup 0
+expect redundant-not-multiple 1 "num_redundant_experts = 3: must be a multiple of ep_size = 2" \
+    "${mpirun[@]}" -np 2 "$moe_run" --backend cpu --redundant-experts 3 --tokens 8
+expect mpmd-eplb 2 "--eplb is 1 on rank 0 but 0 on rank 1" \
+    "${mpirun[@]}" -np 1 "$moe_run" --eplb : -np 1 "$moe_run"
 
 # ---- MOE_TIMEOUT_MS: an error naming it, never a crash (moe_runtime_create rejects it) ---------
 for v in -1 0 4294967295 abc 86400001; do
@@ -228,6 +235,9 @@ if [ -n "$moe_bench" ]; then
     expect bench-mpmd-told-ask 2 "--told/--ask is 1 on rank 0 but 2 on rank 1" \
         "${mpirun[@]}" -np 1 "$moe_bench" --dispatch-only --told : \
         -np 1 "$moe_bench" --dispatch-only --ask
+    expect bench-eplb-tokens 2 "--tokens 0: out of range" b --eplb --tokens 0
+    expect bench-eplb-mpmd 2 "--moves is 2 on rank 0 but 3 on rank 1" \
+        "${mpirun[@]}" -np 1 "$moe_bench" --eplb --moves 2 : -np 1 "$moe_bench" --eplb --moves 3
     expect bench-capacity-zero 2 "--capacity 0: out of range" b --capacity 0
     expect bench-tokens-over-capacity 2 "--tokens 600 is over --capacity 512" \
         b --tokens 1,600 --capacity 512
