@@ -43,9 +43,9 @@ typedef struct opts {
     int64_t round_tokens; /* --round-tokens: ep_round_tokens (0: the library's default) */
     uint64_t seed;
     int iters, warmup, bind, ep, tp, deterministic, quiet, help;
-    int redundant; /* --redundant-experts R */
-    int eplb;      /* --eplb: rebalance once after the warm-up steps */
-    double skew;   /* --route-skew S: Zipf router logits (0: the layer's router) */
+    int redundant;        /* --redundant-experts R */
+    int eplb;             /* --eplb: rebalance once after the warm-up steps */
+    double skew;          /* --route-skew S: Zipf router logits (0: the layer's router) */
     int tokens_given;     /* --tokens on the command line (else --input's row count) */
     int dtype_given;      /* --dtype on the command line */
     FILE *json_file;      /* rank 0: --json, opened before the run so a bad path fails first */
