@@ -22,6 +22,9 @@ static int g_seq;
 /* Run under mpirun the test loads every rank's shard: EP over the ranks, or TP when
  * MOE_TEST_TP is set (tests/slurm/CMakeLists.txt registers both). */
 static int g_world = 1, g_tp = 0;
+/* check_fixture_as: the loaded layer gets this many redundant slots per EP rank and a placement
+ * with replicas on several ranks, set before the load (0: neither) */
+static int g_redundant_per_rank;
 
 /* ---- a checkpoint generator ---------------------------------------------------------------- */
 
@@ -439,7 +442,20 @@ static void check_fixture_as(fixture_t *f, moe_dtype_t layer_dtype)
         got.scale_kind = want.scale_kind = MOE_SCALE_NONE;
     }
 
-    TU_OK(moe_layer_create(rt, &got, &a));
+    if (g_redundant_per_rank) {
+        const int ep = g_world / (g_tp ? g_tp : 1),
+                  n = want.num_experts + g_redundant_per_rank * ep;
+        int32_t *map = malloc(sizeof(int32_t) * (size_t)n);
+        assert_non_null(map);
+        for (int i = 0; i < n; i++) /* every expert, backwards, then the first ones again */
+            map[i] = i < want.num_experts ? want.num_experts - 1 - i : i - want.num_experts;
+        got.num_redundant_experts = g_redundant_per_rank * ep;
+        TU_OK(moe_layer_create(rt, &got, &a));
+        TU_OK(moe_layer_set_placement(a, map, n));
+        free(map);
+    } else {
+        TU_OK(moe_layer_create(rt, &got, &a));
+    }
     TU_OK(moe_layer_load(a, ck, f->layer));
     TU_OK(moe_checkpoint_close(ck));
 
@@ -519,6 +535,18 @@ static void test_mixtral_single_file(void **state)
     fixture_t *f = fx_new(MOE_FAMILY_MIXTRAL, 8, 2, 64, 96, 0, 0, 1, 0);
     fx_write(f);
     check_fixture(f);
+    fx_delete(f);
+}
+
+/* A layer with redundant slots and a placement set before the load reads each expert its slots
+ * hold (once) and fills every replica: the output is the plain layer's, bit for bit. */
+static void test_redundant_slots_load(void **state)
+{
+    fixture_t *f = fx_new(MOE_FAMILY_QWEN3_MOE, 8, 2, 64, 96, 0, 0, 2, 1);
+    fx_write(f);
+    g_redundant_per_rank = 2;
+    check_fixture(f);
+    g_redundant_per_rank = 0;
     fx_delete(f);
 }
 
@@ -1085,6 +1113,7 @@ int main(int argc, char **argv)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_mixtral_single_file),
         cmocka_unit_test(test_mixtral_sharded),
+        cmocka_unit_test(test_redundant_slots_load),
         cmocka_unit_test(test_qwen2_moe_sharded_shared_gate),
         cmocka_unit_test(test_qwen3_moe),
         cmocka_unit_test(test_deepseek_v3_bf16),
