@@ -770,8 +770,12 @@ static void print_results(opts_t *o, const results_t *r, const moe_runtime_info_
         fprintf(j, "%s\"%s\": %.3f", p ? ", " : "", names[p], r->phase_us[p]);
     fprintf(j,
             "},\n  \"tokens_per_s\": %.3f,\n  \"checksum\": %.9e,\n  \"abs_sum\": %.9e,\n"
-            "  \"output_hash\": \"0x%016llx\"\n}\n",
-            r->tokens_per_s, r->checksum, r->abs_sum, (unsigned long long)r->hash);
+            "  \"output_hash\": \"0x%016llx\",\n  \"redundant_experts\": %d, \"eplb\": %d, "
+            "\"route_skew\": %g,\n  \"rank_load_imbalance\": {\"before\": %.4f, \"after\": %.4f}"
+            "\n}\n",
+            r->tokens_per_s, r->checksum, r->abs_sum, (unsigned long long)r->hash, o->redundant,
+            o->eplb, o->skew, o->eplb ? r->imbalance_before : r->imbalance_after,
+            r->imbalance_after);
     if (fclose(j) != 0)
         DIE("--json %s: write failed: %s", o->json, strerror(errno));
 }
