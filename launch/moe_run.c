@@ -693,13 +693,17 @@ static void checksum(const io_t *io, int64_t my_tokens, int hidden, int world, r
 static void print_rank_map(const moe_runtime_info_t *ri, const moe_layer_info_t *li,
                            int64_t my_tokens, int world)
 {
-    char line[256], *all = NULL;
+    char line[256], experts[32], *all = NULL;
     int r;
-    snprintf(line, sizeof(line), "#  %4d  %-16s %4d %5d  %-14s %8lld  %5d..%-5d %5d..%-5d %10.1f",
+    if (li->first_local_expert >= 0)
+        snprintf(experts, sizeof(experts), "%5d..%-5d", li->first_local_expert,
+                 li->first_local_expert + li->num_local_experts - 1);
+    else /* redundant slots or a placement: not one block */
+        snprintf(experts, sizeof(experts), "%4d slots  ", li->num_local_experts);
+    snprintf(line, sizeof(line), "#  %4d  %-16s %4d %5d  %-14s %8lld  %s %5d..%-5d %10.1f",
              ri->rank, ri->hostname, ri->device, ri->numa_node, ri->cpuset[0] ? ri->cpuset : "-",
-             (long long)my_tokens, li->first_local_expert,
-             li->first_local_expert + li->num_local_experts - 1, li->intermediate_begin,
-             li->intermediate_end, li->weight_bytes / 1048576.0);
+             (long long)my_tokens, experts, li->intermediate_begin, li->intermediate_end,
+             li->weight_bytes / 1048576.0);
     if (rank_g == 0)
         all = malloc(sizeof(line) * (size_t)world);
     MPI_Gather(line, sizeof(line), MPI_CHAR, all, sizeof(line), MPI_CHAR, 0, MPI_COMM_WORLD);
