@@ -204,6 +204,49 @@ static void test_stuck_peer_in_forward(void **state)
     fixture_free(&f);
 }
 
+/* 1b. The last rank calls moe_layer_set_placement 4 s after the others (timeout 1.5 s): the
+ * others get TIMEOUT within the bound, never a hang; the late rank times out too, and the
+ * layer then refuses placement changes, rebalances and forwards at once (INVALID_STATE). */
+static void test_stuck_peer_in_placement(void **state)
+{
+    const int late = world - 1;
+    moe_layer_config_t c = tiny();
+    moe_runtime_t *rt;
+    moe_layer_t *l = NULL;
+    moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
+    float x[4 * 32], y[4 * 32];
+    int32_t map[16];
+    moe_status_t st;
+    double t0;
+    int i;
+    (void)state;
+    if (world == 1)
+        skip();
+    c.num_redundant_experts = world;
+    rt = make_runtime(1500);
+    TU_OK(moe_layer_create(rt, &c, &l));
+    TU_OK(moe_gen_set_weights(l, &c, 7));
+    for (i = 0; i < 8 + world; i++) /* every expert moves to another rank */
+        map[i] = (int32_t)((i + 8 / world) % 8);
+    if (rank == late)
+        sleep_ms(4000);
+    t0 = now_s();
+    st = ABANDONS(moe_layer_set_placement(l, map, 8 + world));
+    EXPECT_STATUS(st, MOE_STATUS_TIMEOUT);
+    EXPECT_WITHIN(now_s() - t0, 1.4, 1.5 + SLACK_S);
+    t0 = now_s();
+    EXPECT_STATUS(moe_layer_set_placement(l, map, 8 + world), MOE_STATUS_INVALID_STATE);
+    EXPECT_STATUS(moe_layer_rebalance(l), MOE_STATUS_INVALID_STATE);
+    moe_gen_tokens(11, 4 * rank, 4, 32, x);
+    a.num_tokens = 4;
+    a.x = x;
+    a.y = y;
+    EXPECT_STATUS(moe_layer_forward(l, &a), MOE_STATUS_INVALID_STATE);
+    EXPECT_WITHIN(now_s() - t0, 0.0, SLACK_S);
+    TU_OK(moe_layer_destroy(l));
+    TU_OK(moe_runtime_destroy(rt));
+}
+
 /* 3a. The last rank calls moe_runtime_create 2.5 s after the others (timeout 1 s): the
  * others time out in the bootstrap; the late rank finishes the bootstrap the others left
  * behind and then times out on the next collective of the setup. */
@@ -438,6 +481,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_setup_teardown(test_zero_tokens_null_buffers, case_setup, case_teardown),
         cmocka_unit_test_setup_teardown(test_setup_error_on_one_rank, case_setup, case_teardown),
         cmocka_unit_test_setup_teardown(test_stuck_peer_in_forward, case_setup, case_teardown),
+        cmocka_unit_test_setup_teardown(test_stuck_peer_in_placement, case_setup, case_teardown),
         cmocka_unit_test_setup_teardown(test_late_runtime_create, case_setup, case_teardown),
         cmocka_unit_test_setup_teardown(test_late_layer_create, case_setup, case_teardown),
     };
