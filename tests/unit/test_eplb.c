@@ -33,36 +33,42 @@ static double max_rank_load(const int64_t *load, int E, const int32_t *map, int 
 }
 
 /* The smallest max rank load of any map of n slots (each expert at least once), by trying
- * every map: E^n of them. */
+ * every map: E^n of them, the loads computed inline (no allocation per map). */
 static void brute_next(const int64_t *load, int E, int n, int ranks, int32_t *map, int at,
-                       double *best)
+                       int *replicas, double *best)
 {
     int e;
     if (at == n) {
-        int *seen = calloc((size_t)E, sizeof(int)), i, ok = 1;
-        for (i = 0; i < n; i++)
-            seen[map[i]] = 1;
-        for (i = 0; i < E; i++)
-            ok &= seen[i];
-        free(seen);
-        if (ok) {
-            double m = max_rank_load(load, E, map, n, ranks);
-            *best = m < *best ? m : *best;
+        const int S = n / ranks;
+        double mx = 0.0;
+        int r, i;
+        for (e = 0; e < E; e++)
+            if (!replicas[e])
+                return;
+        for (r = 0; r < ranks; r++) {
+            double rl = 0.0;
+            for (i = r * S; i < (r + 1) * S; i++)
+                rl += (double)load[map[i]] / replicas[map[i]];
+            mx = rl > mx ? rl : mx;
         }
+        *best = mx < *best ? mx : *best;
         return;
     }
     for (e = 0; e < E; e++) {
         map[at] = e;
-        brute_next(load, E, n, ranks, map, at + 1, best);
+        replicas[e]++;
+        brute_next(load, E, n, ranks, map, at + 1, replicas, best);
+        replicas[e]--;
     }
 }
 
 static double brute_optimum(const int64_t *load, int E, int R, int ranks)
 {
     int32_t map[16];
+    int replicas[16] = {0};
     double best = INFINITY;
-    assert_true(E + R <= 16);
-    brute_next(load, E, E + R, ranks, map, 0, &best);
+    assert_true(E + R <= 16 && E <= 16);
+    brute_next(load, E, E + R, ranks, map, 0, replicas, &best);
     return best;
 }
 
