@@ -473,6 +473,16 @@ out:
     return st;
 }
 
+int moe_layer_num_experts(const moe_layer_t *l)
+{
+    return l->cfg.num_experts;
+}
+
+int moe_layer_slot_expert(const moe_layer_t *l, int slot)
+{
+    return slot >= 0 && slot < l->plan.num_local_experts ? l->plan.local_logical[slot] : -1;
+}
+
 int moe_layer_expert_weights_state(const moe_layer_t *l)
 {
     int e, k, set = 0, total = 0;

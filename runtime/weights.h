@@ -38,6 +38,11 @@ moe_status_t moe_layer_set_weight_from(moe_layer_t *layer, moe_weight_kind_t kin
                                        const moe_tensor_t *t, float input_scale, const char *origin,
                                        int64_t row_off, int64_t col_off);
 
+/* The layer's logical experts E, and the logical expert that this rank's expert slot `slot`
+ * (0..num_local_experts - 1) holds (-1 out of range): what a loader reads for each slot. */
+int moe_layer_num_experts(const moe_layer_t *layer);
+int moe_layer_slot_expert(const moe_layer_t *layer, int slot);
+
 /* Of this rank's expert slots' matrices (gate, up, down): 0 when none is set, 1 when all are,
  * 2 when some are. */
 int moe_layer_expert_weights_state(const moe_layer_t *layer);

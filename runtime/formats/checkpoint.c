@@ -19,7 +19,6 @@
 #include "base/json.h"
 #include "runtime/formats/checkpoint.h"
 #include "runtime/formats/safetensors.h"
-#include "runtime/layer.h"
 #include "runtime/weights.h"
 
 /* config.json and the index are small; anything larger is not one. */
@@ -1134,7 +1133,7 @@ moe_status_t moe_layer_load(moe_layer_t *layer, moe_checkpoint_t *c, int layer_i
     i1 = info.intermediate_end;
     s0 = info.shared_begin;
     s1 = info.shared_end;
-    MOE_ARG_CHECK(layer->cfg.num_experts == E && i0 >= 0 && i0 <= i1 && i1 <= I &&
+    MOE_ARG_CHECK(moe_layer_num_experts(layer) == E && i0 >= 0 && i0 <= i1 && i1 <= I &&
                       (S == 0 || (s0 >= 0 && s0 <= s1 && s1 <= S)),
                   "layer_load: the layer (experts %d..%d, intermediate [%lld, %lld)) does not "
                   "match layer %d of the checkpoint (%lld experts, intermediate %lld); create "
@@ -1159,11 +1158,11 @@ moe_status_t moe_layer_load(moe_layer_t *layer, moe_checkpoint_t *c, int layer_i
         MOE_CHECK_GOTO(load_matrix(&x, nm->bias, MOE_WEIGHT_ROUTER_BIAS, -1, 1, E, 0, 1, 0, E), st,
                        out);
     /* the logical experts of this rank's slots, each once (set_weight fills its replicas) */
-    for (int slot = 0; slot < layer->plan.num_local_experts; slot++) {
-        const int e = layer->plan.local_logical[slot];
+    for (int slot = 0; slot < info.num_local_experts; slot++) {
+        const int e = moe_layer_slot_expert(layer, slot);
         int again = 0;
         for (int j = 0; j < slot; j++)
-            again |= layer->plan.local_logical[j] == e;
+            again |= moe_layer_slot_expert(layer, j) == e;
         if (again)
             continue;
         /* gate/up [I, H]: rows of this rank's slice; down [H, I]: its columns. */
