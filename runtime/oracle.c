@@ -319,12 +319,32 @@ moe_status_t moe_oracle_forced_transport(const char **name, const char **env)
     return forced("MOE_FORCE_TRANSPORT", "MOE_EP_TRANSPORT", "auto", name, env);
 }
 
+/* The bound is the largest token count at which the fused kernel beat the grouped path on all
+ * three presets (moe-bench, graph-replayed, weights rotated past L2, one H200; bench/RESULTS.md,
+ * "Fused decode (one kernel), one H200"). It won at none of 1, 4, 8, 16, 64 tokens in bf16 or
+ * fp8 per-tensor (5-53 % slower at 1 .. 16 tokens, 1.5-5.7 times at 64), so the built-in table
+ * never picks it; MOE_FORCE_VARIANT runs it. */
+int moe_oracle_decode_tokens(const moe_oracle_query_t *q)
+{
+    (void)q;
+    return 0;
+}
+
 moe_status_t moe_oracle_check_variant(const char *env, const char *name, int arch,
                                       moe_dtype_t dtype, moe_scale_kind_t scale)
 {
     const moe_gemm_variant_t *v;
     if (!name)
         return moe_error(MOE_STATUS_INVALID_ARGUMENT, "%s: no variant name", env);
+    if (!strcmp(name, MOE_ORACLE_FUSED_DECODE)) {
+        if (arch != 90 || (dtype == MOE_DTYPE_FP8_E4M3 && scale == MOE_SCALE_BLOCK_128))
+            return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                             "%s=%s runs on sm_90 with bf16 or per-row fp8 scales; this layer: "
+                             "sm_%d, %s (scales %s)",
+                             env, name, arch, moe_oracle_dtype_name(dtype),
+                             moe_oracle_scale_name(scale));
+        return MOE_STATUS_SUCCESS;
+    }
     if (!strcmp(name, MOE_ORACLE_SIMT_REF)) {
         if (dtype != MOE_DTYPE_BF16 || scale != MOE_SCALE_NONE)
             return moe_error(MOE_STATUS_NOT_SUPPORTED,

@@ -14,6 +14,7 @@
 
 #include "base/diag.h"
 #include "kernels/a2a.h"
+#include "kernels/decode.h"
 #include "kernels/expert_gemm_simple.h"
 #include "kernels/expert_gemm_table.h"
 #include "kernels/gpu.h"
@@ -177,6 +178,12 @@ static moe_status_t pick_forced_variant(cuda_layer_t *s)
     if (!name)
         return MOE_STATUS_SUCCESS;
     MOE_CHECK(moe_oracle_check_variant(env, name, s->arch, s->oq.dtype, s->oq.scale));
+    s->dec_forced = -1; /* another variant: the grouped path at every size */
+    if (!strcmp(name, MOE_ORACLE_FUSED_DECODE)) {
+        s->dec_forced = 1;
+        s->forced_env = env;
+        return MOE_STATUS_SUCCESS;
+    }
     if (!strcmp(name, moe_gemm_simple_variant()->name))
         s->forced = moe_gemm_simple_variant();
     else
@@ -237,6 +244,42 @@ static void init_shape(moe_layer_t *l, cuda_layer_t *s)
     s->act = l->cfg.activation;
 }
 
+/* Whether and up to how many tokens a step takes the fused decode kernel (one GPU, sm_90,
+ * bf16 or per-row W8A8, not deterministic: that mode keeps one path at every batch). A layer
+ * whose experts the kernel cannot run keeps the grouped path (forced: the create fails). */
+static moe_status_t plan_decode(cuda_layer_t *s)
+{
+    int sms = 0;
+    s->dec_ok = 0;
+    s->dec_max = 0;
+    /* MOE_FUSED_DECODE=0: the grouped path at every size, unless the kernel is forced */
+    if (!s->dec_forced && !moe_env_int("MOE_FUSED_DECODE", 1))
+        return MOE_STATUS_SUCCESS;
+    if (s->dec_forced < 0 || s->world > 1 || s->deterministic || s->arch != 90 || s->f8 == 2 ||
+        moe_decode_check(s->E, s->k, s->H, (int)s->is, s->f8) != MOE_STATUS_SUCCESS) {
+        if (s->dec_forced > 0)
+            return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s=%s: this layer cannot run it (%s)",
+                             s->forced_env, MOE_ORACLE_FUSED_DECODE,
+                             s->world > 1       ? "expert parallelism: one GPU only"
+                             : s->deterministic ? "deterministic mode"
+                             : s->f8 == 2       ? "block scales"
+                             : s->arch != 90    ? "sm_90 only"
+                                                : moe_last_error());
+        moe_error_clear();
+        return MOE_STATUS_SUCCESS;
+    }
+    s->dec_max = s->dec_forced > 0 ? MOE_DECODE_MAX_TOKENS : moe_oracle_decode_tokens(&s->oq);
+    if (s->dec_max > s->cap)
+        s->dec_max = (int)s->cap;
+    if (s->dec_max <= 0)
+        return MOE_STATUS_SUCCESS;
+    MOE_CHECK(moe_gpu_sm_count(s->device, &sms));
+    s->dec_ok = 1;
+    s->dec_tokens = s->dec_max;
+    s->dec_split = moe_decode_split(s->E, s->k, s->H, (int)s->is, sms);
+    return MOE_STATUS_SUCCESS;
+}
+
 static moe_status_t cuda_init(moe_layer_t *l)
 {
     cuda_layer_t *s;
@@ -271,6 +314,7 @@ static moe_status_t cuda_init(moe_layer_t *l)
     MOE_CHECK_GOTO(pick_forced_variant(s), st, fail);
     if (!s->forced && !moe_gemm_select(s->arch, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1.0))
         s->forced = moe_gemm_simple_variant(); /* no tuned variant for this arch */
+    MOE_CHECK_GOTO(plan_decode(s), st, fail);
     /* Every kernel a step can launch is loaded now, never inside a step. */
     MOE_CHECK_GOTO(moe_kernels_prepare(s->arch), st, fail);
     if (l->cfg.weight_dtype == MOE_DTYPE_FP8_E4M3 && !s->f8)
@@ -285,6 +329,11 @@ static moe_status_t cuda_init(moe_layer_t *l)
     plan_weights(s, &c);
     MOE_CHECK_GOTO(moe_gpu_memset(s->bias, 0, sizeof(float) * (size_t)s->E_total), st, fail);
     MOE_CHECK_GOTO(moe_gpu_memset(s->perm_done, 0, 2 * sizeof(int32_t)), st, fail);
+    if (s->dec_ok)
+        MOE_CHECK_GOTO(moe_gpu_memset(s->dec_sync, 0,
+                                      sizeof(int32_t) *
+                                          moe_decode_sync_count(s->E, s->H, s->dec_tokens * s->k)),
+                       st, fail);
     if (s->f8 == 1) { /* no static scale until a weight brings one: every expert dynamic */
         MOE_CHECK_GOTO(moe_gpu_memset(s->in13, 0, sizeof(float) * (size_t)s->E), st, fail);
         MOE_CHECK_GOTO(moe_gpu_memset(s->in2, 0, sizeof(float) * (size_t)s->E), st, fail);
@@ -420,7 +469,15 @@ static void cuda_explain(const moe_layer_t *l, int64_t T, char *text, size_t len
     const int64_t Tr = s->world > 1 && T > s->tm ? s->tm : T;
     const double rpe =
         s->world > 1 ? (double)Tr * s->world * s->k / l->cfg.num_experts : (double)T * s->k / s->E;
-    moe_cuda_explain_gemm(s, rpe, routed, sizeof(routed));
+    if (moe_cuda_use_decode(s, T, NULL))
+        snprintf(routed, sizeof(routed),
+                 "%s (one persistent kernel: GEMM 1, activation, GEMM 2 and the weighted sum%s; "
+                 "GEMM 2 k split %d) at up to %d tokens (%s%s)",
+                 MOE_ORACLE_FUSED_DECODE, s->f8 ? ", x and h quantised inside" : "", s->dec_split,
+                 s->dec_max, s->dec_forced > 0 ? "forced by " : "built-in crossover",
+                 s->dec_forced > 0 ? s->forced_env : "");
+    else
+        moe_cuda_explain_gemm(s, rpe, routed, sizeof(routed));
     if (s->ss > 0)
         moe_cuda_explain_gemm(s,
                               s->world > 1 && !s->shared_local ? (double)Tr * s->world : (double)Tr,

@@ -45,6 +45,8 @@ moe_status_t moe_cuda_combine(moe_layer_t *l, const moe_forward_args_t *a, const
 moe_status_t moe_cuda_finish_profile(moe_layer_t *l, int accumulate, void *stream);
 /* check_inputs: NaN/Inf in x or the given router logits sets *flag = NUMERIC_ERROR. */
 moe_status_t moe_cuda_scan_inputs(moe_layer_t *l, const moe_forward_args_t *a, int32_t *flag);
+/* Whether a step of T tokens (x: its tokens, or NULL) takes the fused decode kernel. */
+int moe_cuda_use_decode(const cuda_layer_t *s, int64_t T, const void *x);
 /* One step on one GPU (world 1, arguments checked, num_tokens > 0). */
 moe_status_t moe_cuda_forward_one_gpu(moe_layer_t *l, const moe_forward_args_t *a);
 

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/decode.h"
 #include "kernels/expert_gemm_simple.h"
 #include "kernels/expert_gemm_table.h"
 #include "kernels/permute.h"
@@ -163,6 +164,15 @@ void moe_cuda_plan_workspace(cuda_layer_t *s, carve_t *c)
             s->shs = moe_cuda_take(c, sizeof(float) * (size_t)s_rows * f8_groups(s, s->ss));
         }
     }
+    if (s->dec_ok) { /* the fused decode kernel's: rows by slot, its k split's partials */
+        const size_t dr = (size_t)s->dec_tokens * (size_t)s->k;
+        s->dec_h = moe_cuda_take(c, 2 * dr * (size_t)s->is);
+        s->dec_o = moe_cuda_take(c, sizeof(float) * (size_t)s->dec_split * dr * (size_t)s->H);
+        if (s->f8) {
+            s->dec_xq = moe_cuda_take(c, (size_t)s->dec_tokens * (size_t)s->H);
+            s->dec_xs = moe_cuda_take(c, sizeof(float) * (size_t)s->dec_tokens);
+        }
+    }
 }
 
 /* Weights and the layer's persistent data. */
@@ -192,6 +202,9 @@ void moe_cuda_plan_weights(cuda_layer_t *s, carve_t *c)
     s->router3 = moe_cuda_take(c, 3 * sizeof(uint16_t) * (size_t)s->E_total * H);
     s->bias = moe_cuda_take(c, sizeof(float) * (size_t)s->E_total);
     s->perm_done = moe_cuda_take(c, 2 * sizeof(int32_t)); /* lane 0's, lane 1's */
+    if (s->dec_ok)
+        s->dec_sync = moe_cuda_take(c, sizeof(int32_t) *
+                                           moe_decode_sync_count(s->E, s->H, s->dec_tokens * s->k));
     if (ss > 0) {
         s->sw13 = moe_cuda_take(c, eb * 2 * ss * H);
         s->sw2 = moe_cuda_take(c, eb * H * ss);

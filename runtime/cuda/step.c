@@ -12,6 +12,7 @@
 
 #include "base/diag.h"
 #include "kernels/combine.h"
+#include "kernels/decode.h"
 #include "kernels/ep.h"
 #include "kernels/gpu.h"
 #include "kernels/permute.h"
@@ -320,11 +321,73 @@ moe_status_t moe_cuda_combine(moe_layer_t *l, const moe_forward_args_t *a, const
     return moe_combine_launch(&c, a->stream);
 }
 
+/* The fused decode kernel's crossover, and what it cannot run: static activation scales of
+ * the routed experts, x not 16-byte aligned. */
+int moe_cuda_use_decode(const cuda_layer_t *s, int64_t T, const void *x)
+{
+    return s->dec_ok && T <= s->dec_max && !(s->f8 && (s->has_in[0] || s->has_in[1])) &&
+           (!x || ((uintptr_t)x & 15) == 0);
+}
+
+/* The fused decode step: route, the shared MLP (grouped path), then one kernel for GEMM 1, the
+ * activation, GEMM 2 and the weighted sum with the shared rows. Profiled, the expert phase
+ * holds the shared MLP and the sum. */
+static moe_status_t decode_forward(moe_layer_t *l, const moe_forward_args_t *a, int32_t *ids,
+                                   float *w)
+{
+    cuda_layer_t *s = l->state;
+    moe_decode_args_t d;
+    MOE_CHECK(moe_cuda_record(s, EV_START, a->stream));
+    MOE_CHECK(moe_cuda_scan_inputs(l, a, s->sticky));
+    MOE_CHECK(moe_cuda_route(l, a, ids, w));
+    MOE_CHECK(moe_cuda_record(s, EV_ROUTE, a->stream));
+    MOE_CHECK(moe_cuda_record(s, EV_PERMUTE, a->stream));
+    if (s->ss > 0) {
+        MOE_CHECK(moe_cuda_shared_experts(s, a->x, a->dtype, a->num_tokens, a->stream));
+        MOE_CHECK(moe_cuda_shared_gate(l, a));
+    }
+    memset(&d, 0, sizeof(d));
+    d.x = a->x;
+    d.x_dtype = a->dtype;
+    d.topk_ids = ids;
+    d.topk_weights = w;
+    d.w13 = s->w13;
+    d.w2 = s->w2;
+    d.w13_scale = s->w13s;
+    d.w2_scale = s->w2s;
+    d.shared_out = s->ss > 0 ? s->so : NULL;
+    d.shared_gate_logit = s->ss > 0 && l->cfg.shared_expert_gate ? s->s_gate_logit : NULL;
+    d.y = a->y;
+    d.y_dtype = a->dtype;
+    d.counts = s->counts;
+    d.h = s->dec_h;
+    d.o = s->dec_o;
+    d.xq = s->dec_xq;
+    d.xs = s->dec_xs;
+    d.sync = s->dec_sync;
+    d.num_tokens = a->num_tokens;
+    d.top_k = s->k;
+    d.num_experts = s->E;
+    d.hidden = s->H;
+    d.inter = (int)s->is;
+    d.f8 = s->f8;
+    d.gelu = s->act == MOE_ACTIVATION_GELU;
+    d.split = s->dec_split;
+    MOE_CHECK(moe_decode_launch(&d, a->stream));
+    MOE_CHECK(moe_cuda_record(s, EV_EXPERT, a->stream));
+    MOE_CHECK(moe_cuda_record(s, EV_SHARED, a->stream));
+    MOE_CHECK(moe_cuda_record(s, EV_COMBINE, a->stream));
+    return s->profile ? moe_cuda_finish_profile(l, 0, a->stream) : MOE_STATUS_SUCCESS;
+}
+
 moe_status_t moe_cuda_forward_one_gpu(moe_layer_t *l, const moe_forward_args_t *a)
 {
     cuda_layer_t *s = l->state;
     int32_t *ids = a->topk_ids ? a->topk_ids : s->ids;
     float *w = a->topk_weights ? a->topk_weights : s->weights;
+
+    if (moe_cuda_use_decode(s, a->num_tokens, a->x))
+        return decode_forward(l, a, ids, w);
 
     MOE_CHECK(moe_cuda_record(s, EV_START, a->stream));
     MOE_CHECK(moe_cuda_scan_inputs(l, a, s->sticky));
