@@ -253,12 +253,35 @@ moe_status_t moe_oracle_forced_transport(const char **name, const char **env)
     return forced("MOE_FORCE_TRANSPORT", "MOE_EP_TRANSPORT", "auto", name, env);
 }
 
+/* Measured on one H200 (moe-bench, graph-replayed, weights rotated past L2; bench/RESULTS.md,
+ * "Fused decode"): the fused kernel against the grouped path at 1 .. 64 tokens for the three
+ * presets; the bound is the largest count at which it won on all three. */
+int moe_oracle_decode_tokens(const moe_oracle_query_t *q)
+{
+    if (q->arch != 90)
+        return 0;
+    if (q->dtype == MOE_DTYPE_BF16)
+        return 16;
+    if (q->dtype == MOE_DTYPE_FP8_E4M3 && q->scale != MOE_SCALE_BLOCK_128)
+        return 16;
+    return 0;
+}
+
 moe_status_t moe_oracle_check_variant(const char *env, const char *name, int arch,
                                       moe_dtype_t dtype, moe_scale_kind_t scale)
 {
     const moe_gemm_variant_t *v;
     if (!name)
         return moe_error(MOE_STATUS_INVALID_ARGUMENT, "%s: no variant name", env);
+    if (!strcmp(name, MOE_ORACLE_FUSED_DECODE)) {
+        if (arch != 90 || (dtype == MOE_DTYPE_FP8_E4M3 && scale == MOE_SCALE_BLOCK_128))
+            return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                             "%s=%s runs on sm_90 with bf16 or per-row fp8 scales; this layer: "
+                             "sm_%d, %s (scales %s)",
+                             env, name, arch, moe_oracle_dtype_name(dtype),
+                             moe_oracle_scale_name(scale));
+        return MOE_STATUS_SUCCESS;
+    }
     if (!strcmp(name, MOE_ORACLE_SIMT_REF)) {
         if (dtype != MOE_DTYPE_BF16 || scale != MOE_SCALE_NONE)
             return moe_error(MOE_STATUS_NOT_SUPPORTED,

@@ -25,6 +25,9 @@ extern "C" {
 /* The name the reference variant answers to (kernels/expert_gemm_simple.h): forcible, never in
  * a table. */
 #define MOE_ORACLE_SIMT_REF "simt_ref"
+/* The fused small-batch decode kernel (kernels/decode.h): MOE_FORCE_VARIANT=<this> runs it at
+ * every step it can take; any other forced variant keeps the grouped path at every size. */
+#define MOE_ORACLE_FUSED_DECODE "sm90_fused_decode"
 
 /* Where a choice came from. */
 typedef enum moe_oracle_source {
@@ -161,6 +164,11 @@ moe_status_t moe_oracle_forced_transport(const char **name, const char **env);
  * on a device of `arch`: MOE_STATUS_INVALID_ARGUMENT for an unknown name, NOT_SUPPORTED for a
  * variant built for another arch or of another dtype or scale kind; the message names
  * ENV=NAME and the mismatch. simt_ref: bf16 layers, any arch. */
+/* The built-in crossover of the fused decode kernel: the most tokens per step (one GPU) at which
+ * it runs instead of the grouped path (route, permute, GEMM 1, GEMM 2, combine) for a layer
+ * of this arch, dtype and scale kind; 0: never (other archs, block scales). */
+int moe_oracle_decode_tokens(const moe_oracle_query_t *q);
+
 moe_status_t moe_oracle_check_variant(const char *env, const char *name, int arch,
                                       moe_dtype_t dtype, moe_scale_kind_t scale);
 

@@ -12,6 +12,7 @@
 
 #include "kernels/a2a.h"
 #include "kernels/combine.h"
+#include "kernels/decode.h"
 #include "kernels/cpu/moe_cpu.h"
 #include "kernels/ep.h"
 #include "kernels/expert_gemm_simple.h"
@@ -199,6 +200,15 @@ static void plan_workspace(cuda_layer_t *s, carve_t *c)
             s->shs = moe_cuda_take(c, sizeof(float) * (size_t)s_rows * f8_groups(s, s->ss));
         }
     }
+    if (s->dec_ok) {
+        const size_t dr = (size_t)s->dec_tokens * (size_t)s->k;
+        s->dec_h = moe_cuda_take(c, 2 * dr * (size_t)s->is);
+        s->dec_o = moe_cuda_take(c, sizeof(float) * (size_t)s->dec_split * dr * (size_t)s->H);
+        if (s->f8) {
+            s->dec_xq = moe_cuda_take(c, (size_t)s->dec_tokens * (size_t)s->H);
+            s->dec_xs = moe_cuda_take(c, sizeof(float) * (size_t)s->dec_tokens);
+        }
+    }
     if (s->world > 1)
         moe_cuda_ep_plan_workspace(s, c);
 }
@@ -230,6 +240,9 @@ static void plan_weights(cuda_layer_t *s, carve_t *c)
     s->router3 = moe_cuda_take(c, 3 * sizeof(uint16_t) * (size_t)s->E_total * H);
     s->bias = moe_cuda_take(c, sizeof(float) * (size_t)s->E_total);
     s->perm_done = moe_cuda_take(c, 2 * sizeof(int32_t)); /* lane 0's, lane 1's */
+    if (s->dec_ok)
+        s->dec_sync = moe_cuda_take(c, sizeof(int32_t) * moe_decode_sync_count(
+                                                             s->E, s->H, s->dec_tokens * s->k));
     if (ss > 0) {
         s->sw13 = moe_cuda_take(c, eb * 2 * ss * H);
         s->sw2 = moe_cuda_take(c, eb * H * ss);
@@ -371,6 +384,12 @@ static moe_status_t pick_forced_variant(cuda_layer_t *s)
     if (!name)
         return MOE_STATUS_SUCCESS;
     MOE_CHECK(moe_oracle_check_variant(env, name, s->arch, s->oq.dtype, s->oq.scale));
+    s->dec_forced = -1; /* another variant: the grouped path at every size */
+    if (!strcmp(name, MOE_ORACLE_FUSED_DECODE)) {
+        s->dec_forced = 1;
+        s->forced_env = env;
+        return MOE_STATUS_SUCCESS;
+    }
     if (!strcmp(name, moe_gemm_simple_variant()->name))
         s->forced = moe_gemm_simple_variant();
     else
@@ -431,6 +450,40 @@ static void init_shape(moe_layer_t *l, cuda_layer_t *s)
     s->act = l->cfg.activation;
 }
 
+/* Whether and up to how many tokens a step takes the fused decode kernel (one GPU, sm_90,
+ * bf16 or per-row W8A8, not deterministic: that mode keeps one path at every batch). A layer
+ * whose experts the kernel cannot run keeps the grouped path (forced: the create fails). */
+static moe_status_t plan_decode(cuda_layer_t *s)
+{
+    int sms = 0;
+    s->dec_ok = 0;
+    s->dec_max = 0;
+    if (s->dec_forced < 0 || s->world > 1 || s->deterministic || s->arch != 90 || s->f8 == 2 ||
+        moe_decode_check(s->E, s->k, s->H, (int)s->is, s->f8) != MOE_STATUS_SUCCESS) {
+        if (s->dec_forced > 0)
+            return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                             "%s=%s: this layer cannot run it (%s)", s->forced_env,
+                             MOE_ORACLE_FUSED_DECODE,
+                             s->world > 1        ? "expert parallelism: one GPU only"
+                             : s->deterministic  ? "deterministic mode"
+                             : s->f8 == 2        ? "block scales"
+                             : s->arch != 90     ? "sm_90 only"
+                                                 : moe_last_error());
+        moe_error_clear();
+        return MOE_STATUS_SUCCESS;
+    }
+    s->dec_max = s->dec_forced > 0 ? MOE_DECODE_MAX_TOKENS : moe_oracle_decode_tokens(&s->oq);
+    if (s->dec_max > s->cap)
+        s->dec_max = (int)s->cap;
+    if (s->dec_max <= 0)
+        return MOE_STATUS_SUCCESS;
+    MOE_CHECK(moe_gpu_sm_count(s->device, &sms));
+    s->dec_ok = 1;
+    s->dec_tokens = s->dec_max;
+    s->dec_split = moe_decode_split(s->E, s->k, s->H, (int)s->is, sms);
+    return MOE_STATUS_SUCCESS;
+}
+
 static moe_status_t cuda_init(moe_layer_t *l)
 {
     cuda_layer_t *s;
@@ -465,6 +518,7 @@ static moe_status_t cuda_init(moe_layer_t *l)
     MOE_CHECK_GOTO(pick_forced_variant(s), st, fail);
     if (!s->forced && !moe_gemm_select(s->arch, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1.0))
         s->forced = moe_gemm_simple_variant(); /* no tuned variant for this arch */
+    MOE_CHECK_GOTO(plan_decode(s), st, fail);
     /* Every kernel a step can launch is loaded now, never inside a step. */
     MOE_CHECK_GOTO(moe_kernels_prepare(s->arch), st, fail);
     if (l->cfg.weight_dtype == MOE_DTYPE_FP8_E4M3 && !s->f8)
@@ -479,6 +533,11 @@ static moe_status_t cuda_init(moe_layer_t *l)
     plan_weights(s, &c);
     MOE_CHECK_GOTO(moe_gpu_memset(s->bias, 0, sizeof(float) * (size_t)s->E_total), st, fail);
     MOE_CHECK_GOTO(moe_gpu_memset(s->perm_done, 0, 2 * sizeof(int32_t)), st, fail);
+    if (s->dec_ok)
+        MOE_CHECK_GOTO(moe_gpu_memset(s->dec_sync, 0,
+                                      sizeof(int32_t) *
+                                          moe_decode_sync_count(s->E, s->H, s->dec_tokens * s->k)),
+                       st, fail);
     if (s->f8 == 1) { /* no static scale until a weight brings one: every expert dynamic */
         MOE_CHECK_GOTO(moe_gpu_memset(s->in13, 0, sizeof(float) * (size_t)s->E), st, fail);
         MOE_CHECK_GOTO(moe_gpu_memset(s->in2, 0, sizeof(float) * (size_t)s->E), st, fail);
@@ -1061,11 +1120,73 @@ moe_status_t moe_cuda_combine(moe_layer_t *l, const moe_forward_args_t *a, const
     return moe_combine_launch(&c, a->stream);
 }
 
+/* Whether a step of T tokens takes the fused decode kernel: its crossover, and what it cannot
+ * run (static activation scales of the routed experts, x not 16-byte aligned). */
+static int use_decode(const cuda_layer_t *s, int64_t T, const void *x)
+{
+    return s->dec_ok && T <= s->dec_max && !(s->f8 && (s->has_in[0] || s->has_in[1])) &&
+           (!x || ((uintptr_t)x & 15) == 0);
+}
+
+/* The fused decode step: route, the shared MLP (grouped path), then one kernel for GEMM 1, the
+ * activation, GEMM 2 and the weighted sum with the shared rows. Profiled, the expert phase
+ * holds the shared MLP and the sum. */
+static moe_status_t decode_forward(moe_layer_t *l, const moe_forward_args_t *a, int32_t *ids,
+                                   float *w)
+{
+    cuda_layer_t *s = l->state;
+    moe_decode_args_t d;
+    MOE_CHECK(moe_cuda_record(s, EV_START, a->stream));
+    MOE_CHECK(moe_cuda_scan_inputs(l, a, s->sticky));
+    MOE_CHECK(moe_cuda_route(l, a, ids, w));
+    MOE_CHECK(moe_cuda_record(s, EV_ROUTE, a->stream));
+    MOE_CHECK(moe_cuda_record(s, EV_PERMUTE, a->stream));
+    if (s->ss > 0) {
+        MOE_CHECK(moe_cuda_shared_experts(s, a->x, a->dtype, a->num_tokens, a->stream));
+        MOE_CHECK(moe_cuda_shared_gate(l, a));
+    }
+    memset(&d, 0, sizeof(d));
+    d.x = a->x;
+    d.x_dtype = a->dtype;
+    d.topk_ids = ids;
+    d.topk_weights = w;
+    d.w13 = s->w13;
+    d.w2 = s->w2;
+    d.w13_scale = s->w13s;
+    d.w2_scale = s->w2s;
+    d.shared_out = s->ss > 0 ? s->so : NULL;
+    d.shared_gate_logit = s->ss > 0 && l->cfg.shared_expert_gate ? s->s_gate_logit : NULL;
+    d.y = a->y;
+    d.y_dtype = a->dtype;
+    d.counts = s->counts;
+    d.h = s->dec_h;
+    d.o = s->dec_o;
+    d.xq = s->dec_xq;
+    d.xs = s->dec_xs;
+    d.sync = s->dec_sync;
+    d.num_tokens = a->num_tokens;
+    d.top_k = s->k;
+    d.num_experts = s->E;
+    d.hidden = s->H;
+    d.inter = (int)s->is;
+    d.f8 = s->f8;
+    d.gelu = s->act == MOE_ACTIVATION_GELU;
+    d.split = s->dec_split;
+    MOE_CHECK(moe_decode_launch(&d, a->stream));
+    MOE_CHECK(moe_cuda_record(s, EV_EXPERT, a->stream));
+    MOE_CHECK(moe_cuda_record(s, EV_SHARED, a->stream));
+    MOE_CHECK(moe_cuda_record(s, EV_COMBINE, a->stream));
+    return s->profile ? moe_cuda_finish_profile(l, 0, a->stream) : MOE_STATUS_SUCCESS;
+}
+
 static moe_status_t one_gpu_forward(moe_layer_t *l, const moe_forward_args_t *a)
 {
     cuda_layer_t *s = l->state;
     int32_t *ids = a->topk_ids ? a->topk_ids : s->ids;
     float *w = a->topk_weights ? a->topk_weights : s->weights;
+
+    if (use_decode(s, a->num_tokens, a->x))
+        return decode_forward(l, a, ids, w);
 
     MOE_CHECK(moe_cuda_record(s, EV_START, a->stream));
     MOE_CHECK(moe_cuda_scan_inputs(l, a, s->sticky));
@@ -1244,7 +1365,15 @@ static void cuda_explain(const moe_layer_t *l, int64_t T, char *text, size_t len
     const int64_t Tr = s->world > 1 && T > s->tm ? s->tm : T;
     const double rpe =
         s->world > 1 ? (double)Tr * s->world * s->k / l->cfg.num_experts : (double)T * s->k / s->E;
-    explain_gemm(s, rpe, routed, sizeof(routed));
+    if (use_decode(s, T, NULL))
+        snprintf(routed, sizeof(routed),
+                 "%s (one persistent kernel: GEMM 1, activation, GEMM 2 and the weighted sum%s; "
+                 "GEMM 2 k split %d) at up to %d tokens (%s%s)",
+                 MOE_ORACLE_FUSED_DECODE, s->f8 ? ", x and h quantised inside" : "", s->dec_split,
+                 s->dec_max, s->dec_forced > 0 ? "forced by " : "built-in crossover",
+                 s->dec_forced > 0 ? s->forced_env : "");
+    else
+        explain_gemm(s, rpe, routed, sizeof(routed));
     if (s->ss > 0)
         explain_gemm(s, s->world > 1 && !s->shared_local ? (double)Tr * s->world : (double)Tr,
                      shared, sizeof(shared));

@@ -159,6 +159,16 @@ typedef struct cuda_layer {
     void *ev_lane_skip; /* round 0's wait (its round_skip word): lane 1 reads it */
     void *ev_lane_join; /* lane 1's last round: the caller's stream goes on after it */
 
+    /* The fused small-batch decode kernel (kernels/decode.h): one GPU, bf16 or per-row W8A8, not
+     * deterministic. dec_max: the most tokens a step runs it at (0: never); dec_forced: 1
+     * MOE_FORCE_VARIANT=sm90_fused_decode, -1 another variant forced, 0 the oracle's crossover.
+     * Its workspace holds dec_tokens tokens; dec_sync is persistent (zero between steps). */
+    int dec_ok, dec_max, dec_forced, dec_tokens, dec_split;
+    void *dec_h;
+    float *dec_o, *dec_xs;
+    uint8_t *dec_xq;
+    int32_t *dec_sync;
+
     int profile;
     void *ev[EV_COUNT];
     int32_t *host_counts; /* [E], profiling only */

@@ -1,0 +1,709 @@
+// SPDX-License-Identifier: Apache-2.0
+// The fused small-batch decode step (kernels/decode.h): one persistent launch runs the fp8
+// activation quantisation, GEMM 1 + activation, GEMM 2 and the weighted sum per token.
+//
+// Work items, one warp each, in one order that every warp walks with a stride of the warp
+// count (item i on warp i mod W): [x quantisation of each token (fp8)] [GEMM 1: (expert,
+// 8 output columns of h)] [GEMM 2: (expert, 16 rows of hidden, k split)]. An item waits only on
+// items before it (GEMM 1 on the quantised x, GEMM 2 on every GEMM 1 item of its expert) and a
+// warp takes its items in order, so the lowest unfinished item can always run: no deadlock,
+// with no grid-wide barrier. The last GEMM 2 item of a row tile sums that tile for every token.
+// A waiting item issues its first weight loads before it waits.
+//
+// Tensor cores through mma.sync with the weights as the M side (swap-AB): a warp's 16 weight
+// rows x 16 bytes of k per thread come straight from global memory into registers (no shared
+// memory), the tokens of the expert are the 8 mma columns. The k order inside a 16-byte load
+// is permuted the same way for weights and tokens, so the sum is a dot product in another
+// order: bf16 m16n8k16 takes 2 x 8 values of each row per 16-byte load (32 k), e4m3 m16n8k32
+// 2 x 16 (64 k).
+#include "kernels/decode.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device_cache.cuh"
+#include "kernels/cuda/pdl.cuh"
+#include "kernels/numeric.h"
+#include "kernels/prepare.h"
+
+namespace
+{
+
+constexpr int THREADS = 256, WARPS = THREADS / 32;
+constexpr int U = 4;       // 16-byte loads per row in flight per batch (two batches in turn)
+constexpr int TILE1 = 8;   // GEMM 1: output columns of h per item (8 gate + 8 up rows)
+constexpr int TILE2 = 16;  // GEMM 2: output columns of y per item
+constexpr int MAX_ROWS = MOE_DECODE_MAX_TOKENS * 16; // slots: tokens x top_k (top_k <= 16)
+
+// sync[] layout: done counter, x quantised counter, GEMM 1 items done per expert, GEMM 2
+// items done per row tile, then |h| max per slot (f8; float bits).
+constexpr int SYNC_DONE = 0, SYNC_XQ = 1, SYNC_E1 = 2;
+
+struct smem_t {
+    int cnt[MOE_DECODE_MAX_EXPERTS];
+    int off[MOE_DECODE_MAX_EXPERTS];
+    int uniq[MOE_DECODE_MAX_EXPERTS];
+    int slots[MAX_ROWS];
+    short pos[MAX_ROWS];
+    int nuniq;
+    int last;
+};
+
+struct params {
+    const void *x;
+    const int32_t *ids;
+    const float *w;
+    const uint8_t *w13, *w2;
+    const float *w13s, *w2s;
+    const __nv_bfloat16 *shared;
+    const float *gate_logit;
+    void *y;
+    int32_t *counts;
+    __nv_bfloat16 *h;
+    float *o;
+    uint8_t *xq;
+    float *xs;
+    int32_t *sync;
+    int T, k, E, H, I, split, y_f32, gelu;
+};
+
+__device__ __forceinline__ uint4 ld_stream(const uint8_t *p)
+{
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// data written earlier in this launch by other SMs: L2, not a stale L1 line
+__device__ __forceinline__ uint4 ld_cg(const void *p)
+{
+    uint4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ float ld_cg_f32(const float *p)
+{
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ int ld_acquire(const int32_t *p)
+{
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// lane 0 spins until *p >= target; the warp's later loads see what the signalling warps wrote
+__device__ __forceinline__ void warp_wait(const int32_t *p, int target)
+{
+    if ((threadIdx.x & 31) == 0)
+        while (ld_acquire(p) < target)
+            __nanosleep(64);
+    __syncwarp();
+}
+
+// every lane's stores of this item, then one release of the count
+__device__ __forceinline__ int warp_signal(int32_t *p)
+{
+    int old = 0;
+    __threadfence();
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0)
+        old = atomicAdd(p, 1);
+    return __shfl_sync(0xffffffffu, old, 0);
+}
+
+template <bool F8>
+__device__ __forceinline__ void mma(float *c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                    uint32_t b0, uint32_t b1)
+{
+    if (F8)
+        asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, "
+                     "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+                     "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// rows g and g + 8 (ra, rb) times the token column's 16 bytes (b): both mmas of one load
+template <bool F8> __device__ __forceinline__ void mma2(float *c, uint4 ra, uint4 rb, uint4 b)
+{
+    mma<F8>(c, ra.x, rb.x, ra.y, rb.y, b.x, b.y);
+    mma<F8>(c, ra.z, rb.z, ra.w, rb.w, b.z, b.w);
+}
+
+__device__ __forceinline__ float dynamic_scale(float amax)
+{
+    return __fdiv_rn(amax > MOE_FP8_ACT_AMAX_MIN ? amax : MOE_FP8_ACT_AMAX_MIN, MOE_FP8_E4M3_MAX);
+}
+
+__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d, float s)
+{
+    return (uint32_t)__nv_cvt_float_to_fp8(__fdiv_rn(a, s), __NV_SATFINITE, __NV_E4M3) |
+           (uint32_t)__nv_cvt_float_to_fp8(__fdiv_rn(b, s), __NV_SATFINITE, __NV_E4M3) << 8 |
+           (uint32_t)__nv_cvt_float_to_fp8(__fdiv_rn(c, s), __NV_SATFINITE, __NV_E4M3) << 16 |
+           (uint32_t)__nv_cvt_float_to_fp8(__fdiv_rn(d, s), __NV_SATFINITE, __NV_E4M3) << 24;
+}
+
+__device__ __forceinline__ float bf(uint32_t w, int hi)
+{
+    return __uint_as_float(hi ? w & 0xffff0000u : w << 16);
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float a, float b)
+{
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t *>(&v);
+}
+
+// 8 values of token row x at column c as bf16 (f32 x rounded, as the gather copies it)
+template <typename XT> __device__ __forceinline__ uint4 load_x8(const XT *x, int64_t i)
+{
+    if (sizeof(XT) == 2)
+        return *reinterpret_cast<const uint4 *>(x + i);
+    const float4 a = *reinterpret_cast<const float4 *>(x + i);
+    const float4 b = *reinterpret_cast<const float4 *>(x + i + 4);
+    return make_uint4(pack_bf16(a.x, a.y), pack_bf16(a.z, a.w), pack_bf16(b.x, b.y),
+                      pack_bf16(b.z, b.w));
+}
+
+__device__ __forceinline__ float act_mul(bool gelu, float g, float u)
+{
+    if (gelu) {
+        const float k0 = 0.7978845608028654f; /* sqrt(2/pi), as kernels/cpu */
+        return 0.5f * g * (1.0f + tanhf(k0 * (g + 0.044715f * g * g * g))) * u;
+    }
+    return g / (1.0f + __expf(-g)) * u;
+}
+
+// The expert table of this launch, built by every CTA alike: tokens per expert, the experts
+// in id order, each expert's slots (their order inside an expert differs between CTAs; only
+// the mma column of a slot depends on it, never a value).
+__device__ void build_table(const params &p, smem_t &s)
+{
+    const int rows = p.T * p.k;
+    for (int e = threadIdx.x; e < p.E; e += THREADS)
+        s.cnt[e] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < rows; i += THREADS) {
+        const int e = p.ids[i];
+        s.pos[i] = e >= 0 && e < p.E ? (short)atomicAdd(&s.cnt[e], 1) : (short)-1;
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) { // one warp scans the counts: 16 experts a lane
+        const int lane = threadIdx.x, per = (p.E + 31) / 32, e0 = lane * per;
+        int sum = 0, nz = 0;
+        for (int e = e0; e < e0 + per && e < p.E; e++)
+            sum += s.cnt[e], nz += s.cnt[e] > 0;
+        int isum = sum, inz = nz;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int a = __shfl_up_sync(0xffffffffu, isum, o), b = __shfl_up_sync(0xffffffffu, inz, o);
+            if (lane >= o)
+                isum += a, inz += b;
+        }
+        int run = isum - sum, u = inz - nz;
+        for (int e = e0; e < e0 + per && e < p.E; e++) {
+            s.off[e] = run;
+            run += s.cnt[e];
+            if (s.cnt[e] > 0)
+                s.uniq[u++] = e;
+        }
+        if (lane == 31)
+            s.nuniq = inz;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < rows; i += THREADS) {
+        const int e = p.ids[i];
+        if (s.pos[i] >= 0)
+            s.slots[s.off[e] + s.pos[i]] = i;
+    }
+    if (p.counts && blockIdx.x == 0)
+        for (int e = threadIdx.x; e < p.E; e += THREADS)
+            p.counts[e] = s.cnt[e];
+    __syncthreads();
+}
+
+// fp8: token t's row of x (as bf16) quantised with its dynamic scale, by one warp
+template <typename XT> __device__ void quantise_x(const params &p, int t)
+{
+    const int lane = threadIdx.x & 31;
+    const XT *x = static_cast<const XT *>(p.x) + (int64_t)t * p.H;
+    float m = 0.0f;
+    for (int c = lane * 8; c < p.H; c += 256) {
+        const uint4 v = load_x8(x, c);
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            m = fmaxf(m, fmaxf(fabsf(bf(w[i], 0)), fabsf(bf(w[i], 1))));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    const float s = dynamic_scale(m);
+    for (int c = lane * 8; c < p.H; c += 256) {
+        const uint4 v = load_x8(x, c);
+        const uint2 q = make_uint2(e4m3x4(bf(v.x, 0), bf(v.x, 1), bf(v.y, 0), bf(v.y, 1), s),
+                                   e4m3x4(bf(v.z, 0), bf(v.z, 1), bf(v.w, 0), bf(v.w, 1), s));
+        *reinterpret_cast<uint2 *>(p.xq + (int64_t)t * p.H + c) = q;
+    }
+    if (lane == 0)
+        p.xs[t] = s;
+    warp_signal(p.sync + SYNC_XQ);
+}
+
+// One weight-row pair's dot products with up to NG x 8 token columns over k in [k0, k1):
+// rows ra / rb (byte pointers at k = 0), B columns from bcol(ng, k) (16 bytes for this lane's
+// column, zero where the column or k is past its end). wait() runs after the first loads.
+template <bool F8, int NG, typename B, typename W>
+__device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra, const uint8_t *rb,
+                                         int k0, int k1, int ncols, B bcol, W wait)
+{
+    constexpr int EPT = F8 ? 16 : 8;   // k per 16-byte load
+    constexpr int CK = 4 * EPT;        // k per load of the 4 lanes of a row
+    constexpr int ES = F8 ? 1 : 2;     // bytes per weight
+    const int t = threadIdx.x & 3;
+    uint4 ca[U], cb[U];
+#pragma unroll
+    for (int g = 0; g < NG; g++)
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            acc[g][i] = 0.0f;
+    auto load = [&](int kb, uint4 *a, uint4 *b) {
+#pragma unroll
+        for (int i = 0; i < U; i++) {
+            const int k = kb + i * CK + t * EPT;
+            if (k < k1) {
+                a[i] = ld_stream(ra + (int64_t)k * ES);
+                b[i] = ld_stream(rb + (int64_t)k * ES);
+            } else {
+                a[i] = b[i] = make_uint4(0, 0, 0, 0);
+            }
+        }
+    };
+    load(k0, ca, cb);
+    wait();
+    for (int kb = k0; kb < k1; kb += U * CK) {
+        uint4 na[U], nb[U];
+        load(kb + U * CK, na, nb);
+#pragma unroll
+        for (int i = 0; i < U; i++) {
+            const int k = kb + i * CK + t * EPT;
+#pragma unroll
+            for (int g = 0; g < NG; g++)
+                if (g * 8 < ncols) {
+                    const uint4 b = bcol(g, k);
+                    mma2<F8>(acc[g], ca[i], cb[i], b);
+                }
+        }
+#pragma unroll
+        for (int i = 0; i < U; i++)
+            ca[i] = na[i], cb[i] = nb[i];
+    }
+}
+
+// GEMM 1 item: expert e, h columns c0 .. c0 + 7 for the expert's n tokens
+template <bool F8, int NG, typename XT>
+__device__ void gemm1(const params &p, const smem_t &s, int e, int c0)
+{
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int n = s.cnt[e], *list = s.slots + s.off[e];
+    constexpr int ES = F8 ? 1 : 2;
+    const int64_t rg = (int64_t)e * 2 * p.I + c0 + g; // gate row; up row rg + I
+    const uint8_t *ra = p.w13 + rg * p.H * ES, *rb = p.w13 + (rg + p.I) * p.H * ES;
+    int tok[NG]; // this lane's B column's token per group (-1: none)
+#pragma unroll
+    for (int i = 0; i < NG; i++)
+        tok[i] = i * 8 + g < n ? list[i * 8 + g] / p.k : -1;
+    const XT *x = static_cast<const XT *>(p.x);
+    auto bcol = [&](int i, int k) -> uint4 {
+        if (tok[i] < 0 || k >= p.H)
+            return make_uint4(0, 0, 0, 0);
+        if (F8)
+            return ld_cg(p.xq + (int64_t)tok[i] * p.H + k);
+        return load_x8(x + (int64_t)tok[i] * p.H, k);
+    };
+    auto wait = [&]() {
+        if (F8)
+            warp_wait(p.sync + SYNC_XQ, p.T);
+    };
+    float acc[NG][4];
+    dot_rows<F8, NG>(acc, ra, rb, 0, p.H, n, bcol, wait);
+    // c0, c1: gate of column c0 + g for tokens 2t, 2t + 1 of the group; c2, c3: up
+    const int col = c0 + g;
+    float sg = 1.0f, su = 1.0f;
+    if (F8)
+        sg = __ldg(p.w13s + rg), su = __ldg(p.w13s + rg + p.I);
+#pragma unroll
+    for (int i = 0; i < NG; i++) {
+        if (i * 8 >= n)
+            break;
+        float hm[2] = {0.0f, 0.0f};
+        int slot[2];
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int m = i * 8 + 2 * t + j;
+            slot[j] = m < n ? list[m] : -1;
+            if (slot[j] < 0)
+                continue;
+            float gv = acc[i][j], uv = acc[i][2 + j];
+            if (F8) {
+                const float xs = p.xs[slot[j] / p.k];
+                gv = gv * xs * sg;
+                uv = uv * xs * su;
+            }
+            const __nv_bfloat16 hv = __float2bfloat16_rn(act_mul(p.gelu, gv, uv));
+            p.h[(int64_t)slot[j] * p.I + col] = hv;
+            hm[j] = fabsf(__bfloat162float(hv));
+        }
+        if (F8) { // the row's |h| max, over the 8 columns of this item (lanes of one t)
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+#pragma unroll
+                for (int o = 4; o < 32; o <<= 1)
+                    hm[j] = fmaxf(hm[j], __shfl_xor_sync(0xffffffffu, hm[j], o));
+                if (g == 0 && slot[j] >= 0)
+                    atomicMax(p.sync + SYNC_E1 + p.E + (p.H + TILE2 - 1) / TILE2 + slot[j],
+                              __float_as_int(hm[j]));
+            }
+        }
+    }
+    warp_signal(p.sync + SYNC_E1 + e);
+}
+
+__device__ __forceinline__ float4 ld_cg_f4(const float *p)
+{
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// The last GEMM 2 item of row tile r: y[t][r * 16 .. + 16) for every token, 4 columns a lane;
+// slot order, as moe_combine_launch (the loads do not depend on the ids: all in flight at once)
+template <typename YT> __device__ void combine_tile(const params &p, int r)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t rows = (int64_t)p.T * p.k;
+    for (int i = lane; i < p.T * (TILE2 / 4); i += 32) {
+        const int t = i / (TILE2 / 4), c = r * TILE2 + i % (TILE2 / 4) * 4;
+        if (c >= p.H) /* hidden % 8 == 0: a group of 4 is whole or out */
+            continue;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 8
+        for (int j = 0; j < p.k; j++) {
+            const int64_t slot = (int64_t)t * p.k + j;
+            float4 v = ld_cg_f4(p.o + slot * p.H + c);
+            for (int q = 1; q < p.split; q++) {
+                const float4 b = ld_cg_f4(p.o + (q * rows + slot) * p.H + c);
+                v.x += b.x, v.y += b.y, v.z += b.z, v.w += b.w;
+            }
+            if (p.ids[slot] >= 0) {
+                const float w = p.w[slot];
+                acc[0] += w * v.x, acc[1] += w * v.y, acc[2] += w * v.z, acc[3] += w * v.w;
+            }
+        }
+        if (p.shared) {
+            const float gt = p.gate_logit ? 1.0f / (1.0f + expf(-p.gate_logit[t])) : 1.0f;
+            const uint2 sv = *reinterpret_cast<const uint2 *>(p.shared + (int64_t)t * p.H + c);
+            acc[0] += gt * bf(sv.x, 0), acc[1] += gt * bf(sv.x, 1);
+            acc[2] += gt * bf(sv.y, 0), acc[3] += gt * bf(sv.y, 1);
+        }
+#pragma unroll
+        for (int m = 0; m < 4; m++)
+            if (sizeof(YT) == 4)
+                reinterpret_cast<float *>(p.y)[(int64_t)t * p.H + c + m] = acc[m];
+            else
+                reinterpret_cast<__nv_bfloat16 *>(p.y)[(int64_t)t * p.H + c + m] =
+                    __float2bfloat16_rn(acc[m]);
+    }
+}
+
+// GEMM 2 item: expert e, rows r * 16 .. + 16 of hidden, k split q
+template <bool F8, int NG>
+__device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int n1)
+{
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int n = s.cnt[e], *list = s.slots + s.off[e];
+    constexpr int ES = F8 ? 1 : 2, CK = F8 ? 64 : 32;
+    const int row0 = r * TILE2 + g, row1 = row0 + 8 < p.H ? row0 + 8 : row0;
+    const uint8_t *ra = p.w2 + ((int64_t)e * p.H + row0) * p.I * ES;
+    const uint8_t *rb = p.w2 + ((int64_t)e * p.H + row1) * p.I * ES;
+    const int per = ((p.I + p.split - 1) / p.split + CK - 1) / CK * CK;
+    const int k0 = q * per, k1 = k0 + per < p.I ? k0 + per : p.I;
+    const float *hmax = reinterpret_cast<const float *>(p.sync + SYNC_E1 + p.E +
+                                                        (p.H + TILE2 - 1) / TILE2);
+    int slot[NG];
+    float hs[NG];
+#pragma unroll
+    for (int i = 0; i < NG; i++) {
+        slot[i] = i * 8 + g < n ? list[i * 8 + g] : -1;
+        hs[i] = 1.0f;
+    }
+    auto wait = [&]() {
+        warp_wait(p.sync + SYNC_E1 + e, n1);
+        if (F8)
+#pragma unroll
+            for (int i = 0; i < NG; i++)
+                if (slot[i] >= 0)
+                    hs[i] = dynamic_scale(ld_cg_f32(hmax + slot[i]));
+    };
+    auto bcol = [&](int i, int k) -> uint4 {
+        if (slot[i] < 0 || k >= k1)
+            return make_uint4(0, 0, 0, 0);
+        const __nv_bfloat16 *hr = p.h + (int64_t)slot[i] * p.I + k;
+        if (!F8)
+            return ld_cg(hr);
+        const uint4 a = ld_cg(hr), b = ld_cg(hr + 8);
+        const float sc = hs[i];
+        return make_uint4(e4m3x4(bf(a.x, 0), bf(a.x, 1), bf(a.y, 0), bf(a.y, 1), sc),
+                          e4m3x4(bf(a.z, 0), bf(a.z, 1), bf(a.w, 0), bf(a.w, 1), sc),
+                          e4m3x4(bf(b.x, 0), bf(b.x, 1), bf(b.y, 0), bf(b.y, 1), sc),
+                          e4m3x4(bf(b.z, 0), bf(b.z, 1), bf(b.w, 0), bf(b.w, 1), sc));
+    };
+    float acc[NG][4];
+    dot_rows<F8, NG>(acc, ra, rb, k0, k1, n, bcol, wait);
+    float s0 = 1.0f, s1 = 1.0f;
+    if (F8)
+        s0 = __ldg(p.w2s + (int64_t)e * p.H + row0), s1 = __ldg(p.w2s + (int64_t)e * p.H + row1);
+    const int rows = p.T * p.k;
+    float *o = p.o + (int64_t)q * rows * p.H;
+#pragma unroll
+    for (int i = 0; i < NG; i++) {
+        if (i * 8 >= n)
+            break;
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int m = i * 8 + 2 * t + j;
+            if (m >= n)
+                continue;
+            const int sl = list[m];
+            float sc = 1.0f;
+            if (F8)
+                sc = dynamic_scale(ld_cg_f32(hmax + sl));
+            o[(int64_t)sl * p.H + row0] = acc[i][j] * sc * s0;
+            if (row0 + 8 < p.H)
+                o[(int64_t)sl * p.H + row0 + 8] = acc[i][2 + j] * sc * s1;
+        }
+    }
+}
+
+template <bool F8, int NG, typename XT, typename YT>
+__global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
+{
+    __shared__ smem_t s;
+    moe_pdl_wait_only(); // no early launch of the next kernel: this grid waits on itself
+    build_table(p, s);
+    const int warp = threadIdx.x / 32, nw = gridDim.x * WARPS;
+    const int nu = s.nuniq;
+    const int n0 = F8 ? p.T : 0;
+    const int t1 = p.I / TILE1, n1 = nu * t1;
+    const int t2 = (p.H + TILE2 - 1) / TILE2, n2 = nu * t2 * p.split;
+    int32_t *col_done = p.sync + SYNC_E1 + p.E;
+    for (int item = blockIdx.x * WARPS + warp; item < n0 + n1 + n2; item += nw) {
+        if (item < n0) {
+            quantise_x<XT>(p, item);
+        } else if (item < n0 + n1) {
+            const int i = item - n0;
+            gemm1<F8, NG, XT>(p, s, s.uniq[i / t1], (i % t1) * TILE1);
+        } else {
+            const int i = item - n0 - n1;
+            const int u = i / (t2 * p.split), r = i / p.split % t2, q = i % p.split;
+            gemm2<F8, NG>(p, s, s.uniq[u], r, q, t1);
+            if (warp_signal(col_done + r) == nu * p.split - 1) {
+                __threadfence();
+                combine_tile<YT>(p, r);
+            }
+        }
+    }
+    // the last CTA leaves the counters at zero for the next launch
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        s.last = atomicAdd(p.sync + SYNC_DONE, 1) == (int)gridDim.x - 1;
+    }
+    __syncthreads();
+    if (s.last) {
+        __threadfence();
+        const int n = SYNC_E1 + p.E + t2 + (F8 ? p.T * p.k : 0);
+        for (int i = 1 + threadIdx.x; i < n; i += THREADS)
+            p.sync[i] = 0;
+        __syncthreads();
+        if (threadIdx.x == 0)
+            p.sync[SYNC_DONE] = 0;
+    }
+}
+
+// CTAs that fit on the device at once (every one must be resident: items wait on others)
+template <bool F8, int NG, typename XT, typename YT> int resident_ctas()
+{
+    static int cached[MOE_MAX_DEVICES];
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess)
+        return 0;
+    return moe_device_cached(cached, dev, [](int d) {
+        int sms = 0, per = 0;
+        if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d) != cudaSuccess ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, decode_kernel<F8, NG, XT, YT>,
+                                                          THREADS, 0) != cudaSuccess)
+            return 0;
+        return sms * per;
+    });
+}
+
+template <bool F8, int NG, typename XT, typename YT>
+moe_status_t launch(const params &p, int max_ctas, cudaStream_t stream)
+{
+    int ctas = resident_ctas<F8, NG, XT, YT>();
+    if (ctas <= 0)
+        return moe_error(MOE_STATUS_CUDA_ERROR, "decode: no CTA fits on the device");
+    if (max_ctas > 0 && max_ctas < ctas)
+        ctas = max_ctas;
+    MOE_CUDA_CHECK(moe_launch(decode_kernel<F8, NG, XT, YT>, dim3(ctas), dim3(THREADS), 0, stream, p));
+    MOE_CUDA_CHECK_LAUNCH("decode_kernel");
+    return MOE_STATUS_SUCCESS;
+}
+
+template <bool F8, typename XT, typename YT>
+moe_status_t launch_ng(const params &p, int max_ctas, cudaStream_t stream)
+{
+    if (p.T <= 8)
+        return launch<F8, 1, XT, YT>(p, max_ctas, stream);
+    if (p.T <= 16)
+        return launch<F8, 2, XT, YT>(p, max_ctas, stream);
+    if (p.T <= 32)
+        return launch<F8, 4, XT, YT>(p, max_ctas, stream);
+    return launch<F8, 8, XT, YT>(p, max_ctas, stream);
+}
+
+template <bool F8, typename XT>
+moe_status_t launch_y(const params &p, moe_dtype_t yt, int max_ctas, cudaStream_t stream)
+{
+    return yt == MOE_DTYPE_F32 ? launch_ng<F8, XT, float>(p, max_ctas, stream)
+                               : launch_ng<F8, XT, __nv_bfloat16>(p, max_ctas, stream);
+}
+
+template <bool F8> moe_status_t prepare_f8()
+{
+#define MOE_DECODE_PREP(NG)                                                                        \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, float, float>));                                       \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, float, __nv_bfloat16>));                               \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, __nv_bfloat16, float>));                               \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, __nv_bfloat16, __nv_bfloat16>));
+    MOE_DECODE_PREP(1)
+    MOE_DECODE_PREP(2)
+    MOE_DECODE_PREP(4)
+    MOE_DECODE_PREP(8)
+#undef MOE_DECODE_PREP
+    return MOE_STATUS_SUCCESS;
+}
+
+} // namespace
+
+extern "C" size_t moe_decode_sync_count(int num_experts, int hidden, int max_rows)
+{
+    return (size_t)SYNC_E1 + (size_t)num_experts + (size_t)(hidden + TILE2 - 1) / TILE2 +
+           (size_t)max_rows;
+}
+
+extern "C" int moe_decode_split(int num_experts, int top_k, int hidden, int inter, int num_sms)
+{
+    const int64_t touched = top_k < num_experts ? top_k : num_experts;
+    const int64_t items = touched * ((hidden + TILE2 - 1) / TILE2);
+    const int64_t warps = (int64_t)(num_sms > 0 ? num_sms : 132) * 2 * WARPS;
+    int64_t split = items > 0 ? warps / items : 1;
+    const int64_t most = inter / 256 > 0 ? inter / 256 : 1; // at least 256 k a piece
+    if (split > most)
+        split = most;
+    if (split > MOE_DECODE_MAX_SPLIT)
+        split = MOE_DECODE_MAX_SPLIT;
+    return split < 1 ? 1 : (int)split;
+}
+
+extern "C" moe_status_t moe_decode_check(int num_experts, int top_k, int hidden, int inter, int f8)
+{
+    const int align = f8 ? 16 : 8;
+    if (num_experts <= 0 || num_experts > MOE_DECODE_MAX_EXPERTS)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "decode: num_experts = %d (1 .. %d)",
+                         num_experts, MOE_DECODE_MAX_EXPERTS);
+    if (top_k <= 0 || top_k > 16)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "decode: top_k = %d (1 .. 16)", top_k);
+    if (hidden <= 0 || hidden % align || inter <= 0 || inter % align)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                         "decode: hidden = %d, inter = %d (multiples of %d expected)", hidden,
+                         inter, align);
+    return MOE_STATUS_SUCCESS;
+}
+
+extern "C" moe_status_t moe_decode_launch(const moe_decode_args_t *a, void *stream)
+{
+    params p;
+    MOE_CHECK(moe_decode_check(a->num_experts, a->top_k, a->hidden, a->inter, a->f8));
+    MOE_ARG_CHECK(a->num_tokens >= 0 && a->num_tokens <= MOE_DECODE_MAX_TOKENS,
+                  "decode: num_tokens = %lld (at most %d)", (long long)a->num_tokens,
+                  MOE_DECODE_MAX_TOKENS);
+    MOE_ARG_CHECK(a->split >= 1 && a->split <= MOE_DECODE_MAX_SPLIT, "decode: split = %d",
+                  a->split);
+    MOE_ARG_CHECK(a->x_dtype == MOE_DTYPE_F32 || a->x_dtype == MOE_DTYPE_BF16,
+                  "decode: x dtype %s (F32 or BF16)", moe_dtype_name(a->x_dtype));
+    MOE_ARG_CHECK(a->y_dtype == MOE_DTYPE_F32 || a->y_dtype == MOE_DTYPE_BF16,
+                  "decode: y dtype %s (F32 or BF16)", moe_dtype_name(a->y_dtype));
+    MOE_ARG_CHECK(((uintptr_t)a->x & 15) == 0 && ((uintptr_t)a->w13 & 15) == 0 &&
+                      ((uintptr_t)a->w2 & 15) == 0 && ((uintptr_t)a->h & 15) == 0 &&
+                      (!a->f8 || ((uintptr_t)a->xq & 15) == 0),
+                  "decode: x, weights and workspace must be 16-byte aligned");
+    MOE_ARG_CHECK(!a->f8 || (a->w13_scale && a->w2_scale && a->xq && a->xs),
+                  "decode: fp8 needs the weight scales and the x workspace");
+    if (a->num_tokens == 0)
+        return MOE_STATUS_SUCCESS;
+    p.x = a->x;
+    p.ids = a->topk_ids;
+    p.w = a->topk_weights;
+    p.w13 = static_cast<const uint8_t *>(a->w13);
+    p.w2 = static_cast<const uint8_t *>(a->w2);
+    p.w13s = a->w13_scale;
+    p.w2s = a->w2_scale;
+    p.shared = static_cast<const __nv_bfloat16 *>(a->shared_out);
+    p.gate_logit = a->shared_gate_logit;
+    p.y = a->y;
+    p.counts = a->counts;
+    p.h = static_cast<__nv_bfloat16 *>(a->h);
+    p.o = a->o;
+    p.xq = a->xq;
+    p.xs = a->xs;
+    p.sync = a->sync;
+    p.T = (int)a->num_tokens;
+    p.k = a->top_k;
+    p.E = a->num_experts;
+    p.H = a->hidden;
+    p.I = a->inter;
+    p.split = a->split;
+    p.y_f32 = a->y_dtype == MOE_DTYPE_F32;
+    p.gelu = a->gelu;
+    const cudaStream_t st = (cudaStream_t)stream;
+    if (a->f8)
+        return a->x_dtype == MOE_DTYPE_F32 ? launch_y<true, float>(p, a->y_dtype, a->max_ctas, st)
+                                           : launch_y<true, __nv_bfloat16>(p, a->y_dtype,
+                                                                           a->max_ctas, st);
+    return a->x_dtype == MOE_DTYPE_F32 ? launch_y<false, float>(p, a->y_dtype, a->max_ctas, st)
+                                       : launch_y<false, __nv_bfloat16>(p, a->y_dtype,
+                                                                        a->max_ctas, st);
+}
+
+extern "C" moe_status_t moe_decode_prepare(void)
+{
+    MOE_CHECK(prepare_f8<false>());
+    return prepare_f8<true>();
+}

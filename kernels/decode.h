@@ -1,0 +1,76 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The small-batch decode step of the routed experts as one persistent kernel: GEMM 1 with the
+ * activation, GEMM 2 and the weighted sum per token in one launch, the work split over every SM
+ * by (expert, weight tile) so every SM streams a share of the touched experts' weights
+ * (docs/KERNELS.md, "Fused decode"). CUDA-free. */
+#ifndef MOE_DECODE_H
+#define MOE_DECODE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "moe/moe.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MOE_DECODE_MAX_TOKENS 64   /* tokens per launch (an expert's tokens: 8 mma columns x 8) */
+#define MOE_DECODE_MAX_EXPERTS 512 /* local experts (the per-CTA expert table) */
+#define MOE_DECODE_MAX_SPLIT 8     /* GEMM 2's k split */
+
+/* y[t] = sum_{j in order} w[t, j] * W2_e (act(W1_e x_t) * (W3_e x_t)) (+ g_t * shared[t]),
+ * e = topk_ids[t, j], for T <= MOE_DECODE_MAX_TOKENS tokens on one GPU.
+ *
+ * bf16 (f8 = 0): x rounded to bf16 as the gather copies it, bf16 weights, f32 accumulation, h
+ * rounded to bf16 (as GEMM 1 writes it on the grouped path), GEMM 2 rows in f32. f8 = 1 (W8A8
+ * with one scale per weight row: per-tensor or per-channel): x and h quantised per row with
+ * the dynamic scale max(amax, 1e-10) / 448 from their bf16 values (kernels/quant.h), e4m3
+ * products, the two scales applied once per output. The routing weight and the shared rows are
+ * added in f32 in slot order, as moe_combine_launch does; every element of y is written. A
+ * token's output does not depend on the other tokens of the launch (no value crosses mma
+ * columns; GEMM 2's k split depends on the layer's shape only). */
+typedef struct moe_decode_args {
+    const void *x;             /* device [T][hidden], x_dtype F32 or BF16, 16-byte aligned */
+    moe_dtype_t x_dtype;       /* F32 or BF16 */
+    const int32_t *topk_ids;   /* device [T][top_k]: local expert ids; < 0: not here */
+    const float *topk_weights; /* device [T][top_k] */
+    const void *w13;           /* device [E][2 inter][hidden]: gate rows, then up rows */
+    const void *w2;            /* device [E][hidden][inter] */
+    const float *w13_scale;    /* f8: device [E][2 inter], one scale per weight row */
+    const float *w2_scale;     /* f8: device [E][hidden] */
+    const void *shared_out;    /* optional device bf16 [T][hidden], added (gated) to y */
+    const float *shared_gate_logit; /* optional device [T]: shared rows times its sigmoid */
+    void *y;                        /* device [T][hidden], y_dtype (F32 or BF16) */
+    moe_dtype_t y_dtype;
+    int32_t *counts; /* optional device [E]: tokens per expert (profiling), written */
+    /* workspace (moe_decode_workspace_bytes) */
+    void *h;      /* bf16 [T top_k][inter]: GEMM 1's rows by slot */
+    float *o;     /* f32 [split][T top_k][hidden]: GEMM 2's rows by slot, per k split */
+    uint8_t *xq;  /* f8: e4m3 [T][hidden] */
+    float *xs;    /* f8: [T] */
+    int32_t *sync; /* device, moe_decode_sync_count ints, zero between launches (the last CTA
+                    * of each launch leaves them so; zero them once at create) */
+    int64_t num_tokens;
+    int top_k, num_experts, hidden, inter;
+    int f8;    /* 0: bf16 weights; 1: e4m3 weights with per-row scales */
+    int gelu;  /* 1: gelu (tanh) * up, else silu * up */
+    int split; /* GEMM 2's k split, moe_decode_split (1 .. MOE_DECODE_MAX_SPLIT) */
+    int max_ctas; /* at most this many CTAs (0: as many as fit on the GPU) */
+} moe_decode_args_t;
+
+/* ints of the persistent sync array for a layer of these dimensions */
+size_t moe_decode_sync_count(int num_experts, int hidden, int max_rows);
+/* GEMM 2's k split for a layer: enough (expert, row tile, split) items for every warp of the
+ * GPU when one token's top_k experts are touched; from the shape only, so a token's sums do not
+ * depend on the batch. */
+int moe_decode_split(int num_experts, int top_k, int hidden, int inter, int num_sms);
+/* NOT_SUPPORTED (naming the value) where the kernel cannot run these dimensions. */
+moe_status_t moe_decode_check(int num_experts, int top_k, int hidden, int inter, int f8);
+moe_status_t moe_decode_launch(const moe_decode_args_t *args, void *stream);
+moe_status_t moe_decode_prepare(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOE_DECODE_H */
