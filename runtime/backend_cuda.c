@@ -458,6 +458,9 @@ static moe_status_t plan_decode(cuda_layer_t *s)
     int sms = 0;
     s->dec_ok = 0;
     s->dec_max = 0;
+    /* MOE_FUSED_DECODE=0: the grouped path at every size, unless the kernel is forced */
+    if (!s->dec_forced && !moe_env_int("MOE_FUSED_DECODE", 1))
+        return MOE_STATUS_SUCCESS;
     if (s->dec_forced < 0 || s->world > 1 || s->deterministic || s->arch != 90 || s->f8 == 2 ||
         moe_decode_check(s->E, s->k, s->H, (int)s->is, s->f8) != MOE_STATUS_SUCCESS) {
         if (s->dec_forced > 0)

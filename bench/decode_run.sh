@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# The fused decode kernel on one GPU (device tool, carry .device): build the few targets it
+# needs, then the MODEs in turn; logs under $OUT. Usage: bash bench/decode_run.sh [MODE...]
+#   tests   test_gpu_decode, test_gpu_layer, test_gpu_fp8 (one rank)
+#   bench   moe-bench at M = 1, 8, 64 (--explain) for the three presets, bf16 and fp8
+#           per-tensor, the built-in choice and each path forced (MOE_FORCE_VARIANT)
+# BUILD_DIR (default /tmp/b35) keeps the build between calls on a warm machine.
+set -uo pipefail
+# shellcheck source=/dev/null # written by shared/device/prepare.sh, not in the repository
+source "${DEVICE_ENV:-.device/env.sh}"
+export LIBRARY_PATH=/opt/dep/usr/lib/x86_64-linux-gnu:${LIBRARY_PATH:-}
+OUT=${OUT:-/tmp/out}
+B=${BUILD_DIR:-/tmp/b35}
+mkdir -p "$OUT"
+nvidia-smi -L
+start=$(date +%s)
+cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release >"$OUT/cmake.log" 2>&1 ||
+    { tail -30 "$OUT/cmake.log"; exit 1; }
+ninja -C "$B" moe-bench test_gpu_decode test_gpu_layer test_gpu_fp8 >"$OUT/build.log" 2>&1 ||
+    { grep -E "error|Error" -A3 "$OUT/build.log" | head -60; exit 1; }
+echo "build: $(($(date +%s) - start)) s"
+export MOE_REQUIRE_GPU=1
+quiet() { grep -vE "dlopen|pmix|Perhaps"; }
+for mode in ${*:-tests bench}; do
+case $mode in
+tests)
+    timeout 240 "$B/tests/gpu/test_gpu_decode" >"$OUT/decode.log" 2>&1
+    echo "test_gpu_decode rc=$?"
+    grep -E "FAIL|PASSED|FAILED|Error|error" "$OUT/decode.log" | head -20
+    timeout 200 "$B/tests/gpu/test_gpu_layer" >"$OUT/layer.log" 2>&1
+    echo "test_gpu_layer rc=$?"
+    grep -E "FAIL|PASSED|FAILED" "$OUT/layer.log" | head -10
+    timeout 200 mpirun -np 1 "$B/tests/mpi/test_gpu_fp8" >"$OUT/fp8.log" 2>&1
+    echo "test_gpu_fp8 np1 rc=$?"
+    grep -E "PASSED|FAILED" "$OUT/fp8.log" | head -10
+    ;;
+bench)
+    mkdir -p /tmp/json
+    for p in ${PRESETS:-qwen3-30b-a3b mixtral-8x7b deepseek-v3-ep8}; do
+        for dt in ${DTYPES:-bf16 fp8}; do
+            f=""
+            [ "$dt" = fp8 ] && f="--dtype fp8 --scales tensor"
+            for v in ${VARIANTS:-grouped fused}; do
+                case $v in
+                builtin) env="" ;;
+                fused) env="MOE_FORCE_VARIANT=sm90_fused_decode" ;;
+                grouped) env="MOE_FUSED_DECODE=0" ;; # the oracle's grouped variants, as before
+                esac
+                echo "== $p $dt $v"
+                env $env timeout 150 "$B/launch/moe-bench" --preset "$p" $f \
+                    --tokens ${TOKENS:-1,8,64} --seconds ${SECONDS_PER_POINT:-0.3} \
+                    --json "/tmp/json/$p.$dt.$v.json" --explain 2>&1 | quiet |
+                    grep -vE "^#  *(limit|time)" | tee -a "$OUT/bench.log" | head -24
+            done
+        done
+    done
+    tar czf "$OUT/json.tgz" -C /tmp json
+    ;;
+esac
+done
