@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # The fused decode kernel on one GPU (device tool, carry .device): build the few targets it
 # needs, then the MODEs in turn; logs under $OUT. Usage: bash bench/decode_run.sh [MODE...]
-#   tests   test_gpu_decode, test_gpu_layer, test_gpu_fp8 (one rank)
+#   decode  test_gpu_decode
+#   tests   test_gpu_layer, test_gpu_fp8 (one rank)
 #   bench   moe-bench at M = 1, 8, 64 (--explain) for the three presets, bf16 and fp8
 #           per-tensor, the built-in choice and each path forced (MOE_FORCE_VARIANT)
 # BUILD_DIR (default /tmp/b35) keeps the build between calls on a warm machine.
@@ -22,12 +23,14 @@ ninja -C "$B" moe-bench test_gpu_decode test_gpu_layer test_gpu_fp8 >"$OUT/build
 echo "build: $(($(date +%s) - start)) s"
 export MOE_REQUIRE_GPU=1
 quiet() { grep -vE "dlopen|pmix|Perhaps"; }
-for mode in ${*:-tests bench}; do
+for mode in ${*:-decode tests bench}; do
 case $mode in
-tests)
+decode)
     timeout 240 "$B/tests/gpu/test_gpu_decode" >"$OUT/decode.log" 2>&1
     echo "test_gpu_decode rc=$?"
     grep -E "FAIL|PASSED|FAILED|Error|error" "$OUT/decode.log" | head -20
+    ;;
+tests)
     timeout 200 "$B/tests/gpu/test_gpu_layer" >"$OUT/layer.log" 2>&1
     echo "test_gpu_layer rc=$?"
     grep -E "FAIL|PASSED|FAILED" "$OUT/layer.log" | head -10
@@ -48,7 +51,7 @@ bench)
                 grouped) env="MOE_FUSED_DECODE=0" ;; # the oracle's grouped variants, as before
                 esac
                 echo "== $p $dt $v"
-                env $env timeout 150 "$B/launch/moe-bench" --preset "$p" $f \
+                env $env timeout ${BENCH_TIMEOUT:-150} "$B/launch/moe-bench" --preset "$p" $f \
                     --tokens ${TOKENS:-1,8,64} --seconds ${SECONDS_PER_POINT:-0.3} \
                     --json "/tmp/json/$p.$dt.$v.json" --explain 2>&1 | quiet |
                     grep -vE "^#  *(limit|time)" | tee -a "$OUT/bench.log" | head -24
