@@ -5,7 +5,8 @@
 #   decode  test_gpu_decode
 #   tests   test_gpu_layer, test_gpu_fp8 (one rank)
 #   bench   moe-bench at M = 1, 8, 64 (--explain) for the three presets, bf16 and fp8
-#           per-tensor, the built-in choice and each path forced (MOE_FORCE_VARIANT)
+#           per-tensor: VARIANTS of grouped (MOE_FUSED_DECODE=0), fused (forced), deep (forced,
+#           MOE_DECODE_DEEP=1), builtin (the built-in crossover)
 # BUILD_DIR (default /tmp/b35) keeps the build between calls on a warm machine.
 set -uo pipefail
 # shellcheck source=/dev/null # written by shared/device/prepare.sh, not in the repository
@@ -48,6 +49,7 @@ bench)
                 case $v in
                 builtin) env="" ;;
                 fused) env="MOE_FORCE_VARIANT=sm90_fused_decode" ;;
+                deep) env="MOE_FORCE_VARIANT=sm90_fused_decode MOE_DECODE_DEEP=1" ;;
                 grouped) env="MOE_FUSED_DECODE=0" ;; # the oracle's grouped variants, as before
                 esac
                 echo "== $p $dt $v"

@@ -30,14 +30,25 @@ namespace
 {
 
 constexpr int THREADS = 256, WARPS = THREADS / 32;
-constexpr int U = 4;       // 16-byte loads per row in flight per batch (two batches in turn)
+// 16-byte loads per row in flight per batch (two batches in turn): 4 with two CTAs an SM, or
+// (MOE_DECODE_DEEP=1, at most 16 tokens) 8 with one
+constexpr int U_WIDE = 4, U_DEEP = 8;
 constexpr int TILE1 = 8;   // GEMM 1: output columns of h per item (8 gate + 8 up rows)
 constexpr int TILE2 = 16;  // GEMM 2: output columns of y per item
 constexpr int MAX_ROWS = MOE_DECODE_MAX_TOKENS * 16; // slots: tokens x top_k (top_k <= 16)
 
-// sync[] layout: done counter, x quantised counter, GEMM 1 items done per expert, GEMM 2
-// items done per row tile, then |h| max per slot (f8; float bits).
-constexpr int SYNC_DONE = 0, SYNC_XQ = 1, SYNC_E1 = 2;
+// sync[] layout: done counter, x quantised counter, GEMM 1 items done per expert (one 128-byte
+// line each: many warps poll them), GEMM 2 items done per row tile (one 32-byte sector each),
+// then |h| max per slot (f8; float bits).
+constexpr int SYNC_DONE = 0, SYNC_XQ = 32, SYNC_E1 = 64, E1_STRIDE = 32, COL_STRIDE = 8;
+__device__ __forceinline__ int sync_col(int E)
+{
+    return SYNC_E1 + E * E1_STRIDE;
+}
+__device__ __forceinline__ int sync_hmax(int E, int H)
+{
+    return sync_col(E) + (H + 15) / 16 * COL_STRIDE;
+}
 
 struct smem_t {
     int cnt[MOE_DECODE_MAX_EXPERTS];
@@ -70,7 +81,7 @@ struct params {
 __device__ __forceinline__ uint4 ld_stream(const uint8_t *p)
 {
     uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
     return v;
@@ -105,7 +116,7 @@ __device__ __forceinline__ void warp_wait(const int32_t *p, int target)
 {
     if ((threadIdx.x & 31) == 0)
         while (ld_acquire(p) < target)
-            __nanosleep(64);
+            __nanosleep(256); // hundreds of warps may poll one line: leave the L2 slice room
     __syncwarp();
 }
 
@@ -113,10 +124,11 @@ __device__ __forceinline__ void warp_wait(const int32_t *p, int target)
 __device__ __forceinline__ int warp_signal(int32_t *p)
 {
     int old = 0;
-    __threadfence();
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0)
+    __syncwarp(); // orders the lanes' stores before lane 0's fence (cumulative) and count
+    if ((threadIdx.x & 31) == 0) {
+        __threadfence();
         old = atomicAdd(p, 1);
+    }
     return __shfl_sync(0xffffffffu, old, 0);
 }
 
@@ -266,7 +278,7 @@ template <typename XT> __device__ void quantise_x(const params &p, int t)
 // One weight-row pair's dot products with up to NG x 8 token columns over k in [k0, k1):
 // rows ra / rb (byte pointers at k = 0), B columns from bcol(ng, k) (16 bytes for this lane's
 // column, zero where the column or k is past its end). wait() runs after the first loads.
-template <bool F8, int NG, typename B, typename W>
+template <bool F8, int NG, int U, typename B, typename W>
 __device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra, const uint8_t *rb,
                                          int k0, int k1, int ncols, B bcol, W wait)
 {
@@ -314,7 +326,7 @@ __device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra,
 }
 
 // GEMM 1 item: expert e, h columns c0 .. c0 + 7 for the expert's n tokens
-template <bool F8, int NG, typename XT>
+template <bool F8, int NG, int U, typename XT>
 __device__ void gemm1(const params &p, const smem_t &s, int e, int c0)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -339,7 +351,7 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0)
             warp_wait(p.sync + SYNC_XQ, p.T);
     };
     float acc[NG][4];
-    dot_rows<F8, NG>(acc, ra, rb, 0, p.H, n, bcol, wait);
+    dot_rows<F8, NG, U>(acc, ra, rb, 0, p.H, n, bcol, wait);
     // c0, c1: gate of column c0 + g for tokens 2t, 2t + 1 of the group; c2, c3: up
     const int col = c0 + g;
     float sg = 1.0f, su = 1.0f;
@@ -374,12 +386,12 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0)
                 for (int o = 4; o < 32; o <<= 1)
                     hm[j] = fmaxf(hm[j], __shfl_xor_sync(0xffffffffu, hm[j], o));
                 if (g == 0 && slot[j] >= 0)
-                    atomicMax(p.sync + SYNC_E1 + p.E + (p.H + TILE2 - 1) / TILE2 + slot[j],
+                    atomicMax(p.sync + sync_hmax(p.E, p.H) + slot[j],
                               __float_as_int(hm[j]));
             }
         }
     }
-    warp_signal(p.sync + SYNC_E1 + e);
+    warp_signal(p.sync + SYNC_E1 + e * E1_STRIDE);
 }
 
 __device__ __forceinline__ float4 ld_cg_f4(const float *p)
@@ -432,7 +444,7 @@ template <typename YT> __device__ void combine_tile(const params &p, int r)
 }
 
 // GEMM 2 item: expert e, rows r * 16 .. + 16 of hidden, k split q
-template <bool F8, int NG>
+template <bool F8, int NG, int U>
 __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int n1)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -443,8 +455,7 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
     const uint8_t *rb = p.w2 + ((int64_t)e * p.H + row1) * p.I * ES;
     const int per = ((p.I + p.split - 1) / p.split + CK - 1) / CK * CK;
     const int k0 = q * per, k1 = k0 + per < p.I ? k0 + per : p.I;
-    const float *hmax = reinterpret_cast<const float *>(p.sync + SYNC_E1 + p.E +
-                                                        (p.H + TILE2 - 1) / TILE2);
+    const float *hmax = reinterpret_cast<const float *>(p.sync + sync_hmax(p.E, p.H));
     int slot[NG];
     float hs[NG];
 #pragma unroll
@@ -453,7 +464,7 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
         hs[i] = 1.0f;
     }
     auto wait = [&]() {
-        warp_wait(p.sync + SYNC_E1 + e, n1);
+        warp_wait(p.sync + SYNC_E1 + e * E1_STRIDE, n1);
         if (F8)
 #pragma unroll
             for (int i = 0; i < NG; i++)
@@ -474,7 +485,7 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
                           e4m3x4(bf(b.z, 0), bf(b.z, 1), bf(b.w, 0), bf(b.w, 1), sc));
     };
     float acc[NG][4];
-    dot_rows<F8, NG>(acc, ra, rb, k0, k1, n, bcol, wait);
+    dot_rows<F8, NG, U>(acc, ra, rb, k0, k1, n, bcol, wait);
     float s0 = 1.0f, s1 = 1.0f;
     if (F8)
         s0 = __ldg(p.w2s + (int64_t)e * p.H + row0), s1 = __ldg(p.w2s + (int64_t)e * p.H + row1);
@@ -500,29 +511,31 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
     }
 }
 
-template <bool F8, int NG, typename XT, typename YT>
-__global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
+template <bool F8, int NG, int U, typename XT, typename YT>
+__global__ void __launch_bounds__(THREADS, U == U_DEEP ? 1 : 2) decode_kernel(params p)
 {
     __shared__ smem_t s;
     moe_pdl_wait_only(); // no early launch of the next kernel: this grid waits on itself
     build_table(p, s);
+    // item i on warp i mod nw, warps numbered across the CTAs first: consecutive items (one
+    // expert's tiles) spread over every SM
     const int warp = threadIdx.x / 32, nw = gridDim.x * WARPS;
     const int nu = s.nuniq;
     const int n0 = F8 ? p.T : 0;
     const int t1 = p.I / TILE1, n1 = nu * t1;
     const int t2 = (p.H + TILE2 - 1) / TILE2, n2 = nu * t2 * p.split;
-    int32_t *col_done = p.sync + SYNC_E1 + p.E;
-    for (int item = blockIdx.x * WARPS + warp; item < n0 + n1 + n2; item += nw) {
+    int32_t *col_done = p.sync + sync_col(p.E);
+    for (int item = warp * gridDim.x + blockIdx.x; item < n0 + n1 + n2; item += nw) {
         if (item < n0) {
             quantise_x<XT>(p, item);
         } else if (item < n0 + n1) {
             const int i = item - n0;
-            gemm1<F8, NG, XT>(p, s, s.uniq[i / t1], (i % t1) * TILE1);
+            gemm1<F8, NG, U, XT>(p, s, s.uniq[i / t1], (i % t1) * TILE1);
         } else {
             const int i = item - n0 - n1;
             const int u = i / (t2 * p.split), r = i / p.split % t2, q = i % p.split;
-            gemm2<F8, NG>(p, s, s.uniq[u], r, q, t1);
-            if (warp_signal(col_done + r) == nu * p.split - 1) {
+            gemm2<F8, NG, U>(p, s, s.uniq[u], r, q, t1);
+            if (warp_signal(col_done + r * COL_STRIDE) == nu * p.split - 1) {
                 __threadfence();
                 combine_tile<YT>(p, r);
             }
@@ -537,7 +550,7 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
     __syncthreads();
     if (s.last) {
         __threadfence();
-        const int n = SYNC_E1 + p.E + t2 + (F8 ? p.T * p.k : 0);
+        const int n = sync_hmax(p.E, p.H) + (F8 ? p.T * p.k : 0);
         for (int i = 1 + threadIdx.x; i < n; i += THREADS)
             p.sync[i] = 0;
         __syncthreads();
@@ -547,7 +560,7 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
 }
 
 // CTAs that fit on the device at once (every one must be resident: items wait on others)
-template <bool F8, int NG, typename XT, typename YT> int resident_ctas()
+template <bool F8, int NG, int U, typename XT, typename YT> int resident_ctas()
 {
     static int cached[MOE_MAX_DEVICES];
     int dev = 0;
@@ -556,36 +569,47 @@ template <bool F8, int NG, typename XT, typename YT> int resident_ctas()
     return moe_device_cached(cached, dev, [](int d) {
         int sms = 0, per = 0;
         if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d) != cudaSuccess ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, decode_kernel<F8, NG, XT, YT>,
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, decode_kernel<F8, NG, U, XT, YT>,
                                                           THREADS, 0) != cudaSuccess)
             return 0;
         return sms * per;
     });
 }
 
-template <bool F8, int NG, typename XT, typename YT>
+template <bool F8, int NG, int U, typename XT, typename YT>
 moe_status_t launch(const params &p, int max_ctas, cudaStream_t stream)
 {
-    int ctas = resident_ctas<F8, NG, XT, YT>();
+    int ctas = resident_ctas<F8, NG, U, XT, YT>();
     if (ctas <= 0)
         return moe_error(MOE_STATUS_CUDA_ERROR, "decode: no CTA fits on the device");
     if (max_ctas > 0 && max_ctas < ctas)
         ctas = max_ctas;
-    MOE_CUDA_CHECK(moe_launch(decode_kernel<F8, NG, XT, YT>, dim3(ctas), dim3(THREADS), 0, stream, p));
+    MOE_CUDA_CHECK(moe_launch(decode_kernel<F8, NG, U, XT, YT>, dim3(ctas), dim3(THREADS), 0,
+                              stream, p));
     MOE_CUDA_CHECK_LAUNCH("decode_kernel");
     return MOE_STATUS_SUCCESS;
+}
+
+// MOE_DECODE_DEEP=1 (read once; a measurement knob): 8 loads a row in flight, one CTA an SM,
+// at up to 16 tokens
+static bool deep()
+{
+    static int env = -1;
+    return moe_env_once(&env, "MOE_DECODE_DEEP", 0) != 0;
 }
 
 template <bool F8, typename XT, typename YT>
 moe_status_t launch_ng(const params &p, int max_ctas, cudaStream_t stream)
 {
     if (p.T <= 8)
-        return launch<F8, 1, XT, YT>(p, max_ctas, stream);
+        return deep() ? launch<F8, 1, U_DEEP, XT, YT>(p, max_ctas, stream)
+                      : launch<F8, 1, U_WIDE, XT, YT>(p, max_ctas, stream);
     if (p.T <= 16)
-        return launch<F8, 2, XT, YT>(p, max_ctas, stream);
+        return deep() ? launch<F8, 2, U_DEEP, XT, YT>(p, max_ctas, stream)
+                      : launch<F8, 2, U_WIDE, XT, YT>(p, max_ctas, stream);
     if (p.T <= 32)
-        return launch<F8, 4, XT, YT>(p, max_ctas, stream);
-    return launch<F8, 8, XT, YT>(p, max_ctas, stream);
+        return launch<F8, 4, U_WIDE, XT, YT>(p, max_ctas, stream);
+    return launch<F8, 8, U_WIDE, XT, YT>(p, max_ctas, stream);
 }
 
 template <bool F8, typename XT>
@@ -597,15 +621,19 @@ moe_status_t launch_y(const params &p, moe_dtype_t yt, int max_ctas, cudaStream_
 
 template <bool F8> moe_status_t prepare_f8()
 {
-#define MOE_DECODE_PREP(NG)                                                                        \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, float, float>));                                       \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, float, __nv_bfloat16>));                               \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, __nv_bfloat16, float>));                               \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, __nv_bfloat16, __nv_bfloat16>));
-    MOE_DECODE_PREP(1)
-    MOE_DECODE_PREP(2)
-    MOE_DECODE_PREP(4)
-    MOE_DECODE_PREP(8)
+#define MOE_DECODE_PREP(NG, U)                                                                     \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, float, float>));                                    \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, float, __nv_bfloat16>));                            \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, __nv_bfloat16, float>));                            \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, __nv_bfloat16, __nv_bfloat16>));
+    MOE_DECODE_PREP(1, U_WIDE)
+    MOE_DECODE_PREP(2, U_WIDE)
+    MOE_DECODE_PREP(4, U_WIDE)
+    MOE_DECODE_PREP(8, U_WIDE)
+    if (deep()) {
+        MOE_DECODE_PREP(1, U_DEEP)
+        MOE_DECODE_PREP(2, U_DEEP)
+    }
 #undef MOE_DECODE_PREP
     return MOE_STATUS_SUCCESS;
 }
@@ -614,8 +642,8 @@ template <bool F8> moe_status_t prepare_f8()
 
 extern "C" size_t moe_decode_sync_count(int num_experts, int hidden, int max_rows)
 {
-    return (size_t)SYNC_E1 + (size_t)num_experts + (size_t)(hidden + TILE2 - 1) / TILE2 +
-           (size_t)max_rows;
+    return (size_t)SYNC_E1 + (size_t)num_experts * E1_STRIDE +
+           (size_t)(hidden + TILE2 - 1) / TILE2 * COL_STRIDE + (size_t)max_rows;
 }
 
 extern "C" int moe_decode_split(int num_experts, int top_k, int hidden, int inter, int num_sms)
