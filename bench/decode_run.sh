@@ -5,8 +5,8 @@
 #   decode  test_gpu_decode
 #   tests   test_gpu_layer, test_gpu_fp8 (one rank)
 #   bench   moe-bench at M = 1, 8, 64 (--explain) for the three presets, bf16 and fp8
-#           per-tensor: VARIANTS of grouped (MOE_FUSED_DECODE=0), fused (forced), deep (forced,
-#           MOE_DECODE_DEEP=1), builtin (the built-in crossover)
+#           per-tensor: VARIANTS of grouped (MOE_FUSED_DECODE=0), fused (forced), builtin (the
+#           built-in crossover)
 # BUILD_DIR (default /tmp/b35) keeps the build between calls on a warm machine.
 set -uo pipefail
 # shellcheck source=/dev/null # written by shared/device/prepare.sh, not in the repository
@@ -24,7 +24,8 @@ ninja -C "$B" moe-bench test_gpu_decode test_gpu_layer test_gpu_fp8 >"$OUT/build
 echo "build: $(($(date +%s) - start)) s"
 export MOE_REQUIRE_GPU=1
 quiet() { grep -vE "dlopen|pmix|Perhaps"; }
-for mode in ${*:-decode tests bench}; do
+[ $# -gt 0 ] || set -- decode tests bench
+for mode in "$@"; do
 case $mode in
 decode)
     timeout 240 "$B/tests/gpu/test_gpu_decode" >"$OUT/decode.log" 2>&1
@@ -43,18 +44,17 @@ bench)
     mkdir -p /tmp/json
     for p in ${PRESETS:-qwen3-30b-a3b mixtral-8x7b deepseek-v3-ep8}; do
         for dt in ${DTYPES:-bf16 fp8}; do
-            f=""
-            [ "$dt" = fp8 ] && f="--dtype fp8 --scales tensor"
+            f=()
+            [ "$dt" = fp8 ] && f=(--dtype fp8 --scales tensor)
             for v in ${VARIANTS:-grouped fused}; do
                 case $v in
-                builtin) env="" ;;
+                builtin) env="MOE_FUSED_DECODE=1" ;; # the built-in crossover
                 fused) env="MOE_FORCE_VARIANT=sm90_fused_decode" ;;
-                deep) env="MOE_FORCE_VARIANT=sm90_fused_decode MOE_DECODE_DEEP=1" ;;
                 grouped) env="MOE_FUSED_DECODE=0" ;; # the oracle's grouped variants, as before
                 esac
                 echo "== $p $dt $v"
-                env $env timeout ${BENCH_TIMEOUT:-150} "$B/launch/moe-bench" --preset "$p" $f \
-                    --tokens ${TOKENS:-1,8,64} --seconds ${SECONDS_PER_POINT:-0.3} \
+                env "$env" timeout "${BENCH_TIMEOUT:-150}" "$B/launch/moe-bench" --preset "$p" "${f[@]}" \
+                    --tokens "${TOKENS:-1,8,64}" --seconds "${SECONDS_PER_POINT:-0.3}" \
                     --json "/tmp/json/$p.$dt.$v.json" --explain 2>&1 | quiet |
                     grep -vE "^#  *(limit|time)" | tee -a "$OUT/bench.log" | head -24
             done

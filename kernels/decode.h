@@ -30,31 +30,31 @@ extern "C" {
  * token's output does not depend on the other tokens of the launch (no value crosses mma
  * columns; GEMM 2's k split depends on the layer's shape only). */
 typedef struct moe_decode_args {
-    const void *x;             /* device [T][hidden], x_dtype F32 or BF16, 16-byte aligned */
-    moe_dtype_t x_dtype;       /* F32 or BF16 */
-    const int32_t *topk_ids;   /* device [T][top_k]: local expert ids; < 0: not here */
-    const float *topk_weights; /* device [T][top_k] */
-    const void *w13;           /* device [E][2 inter][hidden]: gate rows, then up rows */
-    const void *w2;            /* device [E][hidden][inter] */
-    const float *w13_scale;    /* f8: device [E][2 inter], one scale per weight row */
-    const float *w2_scale;     /* f8: device [E][hidden] */
-    const void *shared_out;    /* optional device bf16 [T][hidden], added (gated) to y */
+    const void *x;                  /* device [T][hidden], x_dtype F32 or BF16, 16-byte aligned */
+    moe_dtype_t x_dtype;            /* F32 or BF16 */
+    const int32_t *topk_ids;        /* device [T][top_k]: local expert ids; < 0: not here */
+    const float *topk_weights;      /* device [T][top_k] */
+    const void *w13;                /* device [E][2 inter][hidden]: gate rows, then up rows */
+    const void *w2;                 /* device [E][hidden][inter] */
+    const float *w13_scale;         /* f8: device [E][2 inter], one scale per weight row */
+    const float *w2_scale;          /* f8: device [E][hidden] */
+    const void *shared_out;         /* optional device bf16 [T][hidden], added (gated) to y */
     const float *shared_gate_logit; /* optional device [T]: shared rows times its sigmoid */
     void *y;                        /* device [T][hidden], y_dtype (F32 or BF16) */
     moe_dtype_t y_dtype;
     int32_t *counts; /* optional device [E]: tokens per expert (profiling), written */
     /* workspace (moe_decode_workspace_bytes) */
-    void *h;      /* bf16 [T top_k][inter]: GEMM 1's rows by slot */
-    float *o;     /* f32 [split][T top_k][hidden]: GEMM 2's rows by slot, per k split */
-    uint8_t *xq;  /* f8: e4m3 [T][hidden] */
-    float *xs;    /* f8: [T] */
+    void *h;       /* bf16 [T top_k][inter]: GEMM 1's rows by slot */
+    float *o;      /* f32 [split][T top_k][hidden]: GEMM 2's rows by slot, per k split */
+    uint8_t *xq;   /* f8: e4m3 [T][hidden] */
+    float *xs;     /* f8: [T] */
     int32_t *sync; /* device, moe_decode_sync_count ints, zero between launches (the last CTA
                     * of each launch leaves them so; zero them once at create) */
     int64_t num_tokens;
     int top_k, num_experts, hidden, inter;
-    int f8;    /* 0: bf16 weights; 1: e4m3 weights with per-row scales */
-    int gelu;  /* 1: gelu (tanh) * up, else silu * up */
-    int split; /* GEMM 2's k split, moe_decode_split (1 .. MOE_DECODE_MAX_SPLIT) */
+    int f8;       /* 0: bf16 weights; 1: e4m3 weights with per-row scales */
+    int gelu;     /* 1: gelu (tanh) * up, else silu * up */
+    int split;    /* GEMM 2's k split, moe_decode_split (1 .. MOE_DECODE_MAX_SPLIT) */
     int max_ctas; /* at most this many CTAs (0: as many as fit on the GPU) */
 } moe_decode_args_t;
 

@@ -253,17 +253,14 @@ moe_status_t moe_oracle_forced_transport(const char **name, const char **env)
     return forced("MOE_FORCE_TRANSPORT", "MOE_EP_TRANSPORT", "auto", name, env);
 }
 
-/* Measured on one H200 (moe-bench, graph-replayed, weights rotated past L2; bench/RESULTS.md,
- * "Fused decode"): the fused kernel against the grouped path at 1 .. 64 tokens for the three
- * presets; the bound is the largest count at which it won on all three. */
+/* The bound is the largest token count at which the fused kernel beat the grouped path on all
+ * three presets (moe-bench, graph-replayed, weights rotated past L2, one H200; bench/RESULTS.md,
+ * "Fused decode"). It won at none of 1, 4, 8, 16, 64 tokens in bf16 or fp8 per-tensor (5-53 %
+ * slower at 1 .. 16 tokens, 1.5-5.7 times at 64), so the built-in table never picks it;
+ * MOE_FORCE_VARIANT runs it. */
 int moe_oracle_decode_tokens(const moe_oracle_query_t *q)
 {
-    if (q->arch != 90)
-        return 0;
-    if (q->dtype == MOE_DTYPE_BF16)
-        return 16;
-    if (q->dtype == MOE_DTYPE_FP8_E4M3 && q->scale != MOE_SCALE_BLOCK_128)
-        return 16;
+    (void)q;
     return 0;
 }
 

@@ -241,8 +241,8 @@ static void plan_weights(cuda_layer_t *s, carve_t *c)
     s->bias = moe_cuda_take(c, sizeof(float) * (size_t)s->E_total);
     s->perm_done = moe_cuda_take(c, 2 * sizeof(int32_t)); /* lane 0's, lane 1's */
     if (s->dec_ok)
-        s->dec_sync = moe_cuda_take(c, sizeof(int32_t) * moe_decode_sync_count(
-                                                             s->E, s->H, s->dec_tokens * s->k));
+        s->dec_sync = moe_cuda_take(c, sizeof(int32_t) *
+                                           moe_decode_sync_count(s->E, s->H, s->dec_tokens * s->k));
     if (ss > 0) {
         s->sw13 = moe_cuda_take(c, eb * 2 * ss * H);
         s->sw2 = moe_cuda_take(c, eb * H * ss);
@@ -464,14 +464,13 @@ static moe_status_t plan_decode(cuda_layer_t *s)
     if (s->dec_forced < 0 || s->world > 1 || s->deterministic || s->arch != 90 || s->f8 == 2 ||
         moe_decode_check(s->E, s->k, s->H, (int)s->is, s->f8) != MOE_STATUS_SUCCESS) {
         if (s->dec_forced > 0)
-            return moe_error(MOE_STATUS_NOT_SUPPORTED,
-                             "%s=%s: this layer cannot run it (%s)", s->forced_env,
-                             MOE_ORACLE_FUSED_DECODE,
-                             s->world > 1        ? "expert parallelism: one GPU only"
-                             : s->deterministic  ? "deterministic mode"
-                             : s->f8 == 2        ? "block scales"
-                             : s->arch != 90     ? "sm_90 only"
-                                                 : moe_last_error());
+            return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s=%s: this layer cannot run it (%s)",
+                             s->forced_env, MOE_ORACLE_FUSED_DECODE,
+                             s->world > 1       ? "expert parallelism: one GPU only"
+                             : s->deterministic ? "deterministic mode"
+                             : s->f8 == 2       ? "block scales"
+                             : s->arch != 90    ? "sm_90 only"
+                                                : moe_last_error());
         moe_error_clear();
         return MOE_STATUS_SUCCESS;
     }

@@ -23,7 +23,6 @@ static const struct knob {
     {"MOE_SCATTER_ROWS", 0, 1},
     {"MOE_GEMM_SKIP_PAD", 0, 1},
     {"MOE_FUSED_DECODE", 0, 1},
-    {"MOE_DECODE_DEEP", 0, 1},
     {"MOE_GEMM_GROUP", 0, 4096},    /* row blocks a sweep; 0: by blocks per expert */
     {"MOE_GEMM_MAX_CTAS", 0, 4096}, /* sm_90 GEMM grid cap (an experiment); 0: the SMs */
 };

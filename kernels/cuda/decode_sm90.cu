@@ -30,11 +30,11 @@ namespace
 {
 
 constexpr int THREADS = 256, WARPS = THREADS / 32;
-// 16-byte loads per row in flight per batch (two batches in turn): 4 with two CTAs an SM, or
-// (MOE_DECODE_DEEP=1, at most 16 tokens) 8 with one
-constexpr int U_WIDE = 4, U_DEEP = 8;
-constexpr int TILE1 = 8;   // GEMM 1: output columns of h per item (8 gate + 8 up rows)
-constexpr int TILE2 = 16;  // GEMM 2: output columns of y per item
+// 16-byte loads per row in flight per batch (two batches in turn), two CTAs an SM (8 with one
+// CTA an SM was 10-50 % slower: docs/KERNELS.md, "Fused decode")
+constexpr int U_WIDE = 4;
+constexpr int TILE1 = 8;  // GEMM 1: output columns of h per item (8 gate + 8 up rows)
+constexpr int TILE2 = 16; // GEMM 2: output columns of y per item
 constexpr int MAX_ROWS = MOE_DECODE_MAX_TOKENS * 16; // slots: tokens x top_k (top_k <= 16)
 
 // sync[] layout: done counter, x quantised counter, GEMM 1 items done per expert (one 128-byte
@@ -221,7 +221,8 @@ __device__ void build_table(const params &p, smem_t &s)
         int isum = sum, inz = nz;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
-            const int a = __shfl_up_sync(0xffffffffu, isum, o), b = __shfl_up_sync(0xffffffffu, inz, o);
+            const int a = __shfl_up_sync(0xffffffffu, isum, o),
+                      b = __shfl_up_sync(0xffffffffu, inz, o);
             if (lane >= o)
                 isum += a, inz += b;
         }
@@ -282,9 +283,9 @@ template <bool F8, int NG, int U, typename B, typename W>
 __device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra, const uint8_t *rb,
                                          int k0, int k1, int ncols, B bcol, W wait)
 {
-    constexpr int EPT = F8 ? 16 : 8;   // k per 16-byte load
-    constexpr int CK = 4 * EPT;        // k per load of the 4 lanes of a row
-    constexpr int ES = F8 ? 1 : 2;     // bytes per weight
+    constexpr int EPT = F8 ? 16 : 8; // k per 16-byte load
+    constexpr int CK = 4 * EPT;      // k per load of the 4 lanes of a row
+    constexpr int ES = F8 ? 1 : 2;   // bytes per weight
     const int t = threadIdx.x & 3;
     uint4 ca[U], cb[U];
 #pragma unroll
@@ -386,8 +387,7 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0)
                 for (int o = 4; o < 32; o <<= 1)
                     hm[j] = fmaxf(hm[j], __shfl_xor_sync(0xffffffffu, hm[j], o));
                 if (g == 0 && slot[j] >= 0)
-                    atomicMax(p.sync + sync_hmax(p.E, p.H) + slot[j],
-                              __float_as_int(hm[j]));
+                    atomicMax(p.sync + sync_hmax(p.E, p.H) + slot[j], __float_as_int(hm[j]));
             }
         }
     }
@@ -512,7 +512,7 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
 }
 
 template <bool F8, int NG, int U, typename XT, typename YT>
-__global__ void __launch_bounds__(THREADS, U == U_DEEP ? 1 : 2) decode_kernel(params p)
+__global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
 {
     __shared__ smem_t s;
     moe_pdl_wait_only(); // no early launch of the next kernel: this grid waits on itself
@@ -584,29 +584,19 @@ moe_status_t launch(const params &p, int max_ctas, cudaStream_t stream)
         return moe_error(MOE_STATUS_CUDA_ERROR, "decode: no CTA fits on the device");
     if (max_ctas > 0 && max_ctas < ctas)
         ctas = max_ctas;
-    MOE_CUDA_CHECK(moe_launch(decode_kernel<F8, NG, U, XT, YT>, dim3(ctas), dim3(THREADS), 0,
-                              stream, p));
+    MOE_CUDA_CHECK(
+        moe_launch(decode_kernel<F8, NG, U, XT, YT>, dim3(ctas), dim3(THREADS), 0, stream, p));
     MOE_CUDA_CHECK_LAUNCH("decode_kernel");
     return MOE_STATUS_SUCCESS;
-}
-
-// MOE_DECODE_DEEP=1 (read once; a measurement knob): 8 loads a row in flight, one CTA an SM,
-// at up to 16 tokens
-static bool deep()
-{
-    static int env = -1;
-    return moe_env_once(&env, "MOE_DECODE_DEEP", 0) != 0;
 }
 
 template <bool F8, typename XT, typename YT>
 moe_status_t launch_ng(const params &p, int max_ctas, cudaStream_t stream)
 {
     if (p.T <= 8)
-        return deep() ? launch<F8, 1, U_DEEP, XT, YT>(p, max_ctas, stream)
-                      : launch<F8, 1, U_WIDE, XT, YT>(p, max_ctas, stream);
+        return launch<F8, 1, U_WIDE, XT, YT>(p, max_ctas, stream);
     if (p.T <= 16)
-        return deep() ? launch<F8, 2, U_DEEP, XT, YT>(p, max_ctas, stream)
-                      : launch<F8, 2, U_WIDE, XT, YT>(p, max_ctas, stream);
+        return launch<F8, 2, U_WIDE, XT, YT>(p, max_ctas, stream);
     if (p.T <= 32)
         return launch<F8, 4, U_WIDE, XT, YT>(p, max_ctas, stream);
     return launch<F8, 8, U_WIDE, XT, YT>(p, max_ctas, stream);
@@ -630,10 +620,6 @@ template <bool F8> moe_status_t prepare_f8()
     MOE_DECODE_PREP(2, U_WIDE)
     MOE_DECODE_PREP(4, U_WIDE)
     MOE_DECODE_PREP(8, U_WIDE)
-    if (deep()) {
-        MOE_DECODE_PREP(1, U_DEEP)
-        MOE_DECODE_PREP(2, U_DEEP)
-    }
 #undef MOE_DECODE_PREP
     return MOE_STATUS_SUCCESS;
 }
@@ -722,12 +708,12 @@ extern "C" moe_status_t moe_decode_launch(const moe_decode_args_t *a, void *stre
     p.gelu = a->gelu;
     const cudaStream_t st = (cudaStream_t)stream;
     if (a->f8)
-        return a->x_dtype == MOE_DTYPE_F32 ? launch_y<true, float>(p, a->y_dtype, a->max_ctas, st)
-                                           : launch_y<true, __nv_bfloat16>(p, a->y_dtype,
-                                                                           a->max_ctas, st);
-    return a->x_dtype == MOE_DTYPE_F32 ? launch_y<false, float>(p, a->y_dtype, a->max_ctas, st)
-                                       : launch_y<false, __nv_bfloat16>(p, a->y_dtype,
-                                                                        a->max_ctas, st);
+        return a->x_dtype == MOE_DTYPE_F32
+                   ? launch_y<true, float>(p, a->y_dtype, a->max_ctas, st)
+                   : launch_y<true, __nv_bfloat16>(p, a->y_dtype, a->max_ctas, st);
+    return a->x_dtype == MOE_DTYPE_F32
+               ? launch_y<false, float>(p, a->y_dtype, a->max_ctas, st)
+               : launch_y<false, __nv_bfloat16>(p, a->y_dtype, a->max_ctas, st);
 }
 
 extern "C" moe_status_t moe_decode_prepare(void)

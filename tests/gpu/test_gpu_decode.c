@@ -8,6 +8,8 @@
 #define _POSIX_C_SOURCE 200809L /* setenv */
 #include "gpu_test.h"
 
+#include "kernels/decode.h"
+#include "kernels/oracle.h"
 #include "launch/layer_gen.h"
 #include "moe/moe.h"
 #include "testutil.h"
@@ -43,6 +45,15 @@ static const dec_case_t cases[] = {
 #define NUM_CASES ((int)(sizeof(cases) / sizeof(cases[0])))
 
 static moe_runtime_t *rt_gpu, *rt_cpu;
+static int arch; /* the kernel is built for sm_90a: the tests skip elsewhere */
+
+#define REQUIRE_SM90()                                                                             \
+    do {                                                                                           \
+        if (arch != 90) {                                                                          \
+            fprintf(stderr, "  sm_%d: the fused decode kernel runs on sm_90 only\n", arch);        \
+            skip();                                                                                \
+        }                                                                                          \
+    } while (0)
 
 static moe_layer_config_t config_of(const dec_case_t *c, int64_t cap)
 {
@@ -159,8 +170,7 @@ static int check_case(const dec_case_t *c, const layers_t *ls, int64_t n)
     const int steps = n < 16 ? (int)((16 + n - 1) / n) : 1;
     const int64_t nt = n * steps;
     const size_t len = (size_t)nt * (size_t)c->H;
-    float *x = malloc(4 * len), *ref = malloc(4 * len), *y = malloc(4 * len),
-          *yg = malloc(4 * len);
+    float *x = malloc(4 * len), *ref = malloc(4 * len), *y = malloc(4 * len), *yg = malloc(4 * len);
     double ef, eg, efg;
     int bad = 0;
     assert_true(x && ref && y && yg);
@@ -196,6 +206,7 @@ static void test_decode_against_cpu(void **state)
     const uint64_t seed = tu_seed("gpu_decode_w");
     int fails = 0;
     (void)state;
+    REQUIRE_SM90();
     for (int i = 0; i < NUM_CASES; i++) {
         const dec_case_t *c = &cases[i];
         layers_t ls;
@@ -220,6 +231,7 @@ static void test_decode_against_cpu(void **state)
 static void test_decode_batch_invariant(void **state)
 {
     (void)state;
+    REQUIRE_SM90();
     for (int i = 0; i < NUM_CASES; i++) {
         const dec_case_t *c = &cases[i];
         const uint64_t seed = tu_seed("gpu_decode_inv");
@@ -244,23 +256,34 @@ static void test_decode_batch_invariant(void **state)
 }
 
 /* Graph replays give bitwise the direct step's output (the kernel's counters reset themselves
- * at the end of each launch); the built-in crossover picks the kernel at 1 token and not past
- * it; a layer the kernel cannot run refuses the forced name at create, naming it. */
+ * at the end of each launch); forced, the kernel runs up to MOE_DECODE_MAX_TOKENS and not past
+ * it; the built-in table (crossover 0 on the H200: kernels/oracle.c) keeps the grouped path; a
+ * layer the kernel cannot run refuses the forced name at create, naming it. */
 static void test_decode_graph_explain_refusals(void **state)
 {
     const dec_case_t *c = &cases[3];
     const int64_t T = 5;
     const size_t n = (size_t)T * (size_t)c->H;
     const uint64_t seed = tu_seed("gpu_decode_graph");
+    const moe_oracle_query_t q = {
+        90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, 1, 1, MOE_ORACLE_ANY, 1.0};
     float *x = malloc(4 * n), *y1 = malloc(4 * n), *y2 = malloc(4 * n);
     void *stream = NULL, *graph = NULL, *exec = NULL, *dx, *dy;
     moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
     moe_layer_config_t cfg;
-    moe_layer_t *l = make(rt_gpu, c, 4096, seed), *bad = NULL;
+    moe_layer_t *l, *bad = NULL;
     (void)state;
+    REQUIRE_SM90();
 
+    l = make(rt_gpu, c, 4096, seed);
+    assert_int_equal(runs_fused(l, 1), moe_oracle_decode_tokens(&q) >= 1);
+    moe_layer_destroy(l);
+    setenv("MOE_FORCE_VARIANT", "sm90_fused_decode", 1);
+    l = make(rt_gpu, c, 4096, seed);
+    unsetenv("MOE_FORCE_VARIANT");
     assert_true(runs_fused(l, 1));
-    assert_false(runs_fused(l, 4096));
+    assert_true(runs_fused(l, MOE_DECODE_MAX_TOKENS));
+    assert_false(runs_fused(l, MOE_DECODE_MAX_TOKENS + 1));
     gt_ok(moe_gpu_stream_create(&stream), "stream");
     moe_gen_tokens(seed, 0, T, c->H, x);
     dx = gt_dup(x, 4 * n);
@@ -315,7 +338,7 @@ static int setup(void **state)
     moe_runtime_config_t rc = MOE_RUNTIME_CONFIG_INIT;
     (void)state;
     rc.backend = MOE_BACKEND_CUDA;
-    if (moe_runtime_create(&rc, NULL, &rt_gpu))
+    if (moe_runtime_create(&rc, NULL, &rt_gpu) || moe_gpu_arch(0, &arch))
         return -1;
     rc.backend = MOE_BACKEND_CPU;
     rc.device = -1;
