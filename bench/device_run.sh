@@ -13,6 +13,9 @@
 #   ep-cap           (2+ GPUs) issue 10's capacity table (8 tokens per rank, capacity 8 ..
 #                    8192, each transport), weak scaling, first call
 #   ep-layer         DeepSeek-V3's whole layer at 8 and 4096 tokens per rank, all GPUs vs one
+#   decode           the fused decode kernel: test_gpu_decode, then moe-bench at M = 1, 4, 8,
+#                    16, 64 for the three presets, bf16 and fp8, grouped path against the
+#                    kernel forced (bench/decode_run.sh; JSON in $OUT/json.tgz)
 #   bf16             moe-bench bf16 tables with phases (three presets, M = 1 .. 8192)
 #   fp8              moe-bench fp8 tables (three presets, per-tensor and block) + torch peers
 #   tune             moe-tune bf16 + fp8 for the three presets or $TUNE_PRESETS, $TUNE_DTYPES
@@ -232,6 +235,10 @@ mps)
         done
     done 2>&1 | tee "$OUT/mps_microbatch.log"
     echo quit | nvidia-cuda-mps-control
+    ;;
+decode)
+    BUILD_DIR=build-gpu TOKENS=${TOKENS:-1,4,8,16,64} SECONDS_PER_POINT=0.2 BENCH_TIMEOUT=60 \
+        bash bench/decode_run.sh decode bench 2>&1 | grep -E "^== |graph|rc=|PASSED|FAIL"
     ;;
 bf16)
     for p in $presets; do
