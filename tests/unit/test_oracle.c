@@ -576,6 +576,21 @@ static void test_forced(void **state)
                                    MOE_SCALE_NONE));
     TU_OK(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_fp8_block_m64n128", 90,
                                    MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128));
+    /* the fused decode kernel: sm_90, bf16 or per-row fp8; never by the built-in table */
+    TU_OK(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_fused_decode", 90, MOE_DTYPE_BF16,
+                                   MOE_SCALE_NONE));
+    TU_OK(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_fused_decode", 90, MOE_DTYPE_FP8_E4M3,
+                                   MOE_SCALE_PER_CHANNEL));
+    expect_error(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_fused_decode", 90,
+                                          MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128),
+                 MOE_STATUS_NOT_SUPPORTED, "MOE_FORCE_VARIANT=sm90_fused_decode runs on sm_90");
+    expect_error(moe_oracle_check_variant("MOE_GEMM_VARIANT", "sm90_fused_decode", 80,
+                                          MOE_DTYPE_BF16, MOE_SCALE_NONE),
+                 MOE_STATUS_NOT_SUPPORTED, "this layer: sm_80");
+    {
+        const moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 1};
+        assert_int_equal(moe_oracle_decode_tokens(&q), 0);
+    }
     expect_error(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_nope", 90, MOE_DTYPE_BF16,
                                           MOE_SCALE_NONE),
                  MOE_STATUS_INVALID_ARGUMENT, "MOE_FORCE_VARIANT=sm90_nope: no such variant");
