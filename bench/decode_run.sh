@@ -4,6 +4,9 @@
 # needs, then the MODEs in turn; logs under $OUT. Usage: bash bench/decode_run.sh [MODE...]
 #   decode  test_gpu_decode
 #   tests   test_gpu_layer, test_gpu_fp8 (one rank)
+#   profile Nsight Compute on the forced kernel in a bf16 step of moe-run (bf16 x;
+#           PROFILE_PRESET, default qwen3-30b-a3b; PROFILE_TOKENS, default "1 8"): speed of
+#           light, memory workload, warp states, occupancy, into $OUT/ncu_decode.txt
 #   bench   moe-bench at M = 1, 8, 64 (--explain) for the three presets, bf16 and fp8
 #           per-tensor: VARIANTS of grouped (MOE_FUSED_DECODE=0), fused (forced), builtin (the
 #           built-in crossover)
@@ -19,7 +22,7 @@ nvidia-smi -L
 start=$(date +%s)
 cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release >"$OUT/cmake.log" 2>&1 ||
     { tail -30 "$OUT/cmake.log"; exit 1; }
-ninja -C "$B" moe-bench test_gpu_decode test_gpu_layer test_gpu_fp8 >"$OUT/build.log" 2>&1 ||
+ninja -C "$B" moe-bench moe-run test_gpu_decode test_gpu_layer test_gpu_fp8 >"$OUT/build.log" 2>&1 ||
     { grep -E "error|Error" -A3 "$OUT/build.log" | head -60; exit 1; }
 echo "build: $(($(date +%s) - start)) s"
 export MOE_REQUIRE_GPU=1
@@ -39,6 +42,22 @@ tests)
     timeout 200 mpirun -np 1 "$B/tests/mpi/test_gpu_fp8" >"$OUT/fp8.log" 2>&1
     echo "test_gpu_fp8 np1 rc=$?"
     grep -E "PASSED|FAILED" "$OUT/fp8.log" | head -10
+    ;;
+profile)
+    command -v ncu >/dev/null || { echo "profile: no ncu on this machine"; continue; }
+    for T in ${PROFILE_TOKENS:-1 8}; do
+        echo "== ${PROFILE_PRESET:-qwen3-30b-a3b} bf16 $T tokens" |
+            tee -a "$OUT/ncu_decode.txt"
+        MOE_FORCE_VARIANT=sm90_fused_decode timeout 240 ncu --clock-control none \
+            -k regex:decode_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+            --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+            "$B/launch/moe-run" --backend cuda --preset "${PROFILE_PRESET:-qwen3-30b-a3b}" \
+            --dtype bf16 --x-dtype bf16 --tokens "$T" --iters 2 --warmup 1 \
+            >>"$OUT/ncu_decode.txt" 2>&1
+        echo "ncu rc=$?"
+        grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Stall" \
+            "$OUT/ncu_decode.txt" | tail -12
+    done
     ;;
 bench)
     mkdir -p /tmp/json
