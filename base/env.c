@@ -24,6 +24,14 @@ static const struct knob {
     {"MOE_SCATTER_ROWS", 0, 1},
     {"MOE_GEMM_SKIP_PAD", 0, 1},
     {"MOE_FUSED_DECODE", 0, 1},
+    {"MOE_EP_LL", 0, 1},
+    {"MOE_EP_MICROBATCH", 0, 1},
+    {"MOE_EP_P2P_HEADER", 0, 1},
+    {"MOE_EP_LL_KERNELS", 1, 2},
+    {"MOE_EP_CHUNK_TOKENS", 0, INT64_C(1) << 30},
+    {"MOE_EP_LL_CTAS", 0, 4096},
+    {"MOE_EP_FINISH_WAIT", 0, 1},
+    {"MOE_EP_SHARED_OVERLAP", 0, 1},
     {"MOE_GEMM_GROUP", 0, 4096},    /* row blocks a sweep; 0: by blocks per expert */
     {"MOE_GEMM_MAX_CTAS", 0, 4096}, /* sm_90 GEMM grid cap (an experiment); 0: the SMs */
 };

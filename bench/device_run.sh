@@ -34,6 +34,18 @@
 #                    "512 4096"; empty: none; MPS_DISPATCH=0: no dispatch table), and with
 #                    micro-batch lanes off and on
 #                    ($MPS_MB_TOKENS, default 4096); not two-GPU numbers (bench/RESULTS.md)
+#   faults           a stopped peer at several points of a step (tests/mpi/test_gpu_faults.c),
+#                    2 and 4 ranks sharing the GPU (one GPU) or a GPU each, default transport
+#                    (lsa) and lsa with micro-batch lanes; then moe-run as issue 37 ran it (qwen3,
+#                    512 tokens, MOE_TIMEOUT_MS=5000) under moe-launch, one rank SIGSTOPped at 8 s
+#                    and at 8.3 s: every survivor must print MOE_STATUS_TIMEOUT within 7 s of the
+#                    stop and the job must end non-zero
+#   soak             moe-soak on the CUDA backend, 2 ranks (sharing the GPU on a one-GPU
+#                    machine), $SOAK_SECONDS (default 420: a call's 10 minutes hold the build)
+#   sanitize         compute-sanitizer memcheck (leaks too) and racecheck over the multi-rank
+#                    GPU tests, 2 ranks sharing the GPU (one GPU) or a GPU each; $SAN_TOOLS and
+#                    $SAN_TESTS pick (a call's 10 minutes hold about one tool), $SAN_TIMEOUT
+#                    bounds each run (default 280 s)
 set -uo pipefail
 # shellcheck source=/dev/null # written by the GPU machine's setup, not in the repository
 source .device/env.sh
@@ -305,8 +317,78 @@ rotate)
     timeout 90 $B/moe-bench --preset qwen3-30b-a3b --tokens 1,1024 --graph-max 0 2>&1 | quiet |
         grep -vE "phases" | head -12
     ;;
+faults)
+    for n in 2 4; do
+        echo "== test_gpu_faults, $n ranks$([ "$ngpu" -ge "$n" ] || echo " sharing the GPU")"
+        MOE_TEST_SHARED_GPU=$([ "$ngpu" -ge "$n" ] && echo 0 || echo lsa) timeout 300 \
+            mpirun -np $n --oversubscribe -x MOE_TEST_SHARED_GPU \
+            build-gpu/tests/mpi/test_gpu_faults 2>&1 | quiet | tee "$OUT/faults$n.log" |
+            grep -E "survivor|teardown|FAIL" | tail -40
+        echo "exit ${PIPESTATUS[0]}"
+    done
+    echo "== test_gpu_faults, 2 ranks, MOE_EP_MICROBATCH=1"
+    MOE_EP_MICROBATCH=1 timeout 300 mpirun -np 2 --oversubscribe -x MOE_EP_MICROBATCH \
+        build-gpu/tests/mpi/test_gpu_faults 2>&1 | quiet | grep -E "survivor|FAIL" | tail -12
+    echo "exit ${PIPESTATUS[0]}"
+    # issue 37's run: moe-run under moe-launch, one rank stopped mid-run
+    for n in 2 4; do
+        for at in 8 8.3; do
+            echo "== moe-run qwen3-30b-a3b, $n ranks, lsa, MOE_TIMEOUT_MS=5000, SIGSTOP at $at s"
+            log="$OUT/stop-$n-$at.log"
+            MOE_TIMEOUT_MS=5000 timeout 120 launch/moe-launch --np $n --bind none \
+                --exe $B/moe-run -- --backend cuda --preset qwen3-30b-a3b --tokens 512 \
+                --iters 200000 --warmup 0 --seed 37$n >"$log" 2>&1 &
+            lp=$!
+            sleep "$at"
+            v=$(pgrep -f -- "--seed 37$n" | while read -r p; do
+                [ "$(cat /proc/"$p"/comm 2>/dev/null)" = moe-run ] && echo "$p"; done | tail -1)
+            t0=$(date +%s.%N)
+            kill -STOP "$v"
+            first="" last=""
+            said='^moe-run: rank [0-9]+: .*MOE_STATUS_TIMEOUT' # the survivors' own lines
+            while kill -0 "$lp" 2>/dev/null; do
+                c=$(grep -cE "$said" "$log")
+                [ -z "$first" ] && [ "$c" -ge 1 ] && first=$(date +%s.%N)
+                [ "$c" -ge $((n - 1)) ] && { last=$(date +%s.%N); break; }
+                sleep 0.1
+            done
+            wait "$lp"
+            rc=$?
+            kill -KILL "$v" 2>/dev/null
+            echo "exit $rc; survivors reporting TIMEOUT: $(grep -cE "$said" "$log") of" \
+                "$((n - 1)); first $(awk "BEGIN { print ${first:-0} - $t0 }") s, last" \
+                "$(awk "BEGIN { print ${last:-0} - $t0 }") s after the stop (bound 7 s)"
+            grep -E "moe-run: rank|moe-launch:" "$log" | cut -c1-200 | tail -8
+        done
+    done
+    ;;
+soak)
+    echo "== moe-soak, 2 ranks$([ "$ngpu" -ge 2 ] || echo " sharing the GPU"), ${SOAK_SECONDS:-420} s"
+    # shellcheck disable=SC2086 # $W: a command prefix or nothing
+    timeout $((${SOAK_SECONDS:-420} + 120)) mpirun -np 2 --oversubscribe $W $B/moe-soak \
+        --backend cuda --seconds "${SOAK_SECONDS:-420}" --report 60 2>&1 | quiet |
+        tee "$OUT/soak-gpu.log" | tail -12
+    ;;
+sanitize)
+    cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+    for tool in ${SAN_TOOLS:-memcheck racecheck}; do
+        extra=""
+        [ $tool = memcheck ] && extra="--leak-check full"
+        for t in ${SAN_TESTS:-test_gpu_ep test_gpu_shapes test_gpu_fp8 test_gpu_faults}; do
+            [ $tool = racecheck ] && [ $t = test_gpu_faults ] && continue # spins by design
+            echo "== compute-sanitizer --tool $tool, $t, 2 ranks"
+            # shellcheck disable=SC2086 # $extra: options or nothing
+            MOE_TEST_FAULT_TIMEOUT_MS=20000 timeout "${SAN_TIMEOUT:-280}" mpirun -np 2 --oversubscribe \
+                -x MOE_TEST_FAULT_TIMEOUT_MS $W "$cs" --tool $tool $extra --error-exitcode 9 \
+                --print-limit 20 build-gpu/tests/mpi/$t 2>&1 | quiet |
+                tee "$OUT/sanitize-$tool-$t.log" | grep -E "ERROR SUMMARY|LEAK SUMMARY|=========  [A-Z]|PASSED|FAILED" |
+                sort | uniq -c | head -20
+            echo "exit ${PIPESTATUS[0]}"
+        done
+    done
+    ;;
 *)
-    echo "usage: $0 [tests|quick|ep|ep-layer|mps|bf16|fp8|tune|first|kernels|rotate]..." >&2
+    echo "usage: $0 [tests|quick|ep|ep-layer|mps|bf16|fp8|tune|first|kernels|rotate|faults|soak|sanitize]..." >&2
     exit 2
     ;;
 esac

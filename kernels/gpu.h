@@ -44,6 +44,13 @@ moe_status_t moe_gpu_memset_async(void *dst, int value, size_t bytes, void *stre
 moe_status_t moe_gpu_stream_create(void **stream);
 moe_status_t moe_gpu_stream_destroy(void *stream);
 moe_status_t moe_gpu_stream_synchronize(void *stream);
+/* Waits on the host for `stream` (or `event`) with a deadline: polls (20 ms of spinning, then
+ * sleeps of at most 0.2 ms, so a long wait does not hold a core) for at most `timeout_ms`, and
+ * returns MOE_STATUS_TIMEOUT naming `what` where the device has not finished by then (a peer
+ * stopped mid-step whose device-side wait did not end: the host never waits longer than the
+ * device would). The work stays queued; CUDA errors as the synchronize calls. */
+moe_status_t moe_gpu_stream_wait_bounded(void *stream, int64_t timeout_ms, const char *what);
+moe_status_t moe_gpu_event_wait_bounded(void *event, int64_t timeout_ms, const char *what);
 /* 1 if `stream` is being captured into a graph, else 0. */
 moe_status_t moe_gpu_stream_is_capturing(void *stream, int *capturing);
 

@@ -2,12 +2,17 @@
 /* The tools' one number parser and their agreement on options across ranks (see cli.h). */
 #include "cli.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <math.h>
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "runtime/formats/file.h"
 
 int moe_cli_int(const char *opt, const char *s, int64_t min, int64_t max, int64_t *out, char *err,
                 size_t len)
@@ -175,4 +180,143 @@ int moe_cli_agree(const char *tool, int local_error, const char *error, const mo
                 (long long)all[(size_t)r * SLOTS + SLOT_FIELDS + field], r);
     free(all);
     return 2;
+}
+
+/* ---- path identity ------------------------------------------------------------------------ */
+
+enum { ID_BLOCK = 64 << 10, ID_BLOCKS = 16, ID_WHOLE = 64 << 20 };
+
+static int ends_with(const char *s, const char *tail)
+{
+    const size_t n = strlen(s), t = strlen(tail);
+    return n >= t && !strcmp(s + n - t, tail);
+}
+
+/* Bytes [off, off + n) of fd into the hash. 0, or -1 on a short read. */
+static int hash_range(int fd, off_t off, size_t n, unsigned char *buf, uint64_t *h)
+{
+    while (n > 0) {
+        const size_t want = n < ID_BLOCK ? n : ID_BLOCK;
+        const ssize_t r = pread(fd, buf, want, off);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            return -1;
+        *h = moe_fnv1a(*h, buf, (size_t)r);
+        off += r;
+        n -= (size_t)r;
+    }
+    return 0;
+}
+
+/* One file: its size and either all of it, or (a large .safetensors) its header and
+ * ID_BLOCKS blocks spread over the rest. */
+static int hash_file(const char *opt, const char *path, int sampled, uint64_t *h, char *err,
+                     size_t len)
+{
+    unsigned char *buf = malloc(ID_BLOCK);
+    struct stat sb;
+    int fd = -1, rc = -1, i;
+    uint64_t head = 0;
+
+    if (!buf) {
+        snprintf(err, len, "%s %s: out of memory", opt, path);
+        return -1;
+    }
+    if (moe_open_regular(path, &fd, NULL) != MOE_STATUS_SUCCESS) {
+        snprintf(err, len, "%s: %s", opt, moe_last_error());
+        goto out;
+    }
+    if (fstat(fd, &sb) != 0)
+        goto io;
+    *h = moe_fnv1a(*h, &sb.st_size, sizeof(sb.st_size));
+    if (!sampled || sb.st_size <= ID_WHOLE) {
+        if (hash_range(fd, 0, (size_t)sb.st_size, buf, h))
+            goto io;
+        rc = 0;
+        goto out;
+    }
+    /* safetensors: 8 bytes of header length, then the header */
+    if (pread(fd, &head, 8, 0) != 8)
+        goto io;
+    head = head + 8 < (uint64_t)sb.st_size ? head + 8 : (uint64_t)sb.st_size;
+    if (hash_range(fd, 0, (size_t)head, buf, h))
+        goto io;
+    for (i = 0; i < ID_BLOCKS; i++) {
+        /* the first block starts the data, the last one ends it */
+        const uint64_t data = (uint64_t)sb.st_size - head;
+        const uint64_t span = data > ID_BLOCK ? data - ID_BLOCK : 0;
+        const uint64_t at = head + span / (ID_BLOCKS - 1) * (uint64_t)i;
+        const uint64_t n =
+            (uint64_t)sb.st_size - at < ID_BLOCK ? (uint64_t)sb.st_size - at : ID_BLOCK;
+        if (hash_range(fd, (off_t)at, (size_t)n, buf, h))
+            goto io;
+    }
+    rc = 0;
+    goto out;
+io:
+    snprintf(err, len, "%s %s: cannot read: %s", opt, path, strerror(errno ? errno : EIO));
+out:
+    if (fd >= 0)
+        close(fd);
+    free(buf);
+    return rc;
+}
+
+static int cmp_names(const void *a, const void *b)
+{
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+int moe_cli_path_identity(const char *opt, const char *path, uint64_t *h, char *err, size_t len)
+{
+    struct dirent *e;
+    struct stat sb;
+    char **names = NULL, full[4096];
+    size_t n = 0, cap = 0, i;
+    int rc = 0;
+    DIR *d;
+
+    *h = MOE_CLI_HASH_SEED;
+    if (stat(path, &sb) != 0) {
+        snprintf(err, len, "%s %s: %s", opt, path, strerror(errno));
+        return -1;
+    }
+    if (!S_ISDIR(sb.st_mode))
+        return hash_file(opt, path, 0, h, err, len);
+    if (!(d = opendir(path))) {
+        snprintf(err, len, "%s %s: cannot list: %s", opt, path, strerror(errno));
+        return -1;
+    }
+    while ((e = readdir(d)) != NULL) {
+        if (!ends_with(e->d_name, ".json") && !ends_with(e->d_name, ".safetensors"))
+            continue;
+        if (n == cap) {
+            char **m = realloc(names, sizeof(char *) * (cap = cap ? 2 * cap : 16));
+            if (!m) {
+                rc = -1;
+                break;
+            }
+            names = m;
+        }
+        if (!(names[n] = strdup(e->d_name))) {
+            rc = -1;
+            break;
+        }
+        n++;
+    }
+    closedir(d);
+    if (rc)
+        snprintf(err, len, "%s %s: out of memory", opt, path);
+    if (names)
+        qsort(names, n, sizeof(char *), cmp_names);
+    for (i = 0; i < n && rc == 0; i++) {
+        *h = moe_fnv1a(*h, names[i], strlen(names[i]) + 1);
+        snprintf(full, sizeof(full), "%s/%s", path, names[i]);
+        rc = hash_file(opt, full, ends_with(names[i], ".safetensors"), h, err, len);
+    }
+    for (i = 0; i < n; i++)
+        free(names[i]);
+    free(names);
+    return rc;
 }

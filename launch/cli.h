@@ -40,6 +40,16 @@ int64_t moe_cli_hash(const char *s);
 #define MOE_CLI_HASH_SEED 1469598103934665603ULL
 uint64_t moe_cli_hash_list(uint64_t h, const int64_t *v, int n);
 
+/* What a path argument that every rank must read alike holds, as a 64-bit hash for a hashed
+ * moe_cli_field_t ((int64_t)(h >> 1)): the content, not the name, so copies on other hosts
+ * agree and other files at the same path do not. A regular file: all its bytes. A directory
+ * (a checkpoint): the names and sizes of its .json and .safetensors files, the whole .json
+ * files, each .safetensors file whole up to 64 MiB, above that its header and 16 blocks of
+ * 64 KiB spread over its data from the first byte to the last. Every file is opened by the
+ * library's one non-blocking regular-file open (a FIFO is refused, never waited on). 0, or -1 with
+ * err[len] naming the path and what is wrong. */
+int moe_cli_path_identity(const char *opt, const char *path, uint64_t *h, char *err, size_t len);
+
 /* v[0..n) in ascending order (the tools' step times, for their medians). */
 void moe_cli_sort(double *v, int n);
 

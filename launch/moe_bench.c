@@ -22,6 +22,7 @@
 #include "dispatch_bench.h"
 #include "eplb_bench.h"
 #include "layer_gen.h"
+#include "runtime/formats/file.h"
 #include "tool_check.h"
 #include "moe/moe.h"
 #include "moe/moe_mpi.h"
@@ -273,8 +274,11 @@ static int resolve(options_t *o, int rank)
         return REJECT("capacity %lld x --hidden %d: %lld values per buffer is too many",
                       (long long)o->capacity, o->cfg.hidden,
                       (long long)(o->capacity * o->cfg.hidden));
-    if (o->json && rank == 0 && !(o->json_file = fopen(o->json, "w")))
-        return REJECT("--json %s: cannot write: %s", o->json, strerror(errno));
+    if (o->json && rank == 0) {
+        moe_status_t js;
+        if (!(o->json_file = moe_open_regular_write(o->json, &js)))
+            return REJECT("--json %s", moe_last_error());
+    }
     o->cfg.max_tokens_per_rank = o->capacity;
     if (o->round_tokens > o->capacity)
         return REJECT("--round-tokens %lld is over the capacity %lld", (long long)o->round_tokens,

@@ -10,10 +10,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "cli.h"
 #include "layer_gen.h"
 #include "base/numeric.h"
+#include "runtime/formats/file.h"
 #include "moe/moe.h"
 #include "moe/moe_mpi.h"
 #ifdef MOE_RUN_HAVE_MODEL
@@ -43,14 +45,15 @@ typedef struct opts {
     int64_t round_tokens; /* --round-tokens: ep_round_tokens (0: the library's default) */
     uint64_t seed;
     int iters, warmup, bind, ep, tp, deterministic, quiet, help;
-    int redundant;        /* --redundant-experts R */
-    int eplb;             /* --eplb: rebalance once after the warm-up steps */
-    double skew;          /* --route-skew S: Zipf router logits (0: the layer's router) */
-    int tokens_given;     /* --tokens on the command line (else --input's row count) */
-    int dtype_given;      /* --dtype on the command line */
-    FILE *json_file;      /* rank 0: --json, opened before the run so a bad path fails first */
-    int shape[NUM_SHAPE]; /* --experts ... --topk-group (shape_opt) */
-    unsigned shape_set;   /* which of them were given */
+    int redundant;    /* --redundant-experts R */
+    int eplb;         /* --eplb: rebalance once after the warm-up steps */
+    double skew;      /* --route-skew S: Zipf router logits (0: the layer's router) */
+    int tokens_given; /* --tokens on the command line (else --input's row count) */
+    int dtype_given;  /* --dtype on the command line */
+    FILE *json_file;  /* rank 0: --json, opened before the run so a bad path fails first */
+    int64_t model_id, input_id; /* what --model and --input hold (moe_cli_path_identity) */
+    int shape[NUM_SHAPE];       /* --experts ... --topk-group (shape_opt) */
+    unsigned shape_set;         /* which of them were given */
     int preset_given;
     moe_backend_t backend_kind;
     char err[512]; /* why this rank rejected its options */
@@ -80,6 +83,23 @@ static void destroy_layers(void)
         MPI_Abort(MPI_COMM_WORLD, 2);                                                              \
     } while (0)
 
+static void sleep_ms(int64_t ms)
+{
+    struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+        ;
+}
+
+/* How long a rank that saw a peer fail waits before it ends the job: the runtime's timeout
+ * and 2 s (the others' waits end by then, even on a loaded host), at most 15 s. */
+static int64_t abort_grace_ms(void)
+{
+    const char *v = getenv("MOE_TIMEOUT_MS");
+    long long t = v && *v ? strtoll(v, NULL, 10) : 300000;
+    t = t > 0 ? t + 2000 : 2000;
+    return t > 15000 ? 15000 : t;
+}
+
 /* A failed libmoe call. `agreed`: a collective call whose verdict every rank shares (a bad
  * config, a peer's error), after which every rank can leave cleanly. Anything else, and any
  * status that leaves a collective pending (timeout, dead peer, broken object), ends the job
@@ -92,7 +112,18 @@ static void fail(moe_status_t s, const char *call, int agreed)
     fprintf(stderr, "moe-run: rank %d: %s: %s (%s)\n", rank_g, call, moe_status_string(s),
             moe_last_error());
     fflush(stderr);
-    if (fatal || !agreed)
+    if (fatal) {
+        /* A peer failed or stopped: the other survivors are in the same wait and reach their
+         * own deadline about now. Tear down (as a serving process would: bounded, no peer
+         * needed), then give them a grace period to print their own status before MPI_Abort
+         * ends the job, including a stopped rank (docs/RELIABILITY.md, "Every survivor
+         * reports"). */
+        destroy_layers();
+        moe_runtime_destroy(rt_g);
+        sleep_ms(abort_grace_ms());
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    if (!agreed)
         MPI_Abort(MPI_COMM_WORLD, 1);
     destroy_layers();
     moe_runtime_destroy(rt_g);
@@ -570,6 +601,16 @@ static void rebalance(moe_layer_t **layers, int nl, results_t *res)
 
 /* One step = every layer's forward in turn on the same tokens (layers of one runtime run one
  * at a time: they share its workspace); phases are the last layer's. */
+/* The steps' barrier, bounded by the runtime's timeout (libmoe's agreement): a peer stopped or
+ * killed between two steps gives MOE_STATUS_TIMEOUT here instead of a wait without end in
+ * MPI_Barrier (with lsa a stopped rank's queued GPU work still completes the step, so its
+ * peers meet the stop here). */
+static void bounded_barrier(void)
+{
+    int64_t m = 0;
+    CHECK_ALL(moe_runtime_max_tokens(rt_g, 0, &m));
+}
+
 static void time_steps(moe_layer_t **layers, int nl, const moe_forward_args_t *fa, const opts_t *o,
                        results_t *res)
 {
@@ -587,14 +628,14 @@ static void time_steps(moe_layer_t **layers, int nl, const moe_forward_args_t *f
     if (o->eplb)
         rebalance(layers, nl, res);
     for (i = 0; i < o->iters; i++) {
-        MPI_Barrier(MPI_COMM_WORLD);
+        bounded_barrier();
         wall0 = MPI_Wtime();
         for (l = 0; l < nl; l++)
             CHECK_ALL(moe_layer_forward(layers[l], fa));
         for (l = 0; l < nl; l++) /* each layer's verdict (one stream: the first waits) */
             CHECK(moe_layer_synchronize(layers[l], NULL));
         CHECK(moe_layer_get_stats(layers[nl - 1], &st));
-        MPI_Barrier(MPI_COMM_WORLD);
+        bounded_barrier();
         wall += MPI_Wtime() - wall0;
         ph[PH_ROUTE * o->iters + i] = st.route_us;
         ph[PH_DISPATCH * o->iters + i] = st.dispatch_us;
@@ -791,6 +832,7 @@ static int resolve(opts_t *o, int world)
     int64_t per_rank;
 #ifdef MOE_RUN_HAVE_MODEL
     moe_status_t st;
+    uint64_t id = 0;
     if (o->model && (st = moe_run_model_config(o->model, o->layer_index, &o->cfg)))
         return REJECT("--model %s --layer %d: %s (%s)", o->model, o->layer_index,
                       moe_status_string(st), moe_last_error());
@@ -798,6 +840,14 @@ static int resolve(opts_t *o, int world)
         o->cfg.weight_dtype = o->dtype_kind;
         o->cfg.scale_kind = o->dtype_scale;
     }
+    /* every rank must read the same checkpoint and tokens: compared by content (a copy on
+     * another host agrees; another file at the same path does not) */
+    if (o->model && moe_cli_path_identity("--model", o->model, &id, o->err, sizeof(o->err)))
+        return -1;
+    o->model_id = o->model ? (int64_t)(id >> 1) : 0;
+    if (o->input && moe_cli_path_identity("--input", o->input, &id, o->err, sizeof(o->err)))
+        return -1;
+    o->input_id = o->input ? (int64_t)(id >> 1) : 0;
     if (o->input && !o->tokens_given) { /* the global batch is the file's tokens */
         moe_dtype_t dt;
         int64_t cols;
@@ -830,8 +880,11 @@ static int resolve(opts_t *o, int world)
                       "(%d)",
                       (long long)o->tokens, o->cfg.hidden, (long long)(o->tokens * o->cfg.hidden),
                       INT32_MAX);
-    if (o->json && rank_g == 0 && !(o->json_file = fopen(o->json, "w")))
-        return REJECT("--json %s: cannot write: %s", o->json, strerror(errno));
+    if (o->json && rank_g == 0) {
+        moe_status_t js;
+        if (!(o->json_file = moe_open_regular_write(o->json, &js)))
+            return REJECT("--json %s", moe_last_error());
+    }
     return 0;
 }
 
@@ -846,6 +899,9 @@ static int agree_options(const opts_t *o, int bad)
         {"--input (given or not)", o->input != NULL, 0},
         {"--output (given or not)", o->output != NULL, 0},
         {"--model (given or not)", o->model != NULL, 0},
+        {"--model's content (file names, sizes, JSON, safetensors headers, sampled weights)",
+         o->model_id, 1},
+        {"--input's content", o->input_id, 1},
         {"--iters", o->iters, 0},
         {"--warmup", o->warmup, 0},
         {"--tokens", o->tokens, 0},

@@ -23,6 +23,7 @@
 #include "kernels/expert_gemm_table.h"
 #include "runtime/oracle.h"
 #include "layer_gen.h"
+#include "runtime/formats/file.h"
 #include "tool_check.h"
 #include "moe/moe.h"
 #include "moe/moe_mpi.h"
@@ -202,32 +203,21 @@ static int same_key(const moe_oracle_group_t *a, const moe_oracle_group_t *b)
  * are kept), and the folder must be writable. */
 static int check_out(options_t *o, const char *gpu, int arch)
 {
-    FILE *f = fopen(o->out, "rb");
-    char *buf;
-    long n;
+    char *buf = NULL;
+    size_t n = 0;
+    int missing = 0;
     moe_status_t st;
-    if (!f) {
-        if (errno != ENOENT)
-            return REJECT("--out %s: cannot read it: %s", o->out, strerror(errno));
-        if (!(f = fopen(o->out, "wb")))
-            return REJECT("--out %s: cannot write: %s", o->out, strerror(errno));
+    FILE *f;
+    /* the library's one non-blocking regular-file open: a FIFO or device is refused at once */
+    if (moe_read_regular(o->out, MOE_TUNE_MAX_BYTES, &buf, &n, &missing) != MOE_STATUS_SUCCESS)
+        return REJECT("--out %s (remove it or pick another)", moe_last_error());
+    if (missing) {
+        if (!(f = moe_open_regular_write(o->out, &st)))
+            return REJECT("--out %s", moe_last_error());
         fclose(f);
         remove(o->out);
         return 1;
     }
-    if (fseek(f, 0, SEEK_END) || (n = ftell(f)) < 0 || n > MOE_TUNE_MAX_BYTES ||
-        fseek(f, 0, SEEK_SET)) {
-        fclose(f);
-        return REJECT("--out %s: exists and is not a tune file (remove it or pick another)",
-                      o->out);
-    }
-    buf = malloc((size_t)n + 1);
-    if (!buf || fread(buf, 1, (size_t)n, f) != (size_t)n) {
-        free(buf);
-        fclose(f);
-        return REJECT("--out %s: cannot read it", o->out);
-    }
-    fclose(f);
     st = moe_oracle_parse(buf, (size_t)n, o->out, &o->keep);
     free(buf);
     if (st != MOE_STATUS_SUCCESS)

@@ -738,7 +738,7 @@ static int use_all_gather(const moe_layer_t *l, const step_t *s)
         return l->cfg.dispatch == MOE_DISPATCH_ALL_GATHER;
     for (r = 0; r < l->plan.world; r++)
         mx = s->tokens[r] > mx ? s->tokens[r] : mx;
-    return l->plan.world > 1 && mx <= moe_env_int("MOE_AG_MAX_TOKENS", 32);
+    return l->plan.world > 1 && mx <= l->knobs.v[MOE_KNOB_AG_MAX_TOKENS]; /* agreed at create */
 }
 
 static moe_status_t step_alloc(moe_layer_t *l, step_t *s)

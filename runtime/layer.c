@@ -112,7 +112,7 @@ static moe_status_t validate_dtype(const moe_layer_config_t *c)
     return MOE_STATUS_SUCCESS;
 }
 
-static moe_status_t validate_layout(moe_layer_config_t *c, int world)
+static moe_status_t validate_layout(moe_layer_config_t *c, int world, const moe_knobs_t *k)
 {
     int64_t si;
     MOE_ARG_CHECK(c->ep_size >= 0, "ep_size = %d: must be >= 0 (0 = auto)", c->ep_size);
@@ -157,7 +157,7 @@ static moe_status_t validate_layout(moe_layer_config_t *c, int world)
                       (long long)si, world);
     }
     if (c->deterministic == MOE_AUTO)
-        c->deterministic = moe_env_int("MOE_DETERMINISTIC", 0) ? 1 : 0;
+        c->deterministic = k->v[MOE_KNOB_DETERMINISTIC] ? 1 : 0;
     MOE_ARG_CHECK(c->deterministic == 0 || c->deterministic == 1,
                   "deterministic = %d: must be 0, 1 or MOE_AUTO", c->deterministic);
     if (c->deterministic) {
@@ -247,19 +247,28 @@ static uint64_t config_hash(const moe_layer_config_t *c)
     return h;
 }
 
-/* Every rank learns whether all validated and all hold the same config: MAX over
- * {hash, -hash} gives max and -min. */
+/* Every rank learns whether all validated, all hold the same config and all read the same
+ * knobs (knobs.h): MAX over {w, -w} of each word gives its max and -min, in one all-reduce. */
 static moe_status_t agree_config(moe_layer_t *l, moe_status_t local)
 {
+    enum { N = 1 + MOE_KNOB_WORDS };
     moe_comm_t *comm = l->rt->comm;
-    int64_t h[2];
+    int64_t h[2 * N], max[MOE_KNOB_WORDS], min[MOE_KNOB_WORDS];
+    int i;
     moe_status_t st = moe_comm_agree(comm, local);
     if (st != MOE_STATUS_SUCCESS)
         return st;
     h[0] = (int64_t)(config_hash(&l->cfg) >> 1);
-    h[1] = -h[0];
-    MOE_CHECK(moe_comm_allreduce_i64(comm, h, 2, MOE_REDUCE_MAX));
-    if (h[0] != -h[1])
+    for (i = 0; i < MOE_KNOB_WORDS; i++)
+        h[1 + i] = l->knobs.word[i];
+    for (i = 0; i < N; i++)
+        h[N + i] = -h[i];
+    MOE_CHECK(moe_comm_allreduce_i64(comm, h, 2 * N, MOE_REDUCE_MAX));
+    for (i = 0; i < MOE_KNOB_WORDS; i++)
+        max[i] = h[1 + i], min[i] = -h[N + 1 + i];
+    /* a knob first: MOE_DETERMINISTIC also changes the resolved config */
+    MOE_CHECK(moe_knobs_mismatch(comm, &l->knobs, max, min));
+    if (h[0] != -h[N])
         return moe_error(MOE_STATUS_MISMATCH,
                          "ranks passed different layer configs (or layouts) to moe_layer_create");
     return MOE_STATUS_SUCCESS;
@@ -281,10 +290,11 @@ static moe_status_t layer_setup(moe_layer_t *l, const moe_layer_config_t *config
     const int world = l->rt->info.world_size;
     l->cfg = *config;
     l->ep_round_tokens = config->max_tokens_per_rank; /* one round, unless the backend splits */
+    MOE_CHECK(moe_knobs_read(&l->knobs));
     MOE_CHECK(validate_sizes(&l->cfg));
     MOE_CHECK(validate_routing(&l->cfg));
     MOE_CHECK(validate_dtype(&l->cfg));
-    MOE_CHECK(validate_layout(&l->cfg, world));
+    MOE_CHECK(validate_layout(&l->cfg, world, &l->knobs));
     if (l->cfg.routed_scaling_factor == 0.0f)
         l->cfg.routed_scaling_factor = 1.0f;
     if (l->cfg.n_group <= 1)

@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include "moe/moe.h"
 #include "comm/comm.h"
+#include "runtime/knobs.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -123,6 +124,7 @@ struct moe_layer {
     moe_placement_stats_t placement_stats; /* of the last placement change */
     size_t weight_bytes, workspace_bytes;
     int64_t ep_round_tokens; /* resolved (moe_layer_info_t) */
+    moe_knobs_t knobs;       /* read once at create, the same on every rank (knobs.h) */
     int broken; /* a collective failed: every later call returns MOE_STATUS_INVALID_STATE */
     /* Result of forward's local argument checks: a backend whose forward starts with a
      * collective carries it there so that every rank fails together instead of waiting. */

@@ -8,10 +8,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "kernels/expert_gemm_table.h"
 #include "base/diag.h"
+#include "runtime/formats/file.h"
 #include "base/json.h"
 
 /* ---- built-in tables: rows per expert at or below which each variant is the default,
@@ -713,8 +713,6 @@ int moe_oracle_load_text(moe_oracle_t *o, const char *text, size_t len, const ch
 
 int moe_oracle_load(moe_oracle_t *o, const char *path, const moe_oracle_target_t *target)
 {
-    FILE *f;
-    struct stat st;
     char *buf;
     size_t got;
     int n;
@@ -722,28 +720,11 @@ int moe_oracle_load(moe_oracle_t *o, const char *path, const moe_oracle_target_t
     moe_oracle_free(o);
     if (!path || !*path)
         return 0;
-    f = fopen(path, "rb");
-    if (!f)
-        return ignore(o, "%s: cannot open it", path);
-    if (fstat(fileno(f), &st) != 0 || !S_ISREG(st.st_mode)) {
-        fclose(f);
-        return ignore(o, "%s: not a regular file", path);
-    }
-    if (st.st_size > MOE_TUNE_MAX_BYTES) {
-        fclose(f);
-        return ignore(o, "%s: %lld bytes (a tune file has at most %d)", path, (long long)st.st_size,
-                      MOE_TUNE_MAX_BYTES);
-    }
-    buf = malloc((size_t)st.st_size + 1);
-    if (!buf) {
-        fclose(f);
-        return ignore(o, "%s: out of memory", path);
-    }
-    got = fread(buf, 1, (size_t)st.st_size, f);
-    fclose(f);
-    if (got != (size_t)st.st_size) {
-        free(buf);
-        return ignore(o, "%s: read %zu of %lld bytes", path, got, (long long)st.st_size);
+    /* the one non-blocking open: a FIFO or device is refused, never waited on */
+    if (moe_read_regular(path, MOE_TUNE_MAX_BYTES, &buf, &got, NULL) != MOE_STATUS_SUCCESS) {
+        n = ignore(o, "%s", moe_last_error());
+        moe_error_clear();
+        return n;
     }
     n = moe_oracle_load_text(o, buf, got, path, target);
     free(buf);
@@ -853,14 +834,15 @@ moe_status_t moe_oracle_write(const char *path, const moe_oracle_table_t *t)
     const size_t n = moe_oracle_format(t, NULL, 0);
     char *buf = malloc(n + 1);
     FILE *f;
+    moe_status_t st;
     int fail;
     if (!buf)
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "tune file %s: %zu bytes", path, n);
     moe_oracle_format(t, buf, n + 1);
-    f = fopen(path, "wb");
+    f = moe_open_regular_write(path, &st);
     if (!f) {
         free(buf);
-        return moe_error(MOE_STATUS_IO_ERROR, "tune file %s: cannot open it for writing", path);
+        return moe_error(st, "tune file %s", moe_last_error());
     }
     fail = fwrite(buf, 1, n, f) != n;
     fail |= fclose(f) != 0;

@@ -53,8 +53,11 @@ static moe_status_t pick_device(moe_runtime_t *rt)
     rt->info.device = -1;
     if (rt->info.backend != MOE_BACKEND_CUDA)
         return MOE_STATUS_SUCCESS;
-    if (dev < 0)
-        dev = (int)moe_env_int("MOE_DEVICE", -1);
+    if (dev < 0) {
+        int64_t d;
+        MOE_CHECK(moe_env_int_checked("MOE_DEVICE", -1, &d));
+        dev = (int)d;
+    }
     if (dev < 0)
         dev = rt->info.local_rank % rt->num_gpus;
     if (dev >= rt->num_gpus)
@@ -69,13 +72,19 @@ static moe_status_t pick_device(moe_runtime_t *rt)
 
 static void runtime_free(moe_runtime_t *rt);
 
-static moe_status_t runtime_setup(moe_runtime_t *rt)
+/* `env`: this rank's verdict on MOE_TIMEOUT_MS, read before the communicator existed; like
+ * every other local failure here it waits for the agreement, so that the peers learn of it at
+ * once instead of waiting out their timeout. */
+static moe_status_t runtime_setup(moe_runtime_t *rt, moe_status_t env)
 {
+    int64_t bind;
     MOE_CHECK(moe_comm_node_rank(rt->comm, &rt->info.local_rank, &rt->info.local_size));
+    MOE_CHECK(env);
+    MOE_CHECK(moe_env_int_checked("MOE_BIND", 0, &bind));
     MOE_CHECK(resolve_backend(rt));
     MOE_CHECK(pick_device(rt));
     moe_log_set_identity(rt->info.rank, rt->info.device);
-    if (rt->config.bind || moe_env_int("MOE_BIND", 0))
+    if (rt->config.bind || bind)
         MOE_CHECK(moe_topology_bind(rt));
     return MOE_STATUS_SUCCESS;
 }
@@ -98,8 +107,8 @@ moe_status_t moe_runtime_create(const moe_runtime_config_t *config, const void *
 {
     moe_runtime_config_t dflt = MOE_RUNTIME_CONFIG_INIT;
     moe_runtime_t *rt;
-    moe_status_t st, local;
-    int64_t timeout_ms = 0;
+    moe_status_t st, local, env = MOE_STATUS_SUCCESS;
+    int64_t timeout_ms = 300000;
 
     moe_error_clear();
     MOE_ARG_CHECK(runtime != NULL, "runtime = NULL: need a place for the handle");
@@ -111,9 +120,11 @@ moe_status_t moe_runtime_create(const moe_runtime_config_t *config, const void *
     MOE_ARG_CHECK(config->timeout_ms >= 0, "timeout_ms = %d: must be >= 0", config->timeout_ms);
     MOE_ARG_CHECK(config->device >= -1, "device = %d: must be >= -1", config->device);
     /* MOE_TIMEOUT_MS: bound on every wait for a peer (default 5 minutes); a bad value is an
-     * error naming it, never a silent default */
-    if (!config->timeout_ms)
-        MOE_CHECK(moe_env_int_checked("MOE_TIMEOUT_MS", 300000, &timeout_ms));
+     * error naming it, never a silent default. It is reported after the start-up collectives
+     * (runtime_setup), which run under the default meanwhile. */
+    if (!config->timeout_ms &&
+        (env = moe_env_int_checked("MOE_TIMEOUT_MS", 300000, &timeout_ms)) != MOE_STATUS_SUCCESS)
+        timeout_ms = 300000;
     rt = calloc(1, sizeof(*rt));
     if (!rt)
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "runtime");
@@ -129,7 +140,7 @@ moe_status_t moe_runtime_create(const moe_runtime_config_t *config, const void *
     rt->info.world_size = moe_comm_size(rt->comm);
     rt->info.numa_node = -1;
     gethostname(rt->info.hostname, sizeof(rt->info.hostname) - 1);
-    local = runtime_setup(rt);
+    local = runtime_setup(rt, env);
     st = moe_comm_agree(rt->comm, local);
     if (st == MOE_STATUS_SUCCESS)
         st = check_same_backend(rt);

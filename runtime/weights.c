@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Weight setting: shapes per kind, this rank's slice, dtype conversion and FP8 quantisation,
  * and the check that every needed weight was set. */
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -295,18 +296,38 @@ static const char *value_name(float v)
     return isnan(v) ? "NaN" : v > 0 ? "+Inf" : "-Inf";
 }
 
+/* An FP8 scale multiplies e4m3 values of magnitude up to 448 (and, as an input scale, divides
+ * activations). One whose product with 448 overflows f32 gives Inf and NaN; one whose product
+ * with 448 is below f32's smallest normal makes every weight it scales subnormal, which the
+ * GEMMs flush to zero: both are refused, as are 0, negatives, NaN and Inf. */
+#define E4M3_MAX 448.0f
+#define SCALE_MAX (FLT_MAX / E4M3_MAX)
+#define SCALE_MIN (FLT_MIN / E4M3_MAX)
+
 moe_status_t moe_scales_check(const float *scale, int64_t rows, int64_t cols, const char *what,
                               int64_t row_off, int64_t col_off)
 {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t c = 0; c < cols; c++) {
             float v = scale[r * cols + c];
+            const long long sr = (long long)(r + row_off / BLK),
+                            sc = (long long)(c + col_off / BLK);
             if (!isfinite(v) || !(v > 0.0f))
                 return moe_error(MOE_STATUS_NUMERIC_ERROR,
                                  "%s: scale [%lld, %lld] is %g (FP8 scales must be finite and > "
                                  "0)",
-                                 what, (long long)(r + row_off / BLK),
-                                 (long long)(c + col_off / BLK), (double)v);
+                                 what, sr, sc, (double)v);
+            if (v > SCALE_MAX)
+                return moe_error(MOE_STATUS_NUMERIC_ERROR,
+                                 "%s: scale [%lld, %lld] is %g: times the e4m3 maximum 448 it "
+                                 "overflows f32 (FP8 scales must be at most %.4g)",
+                                 what, sr, sc, (double)v, (double)SCALE_MAX);
+            if (v < SCALE_MIN)
+                return moe_error(MOE_STATUS_NUMERIC_ERROR,
+                                 "%s: scale [%lld, %lld] is %g: times the e4m3 maximum 448 it is "
+                                 "below f32's smallest normal %.4g, so every weight it scales "
+                                 "flushes to zero (FP8 scales must be at least %.4g)",
+                                 what, sr, sc, (double)v, (double)FLT_MIN, (double)SCALE_MIN);
         }
     return MOE_STATUS_SUCCESS;
 }

@@ -3,8 +3,10 @@
 #include "kernels/gpu.h"
 
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 #include "kernels/cuda/cuda_check.h"
+#include "base/diag.h"
 
 extern "C" {
 
@@ -168,6 +170,55 @@ moe_status_t moe_gpu_stream_synchronize(void *stream)
 {
     MOE_CUDA_CHECK(cudaStreamSynchronize((cudaStream_t)stream));
     return MOE_STATUS_SUCCESS;
+}
+
+/* `query` until it stops answering cudaErrorNotReady or the deadline passes: 20 ms of spinning
+ * (as cudaStreamSynchronize spins: a healthy step ends within it, at no added latency), then
+ * sleeps growing from 20 us to 0.2 ms (a wait on a stopped peer does not hold a core). */
+static moe_status_t wait_polled(cudaError_t (*query)(void *), void *obj, int64_t timeout_ms,
+                                const char *what)
+{
+    const double t0 = moe_now_ms(), deadline = t0 + (double)timeout_ms;
+    long sleep_ns = 20000;
+    for (;;) {
+        const cudaError_t e = query(obj);
+        double now;
+        if (e != cudaErrorNotReady) {
+            MOE_CUDA_CHECK(e);
+            return MOE_STATUS_SUCCESS;
+        }
+        now = moe_now_ms();
+        if (now >= deadline)
+            return moe_error(MOE_STATUS_TIMEOUT,
+                             "%s: the device did not finish within %lld ms (a peer stopped or "
+                             "died mid-step and a wait on it did not end)",
+                             what, (long long)timeout_ms);
+        if (now - t0 > 20.0) {
+            struct timespec ts = {0, sleep_ns};
+            nanosleep(&ts, NULL);
+            sleep_ns = sleep_ns < 200000 ? 2 * sleep_ns : 200000;
+        }
+    }
+}
+
+static cudaError_t query_stream(void *s)
+{
+    return cudaStreamQuery((cudaStream_t)s);
+}
+
+static cudaError_t query_event(void *e)
+{
+    return cudaEventQuery((cudaEvent_t)e);
+}
+
+moe_status_t moe_gpu_stream_wait_bounded(void *stream, int64_t timeout_ms, const char *what)
+{
+    return wait_polled(query_stream, stream, timeout_ms, what);
+}
+
+moe_status_t moe_gpu_event_wait_bounded(void *event, int64_t timeout_ms, const char *what)
+{
+    return wait_polled(query_event, event, timeout_ms, what);
 }
 
 moe_status_t moe_gpu_stream_is_capturing(void *stream, int *capturing)

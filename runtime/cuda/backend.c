@@ -228,8 +228,8 @@ static void init_shape(moe_layer_t *l, cuda_layer_t *s)
     s->shared_local = s->world > 1 && s->ss > 0 && s->ss == l->plan.shared_intermediate;
     s->first_local = l->plan.first_local_expert;
     s->deterministic = l->cfg.deterministic;
-    s->scatter_rows = moe_env_int("MOE_SCATTER_ROWS", 1) != 0;
-    s->skip_pad = moe_env_int("MOE_GEMM_SKIP_PAD", 1) != 0;
+    s->scatter_rows = l->knobs.v[MOE_KNOB_SCATTER_ROWS] != 0;
+    s->skip_pad = l->knobs.v[MOE_KNOB_GEMM_SKIP_PAD] != 0;
     s->cap = l->cfg.max_tokens_per_rank;
     /* EP: the buffers hold one round (runtime/ep_rounds.h) */
     s->tm = s->world > 1 ? moe_ep_round_tokens(s->cap, s->world, l->cfg.ep_round_tokens) : s->cap;
@@ -425,10 +425,15 @@ static moe_status_t cuda_synchronize(moe_layer_t *l, void *stream)
     int rank;
     if (!s)
         return moe_error(MOE_STATUS_INVALID_STATE, "CUDA layer not initialised");
-    if (s->nccl)
+    if (s->nccl) {
         MOE_CHECK(moe_nccl_wait(s->nccl, stream));
-    else
-        MOE_CHECK(moe_gpu_stream_synchronize(stream));
+    } else {
+        /* lsa: the host polls with the device's deadline (runtime/cuda/step.c) */
+        moe_status_t st = moe_cuda_host_wait(l, stream, 0, "moe_layer_synchronize");
+        if (st == MOE_STATUS_TIMEOUT)
+            moe_cuda_ep_timed_out(l, -1);
+        MOE_CHECK(st);
+    }
     v = __atomic_load_n(s->sticky, __ATOMIC_ACQUIRE);
     if (v == 0)
         return MOE_STATUS_SUCCESS;

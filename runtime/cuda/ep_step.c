@@ -104,7 +104,12 @@ static moe_status_t ep_round(moe_layer_t *l, const moe_forward_args_t *ok, moe_s
     MOE_CHECK(moe_cuda_record(s, EV_COMBINE, stream));
     if (!ok || !s->profile)
         return MOE_STATUS_SUCCESS;
-    MOE_CHECK(moe_cuda_finish_profile(l, accumulate, stream));
+    {
+        moe_status_t st = moe_cuda_finish_profile(l, accumulate, stream);
+        if (st == MOE_STATUS_TIMEOUT) /* the host's deadline: the ranks are out of step */
+            moe_cuda_ep_timed_out(l, -1);
+        MOE_CHECK(st);
+    }
     return profile_bytes(l, s, T, accumulate, stream);
 }
 
@@ -240,11 +245,18 @@ moe_status_t moe_cuda_ep_forward(moe_layer_t *l, const moe_forward_args_t *a, mo
     }
     if (s->nccl)
         MOE_CHECK(moe_nccl_check(s->nccl));
-    if (s->transport == MOE_EP_LSA && ((cuda_sym_t *)l->rt->gpu_sym)->broken)
+    if (s->transport == MOE_EP_LSA && ((cuda_sym_t *)l->rt->gpu_sym)->broken) {
+        const int r = ((cuda_sym_t *)l->rt->gpu_sym)->broken_rank;
+        if (r < 0) /* the host's deadline passed first (moe_cuda_host_wait) */
+            return moe_error(MOE_STATUS_INVALID_STATE,
+                             "an earlier step did not finish within the runtime's timeout (a "
+                             "peer stopped mid-step): the ranks' buffers are out of step for "
+                             "good; destroy the runtime");
         return moe_error(MOE_STATUS_INVALID_STATE,
                          "an earlier step's all-to-all timed out waiting for rank %d: the ranks' "
                          "buffers are out of step for good; destroy the runtime",
-                         ((cuda_sym_t *)l->rt->gpu_sym)->broken_rank);
+                         r);
+    }
     s->last_stream = stream;
     s->step_tokens = T;
     if (s->lanes > 1 && rounds > 1) {

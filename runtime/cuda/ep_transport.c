@@ -14,21 +14,10 @@
 #include "runtime/cuda/ep_internal.h"
 #include "runtime/cuda/one_gpu.h"
 
-/* An on/off environment switch that must be alike on every rank (collective): 0 or 1 into *on. */
-static moe_status_t agreed_switch(moe_layer_t *l, const char *name, int *on)
+/* An on/off switch, read and agreed by every rank at layer create (runtime/knobs.h). */
+static moe_status_t agreed_switch(moe_layer_t *l, moe_knob_t knob, int *on)
 {
-    const int64_t want = moe_env_int(name, 0);
-    int64_t v[2] = {want, -want};
-    MOE_CHECK(moe_comm_allreduce_i64(l->rt->comm, v, 2, MOE_REDUCE_MAX));
-    if (v[0] != -v[1])
-        return moe_error(MOE_STATUS_INVALID_ARGUMENT,
-                         "%s=%lld on rank %d differs from another rank's: set it alike on every "
-                         "rank",
-                         name, (long long)want, l->plan.rank);
-    if (want != 0 && want != 1)
-        return moe_error(MOE_STATUS_INVALID_ARGUMENT, "%s=%lld: expected 0 or 1", name,
-                         (long long)want);
-    *on = (int)want;
+    *on = l->knobs.v[knob] != 0;
     return MOE_STATUS_SUCCESS;
 }
 
@@ -44,11 +33,12 @@ static moe_status_t pick_ll(moe_layer_t *l, cuda_layer_t *s)
                       : s->E_total > MOE_A2A_LL_MAX_EXPERTS ? "at most 1024 experts"
                       : s->k > 32                           ? "top_k <= 32"
                                                             : NULL;
-    MOE_CHECK(agreed_switch(l, "MOE_EP_LL", &want));
+    MOE_CHECK(agreed_switch(l, MOE_KNOB_EP_LL, &want));
     if (want && why)
         return moe_error(MOE_STATUS_NOT_SUPPORTED,
                          "MOE_EP_LL=1 (the low-latency all-to-all layout) needs %s", why);
     s->ll = want;
+    s->ll_kernels = (int)l->knobs.v[MOE_KNOB_EP_LL_KERNELS];
     s->ll_rows = s->tm < MOE_A2A_LL_MAX_TOKENS ? s->tm : MOE_A2A_LL_MAX_TOKENS;
     if (s->ll_rows * s->k > MOE_A2A_LL_MAX_PAIRS)
         s->ll_rows = MOE_A2A_LL_MAX_PAIRS / s->k;
@@ -62,7 +52,7 @@ static moe_status_t pick_ll(moe_layer_t *l, cuda_layer_t *s)
 static moe_status_t pick_lanes(moe_layer_t *l, cuda_layer_t *s)
 {
     int want = 0;
-    MOE_CHECK(agreed_switch(l, "MOE_EP_MICROBATCH", &want));
+    MOE_CHECK(agreed_switch(l, MOE_KNOB_EP_MICROBATCH, &want));
     s->lanes = 1;
     if (!want)
         return MOE_STATUS_SUCCESS;
@@ -88,7 +78,7 @@ static moe_status_t pick_lanes(moe_layer_t *l, cuda_layer_t *s)
 static moe_status_t pick_p2p_header(moe_layer_t *l, cuda_layer_t *s)
 {
     int want = 0;
-    MOE_CHECK(agreed_switch(l, "MOE_EP_P2P_HEADER", &want));
+    MOE_CHECK(agreed_switch(l, MOE_KNOB_EP_P2P_HEADER, &want));
     if (want && s->transport != MOE_EP_P2P)
         return moe_error(MOE_STATUS_NOT_SUPPORTED,
                          "MOE_EP_P2P_HEADER=1 (p2p sizes in-band) needs the p2p transport (this "

@@ -199,7 +199,7 @@ void moe_cuda_ep_plan_persistent(cuda_layer_t *s, carve_t *c)
     s->round_skip = moe_cuda_take(c, sizeof(int32_t));
     /* MOE_EP_LL_KERNELS=1|2 (default 2): the low-latency dispatch in one kernel (every CTA
      * waits for the counts) or two (one CTA waits, then the grid copies) */
-    s->ll_plan = s->ll && moe_env_int("MOE_EP_LL_KERNELS", 2) != 1
+    s->ll_plan = s->ll && s->ll_kernels != 1
                      ? moe_cuda_take(c, sizeof(int32_t) * MOE_A2A_LL_PLAN_INTS(s->E_total))
                      : NULL;
 }
@@ -270,19 +270,19 @@ moe_status_t moe_cuda_ep_init(moe_layer_t *l, cuda_layer_t *s)
                                  sizeof(int32_t) * (size_t)s->world * (MOE_A2A_CTRL + 2)));
     /* measurement knobs, read once: the dispatch's tokens per CTA (0: the kernel's default)
      * and the low-latency dispatch's most CTAs (0: up to the SM count) */
-    s->chunk_tokens = (int)moe_env_int("MOE_EP_CHUNK_TOKENS", 0);
-    s->ll_ctas = (int)moe_env_int("MOE_EP_LL_CTAS", 0);
+    s->chunk_tokens = (int)l->knobs.v[MOE_KNOB_EP_CHUNK_TOKENS];
+    s->ll_ctas = (int)l->knobs.v[MOE_KNOB_EP_LL_CTAS];
     if (s->ll_ctas <= 0 || s->ll_ctas > s->num_sms)
         s->ll_ctas = s->num_sms;
     /* MOE_EP_FINISH_WAIT=1: the summed finish waits for the returns in a one-CTA wait kernel
      * first, not in every CTA of its grid (one launch more; measures whether the spinning grid
      * keeps other work off the GPU; measured 2026-12-01, commit 1b760af) */
-    s->finish_wait = moe_env_int("MOE_EP_FINISH_WAIT", 0) != 0;
+    s->finish_wait = l->knobs.v[MOE_KNOB_EP_FINISH_WAIT] != 0;
     if (s->ll)
         s->ll_cap = ll_capacity(l, s);
     /* MOE_EP_SHARED_OVERLAP=1: the whole shared MLP (no TP) on a side stream (off by default
      * until measured on two GPUs) */
-    if (moe_env_int("MOE_EP_SHARED_OVERLAP", 0) != 0 && s->ss > 0 && s->shared_local) {
+    if (l->knobs.v[MOE_KNOB_EP_SHARED_OVERLAP] != 0 && s->ss > 0 && s->shared_local) {
         MOE_CHECK(moe_gpu_stream_create(&s->side));
         MOE_CHECK(moe_gpu_event_create_untimed(&s->ev_fork));
         MOE_CHECK(moe_gpu_event_create_untimed(&s->ev_join));

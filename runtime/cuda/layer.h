@@ -139,6 +139,7 @@ typedef struct cuda_layer {
      * count matrix [W][E_total], the row of each slot [W ll_rows][k], the GEMM-1 input
      * bf16 [ll_cap][H]. */
     int ll, ll_step;           /* MOE_EP_LL; the last step used it */
+    int ll_kernels;            /* MOE_EP_LL_KERNELS (1 or 2), agreed at create */
     int chunk_tokens, ll_ctas; /* MOE_EP_CHUNK_TOKENS, MOE_EP_LL_CTAS (read at init) */
     int32_t *ll_plan;          /* persistent: the two-kernel dispatch's plan (MOE_EP_LL_KERNELS=2;
                                   NULL: one kernel) */

@@ -40,6 +40,12 @@ moe_status_t moe_cuda_shared_experts(cuda_layer_t *s, const void *x, moe_dtype_t
 moe_status_t moe_cuda_shared_gate(moe_layer_t *l, const moe_forward_args_t *a);
 moe_status_t moe_cuda_combine(moe_layer_t *l, const moe_forward_args_t *a, const void *rows,
                               const int32_t *row_of_slot, const float *w, const void *shared);
+/* The host's wait for a step's work (`obj`: a stream, or an event when is_event): with peers
+ * (world > 1) bounded by the device's deadline, the runtime's timeout and 1 s for the step's
+ * own work (moe_gpu_stream_wait_bounded), so a peer stopped at any point of an lsa step ends
+ * in MOE_STATUS_TIMEOUT on the host even where a device-side wait did not end; one GPU waits
+ * for its own work, however long. */
+moe_status_t moe_cuda_host_wait(moe_layer_t *l, void *obj, int is_event, const char *what);
 /* The profiled step's phase times, and the rows this rank's experts received (accumulate: added
  * to the earlier rounds' times and counts instead of replacing them). Synchronises. */
 moe_status_t moe_cuda_finish_profile(moe_layer_t *l, int accumulate, void *stream);

@@ -266,6 +266,15 @@ moe_status_t moe_cuda_shared_gate(moe_layer_t *l, const moe_forward_args_t *a)
     return moe_route_logits_launch(&g, a->stream);
 }
 
+moe_status_t moe_cuda_host_wait(moe_layer_t *l, void *obj, int is_event, const char *what)
+{
+    const int64_t ms = (int64_t)l->rt->timeout_ms + 1000;
+    if (l->plan.world == 1) /* no peer to wait for: the step's own work, however long */
+        return is_event ? moe_gpu_event_synchronize(obj) : moe_gpu_stream_synchronize(obj);
+    return is_event ? moe_gpu_event_wait_bounded(obj, ms, what)
+                    : moe_gpu_stream_wait_bounded(obj, ms, what);
+}
+
 moe_status_t moe_cuda_finish_profile(moe_layer_t *l, int accumulate, void *stream)
 {
     cuda_layer_t *s = l->state;
@@ -279,7 +288,7 @@ moe_status_t moe_cuda_finish_profile(moe_layer_t *l, int accumulate, void *strea
     if (s->nccl)
         MOE_CHECK(moe_nccl_wait(s->nccl, stream));
     else
-        MOE_CHECK(moe_gpu_event_synchronize(s->ev[EV_COMBINE]));
+        MOE_CHECK(moe_cuda_host_wait(l, s->ev[EV_COMBINE], 1, "the step's profile"));
     for (i = 1; i < EV_COUNT; i++)
         MOE_CHECK(moe_gpu_event_elapsed_ms(s->ev[i - 1], s->ev[i], &ms[i]));
     l->stats.route_us = prev.route_us + 1e3 * ms[EV_ROUTE];
@@ -291,7 +300,7 @@ moe_status_t moe_cuda_finish_profile(moe_layer_t *l, int accumulate, void *strea
     l->stats.total_us = prev.total_us + 1e3 * ms[0];
     MOE_CHECK(moe_gpu_memcpy_d2h_async(s->host_counts, s->counts, sizeof(int32_t) * (size_t)s->E,
                                        stream));
-    MOE_CHECK(moe_gpu_stream_synchronize(stream));
+    MOE_CHECK(moe_cuda_host_wait(l, stream, 0, "the step's expert counts"));
     for (i = 0; i < s->E; i++) {
         l->expert_load[l->plan.first_local_expert + i] =
             s->host_counts[i] + (accumulate ? l->expert_load[l->plan.first_local_expert + i] : 0);

@@ -5,6 +5,7 @@
 #include "moe/moe_checkpoint.h"
 
 #include <errno.h>
+#include <float.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <math.h>
@@ -64,52 +65,6 @@ static char *join(const char *dir, const char *name)
     return p;
 }
 
-/* Reads a whole small file (JSON). *missing = 1 (and success) when it does not exist. */
-static moe_status_t read_small_file(const char *path, size_t cap, char **out, size_t *len,
-                                    int *missing)
-{
-    struct stat sb;
-    char *buf;
-    size_t got = 0;
-    int fd;
-
-    *out = NULL;
-    MOE_CHECK(moe_open_regular(path, &fd, missing));
-    if (*missing)
-        return MOE_STATUS_SUCCESS;
-    if (fstat(fd, &sb) != 0) {
-        int err = errno;
-        close(fd);
-        return moe_error(MOE_STATUS_IO_ERROR, "%s: cannot stat: %s", path, strerror(err));
-    }
-    if ((uint64_t)sb.st_size > cap) {
-        close(fd);
-        return moe_error(MOE_STATUS_FORMAT_ERROR, "%s: %lld bytes, more than the %zu allowed", path,
-                         (long long)sb.st_size, cap);
-    }
-    buf = malloc((size_t)sb.st_size + 1);
-    if (!buf) {
-        close(fd);
-        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "%s: out of memory", path);
-    }
-    while (got < (size_t)sb.st_size) {
-        ssize_t r = read(fd, buf + got, (size_t)sb.st_size - got);
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r <= 0) {
-            free(buf);
-            close(fd);
-            return moe_error(MOE_STATUS_IO_ERROR, "%s: read failed: %s", path,
-                             r < 0 ? strerror(errno) : "file shrank");
-        }
-        got += (size_t)r;
-    }
-    close(fd);
-    *out = buf;
-    *len = got;
-    return MOE_STATUS_SUCCESS;
-}
-
 /* JSON text whose top level must be an object; `what` names it in messages. */
 static moe_status_t parse_json_object(const char *text, size_t len, const char *what,
                                       moe_json_doc_t **doc)
@@ -132,7 +87,7 @@ static moe_status_t parse_json_file(const char *path, size_t cap, moe_json_doc_t
     moe_status_t st;
 
     *doc = NULL;
-    MOE_CHECK(read_small_file(path, cap, &text, &len, missing));
+    MOE_CHECK(moe_read_regular(path, cap, &text, &len, missing));
     if (*missing)
         return MOE_STATUS_SUCCESS;
     st = parse_json_object(text, len, path, doc);
@@ -578,6 +533,11 @@ static moe_status_t config_reader(const moe_checkpoint_t *c, cfg_reader_t *r)
     r->obj = c->config;
     r->dir = c->dir;
     MOE_CHECK(cfg_str(r, "model_type", "", &r->model_type));
+    if (!*r->model_type) /* a malformed config, not an unsupported model */
+        return moe_error(MOE_STATUS_FORMAT_ERROR,
+                         "%s/config.json: no \"model_type\" (it names the model family: mixtral, "
+                         "qwen2_moe, qwen3_moe, deepseek_v3)",
+                         c->dir);
     if (c->family == MOE_FAMILY_UNKNOWN)
         return moe_error(MOE_STATUS_NOT_SUPPORTED,
                          "%s/config.json: model_type \"%.40s\" is not supported (mixtral, "
@@ -791,11 +751,15 @@ moe_status_t moe_checkpoint_layer_config(const moe_checkpoint_t *c, int layer_in
         }
         MOE_CHECK(cfg_bool(&r, "norm_topk_prob", 1, &b));
         cfg->renormalize = b;
-        if (moe_json_member_number(r.obj, "routed_scaling_factor", &d) < 0 || !isfinite(d) || d < 0)
+        if (moe_json_member_number(r.obj, "routed_scaling_factor", &d) < 0)
             return moe_error(MOE_STATUS_FORMAT_ERROR,
-                             "%s/config.json: \"routed_scaling_factor\" is not a non-negative "
-                             "number",
-                             c->dir);
+                             "%s/config.json: \"routed_scaling_factor\" is not a number", c->dir);
+        /* named as read: a value beyond f32 would otherwise reach the layer as inf */
+        if (!isfinite(d) || d < 0 || d > FLT_MAX)
+            return moe_error(MOE_STATUS_FORMAT_ERROR,
+                             "%s/config.json: \"routed_scaling_factor\" is %g: expected a "
+                             "non-negative number an f32 holds (at most %g)",
+                             c->dir, d, (double)FLT_MAX);
         if (moe_json_member_number(r.obj, "routed_scaling_factor", &d) == 0)
             d = 2.5; /* DeepseekV3Config's default */
         cfg->routed_scaling_factor = (float)d;
@@ -1062,15 +1026,22 @@ static moe_status_t load_matrix(load_ctx_t *x, const char *suffix, moe_weight_ki
         snprintf(sname, sizeof(sname), "%s_scale_inv", name);
         MOE_CHECK(find_tensor(x->c, sname, &sf, &s));
         MOE_CHECK(matrix_shape(s, x->c->dir, &str, &stc));
-        if (s->dtype != MOE_ST_F32 || str != (R + FP8_BLOCK - 1) / FP8_BLOCK ||
-            stc != (C + FP8_BLOCK - 1) / FP8_BLOCK)
+        /* a 2-D grid only: a 1-D tensor of the right count is not a grid of blocks */
+        if (s->dtype != MOE_ST_F32 || s->ndim != 2 || str != (R + FP8_BLOCK - 1) / FP8_BLOCK ||
+            stc != (C + FP8_BLOCK - 1) / FP8_BLOCK) {
+            char got[64];
+            if (s->ndim == 1)
+                snprintf(got, sizeof(got), "[%lld] (1-D)", (long long)stc);
+            else
+                snprintf(got, sizeof(got), "[%lld, %lld]", (long long)str, (long long)stc);
             return moe_error(
                 MOE_STATUS_FORMAT_ERROR,
-                "%s: scale tensor \"%s\" is %s [%lld, %lld], expected F32 "
-                "[%lld, %lld] (128x128 blocks of [%lld, %lld])",
-                moe_st_file_path(sf), sname, moe_st_dtype_name(s->dtype), (long long)str,
-                (long long)stc, (long long)((R + FP8_BLOCK - 1) / FP8_BLOCK),
+                "%s: scale tensor \"%s\" is %s %s, expected the F32 grid "
+                "[%lld, %lld] (one scale per 128x128 block of the [%lld, %lld] weight)",
+                moe_st_file_path(sf), sname, moe_st_dtype_name(s->dtype), got,
+                (long long)((R + FP8_BLOCK - 1) / FP8_BLOCK),
                 (long long)((C + FP8_BLOCK - 1) / FP8_BLOCK), (long long)R, (long long)C);
+        }
         MOE_CHECK(grow((void **)&x->scale, &x->scale_cap, sn * sizeof(float) + 1));
         MOE_CHECK(moe_st_read_block(sf, s, sr0, sr1, sc0, sc1, x->scale));
         if (moe_layer_checks_weight_values(x->layer)) {

@@ -419,63 +419,6 @@ static moe_status_t pread_full(moe_st_file_t *f, void *dst, uint64_t len, uint64
     return MOE_STATUS_SUCCESS;
 }
 
-static const char *file_kind(mode_t mode)
-{
-    if (S_ISDIR(mode))
-        return "a directory";
-    if (S_ISFIFO(mode))
-        return "a FIFO (named pipe)";
-    if (S_ISCHR(mode))
-        return "a character device";
-    if (S_ISBLK(mode))
-        return "a block device";
-    if (S_ISSOCK(mode))
-        return "a socket";
-    if (S_ISLNK(mode))
-        return "a symbolic link";
-    return "not a regular file";
-}
-
-moe_status_t moe_open_regular(const char *path, int *fd, int *missing)
-{
-    struct stat sb;
-    int flags;
-
-    *fd = -1;
-    if (missing)
-        *missing = 0;
-    /* O_NONBLOCK: opening a FIFO without a writer, or some devices, would otherwise wait
-     * forever. A socket cannot be opened at all (ENXIO); say what it is. */
-    *fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-    if (*fd < 0) {
-        int err = errno;
-        if (err == ENOENT && missing) {
-            *missing = 1;
-            return MOE_STATUS_SUCCESS;
-        }
-        if (err == ENXIO && lstat(path, &sb) == 0 && S_ISSOCK(sb.st_mode))
-            return moe_error(MOE_STATUS_IO_ERROR, "%s: is a socket, not a regular file", path);
-        return moe_error(MOE_STATUS_IO_ERROR, "%s: cannot open: %s", path, strerror(err));
-    }
-    if (fstat(*fd, &sb) != 0) {
-        int err = errno;
-        close(*fd);
-        *fd = -1;
-        return moe_error(MOE_STATUS_IO_ERROR, "%s: cannot stat: %s", path, strerror(err));
-    }
-    if (!S_ISREG(sb.st_mode)) {
-        close(*fd);
-        *fd = -1;
-        return moe_error(MOE_STATUS_IO_ERROR, "%s: is %s, not a regular file", path,
-                         file_kind(sb.st_mode));
-    }
-    /* A regular file: reads never block; drop O_NONBLOCK so that nothing else sees it. */
-    flags = fcntl(*fd, F_GETFL);
-    if (flags >= 0)
-        (void)fcntl(*fd, F_SETFL, flags & ~O_NONBLOCK);
-    return MOE_STATUS_SUCCESS;
-}
-
 moe_status_t moe_st_open(const char *path, moe_st_file_t **file)
 {
     moe_st_file_t *f;
@@ -709,7 +652,7 @@ static moe_status_t check_output_target(const char *path)
     if (!S_ISREG(sb.st_mode))
         return moe_error(MOE_STATUS_IO_ERROR,
                          "%s: the output path is %s; refusing to replace it with a regular file",
-                         path, file_kind(sb.st_mode));
+                         path, moe_file_kind(sb.st_mode));
     return MOE_STATUS_SUCCESS;
 }
 

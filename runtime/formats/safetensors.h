@@ -7,6 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "moe/moe.h"
+#include "runtime/formats/file.h"
 #include "base/json.h"
 
 #ifdef __cplusplus
@@ -85,13 +86,6 @@ void moe_st_header_free(moe_st_header_t *header);
 const moe_st_tensor_t *moe_st_header_find(const moe_st_header_t *header, const char *name);
 /* A __metadata__ value, or NULL. */
 const char *moe_st_header_metadata(const moe_st_header_t *header, const char *key);
-
-/* Opens `path` read-only for the model, config, index and input readers: O_NONBLOCK so that a
- * FIFO or device cannot block, then fstat, and anything but a regular file is refused
- * (IO_ERROR naming the file and what it is: directory, FIFO, device, socket). The returned
- * descriptor is close-on-exec and blocking again. With `missing` not NULL, a path that does
- * not exist gives success, *missing = 1 and *fd = -1. */
-moe_status_t moe_open_regular(const char *path, int *fd, int *missing);
 
 /* An open file: the header is read and validated at open, tensor data on demand. */
 typedef struct moe_st_file moe_st_file_t;

@@ -142,6 +142,46 @@ run_job() { # LAUNCHER
     echo "ok: moe-run.sbatch (MOE_LAUNCHER=$launcher) ran moe-run on $ntasks ranks"
 }
 
+# A rank killed mid-run: every survivor prints its libmoe status, the job ends and fails.
+run_fault_job() { # LAUNCHER
+    local launcher=$1 info out i marker=$((50000 + RANDOM)) pids victim n
+    job=$(cd "$tmp" && sbatch --parsable -n "$ntasks" -o "$tmp/job-%j.out" -t 10 \
+        --export=ALL,MOE_RUN="$moe_run",MOE_LAUNCHER="$launcher",MOE_TIMEOUT_MS=3000 \
+        "$sbatch_script" --backend cpu --preset tiny --tokens 8 --iters 1000000 --warmup 0 \
+        --seed "$marker") || fail "sbatch refused the fault job"
+    job=${job%%;*}
+    echo "slurm: submitted fault job $job (MOE_LAUNCHER=$launcher)"
+    for i in $(seq 120); do # the ranks running their steps
+        pids=$(pgrep -f -- "--seed $marker" | while read -r p; do
+            [ "$(cat /proc/"$p"/comm 2>/dev/null)" = moe-run ] && echo "$p"; done)
+        [ "$(echo "$pids" | grep -c .)" -eq "$ntasks" ] && break
+        sleep 0.5
+    done
+    sleep 3
+    victim=$(echo "$pids" | tail -1)
+    [ -n "$victim" ] || fail "fault job $job: no moe-run rank found"
+    kill -KILL "$victim"
+    for i in $(seq 120); do
+        [ -z "$(squeue -h -j "$job" 2>/dev/null)" ] && break
+        [ "$i" = 120 ] && fail "fault job $job still running 120 s after the kill"
+        sleep 1
+    done
+    info=$(scontrol show job "$job" 2>/dev/null)
+    out="$tmp/job-$job.out"
+    echo "---- fault job $job output"
+    grep -v '^#' "$out" 2>/dev/null | tail -20
+    echo "----"
+    grep -q 'JobState=COMPLETED' <<<"$info" && fail "fault job $job ended COMPLETED (exit 0)"
+    n=$(grep -cE '^moe-run: rank [0-9]+: .*MOE_STATUS_(TIMEOUT|MPI_ERROR)' "$out")
+    grep -qE '^moe-run.sbatch: rank [0-9]+: exit status 137' "$out" ||
+        fail "fault job $job: no summary line for the killed rank"
+    # srun: Slurm's PMIx plugin cancels the step when a rank dies (the survivors may go first)
+    [ "$launcher" = srun ] || [ "$n" -ge $((ntasks - 1)) ] ||
+        fail "fault job $job: $n of $((ntasks - 1)) survivors printed their status"
+    echo "ok: moe-run.sbatch (MOE_LAUNCHER=$launcher): a rank killed, $n survivor(s) reported," \
+        "the job failed ($(echo "$info" | grep -o 'ExitCode=[0-9:]*'))"
+}
+
 launchers=${MOE_LAUNCHER:-mpirun srun}
 if [ -z "${MOE_LAUNCHER:-}" ] && ! grep -q pmix <<<"$(srun --mpi=list 2>&1)"; then
     echo "note: this Slurm has no mpi/pmix plugin: only the mpirun launcher is tested"
@@ -149,5 +189,6 @@ if [ -z "${MOE_LAUNCHER:-}" ] && ! grep -q pmix <<<"$(srun --mpi=list 2>&1)"; th
 fi
 for l in $launchers; do
     run_job "$l"
+    run_fault_job "$l"
 done
 echo "PASS: Slurm ran launch/slurm/moe-run.sbatch (${launchers// /, })"

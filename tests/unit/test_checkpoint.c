@@ -1074,6 +1074,64 @@ static void test_bad_per_tensor_scales(void **state)
     fx_delete(f);
 }
 
+/* FP8 scales that are finite and > 0 but absurd: 3e38 (times 448 it overflows f32: NaN outputs)
+ * and 1e-45 (every weight it scales flushes to zero) are refused naming the tensor and the
+ * value; a 1-D _scale_inv names the expected grid; config values are named as read. */
+static void test_absurd_scales_and_config(void **state)
+{
+    static const struct {
+        const char *tensor;
+        float v;
+        const char *needle;
+    } per_tensor[] = {
+        {"experts.1.w2.weight_scale", 3e38f,
+         "experts.1.w2.weight_scale\": scale [0, 0] is 3e+38: "
+         "times the e4m3 maximum 448 it overflows f32"},
+        {"experts.2.w1.weight_scale", 1e-45f,
+         "experts.2.w1.weight_scale\": scale [0, 0] is "
+         "1.4013e-45: times the e4m3 maximum 448 it is below "
+         "f32's smallest normal"},
+        {"experts.3.w1.input_scale", 3e38f, "experts.3.w1.input_scale\": scale [0, 0] is 3e+38"},
+    };
+    fixture_t *f;
+    fx_tensor_t *t;
+    (void)state;
+    if (!one_rank())
+        return;
+    for (size_t i = 0; i < sizeof(per_tensor) / sizeof(per_tensor[0]); i++) {
+        f = fx_new(MOE_FAMILY_MIXTRAL, 8, 2, 128, 256, 0, 2, 1, 1);
+        ((float *)fx_find(f, per_tensor[i].tensor)->data)[0] = per_tensor[i].v;
+        fx_write(f);
+        EXPECT_LOAD(f, 1, MOE_STATUS_NUMERIC_ERROR, per_tensor[i].needle);
+        fx_delete(f);
+    }
+    /* a block scale of the DeepSeek-V3 format */
+    f = fx_new(MOE_FAMILY_DEEPSEEK_V3, 8, 2, 256, 128, 128, 1, 1, 1);
+    ((float *)fx_find(f, "experts.0.up_proj.weight_scale_inv")->data)[1] = 3e38f;
+    fx_write(f);
+    EXPECT_LOAD(f, 1, MOE_STATUS_NUMERIC_ERROR,
+                "experts.0.up_proj.weight_scale_inv\": scale [0, 1] is 3e+38");
+    fx_delete(f);
+    /* a 1-D _scale_inv of the grid's count: gate_proj [128, 256] needs the grid [1, 2] */
+    f = fx_new(MOE_FAMILY_DEEPSEEK_V3, 8, 2, 256, 128, 128, 1, 1, 1);
+    t = fx_find(f, "experts.0.gate_proj.weight_scale_inv");
+    t->ndim = 1;
+    t->shape[0] = 2;
+    fx_write(f);
+    EXPECT_LOAD(f, 1, MOE_STATUS_FORMAT_ERROR,
+                "is F32 [2] (1-D), expected the F32 grid [1, 2] (one scale per 128x128 block of "
+                "the [128, 256] weight)");
+    fx_delete(f);
+    /* config values as read */
+    f = fx_new(MOE_FAMILY_DEEPSEEK_V3, 8, 2, 64, 32, 32, 0, 1, 1);
+    snprintf(f->extra_config, sizeof(f->extra_config), ", \"routed_scaling_factor\": 1e39");
+    fx_write(f);
+    EXPECT_LOAD(f, 1, MOE_STATUS_FORMAT_ERROR, "\"routed_scaling_factor\" is 1e+39");
+    write_text(f->dir, "config.json", "{\"num_hidden_layers\": 4, \"hidden_size\": 64}");
+    EXPECT_LOAD(f, 1, MOE_STATUS_FORMAT_ERROR, "config.json: no \"model_type\"");
+    fx_delete(f);
+}
+
 /* test_checkpoint --write-fixtures DIR: writes one checkpoint per family into DIR/<name> for
  * the moe-run --model test under mpirun (tests/slurm/test_moe_run_model.sh); no MPI. */
 static int write_fixtures(const char *dir)
@@ -1120,6 +1178,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_deepseek_v3_fp8_sharded),
         cmocka_unit_test(test_mixtral_fp8_per_tensor),
         cmocka_unit_test(test_bad_per_tensor_scales),
+        cmocka_unit_test(test_absurd_scales_and_config),
         cmocka_unit_test(test_fp8_checkpoint_bf16_layer),
         cmocka_unit_test(test_fp8_static_input_scale_w8a8),
         cmocka_unit_test(test_public_tensor_files),

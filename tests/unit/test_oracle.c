@@ -8,6 +8,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "kernels/expert_gemm.h"
@@ -514,6 +516,37 @@ static void test_bad_tune_files(void **state)
     unlink(path);
 }
 
+/* A FIFO named as the tune file, read (MOE_TUNE_FILE) and written (moe-tune --out): refused at
+ * once with a warning or an error naming it, never waited on (a blocking open of a FIFO
+ * without a peer waits forever: the alarm turns a hang into a failure). */
+static void expect_error(moe_status_t st, moe_status_t want, const char *needle);
+
+static void test_fifo_tune_file(void **state)
+{
+    char *path = temp_path("tune.fifo");
+    moe_oracle_table_t t;
+    moe_oracle_t o;
+    (void)state;
+    unlink(path);
+    assert_int_equal(mkfifo(path, 0600), 0);
+    alarm(30);
+    moe_oracle_init(&o);
+    assert_int_equal(moe_oracle_load(&o, path, &h200), 0);
+    assert_defaults(&o, "fifo");
+    if (!strstr(o.warning, "is a FIFO (named pipe), not a regular file"))
+        fail_msg("warning '%s' does not say FIFO", o.warning);
+    setenv("MOE_TUNE_FILE", path, 1);
+    assert_int_equal(moe_oracle_load_env(&o, &h200), 0);
+    assert_defaults(&o, "MOE_TUNE_FILE fifo");
+    unsetenv("MOE_TUNE_FILE");
+    moe_oracle_free(&o);
+    fixture_table(&t);
+    expect_error(moe_oracle_write(path, &t), MOE_STATUS_IO_ERROR, "is a FIFO");
+    moe_oracle_table_free(&t);
+    alarm(0);
+    unlink(path);
+}
+
 /* ---- forcing ---------------------------------------------------------------------------- */
 
 static void expect_error(moe_status_t st, moe_status_t want, const char *needle)
@@ -741,6 +774,7 @@ int main(void)
         cmocka_unit_test(test_defaults_match_old_table), cmocka_unit_test(test_round_trip),
         cmocka_unit_test(test_bad_tune_files),           cmocka_unit_test(test_forced),
         cmocka_unit_test(test_shipped_h200_file),        cmocka_unit_test(test_buckets_from_points),
+        cmocka_unit_test(test_fifo_tune_file),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
