@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Small kernels of the GPU expert-parallel step: global -> local expert ids and the scatter of
- * expert rows into the dense per-(token, slot) layout the return reduce-scatter moves.
+/* Small kernels of the GPU expert-parallel step: logical expert -> replica slot, global -> local
+ * expert ids and the scatter of expert rows into the dense per-(token, slot) layout the return reduce-scatter moves.
  * CUDA-free. */
 #ifndef MOE_EP_H
 #define MOE_EP_H
@@ -28,6 +28,26 @@ typedef struct moe_ep_local_ids_args {
 } moe_ep_local_ids_args_t;
 
 moe_status_t moe_ep_local_ids_launch(const moe_ep_local_ids_args_t *args, void *stream);
+
+/* Routing over replicas (docs/SEMANTICS.md, "Replicas"): pair i = t * top_k + j (i < n = tokens
+ * * top_k) of logical expert e = in[i] goes to the physical slot
+ * replica_slot[replica_begin[e] + (first_token + t + rank) mod n_e], n_e = replica_begin[e + 1] -
+ * replica_begin[e] (e's slots in increasing order); in[i] < 0 stays -1. first_token: the index
+ * of token 0 among the caller's tokens (a round's offset). load (device [num_experts], or NULL):
+ * load[e] += 1 for every pair, so the window counts logical experts on the device. */
+typedef struct moe_ep_slot_ids_args {
+    const int32_t *in;
+    int32_t *out;
+    int64_t n;
+    int top_k;
+    int64_t first_token;
+    int rank;
+    const int32_t *replica_begin; /* device [num_experts + 1] */
+    const int32_t *replica_slot;  /* device [num_slots] */
+    unsigned long long *load;     /* device [num_experts], or NULL */
+} moe_ep_slot_ids_args_t;
+
+moe_status_t moe_ep_slot_ids_launch(const moe_ep_slot_ids_args_t *args, void *stream);
 
 /* dense[slot_of_row[r]] = rows[r] (bf16 rows of `hidden`) for every row r < *num_blocks *
  * block_rows whose slot is >= 0. `dense` is zeroed by the caller first, so after the

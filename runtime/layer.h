@@ -104,6 +104,11 @@ typedef struct moe_backend_ops {
      * switches its plan after it succeeds on every rank. NULL: placement not supported. */
     moe_status_t (*set_placement)(struct moe_layer *layer, const int32_t *new_map, int move_weights,
                                   moe_placement_stats_t *stats);
+    /* A load window the backend counts itself (on the device): adds its rows per logical expert
+     * since the window began to counts[num_experts] (waiting for the queued forwards), and
+     * starts a new one. NULL: the layer's load_window is the whole window. */
+    moe_status_t (*load_window)(const struct moe_layer *layer, int64_t *counts);
+    moe_status_t (*reset_load_window)(struct moe_layer *layer);
 } moe_backend_ops_t;
 
 extern const moe_backend_ops_t moe_backend_cpu;

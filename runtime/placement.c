@@ -129,7 +129,7 @@ static moe_status_t check_map(const moe_layer_t *l, const int32_t *map, int n)
 
     if (!l->ops->set_placement)
         return moe_error(MOE_STATUS_NOT_SUPPORTED,
-                         "the %s backend does not change expert placement yet (CPU backend only)",
+                         "the %s backend does not change expert placement",
                          l->ops->name);
     MOE_ARG_CHECK(map != NULL, "map = NULL");
     MOE_ARG_CHECK(n == slots, "n = %d: must be num_experts + num_redundant_experts = %d + %d = %d",
@@ -271,7 +271,7 @@ moe_status_t moe_layer_get_expert_load_window(const moe_layer_t *l, int64_t *cou
     MOE_ARG_CHECK(n == l->cfg.num_experts, "n = %d: must equal num_experts = %d", n,
                   l->cfg.num_experts);
     memcpy(counts, l->load_window, sizeof(int64_t) * (size_t)n);
-    return MOE_STATUS_SUCCESS;
+    return l->ops->load_window ? l->ops->load_window(l, counts) : MOE_STATUS_SUCCESS;
 }
 
 moe_status_t moe_layer_reset_expert_load(moe_layer_t *l)
@@ -279,7 +279,7 @@ moe_status_t moe_layer_reset_expert_load(moe_layer_t *l)
     moe_error_clear();
     MOE_ARG_CHECK(l != NULL, "layer = NULL");
     memset(l->load_window, 0, sizeof(int64_t) * (size_t)l->cfg.num_experts);
-    return MOE_STATUS_SUCCESS;
+    return l->ops->reset_load_window ? l->ops->reset_load_window(l) : MOE_STATUS_SUCCESS;
 }
 
 /* EP ranks per host when the hosts hold whole EP ranks evenly; 0 (one level) otherwise. */
@@ -306,7 +306,7 @@ moe_status_t moe_layer_rebalance(moe_layer_t *l)
                          "the layer is unusable after an earlier communication failure");
     if (!l->ops->set_placement)
         return moe_error(MOE_STATUS_NOT_SUPPORTED,
-                         "the %s backend does not change expert placement yet (CPU backend only)",
+                         "the %s backend does not change expert placement",
                          l->ops->name);
     if (!l->plan.placed)
         return moe_error(MOE_STATUS_INVALID_STATE,
@@ -317,9 +317,13 @@ moe_status_t moe_layer_rebalance(moe_layer_t *l)
     map = malloc(sizeof(int32_t) * (size_t)l->plan.num_slots);
     st = load && map ? MOE_STATUS_SUCCESS
                      : moe_error(MOE_STATUS_OUT_OF_MEMORY, "rebalance of %d experts", E);
-    st = moe_comm_agree(l->rt->comm, st);
     if (st == MOE_STATUS_SUCCESS) {
         memcpy(load, l->load_window, sizeof(int64_t) * (size_t)E);
+        if (l->ops->load_window) /* the device's window */
+            st = l->ops->load_window(l, load);
+    }
+    st = moe_comm_agree(l->rt->comm, st);
+    if (st == MOE_STATUS_SUCCESS) {
         st = moe_comm_allreduce_i64(l->rt->comm, load, E, MOE_REDUCE_SUM);
         if (comm_failure(st))
             l->broken = 1;
@@ -335,8 +339,11 @@ moe_status_t moe_layer_rebalance(moe_layer_t *l)
                 st = moe_layer_set_placement(l, map, l->plan.num_slots);
         }
     }
-    if (st == MOE_STATUS_SUCCESS)
+    if (st == MOE_STATUS_SUCCESS) {
         memset(l->load_window, 0, sizeof(int64_t) * (size_t)E);
+        if (l->ops->reset_load_window)
+            st = l->ops->reset_load_window(l);
+    }
     free(load);
     free(map);
     return st;

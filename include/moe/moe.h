@@ -241,8 +241,8 @@ typedef struct moe_layer_config {
      * E slots, expert e on EP rank e / (E / ep_size) as without it. R must be a multiple of
      * ep_size and, when > 0, num_experts too. The default placement puts rank g's R / ep_size
      * redundant slots on the first experts of rank g + 1 (mod ep_size); moe_layer_set_placement
-     * and moe_layer_rebalance move them. CPU backend only for now: the CUDA backend refuses
-     * R > 0 at create (MOE_STATUS_NOT_SUPPORTED). */
+     * and moe_layer_rebalance move them. Both backends (the CUDA backend moves the weights
+     * through host memory for now: docs/EPLB.md). */
     int num_redundant_experts;
 } moe_layer_config_t;
 
@@ -391,9 +391,11 @@ moe_status_t moe_layer_get_stats(const moe_layer_t *layer, moe_layer_stats_t *st
 
 /* Rows each global expert received in the last forward (summed over the tokens this rank
  * brought): counts[num_experts]. Not collective. The CUDA backend instead counts the rows
- * this rank's own experts received from all ranks, and only in forwards run with
- * MOE_PROFILE=1 (reading them needs a host synchronisation); otherwise the counts of the last
- * profiled step stay (zeros at first). Summed over the ranks, both give the global load. */
+ * this rank's own experts received from all ranks (a logical expert's local replicas summed),
+ * and only in forwards run with MOE_PROFILE=1 (reading them needs a host synchronisation);
+ * otherwise the counts of the last profiled step stay (zeros at first). Summed over the ranks,
+ * both give the global load. moe_layer_get_expert_load_window counts on the device in every
+ * forward. */
 moe_status_t moe_layer_get_expert_load(const moe_layer_t *layer, int64_t *counts, int n);
 
 /* ------------------------------------------------------------------------------------------ */
@@ -428,7 +430,8 @@ moe_status_t moe_eplb_rank_loads(const int64_t *load, int num_experts, const int
  * from disk), keeps those it still holds, frees the others, and the next forward routes by the
  * new map. If no expert weight is set yet on any rank, only the map changes (set the weights
  * after it); a layer with some expert weights set and others not is INVALID_STATE. One verdict
- * on every rank. CUDA backend: MOE_STATUS_NOT_SUPPORTED for now. */
+ * on every rank. CUDA backend: the weights are staged through host memory and moved by MPI
+ * (docs/EPLB.md), after the forwards queued on the last forward's stream have finished. */
 moe_status_t moe_layer_set_placement(moe_layer_t *layer, const int32_t *map, int n);
 
 /* The placement in force: map[n], n = num_experts + num_redundant_experts. With R = 0 and a
@@ -439,7 +442,9 @@ moe_status_t moe_layer_get_placement(const moe_layer_t *layer, int32_t *map, int
 /* Rows each logical expert received in the forwards since the layer was created, last
  * rebalanced or last reset (the load window), summed over the tokens this rank brought:
  * counts[num_experts]. Summed over the ranks it is the global load the rebalance plans from.
- * Counted on the host by the CPU backend; not collective. */
+ * Counted on the host by the CPU backend, on the device by the CUDA backend (no host
+ * synchronisation in the forward; this call waits for the forwards queued on the last forward's
+ * stream); not collective. */
 moe_status_t moe_layer_get_expert_load_window(const moe_layer_t *layer, int64_t *counts, int n);
 
 /* Starts a new load window (zeros). Not collective. */
@@ -448,7 +453,7 @@ moe_status_t moe_layer_reset_expert_load(moe_layer_t *layer);
 /* Collective: sums the ranks' load windows, plans with moe_eplb_plan (the layer's n_group
  * groups, the EP ranks of one host as a node, num_redundant_experts), sets that placement as
  * moe_layer_set_placement does, and starts a new window. A window with no rows keeps the
- * placement. CUDA backend: MOE_STATUS_NOT_SUPPORTED for now. */
+ * placement. */
 moe_status_t moe_layer_rebalance(moe_layer_t *layer);
 
 /* What the last placement change (moe_layer_set_placement or moe_layer_rebalance) did on this

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Expert-parallel helper kernels: local expert ids, and rows scattered into the dense
-// (token, slot) layout.
+// Expert-parallel helper kernels: replica slots of logical experts, local expert ids, and rows
+// scattered into the dense (token, slot) layout.
 #include "kernels/ep.h"
 
 #include <cuda_bf16.h>
@@ -24,6 +24,28 @@ __global__ void local_ids_kernel(const int32_t *__restrict__ in, int32_t *__rest
         return;
     const int32_t e = in[i];
     out[i] = bad < 0 && e >= first && e < first + count ? e - first : -1;
+}
+
+__global__ void slot_ids_kernel(const int32_t *__restrict__ in, int32_t *__restrict__ out,
+                                int64_t n, int top_k, int64_t first_token, int rank,
+                                const int32_t *__restrict__ replica_begin,
+                                const int32_t *__restrict__ replica_slot,
+                                unsigned long long *load)
+{
+    moe_pdl_wait();
+    const int64_t i = (int64_t)blockIdx.x * EP_THREADS + threadIdx.x;
+    if (i >= n)
+        return;
+    const int32_t e = in[i];
+    if (e < 0) {
+        out[i] = -1;
+        return;
+    }
+    const int b = replica_begin[e], ne = replica_begin[e + 1] - b;
+    const int64_t t = first_token + i / top_k + rank;
+    out[i] = replica_slot[b + (ne == 1 ? 0 : (int)(t % ne))];
+    if (load)
+        atomicAdd(load + e, 1ULL);
 }
 
 __global__ void flag_set_kernel(int32_t *flag, int32_t value, uint32_t *seq,
@@ -85,6 +107,19 @@ extern "C" moe_status_t moe_ep_local_ids_launch(const moe_ep_local_ids_args_t *a
     return MOE_STATUS_SUCCESS;
 }
 
+extern "C" moe_status_t moe_ep_slot_ids_launch(const moe_ep_slot_ids_args_t *a, void *stream)
+{
+    if (a->n <= 0)
+        return MOE_STATUS_SUCCESS;
+    MOE_CUDA_CHECK(moe_ep_launch((slot_ids_kernel),
+                                 dim3((unsigned)((a->n + EP_THREADS - 1) / EP_THREADS)),
+                                 dim3(EP_THREADS), 0, (cudaStream_t)stream, a->in, a->out, a->n,
+                                 a->top_k, a->first_token, a->rank, a->replica_begin,
+                                 a->replica_slot, a->load));
+    MOE_CUDA_CHECK_LAUNCH("ep slot ids");
+    return MOE_STATUS_SUCCESS;
+}
+
 extern "C" moe_status_t moe_ep_scatter_launch(const moe_ep_scatter_args_t *a, void *stream)
 {
     const int rows = a->max_blocks * a->block_rows;
@@ -134,6 +169,7 @@ extern "C" moe_status_t moe_scan_finite_launch(const void *x, moe_dtype_t dtype,
 extern "C" moe_status_t moe_ep_prepare(void)
 {
     MOE_CUDA_PREPARE(local_ids_kernel);
+    MOE_CUDA_PREPARE(slot_ids_kernel);
     MOE_CUDA_PREPARE(scatter_kernel);
     MOE_CUDA_PREPARE(flag_set_kernel);
     MOE_CUDA_PREPARE(scan_finite_kernel<float>);

@@ -147,12 +147,12 @@ static moe_status_t check_supported(const moe_layer_t *l)
                              "slice (%lld) and shared slice (%lld) to be multiples of 16",
                              c->hidden, (long long)is, (long long)ss);
     }
-    if (c->num_redundant_experts > 0)
+    if (l->plan.num_local_experts > MOE_PERMUTE_MAX_EXPERTS)
         return moe_error(MOE_STATUS_NOT_SUPPORTED,
-                         "CUDA backend: num_redundant_experts = %d (redundant expert slots and "
-                         "placement changes run on the CPU backend only for now; use 0 or "
-                         "MOE_BACKEND=cpu)",
-                         c->num_redundant_experts);
+                         "CUDA backend: %d expert slots on this rank ((num_experts %d + "
+                         "num_redundant_experts %d) / ep_size %d; the permute takes at most %d)",
+                         l->plan.num_local_experts, c->num_experts, c->num_redundant_experts,
+                         l->plan.ep_size, MOE_PERMUTE_MAX_EXPERTS);
     if (c->num_experts > MOE_ROUTE_MAX_EXPERTS || c->top_k > MOE_ROUTE_MAX_TOP_K)
         return moe_error(MOE_STATUS_NOT_SUPPORTED,
                          "CUDA backend: num_experts = %d, top_k = %d (routing is built for up "
@@ -219,6 +219,7 @@ static void init_shape(moe_layer_t *l, cuda_layer_t *s)
 {
     s->E = l->plan.num_local_experts;
     s->E_total = l->cfg.num_experts;
+    s->n_slots = l->plan.num_slots;
     s->k = l->cfg.top_k;
     s->H = l->cfg.hidden;
     s->is = l->plan.i_end - l->plan.i_begin;
@@ -226,7 +227,11 @@ static void init_shape(moe_layer_t *l, cuda_layer_t *s)
     s->world = l->plan.world;
     /* see make_plan: without TP every rank keeps the whole shared MLP, run on its own tokens */
     s->shared_local = s->world > 1 && s->ss > 0 && s->ss == l->plan.shared_intermediate;
-    s->first_local = l->plan.first_local_expert;
+    /* this rank's slots are one block (g S .., or the floor split's without a placement) */
+    s->first_local = 0;
+    for (int i = l->plan.num_slots - 1; i >= 0; i--)
+        if (l->plan.slot_owner[i] == l->plan.ep_rank)
+            s->first_local = i;
     s->deterministic = l->cfg.deterministic;
     s->scatter_rows = l->knobs.v[MOE_KNOB_SCATTER_ROWS] != 0;
     s->skip_pad = l->knobs.v[MOE_KNOB_GEMM_SKIP_PAD] != 0;
@@ -334,6 +339,9 @@ static moe_status_t cuda_init(moe_layer_t *l)
                                       sizeof(int32_t) *
                                           moe_decode_sync_count(s->E, s->H, s->dec_tokens * s->k)),
                        st, fail);
+    MOE_CHECK_GOTO(moe_cuda_upload_placement(&l->plan, s), st, fail);
+    MOE_CHECK_GOTO(
+        moe_gpu_memset(s->load, 0, sizeof(unsigned long long) * (size_t)s->E_total), st, fail);
     if (s->f8 == 1) { /* no static scale until a weight brings one: every expert dynamic */
         MOE_CHECK_GOTO(moe_gpu_memset(s->in13, 0, sizeof(float) * (size_t)s->E), st, fail);
         MOE_CHECK_GOTO(moe_gpu_memset(s->in2, 0, sizeof(float) * (size_t)s->E), st, fail);
@@ -412,6 +420,7 @@ static moe_status_t cuda_forward(moe_layer_t *l, const moe_forward_args_t *a)
         return MOE_STATUS_SUCCESS;
     }
     MOE_CHECK(read_profile(s, a->stream));
+    s->last_stream = a->stream; /* what a placement change and the load window wait for */
     return moe_cuda_forward_one_gpu(l, a);
 }
 
@@ -493,6 +502,13 @@ static void cuda_explain(const moe_layer_t *l, int64_t T, char *text, size_t len
              s->arch, (long long)T, rpe, routed, s->ss > 0 ? "; shared GEMMs " : "", shared, ep);
 }
 
-const moe_backend_ops_t moe_backend_cuda = {
-    "cuda",       cuda_init,        cuda_fini,    moe_cuda_store_weight,
-    cuda_forward, cuda_synchronize, cuda_explain, NULL /* set_placement: not yet (docs/EPLB.md) */};
+const moe_backend_ops_t moe_backend_cuda = {"cuda",
+                                             cuda_init,
+                                             cuda_fini,
+                                             moe_cuda_store_weight,
+                                             cuda_forward,
+                                             cuda_synchronize,
+                                             cuda_explain,
+                                             moe_cuda_set_placement,
+                                             moe_cuda_load_window,
+                                             moe_cuda_reset_load_window};

@@ -160,7 +160,7 @@ static moe_a2a_source_t a2a_source(const moe_layer_t *l, const cuda_layer_t *s, 
     src.world = s->world;
     src.region_rows = s->m;
     src.rows_tag = rows_tag(s);
-    src.ids = s->ids;
+    src.ids = s->slot_ids; /* slots: the owner table is per slot */
     src.weights = s->weights;
     src.owner = s->owner;
     src.status = s->flag;
@@ -184,9 +184,9 @@ static moe_status_t ll_dispatch(moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y,
 
     memset(&d, 0, sizeof(d));
     d.src = *src;
-    d.num_experts = s->E_total;
+    d.num_experts = s->n_slots;
     for (r = 0; r <= W; r++)
-        d.first[r] = (int)moe_split_begin(s->E_total, W, r);
+        d.first[r] = (int)moe_split_begin(s->n_slots, W, r);
     d.block_rows = v->block_rows;
     d.rows_cap = s->ll_cap;
     d.sticky = s->sticky;
@@ -195,7 +195,7 @@ static moe_status_t ll_dispatch(moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y,
     d.ctrl = s->rctrl;
     for (r = 0; r < W; r++) {
         char *b = y->peer[r];
-        d.dst_cnt[r] = (int32_t *)(b + s->off_cnt) + (size_t)me * s->E_total;
+        d.dst_cnt[r] = (int32_t *)(b + s->off_cnt) + (size_t)me * s->n_slots;
         d.dst_a[r] = b + s->off_lla;
         d.dst_slot[r] = (int32_t *)(b + s->off_slot) + me * m * k;
         d.dst_w[r] = (float *)(b + s->off_w) + me * m * k;
@@ -221,7 +221,7 @@ static moe_status_t ll_experts(moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y,
     g.statuses = s->flags_all;
     g.world = s->world;
     g.rank = l->plan.rank;
-    g.num_experts = s->E_total;
+    g.num_experts = s->n_slots;
     g.first = s->first_local;
     g.experts = s->E;
     g.block_rows = v->block_rows;

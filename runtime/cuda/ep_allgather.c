@@ -29,15 +29,15 @@ static moe_status_t ep_dispatch(moe_layer_t *l, const void *x, moe_dtype_t dtype
     moe_status_t st, end;
 
     if (T < tm)
-        MOE_CHECK(moe_gpu_memset_async(s->ids + T * k, 0xff,
+        MOE_CHECK(moe_gpu_memset_async(s->slot_ids + T * k, 0xff,
                                        sizeof(int32_t) * (size_t)((tm - T) * k), stream));
     MOE_CHECK(moe_rows_launch(&r, stream));
     /* one NCCL group: tokens, ids, flags and (for the summed return) routing weights */
     MOE_CHECK(moe_nccl_group_start());
     st = moe_nccl_all_gather(s->nccl, s->xsend, s->xall, 2 * (size_t)(tm * H), stream);
     if (st == MOE_STATUS_SUCCESS)
-        st = moe_nccl_all_gather(s->nccl, s->ids, s->ids_all, sizeof(int32_t) * (size_t)(tm * k),
-                                 stream);
+        st = moe_nccl_all_gather(s->nccl, s->slot_ids, s->ids_all,
+                                 sizeof(int32_t) * (size_t)(tm * k), stream);
     if (st == MOE_STATUS_SUCCESS)
         st = moe_nccl_all_gather(s->nccl, s->flag, s->flags_all, sizeof(int32_t), stream);
     if (st == MOE_STATUS_SUCCESS && !s->deterministic)

@@ -56,17 +56,17 @@ static moe_status_t profile_bytes(moe_layer_t *l, cuda_layer_t *s, int64_t T, in
             done);
         if (ids)
             MOE_CHECK_GOTO(
-                moe_gpu_memcpy_d2h_async(ids, s->ids, sizeof(int32_t) * (size_t)(T * k), stream),
+                moe_gpu_memcpy_d2h_async(ids, s->slot_ids, sizeof(int32_t) * (size_t)(T * k), stream),
                 st, done);
         MOE_CHECK_GOTO(moe_gpu_stream_synchronize(stream), st, done);
         for (i = 0; ids && i < T * k; i++)
-            if (ids[i] >= 0 && l->plan.expert_owner[ids[i]] != me)
+            if (ids[i] >= 0 && l->plan.slot_owner[ids[i]] != me)
                 b += 2 * H;
         for (r = 0; r < W; r++) {
             /* in-band p2p sizes: whole regions both ways, whatever the counts */
             const int64_t out = s->p2p_header ? m : sent[r], in = s->p2p_header ? m : got[r];
             if (r != me)
-                b += out * (8 * k + 4) + (ids ? 4 * (int64_t)s->E_total : out * 2 * H) +
+                b += out * (8 * k + 4) + (ids ? 4 * (int64_t)s->n_slots : out * 2 * H) +
                      (s->deterministic ? 0 : in * 4 * H);
         }
     done:
@@ -93,8 +93,11 @@ static moe_status_t ep_round(moe_layer_t *l, const moe_forward_args_t *ok, moe_s
         skip.rows, skip.first, stream));
     if (ok)
         MOE_CHECK(moe_cuda_scan_inputs(l, ok, s->flag));
-    if (T > 0)
+    if (T > 0) {
         MOE_CHECK(moe_cuda_route(l, ok, s->ids, s->weights));
+        /* this round's tokens start at round * tm among the caller's (args_slice) */
+        MOE_CHECK(moe_cuda_slot_ids(l, s->ids, T, s->round * s->tm, s->slot_ids, stream));
+    }
     MOE_CHECK(moe_cuda_record(s, EV_ROUTE, stream));
     if (s->transport != MOE_EP_ALLGATHER)
         MOE_CHECK(moe_cuda_ep_a2a_step(l, ok, T, stream));

@@ -30,7 +30,7 @@ static moe_status_t pick_ll(moe_layer_t *l, cuda_layer_t *s)
     const char *why = s->transport != MOE_EP_LSA ? "the lsa transport"
                       : s->f8                    ? "bf16 GEMMs (W8A8 quantises GEMM 1's rows "
                                                    "through the permute's map)"
-                      : s->E_total > MOE_A2A_LL_MAX_EXPERTS ? "at most 1024 experts"
+                      : s->n_slots > MOE_A2A_LL_MAX_EXPERTS ? "at most 1024 expert slots"
                       : s->k > 32                           ? "top_k <= 32"
                                                             : NULL;
     MOE_CHECK(agreed_switch(l, MOE_KNOB_EP_LL, &want));

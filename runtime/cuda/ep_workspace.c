@@ -119,7 +119,7 @@ size_t moe_cuda_ep_sym_layout(cuda_layer_t *s, size_t base)
     s->off_cnt = s->off_ret + up256(s->deterministic ? 2 * tm * k * H : 4 * W * tm * H);
     if (!s->ll)
         return s->off_cnt;
-    s->off_slot = s->off_cnt + up256(4 * W * (size_t)s->E_total);
+    s->off_slot = s->off_cnt + up256(4 * W * (size_t)s->n_slots);
     s->off_lla = s->off_slot + up256(4 * W * (size_t)s->ll_rows * k);
     return s->off_lla + up256(2 * (size_t)s->ll_cap * H);
 }
@@ -130,7 +130,7 @@ size_t moe_cuda_ep_sym_layout(cuda_layer_t *s, size_t base)
 static int64_t ll_capacity(const moe_layer_t *l, const cuda_layer_t *s)
 {
     const int W = s->world;
-    const int e_max = (l->cfg.num_experts + W - 1) / W;
+    const int e_max = (s->n_slots + W - 1) / W; /* slots per rank */
     int64_t cap = 0, m;
     for (m = 1; m <= s->ll_rows; m++) {
         const moe_gemm_variant_t *v =
@@ -191,7 +191,7 @@ void moe_cuda_ep_plan_persistent(cuda_layer_t *s, carve_t *c)
     moe_cuda_plan_weights(s, c); /* one GPU's weights and data first, the exchange's after */
     s->iota = moe_cuda_take(c, sizeof(int32_t) * (size_t)(s->tm * s->k));
     s->ones = moe_cuda_take(c, sizeof(float) * (size_t)s->tm);
-    s->owner = moe_cuda_take(c, sizeof(int32_t) * (size_t)s->E_total);
+    s->owner = moe_cuda_take(c, sizeof(int32_t) * (size_t)s->n_slots);
     const size_t lanes = (size_t)(s->lanes > 1 ? s->lanes : 1); /* each lane's own */
     s->a2a_chain =
         moe_cuda_take(c, lanes * sizeof(uint64_t) * MOE_A2A_MAX_CTAS * MOE_A2A_MAX_WORLD);
@@ -200,7 +200,7 @@ void moe_cuda_ep_plan_persistent(cuda_layer_t *s, carve_t *c)
     /* MOE_EP_LL_KERNELS=1|2 (default 2): the low-latency dispatch in one kernel (every CTA
      * waits for the counts) or two (one CTA waits, then the grid copies) */
     s->ll_plan = s->ll && s->ll_kernels != 1
-                     ? moe_cuda_take(c, sizeof(int32_t) * MOE_A2A_LL_PLAN_INTS(s->E_total))
+                     ? moe_cuda_take(c, sizeof(int32_t) * MOE_A2A_LL_PLAN_INTS(s->n_slots))
                      : NULL;
 }
 
@@ -239,28 +239,12 @@ static moe_status_t ep_fill_iota(cuda_layer_t *s)
     return st;
 }
 
-/* The rank of each expert (tp_size 1: its EP rank), for the all-to-all's destinations. */
-static moe_status_t fill_owner(const moe_layer_t *l, cuda_layer_t *s)
-{
-    int32_t *h = malloc(sizeof(int32_t) * (size_t)s->E_total);
-    moe_status_t st;
-    int e;
-    if (!h)
-        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "expert owners");
-    for (e = 0; e < s->E_total; e++)
-        h[e] = l->plan.expert_owner[e] * l->plan.tp_size;
-    st = moe_gpu_memcpy_h2d(s->owner, h, sizeof(int32_t) * (size_t)s->E_total);
-    free(h);
-    return st;
-}
-
 moe_status_t moe_cuda_ep_init(moe_layer_t *l, cuda_layer_t *s)
 {
     /* s->shared_local (init_shape): the whole shared MLP here, sized for this rank's tokens */
     if (s->transport != MOE_EP_LSA) /* lsa needs no NCCL: its waits are bounded on the device */
         MOE_CHECK(ep_connect(l, s));
     MOE_CHECK(ep_fill_iota(s));
-    MOE_CHECK(fill_owner(l, s));
     MOE_CHECK(
         moe_gpu_memset(s->a2a_chain, 0,
                        (size_t)s->lanes * sizeof(uint64_t) * MOE_A2A_MAX_CTAS * MOE_A2A_MAX_WORLD));

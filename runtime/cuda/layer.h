@@ -19,8 +19,12 @@ enum { EV_START, EV_ROUTE, EV_PERMUTE, EV_EXPERT, EV_SHARED, EV_COMBINE, EV_COUN
 
 typedef struct cuda_layer {
     int device, arch;
-    int E, k, H; /* E: experts on this rank */
+    int E, k, H; /* E: expert slots on this rank (its experts without redundant slots) */
     int E_total; /* experts of the layer: the router's rows */
+    /* The layer's physical slots (E_total + num_redundant_experts; docs/EPLB.md): what dispatch,
+     * permute, GEMMs and combine call experts. After routing each (token, logical expert) pair
+     * becomes the slot of one replica (moe_ep_slot_ids_launch, slot_ids). */
+    int n_slots;
     int64_t is, ss, max_tokens;
     moe_activation_t act;
     const moe_gemm_variant_t *forced; /* MOE_FORCE_VARIANT / MOE_GEMM_VARIANT, or simt_ref where
@@ -42,6 +46,11 @@ typedef struct cuda_layer {
     uint16_t *router3;                /* bf16 [3][E][H]: router split hi, mid, lo (tensor cores) */
     int router_planes;                /* 1: mid and lo are zero (a bf16 router), else 3 */
     float *bias;                      /* f32 [E] */
+    /* The placement on the device (runtime/cuda/placement.c): each logical expert's slots
+     * replica_slot[replica_begin[e] .. replica_begin[e + 1]), ascending, and the rows each
+     * logical expert got from this rank's tokens since the load window began */
+    int32_t *replica_begin, *replica_slot; /* [E_total + 1], [n_slots] */
+    unsigned long long *load;              /* [E_total] */
     void *sw13;                       /* bf16 [2 ss][H] */
     void *sw2;                        /* bf16 [H][ss] */
     float *sgate;                     /* f32 [H] */
@@ -63,7 +72,8 @@ typedef struct cuda_layer {
     void *ws_base;                      /* the runtime buffer the pointers below were carved from */
     int max_blocks, s_max_blocks;       /* caps over the variants */
     float *logits;                      /* [Tm][E] */
-    int32_t *ids;                       /* [Tm][k] */
+    int32_t *ids;                       /* [Tm][k]: the router's logical experts */
+    int32_t *slot_ids;                  /* [Tm][k]: the replica slot of each */
     float *weights;                     /* [Tm][k] */
     int32_t *counts, *offsets;          /* [E], [E + 1] */
     int32_t *block_expert, *num_blocks; /* [max_blocks], [1] */
@@ -121,7 +131,7 @@ typedef struct cuda_layer {
      * rctrl [W][MOE_A2A_CTRL]. */
     int transport; /* MOE_EP_* below */
     int num_sms;
-    int32_t *owner;      /* persistent [E_total]: rank of each expert */
+    int32_t *owner;      /* persistent [n_slots]: rank of each slot */
     uint64_t *a2a_chain; /* persistent scratch of the dispatch (zeroed at init) */
     int32_t *a2a_done;   /* persistent [2]: last-CTA counters, 0 between launches */
     int32_t *round_skip; /* persistent scalar: round 0's verdict on the later rounds (lsa;
@@ -136,7 +146,7 @@ typedef struct cuda_layer {
     /* lsa low-latency layout (MOE_EP_LL=1): a step of at most ll_rows rows per rank stores
      * each (token, slot) row straight into its owner's GEMM-1 input, grouped by expert (no
      * permute, no gather there; kernels/a2a.h, moe_a2a_ll_args_t). In the IPC buffer: the
-     * count matrix [W][E_total], the row of each slot [W ll_rows][k], the GEMM-1 input
+     * count matrix [W][n_slots], the row of each slot [W ll_rows][k], the GEMM-1 input
      * bf16 [ll_cap][H]. */
     int ll, ll_step;           /* MOE_EP_LL; the last step used it */
     int ll_kernels;            /* MOE_EP_LL_KERNELS (1 or 2), agreed at create */

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The CUDA backend's one-GPU half: the variants a layer may run and the memory planned for
- * them (runtime/cuda/plan.c), the weights' upload (runtime/cuda/weights.c) and the stages of a
+ * them (runtime/cuda/plan.c), the weights' upload (runtime/cuda/weights.c), the placement
+ * (runtime/cuda/placement.c) and the stages of a
  * step, route -> permute -> expert GEMMs -> shared MLP -> combine (runtime/cuda/step.c). The
  * expert-parallel half (runtime/cuda/ep.h) builds on this interface; nothing here calls it. */
 #ifndef MOE_CUDA_ONE_GPU_H
@@ -18,6 +19,14 @@ const moe_gemm_variant_t *moe_cuda_variant_for(const cuda_layer_t *s, double row
 /* The variant a GEMM of this layer gets at rows_per_expert, and why (moe_layer_explain). */
 void moe_cuda_explain_gemm(const cuda_layer_t *s, double rows_per_expert, char *text, size_t len);
 
+/* placement.c: the placement's tables on the device (from plan p: each logical expert's slots,
+ * with EP each slot's rank), moe_backend_ops_t.set_placement and the device load window. */
+moe_status_t moe_cuda_upload_placement(const moe_plan_t *p, cuda_layer_t *s);
+moe_status_t moe_cuda_set_placement(moe_layer_t *l, const int32_t *map, int move_weights,
+                                    moe_placement_stats_t *stats);
+moe_status_t moe_cuda_load_window(const moe_layer_t *l, int64_t *counts);
+moe_status_t moe_cuda_reset_load_window(moe_layer_t *l);
+
 /* weights.c: moe_backend_ops_t.store_weight. */
 moe_status_t moe_cuda_store_weight(moe_layer_t *l, moe_weight_kind_t kind, int local,
                                    const moe_matrix_t *m);
@@ -25,6 +34,11 @@ moe_status_t moe_cuda_store_weight(moe_layer_t *l, moe_weight_kind_t kind, int l
 /* step.c: the stages. */
 moe_status_t moe_cuda_record(const cuda_layer_t *s, int ev, void *stream);
 moe_status_t moe_cuda_route(moe_layer_t *l, const moe_forward_args_t *a, int32_t *ids, float *w);
+/* The router's logical experts of T tokens (ids, [T][k]) -> their replica slots (out): token t
+ * is token first_token + t of this rank's forward (docs/SEMANTICS.md, "Replicas"); counts every
+ * pair into the device load window. */
+moe_status_t moe_cuda_slot_ids(moe_layer_t *l, const int32_t *ids, int64_t T, int64_t first_token,
+                               int32_t *out, void *stream);
 /* T token rows of x through their experts (ids: local, -1 for none), or with `regions` (else
  * NULL) the all-to-all's receive regions of x and global ids (kernels/permute.h): the permute
  * and the scatter then follow the live rows, not T. */

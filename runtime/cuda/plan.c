@@ -131,6 +131,7 @@ void moe_cuda_plan_workspace(cuda_layer_t *s, carve_t *c)
     }
     s->logits = moe_cuda_take(c, sizeof(float) * (size_t)(tm * s->E_total));
     s->ids = moe_cuda_take(c, sizeof(int32_t) * (size_t)rows);
+    s->slot_ids = moe_cuda_take(c, sizeof(int32_t) * (size_t)rows);
     s->weights = moe_cuda_take(c, sizeof(float) * (size_t)rows);
     s->counts = moe_cuda_take(c, sizeof(int32_t) * (size_t)s->E);
     s->offsets = moe_cuda_take(c, sizeof(int32_t) * (size_t)(s->E + 1));
@@ -201,6 +202,9 @@ void moe_cuda_plan_weights(cuda_layer_t *s, carve_t *c)
     s->router = moe_cuda_take(c, sizeof(float) * (size_t)s->E_total * H); /* every expert's row */
     s->router3 = moe_cuda_take(c, 3 * sizeof(uint16_t) * (size_t)s->E_total * H);
     s->bias = moe_cuda_take(c, sizeof(float) * (size_t)s->E_total);
+    s->replica_begin = moe_cuda_take(c, sizeof(int32_t) * ((size_t)s->E_total + 1));
+    s->replica_slot = moe_cuda_take(c, sizeof(int32_t) * (size_t)s->n_slots);
+    s->load = moe_cuda_take(c, sizeof(unsigned long long) * (size_t)s->E_total);
     s->perm_done = moe_cuda_take(c, 2 * sizeof(int32_t)); /* lane 0's, lane 1's */
     if (s->dec_ok)
         s->dec_sync = moe_cuda_take(c, sizeof(int32_t) *

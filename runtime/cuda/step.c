@@ -134,6 +134,22 @@ moe_status_t moe_cuda_route(moe_layer_t *l, const moe_forward_args_t *a, int32_t
     return moe_route_launch(&r, a->stream);
 }
 
+moe_status_t moe_cuda_slot_ids(moe_layer_t *l, const int32_t *ids, int64_t T, int64_t first_token,
+                               int32_t *out, void *stream)
+{
+    cuda_layer_t *s = l->state;
+    const moe_ep_slot_ids_args_t r = {ids,
+                                      out,
+                                      T * s->k,
+                                      s->k,
+                                      first_token,
+                                      l->plan.rank,
+                                      s->replica_begin,
+                                      s->replica_slot,
+                                      s->load};
+    return moe_ep_slot_ids_launch(&r, stream);
+}
+
 moe_status_t moe_cuda_scan_inputs(moe_layer_t *l, const moe_forward_args_t *a, int32_t *flag)
 {
     cuda_layer_t *s = l->state;
@@ -301,9 +317,11 @@ moe_status_t moe_cuda_finish_profile(moe_layer_t *l, int accumulate, void *strea
     MOE_CHECK(moe_gpu_memcpy_d2h_async(s->host_counts, s->counts, sizeof(int32_t) * (size_t)s->E,
                                        stream));
     MOE_CHECK(moe_cuda_host_wait(l, stream, 0, "the step's expert counts"));
+    /* rows per local slot, summed per logical expert (replicas of one expert add up) */
+    if (!accumulate)
+        memset(l->expert_load, 0, sizeof(int64_t) * (size_t)l->cfg.num_experts);
     for (i = 0; i < s->E; i++) {
-        l->expert_load[l->plan.first_local_expert + i] =
-            s->host_counts[i] + (accumulate ? l->expert_load[l->plan.first_local_expert + i] : 0);
+        l->expert_load[l->plan.local_logical[i]] += s->host_counts[i];
         rows += s->host_counts[i];
     }
     l->stats.rows_received = prev.rows_received + rows;
@@ -401,8 +419,9 @@ moe_status_t moe_cuda_forward_one_gpu(moe_layer_t *l, const moe_forward_args_t *
     MOE_CHECK(moe_cuda_record(s, EV_START, a->stream));
     MOE_CHECK(moe_cuda_scan_inputs(l, a, s->sticky));
     MOE_CHECK(moe_cuda_route(l, a, ids, w));
+    MOE_CHECK(moe_cuda_slot_ids(l, ids, a->num_tokens, 0, s->slot_ids, a->stream));
     MOE_CHECK(moe_cuda_record(s, EV_ROUTE, a->stream));
-    MOE_CHECK(moe_cuda_routed_experts(s, a->x, a->dtype, a->num_tokens, ids, NULL,
+    MOE_CHECK(moe_cuda_routed_experts(s, a->x, a->dtype, a->num_tokens, s->slot_ids, NULL,
                                       (double)a->num_tokens * s->k / s->E, a->stream));
     MOE_CHECK(moe_cuda_record(s, EV_EXPERT, a->stream));
     if (s->ss > 0) {
