@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Small kernels of the GPU expert-parallel step: logical expert -> replica slot, global -> local
- * expert ids and the scatter of expert rows into the dense per-(token, slot) layout the return reduce-scatter moves.
- * CUDA-free. */
+ * expert ids and the scatter of expert rows into the dense per-(token, slot) layout the return
+ * reduce-scatter moves. CUDA-free. */
 #ifndef MOE_EP_H
 #define MOE_EP_H
 

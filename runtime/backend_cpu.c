@@ -985,6 +985,6 @@ static moe_status_t cpu_set_placement(moe_layer_t *l, const int32_t *map, int mo
 }
 
 /* the load window: counted on the host into the layer's (no load_window hooks) */
-const moe_backend_ops_t moe_backend_cpu = {
-    "cpu", cpu_init, cpu_fini, cpu_store_weight, cpu_forward, NULL, NULL, cpu_set_placement,
-    NULL,  NULL};
+const moe_backend_ops_t moe_backend_cpu = {"cpu",       cpu_init, cpu_fini, cpu_store_weight,
+                                           cpu_forward, NULL,     NULL,     cpu_set_placement,
+                                           NULL,        NULL};

@@ -129,8 +129,7 @@ static moe_status_t check_map(const moe_layer_t *l, const int32_t *map, int n)
 
     if (!l->ops->set_placement)
         return moe_error(MOE_STATUS_NOT_SUPPORTED,
-                         "the %s backend does not change expert placement",
-                         l->ops->name);
+                         "the %s backend does not change expert placement", l->ops->name);
     MOE_ARG_CHECK(map != NULL, "map = NULL");
     MOE_ARG_CHECK(n == slots, "n = %d: must be num_experts + num_redundant_experts = %d + %d = %d",
                   n, E, l->cfg.num_redundant_experts, slots);
@@ -306,8 +305,7 @@ moe_status_t moe_layer_rebalance(moe_layer_t *l)
                          "the layer is unusable after an earlier communication failure");
     if (!l->ops->set_placement)
         return moe_error(MOE_STATUS_NOT_SUPPORTED,
-                         "the %s backend does not change expert placement",
-                         l->ops->name);
+                         "the %s backend does not change expert placement", l->ops->name);
     if (!l->plan.placed)
         return moe_error(MOE_STATUS_INVALID_STATE,
                          "num_experts = %d does not split equally over ep_size = %d ranks: a "

@@ -29,8 +29,7 @@ __global__ void local_ids_kernel(const int32_t *__restrict__ in, int32_t *__rest
 __global__ void slot_ids_kernel(const int32_t *__restrict__ in, int32_t *__restrict__ out,
                                 int64_t n, int top_k, int64_t first_token, int rank,
                                 const int32_t *__restrict__ replica_begin,
-                                const int32_t *__restrict__ replica_slot,
-                                unsigned long long *load)
+                                const int32_t *__restrict__ replica_slot, unsigned long long *load)
 {
     moe_pdl_wait();
     const int64_t i = (int64_t)blockIdx.x * EP_THREADS + threadIdx.x;
@@ -111,11 +110,10 @@ extern "C" moe_status_t moe_ep_slot_ids_launch(const moe_ep_slot_ids_args_t *a, 
 {
     if (a->n <= 0)
         return MOE_STATUS_SUCCESS;
-    MOE_CUDA_CHECK(moe_ep_launch((slot_ids_kernel),
-                                 dim3((unsigned)((a->n + EP_THREADS - 1) / EP_THREADS)),
-                                 dim3(EP_THREADS), 0, (cudaStream_t)stream, a->in, a->out, a->n,
-                                 a->top_k, a->first_token, a->rank, a->replica_begin,
-                                 a->replica_slot, a->load));
+    MOE_CUDA_CHECK(
+        moe_ep_launch((slot_ids_kernel), dim3((unsigned)((a->n + EP_THREADS - 1) / EP_THREADS)),
+                      dim3(EP_THREADS), 0, (cudaStream_t)stream, a->in, a->out, a->n, a->top_k,
+                      a->first_token, a->rank, a->replica_begin, a->replica_slot, a->load));
     MOE_CUDA_CHECK_LAUNCH("ep slot ids");
     return MOE_STATUS_SUCCESS;
 }

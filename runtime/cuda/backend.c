@@ -340,8 +340,8 @@ static moe_status_t cuda_init(moe_layer_t *l)
                                           moe_decode_sync_count(s->E, s->H, s->dec_tokens * s->k)),
                        st, fail);
     MOE_CHECK_GOTO(moe_cuda_upload_placement(&l->plan, s), st, fail);
-    MOE_CHECK_GOTO(
-        moe_gpu_memset(s->load, 0, sizeof(unsigned long long) * (size_t)s->E_total), st, fail);
+    MOE_CHECK_GOTO(moe_gpu_memset(s->load, 0, sizeof(unsigned long long) * (size_t)s->E_total), st,
+                   fail);
     if (s->f8 == 1) { /* no static scale until a weight brings one: every expert dynamic */
         MOE_CHECK_GOTO(moe_gpu_memset(s->in13, 0, sizeof(float) * (size_t)s->E), st, fail);
         MOE_CHECK_GOTO(moe_gpu_memset(s->in2, 0, sizeof(float) * (size_t)s->E), st, fail);
@@ -503,12 +503,12 @@ static void cuda_explain(const moe_layer_t *l, int64_t T, char *text, size_t len
 }
 
 const moe_backend_ops_t moe_backend_cuda = {"cuda",
-                                             cuda_init,
-                                             cuda_fini,
-                                             moe_cuda_store_weight,
-                                             cuda_forward,
-                                             cuda_synchronize,
-                                             cuda_explain,
-                                             moe_cuda_set_placement,
-                                             moe_cuda_load_window,
-                                             moe_cuda_reset_load_window};
+                                            cuda_init,
+                                            cuda_fini,
+                                            moe_cuda_store_weight,
+                                            cuda_forward,
+                                            cuda_synchronize,
+                                            cuda_explain,
+                                            moe_cuda_set_placement,
+                                            moe_cuda_load_window,
+                                            moe_cuda_reset_load_window};

@@ -55,9 +55,9 @@ static moe_status_t profile_bytes(moe_layer_t *l, cuda_layer_t *s, int64_t T, in
             moe_gpu_memcpy_d2h_async(got, s->counts_all, sizeof(int32_t) * (size_t)W, stream), st,
             done);
         if (ids)
-            MOE_CHECK_GOTO(
-                moe_gpu_memcpy_d2h_async(ids, s->slot_ids, sizeof(int32_t) * (size_t)(T * k), stream),
-                st, done);
+            MOE_CHECK_GOTO(moe_gpu_memcpy_d2h_async(ids, s->slot_ids,
+                                                    sizeof(int32_t) * (size_t)(T * k), stream),
+                           st, done);
         MOE_CHECK_GOTO(moe_gpu_stream_synchronize(stream), st, done);
         for (i = 0; ids && i < T * k; i++)
             if (ids[i] >= 0 && l->plan.slot_owner[ids[i]] != me)

@@ -19,7 +19,7 @@ enum { EV_START, EV_ROUTE, EV_PERMUTE, EV_EXPERT, EV_SHARED, EV_COMBINE, EV_COUN
 
 typedef struct cuda_layer {
     int device, arch;
-    int E, k, H; /* E: expert slots on this rank (its experts without redundant slots) */
+    int E, k, H; /* E: this rank's expert slots (n_slots below) */
     int E_total; /* experts of the layer: the router's rows */
     /* The layer's physical slots (E_total + num_redundant_experts; docs/EPLB.md): what dispatch,
      * permute, GEMMs and combine call experts. After routing each (token, logical expert) pair
@@ -46,17 +46,17 @@ typedef struct cuda_layer {
     uint16_t *router3;                /* bf16 [3][E][H]: router split hi, mid, lo (tensor cores) */
     int router_planes;                /* 1: mid and lo are zero (a bf16 router), else 3 */
     float *bias;                      /* f32 [E] */
-    /* The placement on the device (runtime/cuda/placement.c): each logical expert's slots
-     * replica_slot[replica_begin[e] .. replica_begin[e + 1]), ascending, and the rows each
-     * logical expert got from this rank's tokens since the load window began */
-    int32_t *replica_begin, *replica_slot; /* [E_total + 1], [n_slots] */
-    unsigned long long *load;              /* [E_total] */
     void *sw13;                       /* bf16 [2 ss][H] */
     void *sw2;                        /* bf16 [H][ss] */
     float *sgate;                     /* f32 [H] */
     float *w13s, *w2s, *sw13s, *sw2s; /* W8A8: [E][2 is], [E][H], [2 ss], [H] row scales */
     int32_t *iota;                    /* EP: [tm k], row of slot (t, j) in `mine` */
     float *ones;                      /* EP: [tm] */
+    /* The placement on the device (runtime/cuda/placement.c): each logical expert's slots
+     * replica_slot[replica_begin[e] .. replica_begin[e + 1]), ascending, and the rows each
+     * logical expert got from this rank's tokens since the load window began */
+    int32_t *replica_begin, *replica_slot; /* [E_total + 1], [n_slots] */
+    unsigned long long *load;              /* [E_total] */
     int32_t *sticky; /* host-mapped pinned scalar: the first failed step's (rank << 8) | status
                       * since the last synchronize, written by the device (0: none) */
     /* W8A8 per-row scale layers: static activation scales (a checkpoint's input_scale) of the

@@ -173,8 +173,8 @@ static int old_local_slot(const moe_plan_t *p, int e, int g)
  * the same (g, i) order on both sides of every pair. src_local[i]: the old local slot new
  * slot i copies (-1: received); a second new slot from one old slot counts as copied. */
 static void plan_moves(const moe_layer_t *l, const int32_t *map, size_t blob, char *old_h,
-                      char *new_h, int *src_local, moe_comm_msg_t *sends, int *ns,
-                      moe_comm_msg_t *recvs, int *nr, moe_placement_stats_t *stats)
+                       char *new_h, int *src_local, moe_comm_msg_t *sends, int *ns,
+                       moe_comm_msg_t *recvs, int *nr, moe_placement_stats_t *stats)
 {
     const moe_plan_t *p = &l->plan;
     const int S = p->num_local_experts, tp = p->tp_size, me = p->ep_rank, q = p->tp_rank;
@@ -205,8 +205,8 @@ static void plan_moves(const moe_layer_t *l, const int32_t *map, size_t blob, ch
                 stats->bytes_received += (int64_t)blob;
             }
             if (src == me) {
-                sends[(*ns)++] = (moe_comm_msg_t){g * tp + q,
-                                                  old_h + blob * (size_t)p->slot_local[slot], blob};
+                sends[(*ns)++] =
+                    (moe_comm_msg_t){g * tp + q, old_h + blob * (size_t)p->slot_local[slot], blob};
                 stats->bytes_sent += (int64_t)blob;
             }
         }
@@ -216,7 +216,8 @@ static void plan_moves(const moe_layer_t *l, const int32_t *map, size_t blob, ch
 static moe_status_t upload_map(moe_layer_t *l, cuda_layer_t *s, const int32_t *map)
 {
     moe_plan_t np = l->plan;
-    moe_status_t st = moe_plan_init_placement(&np, l->cfg.num_experts, l->cfg.num_redundant_experts);
+    moe_status_t st =
+        moe_plan_init_placement(&np, l->cfg.num_experts, l->cfg.num_redundant_experts);
     if (st == MOE_STATUS_SUCCESS)
         st = moe_plan_set_map(&np, l->cfg.num_experts, map);
     if (st == MOE_STATUS_SUCCESS)
@@ -278,8 +279,9 @@ moe_status_t moe_cuda_set_placement(moe_layer_t *l, const int32_t *map, int move
         if (st != MOE_STATUS_SUCCESS) {
             /* some rank's device holds the new placement and the host plan the old one */
             l->broken = 1;
-            moe_error(st, "placement change: the device copy failed on a rank after the exchange "
-                          "(%s); the layer is unusable",
+            moe_error(st,
+                      "placement change: the device copy failed on a rank after the exchange "
+                      "(%s); the layer is unusable",
                       moe_status_string(st));
         }
     }

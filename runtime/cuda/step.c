@@ -138,14 +138,8 @@ moe_status_t moe_cuda_slot_ids(moe_layer_t *l, const int32_t *ids, int64_t T, in
                                int32_t *out, void *stream)
 {
     cuda_layer_t *s = l->state;
-    const moe_ep_slot_ids_args_t r = {ids,
-                                      out,
-                                      T * s->k,
-                                      s->k,
-                                      first_token,
-                                      l->plan.rank,
-                                      s->replica_begin,
-                                      s->replica_slot,
+    const moe_ep_slot_ids_args_t r = {ids,         out,          T * s->k,         s->k,
+                                      first_token, l->plan.rank, s->replica_begin, s->replica_slot,
                                       s->load};
     return moe_ep_slot_ids_launch(&r, stream);
 }

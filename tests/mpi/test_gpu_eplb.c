@@ -40,11 +40,11 @@ enum { PL_DEFAULT, PL_MAP, PL_REBALANCE };
 static const char *const mode_name[] = {"default placement", "set_placement", "rebalance"};
 
 typedef struct run_out {
-    int64_t window[E];       /* the load window after the first forward */
-    int64_t rows;            /* rows_received of the last forward (CUDA: MOE_PROFILE=1) */
-    int32_t map[MAX_SLOTS];  /* the placement in force at the end */
-    int64_t bytes_moved;     /* bytes received by the placement change (set_placement) */
-    int rebalance_moved;     /* the rebalance changed the map */
+    int64_t window[E];      /* the load window after the first forward */
+    int64_t rows;           /* rows_received of the last forward (CUDA: MOE_PROFILE=1) */
+    int32_t map[MAX_SLOTS]; /* the placement in force at the end */
+    int64_t bytes_moved;    /* bytes received by the placement change (set_placement) */
+    int rebalance_moved;    /* the rebalance changed the map */
 } run_out_t;
 
 /* y = the layer (weights from seed) on this rank's n tokens x with router logits lg, on runtime
