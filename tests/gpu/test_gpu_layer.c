@@ -103,6 +103,8 @@ static void make_layer(fixture_t *fx, const layer_case_t *c, int world, moe_dtyp
     l->plan.i_end = c->I;
     l->plan.shared_intermediate = c->shared_I;
     l->plan.s_end = c->shared_I;
+    /* the placement tables the backend routes by (slot e holds expert e) */
+    gt_ok(moe_plan_init_placement(&l->plan, c->E, 0), "placement");
     l->expert_load = calloc((size_t)c->E, sizeof(int64_t));
     l->ops = &moe_backend_cuda;
 }
@@ -167,6 +169,7 @@ static void free_fixture(fixture_t *fx)
     moe_gpu_free(fx->rt.gpu_ws); /* the runtime's shared workspace (this fixture's runtime) */
     fx->rt.gpu_ws = NULL;
     free(fx->layer.expert_load);
+    moe_plan_free_placement(&fx->layer.plan);
     free(fx->w.w13), free(fx->w.w2), free(fx->w.router), free(fx->w.bias);
     free(fx->w.s13), free(fx->w.s2), free(fx->w.sgate);
 }

@@ -237,24 +237,47 @@ static void end_transports(void)
     unsetenv("MOE_EP_LL");
 }
 
-/* EP over the world on every transport: R = 2 ep with the default placement, a planned map and
- * a rebalance, and R = 0 with shifted blocks; in one round and in rounds of 32 tokens. Each
- * against the CPU plain layer (outputs, load window) and the CPU EP layer of the same
- * placement (rows each rank computed: the same replica choice). */
-static void test_ep_replicas_transports(void **state)
+/* One EP case: the CUDA layer of config c (transport i, MOE_PROFILE=1 for its rows) against
+ * the CPU plain layer (outputs, load window) and the CPU layer of the same layout and placement
+ * (the rows each rank computed: the same replica choice; the map after a rebalance). */
+static void ep_case(data_t *d, moe_layer_config_t c, int i, int mode, const int32_t *map)
 {
     const uint64_t seed = tu_seed("gpu_eplb_ep");
-    int32_t planned[MAX_SLOTS], shifted[E];
-    data_t d;
     run_out_t o, cpu;
     char what[256];
+    use_transport(i);
+    setenv("MOE_PROFILE", "1", 1);
+    run_placed(gt_rts.gpu, c, seed, d->x, d->n, d->lg, mode, map, d->y, &o);
+    unsetenv("MOE_PROFILE");
+    end_transports();
+    snprintf(what, sizeof(what), "%s, ep %d x tp %d, R %d, %s%s, rounds of %lld", transports[i],
+             c.ep_size, c.tp_size, c.num_redundant_experts, mode_name[mode],
+             mode != PL_REBALANCE ? ""
+             : o.rebalance_moved  ? " (map changed)"
+                                  : " (map kept)",
+             (long long)(c.ep_round_tokens ? c.ep_round_tokens : c.max_tokens_per_rank));
+    c.ep_round_tokens = 0;
+    run_placed(cpu_world, c, seed, d->x, d->n, d->lg, mode, map, d->cpu_y, &cpu);
+    check_vs_ref(d, &o, what);
+    assert_memory_equal(o.map, cpu.map, sizeof(o.map));
+    assert_int_equal(o.rows, cpu.rows);
+    assert_int_equal(o.bytes_moved > 0, cpu.bytes_moved > 0);
+    assert_int_equal(o.rebalance_moved, cpu.rebalance_moved);
+}
+
+/* EP over the world on every transport: R = 2 ep with the default placement, a planned map and
+ * a rebalance, and R = 0 with shifted blocks (set_placement, rebalance); in one round and in
+ * rounds of 32 tokens. */
+static void test_ep_replicas_transports(void **state)
+{
+    int32_t planned[MAX_SLOTS], shifted[E];
+    data_t d;
     size_t i;
     int mode, red, rounds;
     (void)state;
-    data_make(&d, seed, 96);
+    data_make(&d, tu_seed("gpu_eplb_ep"), 96);
     planned_map(world, 2 * world, planned);
     shifted_map(shifted);
-    setenv("MOE_PROFILE", "1", 1); /* the CUDA layer's rows_received */
     for (i = 0; i < sizeof(transports) / sizeof(transports[0]); i++) {
         if (!transport_runs((int)i))
             continue;
@@ -262,33 +285,35 @@ static void test_ep_replicas_transports(void **state)
             for (mode = PL_DEFAULT; mode <= PL_REBALANCE; mode++)
                 for (rounds = 0; rounds < 2; rounds++) {
                     moe_layer_config_t c = shape();
-                    const int32_t *map = red ? planned : shifted;
                     if (!red && mode == PL_DEFAULT)
                         continue; /* the plain EP layer: test_gpu_ep.c */
                     c.ep_size = world;
                     c.num_redundant_experts = red ? 2 * world : 0;
                     c.ep_round_tokens = rounds ? 32 : 0;
-                    use_transport((int)i);
-                    run_placed(gt_rts.gpu, c, seed, d.x, d.n, d.lg, mode, map, d.y, &o);
-                    end_transports();
-                    c.ep_round_tokens = 0;
-                    unsetenv("MOE_PROFILE");
-                    run_placed(cpu_world, c, seed, d.x, d.n, d.lg, mode, map, d.cpu_y, &cpu);
-                    setenv("MOE_PROFILE", "1", 1);
-                    snprintf(what, sizeof(what), "%s, R %d, %s%s, rounds of %s", transports[i],
-                             c.num_redundant_experts, mode_name[mode],
-                             mode != PL_REBALANCE ? ""
-                             : o.rebalance_moved  ? " (map changed)"
-                                                  : " (map kept)",
-                             rounds ? "32" : "all");
-                    check_vs_ref(&d, &o, what);
-                    assert_memory_equal(o.map, cpu.map, sizeof(int32_t) * (size_t)(E + 2 * world));
-                    assert_int_equal(o.rows, cpu.rows);
-                    assert_int_equal(o.bytes_moved > 0, cpu.bytes_moved > 0);
-                    assert_int_equal(o.rebalance_moved, cpu.rebalance_moved);
+                    ep_case(&d, c, (int)i, mode, red ? planned : shifted);
                 }
     }
-    unsetenv("MOE_PROFILE");
+    data_free(&d);
+}
+
+/* TP 2 (allgather): the EP groups of two ranks each, R = 2 ep. */
+static void test_tp_replicas(void **state)
+{
+    int32_t planned[MAX_SLOTS];
+    data_t d;
+    int mode;
+    (void)state;
+    if (world % 2 || !gt_nccl_runs()) /* TP needs an even world and the allgather transport */
+        return;
+    data_make(&d, tu_seed("gpu_eplb_ep"), 96);
+    planned_map(world / 2, world, planned);
+    for (mode = PL_DEFAULT; mode <= PL_REBALANCE; mode++) {
+        moe_layer_config_t c = shape();
+        c.tp_size = 2;
+        c.ep_size = world / 2;
+        c.num_redundant_experts = world; /* 2 per EP rank */
+        ep_case(&d, c, 0, mode, planned);
+    }
     data_free(&d);
 }
 
@@ -383,9 +408,8 @@ static int teardown(void **state)
 }
 
 static const struct CMUnitTest tests[] = {
-    cmocka_unit_test(test_one_gpu_replicas),
-    cmocka_unit_test(test_ep_replicas_transports),
-    cmocka_unit_test(test_deterministic_bitwise),
+    cmocka_unit_test(test_one_gpu_replicas), cmocka_unit_test(test_ep_replicas_transports),
+    cmocka_unit_test(test_tp_replicas),      cmocka_unit_test(test_deterministic_bitwise),
     cmocka_unit_test(test_bad_map),
 };
 
