@@ -361,6 +361,7 @@ static moe_status_t decode_forward(moe_layer_t *l, const moe_forward_args_t *a, 
     MOE_CHECK(moe_cuda_record(s, EV_START, a->stream));
     MOE_CHECK(moe_cuda_scan_inputs(l, a, s->sticky));
     MOE_CHECK(moe_cuda_route(l, a, ids, w));
+    MOE_CHECK(moe_cuda_slot_ids(l, ids, a->num_tokens, 0, s->slot_ids, a->stream));
     MOE_CHECK(moe_cuda_record(s, EV_ROUTE, a->stream));
     MOE_CHECK(moe_cuda_record(s, EV_PERMUTE, a->stream));
     if (s->ss > 0) {
@@ -370,7 +371,7 @@ static moe_status_t decode_forward(moe_layer_t *l, const moe_forward_args_t *a, 
     memset(&d, 0, sizeof(d));
     d.x = a->x;
     d.x_dtype = a->dtype;
-    d.topk_ids = ids;
+    d.topk_ids = s->slot_ids; /* the local slots (weights per slot) */
     d.topk_weights = w;
     d.w13 = s->w13;
     d.w2 = s->w2;
