@@ -431,7 +431,7 @@ moe_status_t moe_eplb_rank_loads(const int64_t *load, int num_experts, const int
  * new map. If no expert weight is set yet on any rank, only the map changes (set the weights
  * after it); a layer with some expert weights set and others not is INVALID_STATE. One verdict
  * on every rank. CUDA backend: the weights are staged through host memory and moved by MPI
- * (docs/EPLB.md), after the forwards queued on the last forward's stream have finished. */
+ * (docs/EPLB.md), after the queued forwards have finished (as for the load window below). */
 moe_status_t moe_layer_set_placement(moe_layer_t *layer, const int32_t *map, int n);
 
 /* The placement in force: map[n], n = num_experts + num_redundant_experts. With R = 0 and a
@@ -443,8 +443,8 @@ moe_status_t moe_layer_get_placement(const moe_layer_t *layer, int32_t *map, int
  * rebalanced or last reset (the load window), summed over the tokens this rank brought:
  * counts[num_experts]. Summed over the ranks it is the global load the rebalance plans from.
  * Counted on the host by the CPU backend, on the device by the CUDA backend (no host
- * synchronisation in the forward; this call waits for the forwards queued on the last forward's
- * stream); not collective. */
+ * synchronisation in the forward; this call waits for the queued forwards: the device, or with
+ * NCCL the last forward's stream, which must still exist); not collective. */
 moe_status_t moe_layer_get_expert_load_window(const moe_layer_t *layer, int64_t *counts, int n);
 
 /* Starts a new load window (zeros). Not collective. */

@@ -40,12 +40,14 @@ moe_status_t moe_cuda_upload_placement(const moe_plan_t *p, cuda_layer_t *s)
     return st;
 }
 
-/* The forwards queued so far have finished (bounded through NCCL's watchdog with EP). */
+/* The forwards queued so far have finished: with NCCL, the last forward's stream, bounded
+ * through NCCL's watchdog (a dead peer must not hang the call); else (one GPU, lsa, whose waits
+ * are bounded on the device) the whole device, whatever stream the forwards ran on. */
 static moe_status_t drain(const cuda_layer_t *s)
 {
     if (s->nccl)
         return moe_nccl_wait(s->nccl, s->last_stream);
-    return moe_gpu_stream_synchronize(s->last_stream);
+    return moe_gpu_device_synchronize();
 }
 
 /* ------------------------------------------------------------------------------------------ */
