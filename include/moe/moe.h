@@ -443,8 +443,9 @@ moe_status_t moe_layer_get_placement(const moe_layer_t *layer, int32_t *map, int
  * rebalanced or last reset (the load window), summed over the tokens this rank brought:
  * counts[num_experts]. Summed over the ranks it is the global load the rebalance plans from.
  * Counted on the host by the CPU backend, on the device by the CUDA backend (no host
- * synchronisation in the forward; this call waits for the queued forwards: the device, or with
- * NCCL the last forward's stream, which must still exist); not collective. */
+ * synchronisation in the forward; this call waits for the queued forwards: one GPU's device, or
+ * across GPUs the last forward's stream, which must still exist, within the timeout); not
+ * collective. */
 moe_status_t moe_layer_get_expert_load_window(const moe_layer_t *layer, int64_t *counts, int n);
 
 /* Starts a new load window (zeros). Not collective. */

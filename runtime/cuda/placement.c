@@ -40,13 +40,17 @@ moe_status_t moe_cuda_upload_placement(const moe_plan_t *p, cuda_layer_t *s)
     return st;
 }
 
-/* The forwards queued so far have finished: with NCCL, the last forward's stream, bounded
- * through NCCL's watchdog (a dead peer must not hang the call); else (one GPU, lsa, whose waits
- * are bounded on the device) the whole device, whatever stream the forwards ran on. */
-static moe_status_t drain(const cuda_layer_t *s)
+/* The forwards queued so far have finished. One GPU: the whole device, whatever stream they
+ * ran on. Across GPUs the last forward's stream, bounded (a dead peer must not hang the call):
+ * through NCCL's watchdog, or (lsa) by the host's deadline as moe_cuda_host_wait bounds it. */
+static moe_status_t drain(const moe_layer_t *l)
 {
+    const cuda_layer_t *s = l->state;
     if (s->nccl)
         return moe_nccl_wait(s->nccl, s->last_stream);
+    if (l->plan.world > 1)
+        return moe_gpu_stream_wait_bounded(s->last_stream, (int64_t)l->rt->timeout_ms + 1000,
+                                           "the forwards before a placement change or load read");
     return moe_gpu_device_synchronize();
 }
 
@@ -67,7 +71,7 @@ moe_status_t moe_cuda_load_window(const moe_layer_t *l, int64_t *counts)
     h = malloc(sizeof(unsigned long long) * (size_t)E);
     if (!h)
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "load window of %d experts", E);
-    st = drain(s);
+    st = drain(l);
     if (st == MOE_STATUS_SUCCESS)
         st = moe_gpu_memcpy_d2h(h, s->load, sizeof(unsigned long long) * (size_t)E);
     for (e = 0; st == MOE_STATUS_SUCCESS && e < E; e++)
@@ -81,7 +85,7 @@ moe_status_t moe_cuda_reset_load_window(moe_layer_t *l)
     cuda_layer_t *s = l->state;
     if (!s)
         return moe_error(MOE_STATUS_INVALID_STATE, "CUDA layer not initialised");
-    MOE_CHECK(drain(s));
+    MOE_CHECK(drain(l));
     return moe_gpu_memset(s->load, 0, sizeof(unsigned long long) * (size_t)l->cfg.num_experts);
 }
 
@@ -240,7 +244,7 @@ moe_status_t moe_cuda_set_placement(moe_layer_t *l, const int32_t *map, int move
     moe_status_t st;
 
     /* the queued forwards read the weights and tables about to change */
-    st = drain(s);
+    st = drain(l);
     if (st == MOE_STATUS_SUCCESS && move_weights) {
         old_h = malloc(b.bytes * (size_t)S + 1);
         new_h = malloc(b.bytes * (size_t)S + 1);
