@@ -345,6 +345,14 @@ int moe_eplb_bench_main(int argc, char **argv)
     }
     rc.backend = o.backend;
     MK(moe_runtime_create_mpi(&rc, MPI_COMM_WORLD, &rt));
+    {
+        moe_runtime_info_t ri;
+        MK(moe_runtime_get_info(rt, &ri));
+        /* the same verdict on every rank: the runtime's backend is agreed */
+        if (o.step && ri.backend == MOE_BACKEND_CUDA)
+            DIE("the step case passes host buffers, the CPU backend's; on the "
+                "CUDA backend use --no-step (the moves alone) or moe-run --eplb, or --backend cpu");
+    }
     R = o.redundant >= 0 ? o.redundant : world_g;
     if (rank_g == 0)
         printf("# moe-bench --eplb: %d rank(s), layer %s E%d k%d H%d I%d %s, %lld tokens per "
