@@ -56,6 +56,24 @@ typedef struct moe_route_args {
 
 moe_status_t moe_route_launch(const moe_route_args_t *args, void *stream);
 
+/* The caller's routing (moe_forward_args_t.given_topk_ids/weights) checked and copied into the
+ * step's: an id outside 0..num_experts-1 becomes expert 0 with weight 0 and sets *flag =
+ * bad_id_code, a weight that is not finite becomes 0 and sets *flag = bad_weight_code (plain
+ * stores, as the finite scan does: the step's verdict word), so the kernels after it never
+ * index out of bounds. */
+typedef struct moe_route_given_args {
+    const int32_t *given_ids;   /* device [num_tokens, top_k] */
+    const float *given_weights; /* device [num_tokens, top_k] */
+    int32_t *topk_ids;          /* device [num_tokens, top_k] (may be given_ids) */
+    float *topk_weights;        /* device [num_tokens, top_k] (may be given_weights) */
+    int64_t num_tokens;
+    int top_k, num_experts;
+    int32_t *flag; /* device or mapped host int32 */
+    int32_t bad_id_code, bad_weight_code;
+} moe_route_given_args_t;
+
+moe_status_t moe_route_given_launch(const moe_route_given_args_t *args, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -147,9 +147,9 @@ static moe_status_t local_experts(moe_layer_t *layer, const moe_layer_config_t *
 }
 
 /* moe_gen_set_weights; `input_scales`: the expert and shared matrices with moe_gen_input_scale's
- * static activation scales. */
+ * static activation scales; `router` 0: no ROUTER nor ROUTER_BIAS. */
 static moe_status_t set_weights(moe_layer_t *layer, const moe_layer_config_t *cfg, uint64_t seed,
-                                int input_scales)
+                                int input_scales, int router)
 {
     const int64_t H = cfg->hidden, E = cfg->num_experts, I = cfg->intermediate;
     moe_layer_info_t info;
@@ -184,8 +184,9 @@ static moe_status_t set_weights(moe_layer_t *layer, const moe_layer_config_t *cf
             MOE_STATUS_SUCCESS)                                                                    \
             goto out;                                                                              \
     } while (0)
-    SET(MOE_WEIGHT_ROUTER, -1, 0, E, 0, H, E, H, 0);
-    if (cfg->use_score_bias)
+    if (router)
+        SET(MOE_WEIGHT_ROUTER, -1, 0, E, 0, H, E, H, 0);
+    if (router && cfg->use_score_bias)
         SET(MOE_WEIGHT_ROUTER_BIAS, -1, 0, 1, 0, E, 1, E, 0);
     if ((st = local_experts(layer, cfg, &info, &mine)) != MOE_STATUS_SUCCESS)
         goto out;
@@ -212,13 +213,19 @@ out:
 
 moe_status_t moe_gen_set_weights(moe_layer_t *layer, const moe_layer_config_t *cfg, uint64_t seed)
 {
-    return set_weights(layer, cfg, seed, 0);
+    return set_weights(layer, cfg, seed, 0, 1);
+}
+
+moe_status_t moe_gen_set_weights_unrouted(moe_layer_t *layer, const moe_layer_config_t *cfg,
+                                          uint64_t seed)
+{
+    return set_weights(layer, cfg, seed, 0, 0);
 }
 
 moe_status_t moe_gen_set_weights_static(moe_layer_t *layer, const moe_layer_config_t *cfg,
                                         uint64_t seed)
 {
-    return set_weights(layer, cfg, seed, 1);
+    return set_weights(layer, cfg, seed, 1, 1);
 }
 
 typedef struct preset {

@@ -36,6 +36,9 @@ void moe_gen_skewed_logits(uint64_t seed, int64_t t0, int64_t n, int num_experts
 
 /* Sets this rank's slice of every weight of `layer` (config `cfg`) from `seed`. */
 moe_status_t moe_gen_set_weights(moe_layer_t *layer, const moe_layer_config_t *cfg, uint64_t seed);
+/* The same but for ROUTER and ROUTER_BIAS (a layer run with given routing). */
+moe_status_t moe_gen_set_weights_unrouted(moe_layer_t *layer, const moe_layer_config_t *cfg,
+                                          uint64_t seed);
 
 /* The static activation scale (a checkpoint's input_scale) moe_gen_set_weights_static gives
  * matrix `kind` of `expert` (-1: the shared MLP's): gate and up in [1, 1.25) / 448 (tokens of

@@ -228,6 +228,26 @@ static moe_status_t check_finite(const float *v, int64_t n, const char *what)
     return MOE_STATUS_SUCCESS;
 }
 
+/* The caller's routing (moe_forward_args_t.given_topk_ids/weights), checked, as the step's. */
+static moe_status_t take_given_routing(const moe_layer_t *l, const moe_forward_args_t *a, step_t *s)
+{
+    const int k = l->cfg.top_k, E = l->cfg.num_experts;
+    int64_t i;
+    for (i = 0; i < s->T * k; i++) {
+        if (a->given_topk_ids[i] < 0 || a->given_topk_ids[i] >= E)
+            return moe_error(MOE_STATUS_INVALID_ARGUMENT,
+                             "given_topk_ids[%lld][%d] = %d: must be in 0..num_experts-1 (%d)",
+                             (long long)(i / k), (int)(i % k), (int)a->given_topk_ids[i], E - 1);
+        if (!isfinite(a->given_topk_weights[i]))
+            return moe_error(MOE_STATUS_NUMERIC_ERROR,
+                             "given_topk_weights[%lld][%d] = %g is not finite", (long long)(i / k),
+                             (int)(i % k), (double)a->given_topk_weights[i]);
+    }
+    memcpy(s->ids, a->given_topk_ids, sizeof(int32_t) * (size_t)(s->T * k));
+    memcpy(s->w, a->given_topk_weights, sizeof(float) * (size_t)(s->T * k));
+    return MOE_STATUS_SUCCESS;
+}
+
 static moe_status_t route(moe_layer_t *l, const moe_forward_args_t *a, step_t *s)
 {
     const moe_layer_config_t *c = &l->cfg;
@@ -246,7 +266,9 @@ static moe_status_t route(moe_layer_t *l, const moe_forward_args_t *a, step_t *s
         if (logits)
             MOE_CHECK(check_finite(logits, s->T * c->num_experts, "router_logits"));
     }
-    if (!logits) {
+    if (a->given_topk_ids) {
+        r = take_given_routing(l, a, s);
+    } else if (!logits) {
         moe_cpu_matrix_t wg = view(&st->router);
         own = malloc(sizeof(float) * (size_t)(s->T * c->num_experts + 1));
         if (!own)
@@ -258,7 +280,8 @@ static moe_status_t route(moe_layer_t *l, const moe_forward_args_t *a, step_t *s
             return r;
         }
     }
-    r = moe_cpu_route(&p, logits, c->use_score_bias ? st->bias.data : NULL, s->T, s->ids, s->w);
+    if (!a->given_topk_ids)
+        r = moe_cpu_route(&p, logits, c->use_score_bias ? st->bias.data : NULL, s->T, s->ids, s->w);
     free(own);
     if (r != MOE_STATUS_SUCCESS)
         return r;

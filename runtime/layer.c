@@ -435,7 +435,15 @@ static moe_status_t check_forward_args(const moe_layer_t *l, const moe_forward_a
         MOE_ARG_CHECK(a->y != NULL, "y = NULL with num_tokens = %lld", (long long)a->num_tokens);
         MOE_ARG_CHECK(a->x != (const void *)a->y, "y aliases x: the output needs its own buffer");
     }
-    return moe_layer_check_weights(l, a->router_logits == NULL);
+    if (a->given_topk_ids || a->given_topk_weights) {
+        MOE_ARG_CHECK(a->given_topk_ids && a->given_topk_weights,
+                      "given_topk_ids = %p, given_topk_weights = %p: give both or neither",
+                      (const void *)a->given_topk_ids, (const void *)a->given_topk_weights);
+        MOE_ARG_CHECK(a->router_logits == NULL,
+                      "router_logits and given_topk_ids/weights both given: one routing only");
+        return moe_layer_check_weights(l, 0, 0);
+    }
+    return moe_layer_check_weights(l, a->router_logits == NULL, 1);
 }
 
 moe_status_t moe_layer_forward(moe_layer_t *l, const moe_forward_args_t *args)

@@ -159,7 +159,7 @@ void moe_plan_free_placement(moe_plan_t *p);
 moe_status_t moe_plan_set_map(moe_plan_t *p, int num_experts, const int32_t *map);
 
 /* Whether every weight this rank needs has been set; else an INVALID_STATE naming one. */
-moe_status_t moe_layer_check_weights(const struct moe_layer *layer, int need_router);
+moe_status_t moe_layer_check_weights(const struct moe_layer *layer, int need_router, int need_bias);
 
 #ifdef __cplusplus
 }

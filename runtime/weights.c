@@ -521,13 +521,14 @@ void moe_layer_mark_expert_weights(moe_layer_t *l, int set)
             *set_mark(l, (moe_weight_kind_t)k, e) = (unsigned char)(set != 0);
 }
 
-moe_status_t moe_layer_check_weights(const moe_layer_t *l, int need_router)
+moe_status_t moe_layer_check_weights(const moe_layer_t *l, int need_router, int need_bias)
 {
     int e, k;
     if (need_router && !*set_mark((moe_layer_t *)l, MOE_WEIGHT_ROUTER, -1))
-        return moe_error(MOE_STATUS_INVALID_STATE,
-                         "ROUTER weight not set (or pass router_logits to forward)");
-    if (l->cfg.use_score_bias && !*set_mark((moe_layer_t *)l, MOE_WEIGHT_ROUTER_BIAS, -1))
+        return moe_error(MOE_STATUS_INVALID_STATE, "ROUTER weight not set (or pass router_logits "
+                                                   "or given_topk_ids/weights to forward)");
+    if (need_bias && l->cfg.use_score_bias &&
+        !*set_mark((moe_layer_t *)l, MOE_WEIGHT_ROUTER_BIAS, -1))
         return moe_error(MOE_STATUS_INVALID_STATE, "ROUTER_BIAS not set (use_score_bias = 1)");
     for (e = 0; e < l->plan.num_local_experts; e++)
         for (k = MOE_WEIGHT_GATE_PROJ; k <= MOE_WEIGHT_DOWN_PROJ; k++)

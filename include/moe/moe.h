@@ -334,11 +334,26 @@ typedef struct moe_forward_args {
      * this value) and with allgather it is undefined behaviour of the collectives (bounded by
      * the runtime's timeout). */
     int64_t max_tokens_across_ranks;
+    /* Optional routing given by the caller, both or neither (a serving engine that routes by
+     * itself; vLLM's fused_experts): given_topk_ids [num_tokens, top_k] int32 global expert ids
+     * and given_topk_weights [num_tokens, top_k] f32, in the memory of x. The layer then runs
+     * no router (ROUTER, ROUTER_BIAS and router_logits are not needed, and scoring, grouping,
+     * renormalize and routed_scaling_factor do not apply): y = sum over j of
+     * given_topk_weights[t, j] * expert_{given_topk_ids[t, j]}(x_t) (+ the shared experts), in
+     * slot order j as the router's own choice would be summed. An id may repeat within a token
+     * (two slots of one expert). Every id must be in 0..num_experts-1 and every weight finite:
+     * the CPU backend returns INVALID_ARGUMENT (an id) or NUMERIC_ERROR (a weight) naming the
+     * first bad element; the CUDA backend checks on the device (no host synchronisation) and
+     * fails the step at moe_layer_synchronize with the same statuses, every rank with EP, the
+     * step's y unspecified (bad slots are computed as expert 0 with weight 0, so nothing is
+     * read out of bounds). topk_ids / topk_weights, when given, receive a copy. */
+    const int32_t *given_topk_ids;
+    const float *given_topk_weights;
 } moe_forward_args_t;
 
 #define MOE_FORWARD_ARGS_INIT                                                                      \
     {                                                                                              \
-        0, MOE_DTYPE_F32, NULL, NULL, NULL, NULL, NULL, NULL, 0                                    \
+        0, MOE_DTYPE_F32, NULL, NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL                        \
     }
 
 /* Collective: every rank calls it once per step (num_tokens may be 0 on any rank). Pointers

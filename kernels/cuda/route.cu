@@ -646,7 +646,49 @@ template <int NPL> moe_status_t launch_topk(const moe_route_args_t *a, cudaStrea
     return MOE_STATUS_SUCCESS;
 }
 
+__global__ void __launch_bounds__(256)
+    route_given_kernel(const int32_t *__restrict__ in_ids, const float *__restrict__ in_w,
+                       int32_t *out_ids, float *out_w, int64_t n, int num_experts, int32_t *flag,
+                       int32_t bad_id, int32_t bad_weight)
+{
+    moe_pdl_wait();
+    int32_t code = 0;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        int32_t id = in_ids[i];
+        float w = in_w[i];
+        if (id < 0 || id >= num_experts) {
+            code = bad_id;
+            id = 0, w = 0.0f;
+        } else if (!isfinite(w)) {
+            code = code ? code : bad_weight;
+            w = 0.0f;
+        }
+        out_ids[i] = id;
+        out_w[i] = w;
+    }
+    if (code)
+        *flag = code;
+}
+
 } /* namespace */
+
+extern "C" moe_status_t moe_route_given_launch(const moe_route_given_args_t *a, void *stream)
+{
+    const int64_t n = a->num_tokens * a->top_k;
+    const int64_t blocks = (n + 255) / 256 < 1024 ? (n + 255) / 256 : 1024;
+    MOE_ARG_CHECK(a->num_tokens >= 0 && a->top_k >= 1 && a->num_experts >= 1,
+                  "route given: num_tokens = %lld, top_k = %d, num_experts = %d",
+                  (long long)a->num_tokens, a->top_k, a->num_experts);
+    if (n == 0)
+        return MOE_STATUS_SUCCESS;
+    MOE_CUDA_CHECK(moe_launch(route_given_kernel, dim3((unsigned)blocks), dim3(256), 0,
+                              (cudaStream_t)stream, a->given_ids, a->given_weights, a->topk_ids,
+                              a->topk_weights, n, a->num_experts, a->flag, a->bad_id_code,
+                              a->bad_weight_code));
+    MOE_CUDA_CHECK_LAUNCH("route_given_kernel");
+    return MOE_STATUS_SUCCESS;
+}
 
 extern "C" moe_status_t moe_route_logits_launch(const moe_route_logits_args_t *a, void *stream)
 {
@@ -697,6 +739,7 @@ extern "C" moe_status_t moe_route_prepare(void)
     MOE_CUDA_PREPARE(route_topk_kernel<4>);
     MOE_CUDA_PREPARE(route_topk_kernel<8>);
     MOE_CUDA_PREPARE(route_topk_kernel<16>);
+    MOE_CUDA_PREPARE(route_given_kernel);
     return MOE_STATUS_SUCCESS;
 }
 

@@ -465,13 +465,13 @@ static moe_status_t cuda_synchronize(moe_layer_t *l, void *stream)
                          rank);
     if ((v & 0xff) == MOE_STATUS_NUMERIC_ERROR)
         return moe_error(MOE_STATUS_NUMERIC_ERROR,
-                         "check_inputs: rank %d's x or router logits hold NaN or Inf; the step "
-                         "was skipped on every rank",
+                         "rank %d's given_topk_weights hold NaN or Inf, or (check_inputs) its x or "
+                         "router logits do; the step was skipped on every rank",
                          rank);
     return moe_error((moe_status_t)(v & 0xff),
-                     "rank %d's moe_layer_forward failed (%s; its message says why there); the "
-                     "step was skipped on every rank",
-                     rank, moe_status_string((moe_status_t)(v & 0xff)));
+                     "rank %d's moe_layer_forward failed (%s; its message says why there, or its "
+                     "given_topk_ids hold an id outside 0..%d); the step was skipped on every rank",
+                     rank, moe_status_string((moe_status_t)(v & 0xff)), l->cfg.num_experts - 1);
 }
 
 static void cuda_explain(const moe_layer_t *l, int64_t T, char *text, size_t len)

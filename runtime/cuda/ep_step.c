@@ -94,7 +94,7 @@ static moe_status_t ep_round(moe_layer_t *l, const moe_forward_args_t *ok, moe_s
     if (ok)
         MOE_CHECK(moe_cuda_scan_inputs(l, ok, s->flag));
     if (T > 0) {
-        MOE_CHECK(moe_cuda_route(l, ok, s->ids, s->weights));
+        MOE_CHECK(moe_cuda_route(l, ok, s->ids, s->weights, s->flag));
         /* this round's tokens start at round * tm among the caller's (args_slice) */
         MOE_CHECK(moe_cuda_slot_ids(l, s->ids, T, s->round * s->tm, s->slot_ids, stream));
     }
@@ -134,6 +134,10 @@ static moe_forward_args_t args_slice(const moe_layer_t *l, const moe_forward_arg
         r.topk_ids = a->topk_ids + first * k;
     if (a->topk_weights)
         r.topk_weights = a->topk_weights + first * k;
+    if (a->given_topk_ids) {
+        r.given_topk_ids = a->given_topk_ids + first * k;
+        r.given_topk_weights = a->given_topk_weights + first * k;
+    }
     return r;
 }
 

@@ -33,7 +33,11 @@ moe_status_t moe_cuda_store_weight(moe_layer_t *l, moe_weight_kind_t kind, int l
 
 /* step.c: the stages. */
 moe_status_t moe_cuda_record(const cuda_layer_t *s, int ev, void *stream);
-moe_status_t moe_cuda_route(moe_layer_t *l, const moe_forward_args_t *a, int32_t *ids, float *w);
+/* The step's routing into ids/w: the router, or the caller's given_topk_ids/weights checked
+ * on the device (a bad one sets *flag: INVALID_ARGUMENT for an id, NUMERIC_ERROR for a
+ * weight). */
+moe_status_t moe_cuda_route(moe_layer_t *l, const moe_forward_args_t *a, int32_t *ids, float *w,
+                            int32_t *flag);
 /* The router's logical experts of T tokens (ids, [T][k]) -> their replica slots (out): token t
  * is token first_token + t of this rank's forward (docs/SEMANTICS.md, "Replicas"); counts every
  * pair into the device load window. */

@@ -104,12 +104,26 @@ moe_status_t moe_cuda_record(const cuda_layer_t *s, int ev, void *stream)
     return s->profile ? moe_gpu_event_record(s->ev[ev], stream) : MOE_STATUS_SUCCESS;
 }
 
-moe_status_t moe_cuda_route(moe_layer_t *l, const moe_forward_args_t *a, int32_t *ids, float *w)
+moe_status_t moe_cuda_route(moe_layer_t *l, const moe_forward_args_t *a, int32_t *ids, float *w,
+                            int32_t *flag)
 {
     cuda_layer_t *s = l->state;
     const float *logits = a->router_logits;
     moe_route_args_t r;
 
+    if (a->given_topk_ids) {
+        moe_route_given_args_t g = {a->given_topk_ids,
+                                    a->given_topk_weights,
+                                    ids,
+                                    w,
+                                    a->num_tokens,
+                                    l->cfg.top_k,
+                                    l->cfg.num_experts,
+                                    flag,
+                                    MOE_STATUS_INVALID_ARGUMENT,
+                                    MOE_STATUS_NUMERIC_ERROR};
+        return moe_route_given_launch(&g, a->stream);
+    }
     if (!logits) {
         moe_route_logits_args_t g = {a->x,      a->dtype,      s->router,
                                      s->logits, a->num_tokens, s->E_total,
@@ -413,7 +427,7 @@ moe_status_t moe_cuda_forward_one_gpu(moe_layer_t *l, const moe_forward_args_t *
 
     MOE_CHECK(moe_cuda_record(s, EV_START, a->stream));
     MOE_CHECK(moe_cuda_scan_inputs(l, a, s->sticky));
-    MOE_CHECK(moe_cuda_route(l, a, ids, w));
+    MOE_CHECK(moe_cuda_route(l, a, ids, w, s->sticky));
     MOE_CHECK(moe_cuda_slot_ids(l, ids, a->num_tokens, 0, s->slot_ids, a->stream));
     MOE_CHECK(moe_cuda_record(s, EV_ROUTE, a->stream));
     MOE_CHECK(moe_cuda_routed_experts(s, a->x, a->dtype, a->num_tokens, s->slot_ids, NULL,

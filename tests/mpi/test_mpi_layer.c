@@ -2,7 +2,8 @@
 /* Multi-rank CPU backend (run under mpirun -np 1, 2, 4): every EP x TP layout, both
  * dispatch modes and deterministic on/off, for three routing families, against a one-rank
  * reference on the same global tokens; uneven tokens (a rank with none), a hot expert, and
- * collective error agreement (mismatched config, one rank's bad arguments). */
+ * collective error agreement (mismatched config, one rank's bad arguments); routing given by
+ * the caller on every layout, and one rank's bad given routing. */
 #include "testutil.h"
 
 #include <math.h>
@@ -304,6 +305,117 @@ static void test_max_tokens(void **state)
     free(y);
 }
 
+/* Given routing of global tokens [t0, t0 + n): ids a hash of the token and slot (distinct within
+ * a token), weights in [-1, 2); the same on every layout. */
+static void given_routing(const moe_layer_config_t *c, int64_t t0, int64_t n, int32_t *ids,
+                          float *w)
+{
+    int64_t t;
+    int j;
+    for (t = 0; t < n; t++)
+        for (j = 0; j < c->top_k; j++) {
+            const uint64_t h = (uint64_t)(t0 + t) * 2654435761u + (uint64_t)j * 40503u;
+            ids[t * c->top_k + j] =
+                (int32_t)(((uint64_t)(t0 + t) * 7u + (uint64_t)j * 3u) % (uint64_t)c->num_experts);
+            w[t * c->top_k + j] = -1.0f + 3.0f * (float)(h % 1000u) / 1000.0f;
+        }
+}
+
+static char given_error[512]; /* run_given's forward's message */
+
+/* y = layer(x) with the given routing, on runtime rt (no ROUTER set). */
+static moe_status_t run_given(moe_runtime_t *rt, moe_layer_config_t c, uint64_t seed,
+                              const float *x, int64_t n, const int32_t *ids, const float *w,
+                              float *y)
+{
+    moe_layer_t *l = NULL;
+    moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
+    moe_status_t st;
+    int64_t i;
+    TU_OK(moe_layer_create(rt, &c, &l));
+    TU_OK(moe_gen_set_weights_unrouted(l, &c, seed));
+    for (i = 0; i < n * c.hidden; i++)
+        y[i] = NAN;
+    a.num_tokens = n;
+    a.x = x;
+    a.y = y;
+    a.given_topk_ids = ids;
+    a.given_topk_weights = w;
+    st = moe_layer_forward(l, &a);
+    snprintf(given_error, sizeof(given_error), "%s", moe_last_error());
+    TU_OK(moe_layer_destroy(l));
+    return st;
+}
+
+/* Given routing across ranks: every EP x TP layout and dispatch mode gives one rank's output. */
+static void test_given_routing_layouts(void **state)
+{
+    const uint64_t seed = tu_seed("given_layouts");
+    const int64_t Tg = 41;
+    int64_t t0, n;
+    int f, tp, mode, checked = 0;
+    (void)state;
+    tu_uneven_share(Tg, rank, world, &t0, &n);
+    for (f = 0; f < FAM_N; f++) {
+        moe_layer_config_t c = family(f);
+        float *x = malloc(sizeof(float) * (size_t)(n * c.hidden + 1));
+        float *ref = malloc(sizeof(float) * (size_t)(n * c.hidden + 1));
+        float *y = malloc(sizeof(float) * (size_t)(n * c.hidden + 1));
+        float *w = malloc(sizeof(float) * (size_t)(n * c.top_k + 1));
+        int32_t *ids = malloc(sizeof(int32_t) * (size_t)(n * c.top_k + 1));
+        assert_true(x && ref && y && w && ids);
+        moe_gen_tokens(seed, t0, n, c.hidden, x);
+        given_routing(&c, t0, n, ids, w);
+        TU_OK(run_given(rt_self, c, seed, x, n, ids, w, ref));
+        for (tp = 1; tp <= world; tp *= 2)
+            for (mode = MOE_DISPATCH_ALL_TO_ALL; mode <= MOE_DISPATCH_ALL_GATHER; mode++) {
+                moe_layer_config_t lc = c;
+                double err;
+                lc.tp_size = tp;
+                lc.ep_size = world / tp;
+                lc.dispatch = (moe_dispatch_t)mode;
+                TU_OK(run_given(rt_world, lc, seed, x, n, ids, w, y));
+                assert_int_equal(tu_count_nan(y, n * c.hidden), 0);
+                err = tu_rel_err(y, ref, n * c.hidden);
+                if (err > 1e-5)
+                    fail_msg("given routing, family %d ep %d tp %d mode %d: rel err %.3g", f,
+                             world / tp, tp, mode, err);
+                checked++;
+            }
+        free(x);
+        free(ref);
+        free(y);
+        free(w);
+        free(ids);
+    }
+    assert_true(all_ok(checked > 0));
+}
+
+/* One rank's given id out of range (or weight not finite) fails the step on every rank. */
+static void test_given_routing_bad_on_one_rank(void **state)
+{
+    moe_layer_config_t c = family(FAM_MIXTRAL);
+    float x[4 * 64] = {0}, y[4 * 64], w[4 * 2];
+    int32_t ids[4 * 2];
+    int bad;
+    (void)state;
+    given_routing(&c, 0, 4, ids, w);
+    for (bad = 0; bad < 2; bad++) {
+        moe_status_t st, want_here = bad ? MOE_STATUS_NUMERIC_ERROR : MOE_STATUS_INVALID_ARGUMENT;
+        if (rank == world - 1 && bad == 0)
+            ids[5] = c.num_experts;
+        if (rank == world - 1 && bad == 1)
+            ids[5] = 1, w[2] = NAN;
+        st = run_given(rt_world, c, 3, x, 4, ids, w, y);
+        assert_int_equal(st, rank == world - 1 ? want_here : MOE_STATUS_PEER_FAILURE);
+        if (rank == world - 1)
+            assert_non_null(
+                strstr(given_error, bad ? "given_topk_weights[1][0]" : "given_topk_ids[2][1]"));
+        w[2] = 0.5f;
+    }
+    TU_OK(run_given(rt_world, c, 3, x, 4, ids, w, y)); /* good again */
+}
+
 /* All ranks of this test share one host: node-local ranks are the world ranks. */
 static void test_node_local_rank(void **state)
 {
@@ -319,10 +431,16 @@ static void test_node_local_rank(void **state)
 }
 
 static const struct CMUnitTest tests[] = {
-    cmocka_unit_test(test_node_local_rank),           cmocka_unit_test(test_layouts_modes_families),
-    cmocka_unit_test(test_fp8_scales_under_tp),       cmocka_unit_test(test_hot_expert),
-    cmocka_unit_test(test_deterministic_batch_sizes), cmocka_unit_test(test_mismatched_config),
-    cmocka_unit_test(test_bad_forward_on_one_rank),   cmocka_unit_test(test_max_tokens),
+    cmocka_unit_test(test_node_local_rank),
+    cmocka_unit_test(test_layouts_modes_families),
+    cmocka_unit_test(test_fp8_scales_under_tp),
+    cmocka_unit_test(test_hot_expert),
+    cmocka_unit_test(test_deterministic_batch_sizes),
+    cmocka_unit_test(test_mismatched_config),
+    cmocka_unit_test(test_bad_forward_on_one_rank),
+    cmocka_unit_test(test_max_tokens),
+    cmocka_unit_test(test_given_routing_layouts),
+    cmocka_unit_test(test_given_routing_bad_on_one_rank),
 };
 
 CPU_MPI_MAIN(tests)
