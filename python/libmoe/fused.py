@@ -1,0 +1,173 @@
+# SPDX-License-Identifier: Apache-2.0
+"""fused_experts with vLLM's argument layout: the experts of a MoE layer on routing given by
+the caller (moe_forward_args_t.given_topk_ids/weights)."""
+import math
+
+import torch
+
+from .core import MoELayer, default_runtime
+
+_cache = {}
+
+
+def _key(runtime, hidden_dtype, tensors, extra):
+    parts = [id(runtime), hidden_dtype]
+    for t in tensors:
+        parts += [None] if t is None else [t.data_ptr(), tuple(t.shape), t.dtype, t._version,
+                                           str(t.device)]
+    return tuple(parts) + tuple(extra)
+
+
+def _fp8_scales(scale, E, rows, cols, block_shape, per_channel, name):
+    """vLLM's scale of one stacked matrix per expert -> (scale kind, per-expert [r, c] f32)."""
+    s = scale.detach().float().cpu()
+    if block_shape is not None:
+        bn, bk = block_shape
+        if (bn, bk) != (128, 128):
+            raise NotImplementedError(f"block_shape = {block_shape}: libmoe's block scales are "
+                                      "128x128")
+        want = (E, math.ceil(rows / 128), math.ceil(cols / 128))
+        if tuple(s.shape) != want:
+            raise ValueError(f"{name}.shape = {tuple(s.shape)}: 128x128 block scales of "
+                             f"[{E}, {rows}, {cols}] are {want}")
+        return "block", s
+    if per_channel:
+        if s.numel() != E * rows:
+            raise ValueError(f"{name}.shape = {tuple(s.shape)}: per-channel scales are "
+                             f"[{E}, {rows}, 1]")
+        return "channel", s.reshape(E, rows, 1)
+    if s.numel() != E:
+        raise ValueError(f"{name}.shape = {tuple(s.shape)}: per-tensor scales are [{E}]")
+    return "tensor", s.reshape(E, 1, 1)
+
+
+def _build(runtime, w1, w2, activation, fp8, w1_scale, w2_scale, block_shape, per_channel,
+           max_tokens):
+    E, I2, H = w1.shape
+    if I2 % 2 or tuple(w2.shape) != (E, H, I2 // 2):
+        raise ValueError(f"w1.shape = {tuple(w1.shape)}, w2.shape = {tuple(w2.shape)}: want "
+                         "w1 [E, 2I, H] (gate and up stacked) and w2 [E, H, I]")
+    I = I2 // 2
+    kw = dict(num_experts=E, top_k=1, hidden=H, intermediate=I, activation=activation,
+              max_tokens_per_rank=max_tokens)
+    s1 = s2 = None
+    if fp8:
+        if w1.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"use_fp8_w8a8: w1, w2 must be float8_e4m3fn (got {w1.dtype}, "
+                            f"{w2.dtype})")
+        if w1_scale is None or w2_scale is None:
+            raise ValueError("use_fp8_w8a8: w1_scale and w2_scale are needed")
+        k1, s1 = _fp8_scales(w1_scale, E, I2, H, block_shape, per_channel, "w1_scale")
+        k2, s2 = _fp8_scales(w2_scale, E, H, I, block_shape, per_channel, "w2_scale")
+        if k1 == "block" and I % 128:
+            raise NotImplementedError(f"block scales with I = {I} (not a multiple of 128): "
+                                      "gate and up would share a block")
+        kw.update(dtype="fp8_e4m3", scale_kind=k1, fp8_math="w8a8")
+    else:
+        if w1.dtype not in (torch.float32, torch.bfloat16, torch.float16) or w2.dtype != w1.dtype:
+            raise TypeError(f"w1.dtype = {w1.dtype}, w2.dtype = {w2.dtype}: float32, bfloat16 "
+                            "or float16, the same (or float8_e4m3fn with use_fp8_w8a8=True)")
+        kw["dtype"] = "bf16" if w1.dtype == torch.bfloat16 else "f32"
+    return E, I, kw, s1, s2
+
+
+def _load(layer, w1, w2, I, s1, s2):
+    info = layer.info
+    first, n = info["first_local_expert"], info["num_local_experts"]
+    w1c, w2c = w1.detach().cpu(), w2.detach().cpu()
+    for e in range(first, first + n):
+        g, u = w1c[e, :I], w1c[e, I:]
+        if s1 is None:
+            layer.set_weight("gate_proj", e, g)
+            layer.set_weight("up_proj", e, u)
+            layer.set_weight("down_proj", e, w2c[e])
+            continue
+        if s1.shape[1] == 1 and s1.shape[2] == 1:  # per tensor: one scale for gate and up
+            sg = su = s1[e]
+        else:
+            r = I if s1.shape[2] == 1 else I // 128  # channel rows, or block rows
+            sg, su = s1[e, :r], s1[e, r:]
+        layer.set_weight("gate_proj", e, g, scale=sg)
+        layer.set_weight("up_proj", e, u, scale=su)
+        layer.set_weight("down_proj", e, w2c[e], scale=s2[e])
+
+
+def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False,
+                  activation="silu", apply_router_weight_on_input=False, use_fp8_w8a8=False,
+                  per_channel_quant=False, global_num_experts=-1, expert_map=None,
+                  w1_scale=None, w2_scale=None, a1_scale=None, a2_scale=None, block_shape=None,
+                  runtime=None, max_tokens=4096, **unsupported):
+    """vLLM's fused_experts on libmoe: y[t] = sum_j topk_weights[t, j] *
+    W2_e act(W1_e[:I] x) * (W1_e[I:] x), e = topk_ids[t, j]. hidden_states [T, H] f32 or bf16;
+    w1 [E, 2I, H] (gate then up), w2 [E, H, I]; topk_weights [T, k], topk_ids [T, k] (int32 or
+    int64). FP8: use_fp8_w8a8=True with float8_e4m3fn weights and w1_scale/w2_scale per tensor
+    ([E]), per channel (per_channel_quant, [E, rows, 1]) or 128x128 blocks (block_shape=[128,
+    128]); activations are quantised per token by libmoe (W8A8). The layer made for a set of
+    weights is cached (keyed by the tensors and their versions): the first call with new weights
+    copies them (collective under mpirun: EP over the ranks, the same weights on every rank)."""
+    for name in ("use_int8_w8a8", "use_int8_w8a16", "use_int4_w4a16", "use_mxfp4_w4a4",
+                 "w1_zp", "w2_zp", "w1_bias", "w2_bias"):
+        if unsupported.get(name):
+            raise NotImplementedError(f"libmoe.fused_experts: {name}")
+    unknown = set(unsupported) - {"use_int8_w8a8", "use_int8_w8a16", "use_int4_w4a16",
+                                  "use_mxfp4_w4a4", "w1_zp", "w2_zp", "w1_bias", "w2_bias"}
+    if unknown:
+        raise TypeError(f"libmoe.fused_experts: unexpected arguments {sorted(unknown)}")
+    if apply_router_weight_on_input:
+        raise NotImplementedError("libmoe.fused_experts: apply_router_weight_on_input")
+    if expert_map is not None:
+        raise NotImplementedError("libmoe.fused_experts: expert_map (libmoe places experts "
+                                  "over the runtime's ranks itself)")
+    if a1_scale is not None or a2_scale is not None:
+        raise NotImplementedError("libmoe.fused_experts: static activation scales (a1_scale, "
+                                  "a2_scale); libmoe quantises activations per token")
+    for name, t in (("hidden_states", hidden_states), ("w1", w1), ("w2", w2),
+                    ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if w1.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"w1.shape = {tuple(w1.shape)}, w2.shape = {tuple(w2.shape)}: 3-D")
+    if hidden_states.dim() != 2:
+        raise ValueError(f"hidden_states.shape = {tuple(hidden_states.shape)}: must be [T, H]")
+    T, k = topk_ids.shape if topk_ids.dim() == 2 else (None, None)
+    if T is None or tuple(topk_weights.shape) != tuple(topk_ids.shape) or \
+            T != hidden_states.shape[0]:
+        raise ValueError(f"topk_ids.shape = {tuple(topk_ids.shape)}, topk_weights.shape = "
+                         f"{tuple(topk_weights.shape)}: both must be [T, k] with T = "
+                         f"hidden_states.shape[0] = {hidden_states.shape[0]}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids.dtype = {topk_ids.dtype}: int32 or int64")
+    if not topk_weights.is_floating_point():
+        raise TypeError(f"topk_weights.dtype = {topk_weights.dtype}: a float dtype")
+    if global_num_experts not in (-1, w1.shape[0]):
+        raise NotImplementedError(f"global_num_experts = {global_num_experts} with "
+                                  f"{w1.shape[0]} experts in w1")
+    runtime = runtime or default_runtime()
+    cap = max(int(max_tokens), 1)
+    while cap < T:
+        cap *= 2
+    key = _key(runtime, hidden_states.dtype, (w1, w2, w1_scale, w2_scale),
+               (activation, bool(use_fp8_w8a8), bool(per_channel_quant),
+                tuple(block_shape) if block_shape else None, k, cap))
+    layer = _cache.get(key)
+    if layer is None or layer._h is None:
+        E, I, kw, s1, s2 = _build(runtime, w1, w2, activation, use_fp8_w8a8, w1_scale, w2_scale,
+                                  block_shape, per_channel_quant, cap)
+        kw["top_k"] = k
+        layer = MoELayer(runtime, **kw)
+        _load(layer, w1, w2, I, s1, s2)
+        _cache[key] = layer
+    ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+    w = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
+    y = layer(hidden_states, ids.contiguous(), w.contiguous())
+    if inplace:
+        hidden_states.copy_(y)
+        return hidden_states
+    return y
+
+
+def clear_cache():
+    """Destroys the layers fused_experts made."""
+    for layer in _cache.values():
+        layer.close()
+    _cache.clear()
