@@ -227,3 +227,27 @@ def test_structs_match_header(tmp_path):
             assert getattr(py[t], f).offset == int(value), key
         else:
             assert ctypes.sizeof(py[key]) == int(value), key
+
+
+def test_torch_compile_fullgraph_one_op(rt, weights):
+    """torch.compile(fullgraph=True) takes the layer as one opaque op (aot_eager here: no C++
+    compiler needed; the GPU tests use inductor)."""
+    layer = make(rt, weights)
+    ops = []
+
+    def count_ops(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def step(x, ids, w):
+        return layer(x * 2.0, ids, w) + 1.0
+
+    x = torch.randn(5, H)
+    ids = torch.tensor([[1, 2]] * 5, dtype=torch.int32)
+    w = torch.rand(5, K)
+    torch._dynamo.reset()
+    got = torch.compile(step, fullgraph=True, backend=count_ops)(x, ids, w)
+    assert torch.equal(got, step(x, ids, w))
+    assert sum("libmoe.layer_forward" in o for o in ops) == 1, ops
+    got2 = torch.compile(step, fullgraph=True, backend="aot_eager")(x, ids, w)
+    assert torch.equal(got2, step(x, ids, w))
