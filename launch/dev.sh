@@ -10,8 +10,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build}
 PKGS="libopenmpi-dev openmpi-bin libhwloc-dev libcmocka-dev pkg-config cmake ninja-build"
-# The tests also start a real Slurm (slurm-wlm, munge) and fuzz with clang's libFuzzer.
-TEST_PKGS="slurm-wlm munge clang"
+# The tests also start a real Slurm (slurm-wlm, munge), fuzz with clang's libFuzzer and make a
+# Python virtual environment for the Python package's tests (python3-venv).
+TEST_PKGS="slurm-wlm munge clang python3-venv"
 
 deps() {
     local missing=() p sudo=""
@@ -24,8 +25,27 @@ deps() {
 }
 
 build() {
-    cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release ${MOE_CMAKE_ARGS:-} >/dev/null
+    cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release ${MOE_CMAKE_ARGS:-} "$@" \
+        >/dev/null
     cmake --build "$BUILD_DIR" -j"$(nproc)"
+}
+
+# The Python tests' interpreter: $BUILD_DIR/pyenv with python/requirements-test.txt (torch,
+# transformers, pytest from PyPI), made once and remade when the requirements change. Without
+# PyPI the Python tests skip (CI sets MOE_REQUIRE_TORCH=1, which makes that a failure).
+pyenv() {
+    local venv=$BUILD_DIR/pyenv req=python/requirements-test.txt t0=$SECONDS
+    if [ -x "$venv/bin/python" ] && cmp -s "$req" "$venv/.requirements"; then
+        return 0
+    fi
+    echo "dev.sh: installing torch, transformers and pytest into $venv" >&2
+    mkdir -p "$BUILD_DIR"
+    if python3 -m venv "$venv" && "$venv/bin/pip" install -q -r "$req"; then
+        cp "$req" "$venv/.requirements"
+        echo "dev.sh: Python test requirements installed in $((SECONDS - t0)) s" >&2
+    else
+        echo "dev.sh: could not install python/requirements-test.txt: the python tests skip" >&2
+    fi
 }
 
 # Open MPI refuses root unless told; oversubscribe so N ranks run on fewer cores.
@@ -43,7 +63,7 @@ run)
     exec mpirun --oversubscribe --bind-to none -np "$np" "$BUILD_DIR/launch/moe-run" "${args[@]}"
     ;;
 test)
-    deps "$TEST_PKGS" && build
+    deps "$TEST_PKGS" && pyenv && build -DMOE_PYTHON="$(cd "$BUILD_DIR" && pwd)/pyenv/bin/python"
     exec ctest --test-dir "$BUILD_DIR" --output-on-failure -j2 "$@"
     ;;
 *)

@@ -2,6 +2,7 @@
 """fused_experts with vLLM's argument layout: the experts of a MoE layer on routing given by
 the caller (moe_forward_args_t.given_topk_ids/weights)."""
 import math
+import weakref
 
 import torch
 
@@ -11,11 +12,19 @@ _cache = {}
 
 
 def _key(runtime, hidden_dtype, tensors, extra):
+    """The cache key of a set of weights: the tensors' identities and versions (an entry is used
+    only while weakrefs to the same tensor objects are alive, so a new tensor at a freed
+    tensor's address never finds the old layer)."""
     parts = [id(runtime), hidden_dtype]
     for t in tensors:
-        parts += [None] if t is None else [t.data_ptr(), tuple(t.shape), t.dtype, t._version,
-                                           str(t.device)]
+        parts += [None] if t is None else [id(t), tuple(t.shape), t.dtype, t._version]
     return tuple(parts) + tuple(extra)
+
+
+def _alive(entry, tensors):
+    layer, refs = entry
+    return layer._h is not None and all(
+        (r is None and t is None) or (r is not None and r() is t) for r, t in zip(refs, tensors))
 
 
 def _fp8_scales(scale, E, rows, cols, block_shape, per_channel, name):
@@ -146,17 +155,22 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False,
     cap = max(int(max_tokens), 1)
     while cap < T:
         cap *= 2
-    key = _key(runtime, hidden_states.dtype, (w1, w2, w1_scale, w2_scale),
+    weights = (w1, w2, w1_scale, w2_scale)
+    key = _key(runtime, hidden_states.dtype, weights,
                (activation, bool(use_fp8_w8a8), bool(per_channel_quant),
                 tuple(block_shape) if block_shape else None, k, cap))
-    layer = _cache.get(key)
-    if layer is None or layer._h is None:
+    entry = _cache.get(key)
+    layer = entry[0] if entry is not None and _alive(entry, weights) else None
+    if layer is None:
         E, I, kw, s1, s2 = _build(runtime, w1, w2, activation, use_fp8_w8a8, w1_scale, w2_scale,
                                   block_shape, per_channel_quant, cap)
         kw["top_k"] = k
         layer = MoELayer(runtime, **kw)
         _load(layer, w1, w2, I, s1, s2)
-        _cache[key] = layer
+        for k_old in [k_ for k_, (l_, refs) in _cache.items()
+                      if l_._h is None or any(r is not None and r() is None for r in refs)]:
+            _cache.pop(k_old)[0].close()  # layers of weights that are gone
+        _cache[key] = (layer, tuple(None if t is None else weakref.ref(t) for t in weights))
     ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
     w = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
     y = layer(hidden_states, ids.contiguous(), w.contiguous())
@@ -168,6 +182,6 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False,
 
 def clear_cache():
     """Destroys the layers fused_experts made."""
-    for layer in _cache.values():
+    for layer, _ in _cache.values():
         layer.close()
     _cache.clear()

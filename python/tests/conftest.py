@@ -11,7 +11,7 @@ import libmoe
 
 @pytest.fixture(scope="session")
 def rt():
-    with libmoe.Runtime(backend="cpu", timeout_ms=120000) as r:
+    with libmoe.Runtime(backend="cpu", timeout_ms=60000) as r:
         yield r
 
 

@@ -6,11 +6,15 @@ import sys
 
 import pytest
 
+import libmoe
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 
 
 def run(script, *args):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM", "PMIX_"))}
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(libmoe.__file__)))
+    env["PYTHONPATH"] = pkg + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args],
                           capture_output=True, text=True, timeout=600, env=env)
 

@@ -105,6 +105,7 @@ def test_introspection(rt, weights):
 
 def test_bad_inputs_raise(rt, weights):
     layer = make(rt, weights)
+    own = layer.info["first_local_expert"]  # a rank keeps (and checks) only its experts
     x = torch.randn(4, H)
     ids = torch.zeros(4, K, dtype=torch.int32)
     w = torch.ones(4, K)
@@ -125,13 +126,13 @@ def test_bad_inputs_raise(rt, weights):
         (lambda: layer(x, ids, w, router_logits=torch.zeros(4, E)), ValueError, "one routing"),
         (lambda: layer(x, router_logits=torch.zeros(4, E + 1)), ValueError, "shape"),
         (lambda: layer.set_weight("nope", 0, w), ValueError, "weight kind"),
-        (lambda: layer.set_weight("gate_proj", 0, torch.randn(I, H + 1)),
+        (lambda: layer.set_weight("gate_proj", own, torch.randn(I, H + 1)),
          libmoe.MoEError, "INVALID_ARGUMENT"),
         (lambda: layer.set_weight("gate_proj", 0, torch.randn(2, I, H)), ValueError, "matrix"),
         (lambda: layer.set_weight("gate_proj", 0, torch.randn(I, H).double()), TypeError,
          "dtype"),
         (lambda: layer.set_weight("gate_proj", 0, "w"), TypeError, "torch.Tensor"),
-        (lambda: layer.set_weight("gate_proj", 0, torch.full((I, H), float("inf"))),
+        (lambda: layer.set_weight("gate_proj", own, torch.full((I, H), float("inf"))),
          libmoe.MoEError, "NUMERIC_ERROR"),
         (lambda: layer.explain(-1), libmoe.MoEError, "num_tokens"),
         (lambda: libmoe.MoELayer(rt, num_experts=4, top_k=5, hidden=H, intermediate=I),
