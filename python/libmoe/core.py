@@ -67,7 +67,9 @@ def _release_mpi():
 class Runtime:
     """libmoe's runtime over MPI_COMM_WORLD (collective: every rank creates it). MPI is
     initialised by the library when the process was started by mpirun/srun; a single process
-    works too. A context manager; close() destroys its layers first."""
+    works too. A context manager; close() destroys its layers first. `device` is where the
+    layers' tensors live (CUDA backend: device -1 picks the node-local rank's GPU; put the
+    model there, e.g. torch.cuda.set_device(rt.device))."""
 
     _live = weakref.WeakSet()
 
@@ -334,6 +336,10 @@ def _forward(layer, x, topk_ids, topk_weights, router_logits):
     a.x, a.y = x.data_ptr(), y.data_ptr()
     if dev.type == "cuda":
         a.stream = torch.cuda.current_stream(dev).cuda_stream
+        if torch.cuda.current_device() != dev.index:  # the library runs on the current device
+            with torch.cuda.device(dev):
+                check(_lib.load().moe_layer_forward(h, ctypes.byref(a)))
+            return y
     check(_lib.load().moe_layer_forward(h, ctypes.byref(a)))
     return y
 

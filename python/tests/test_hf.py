@@ -96,3 +96,17 @@ def test_unsupported_and_limits(rt):
     b2 = next(m for m in v2.modules() if libmoe.supported(m))
     with pytest.raises(NotImplementedError, match="routing='block'"):
         libmoe.from_hf(b2, rt, routing="libmoe")
+
+
+def test_compiled_block_fullgraph(rt):
+    """torch.compile(fullgraph=True) of a from_hf block: the router in the graph, libmoe as one
+    opaque op (aot_eager: no C++ compiler needed; the GPU tests use inductor)."""
+    model = make_model("qwen2_moe", seed=4)
+    block = next(m for m in model.modules() if libmoe.supported(m))
+    mod = libmoe.from_hf(block, rt)
+    x = torch.randn(2, 3, 64)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(mod, fullgraph=True, backend="aot_eager")(x)
+        want = block(x)
+    assert rel(got, want) <= 1e-5
