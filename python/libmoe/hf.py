@@ -46,8 +46,8 @@ class LibmoeMoEBlock(nn.Module):
     from the router weights instead (Mixtral, Qwen2/3-MoE, DeepSeek-V3, DeepSeek-V2 greedy).
     forward(hidden_states) -> hidden_states, as the block."""
 
-    def __init__(self, block, runtime=None, routing="block", max_tokens=4096, deterministic=0,
-                 dtype=None):
+    def __init__(self, block, runtime=None, routing="block", max_tokens=4096, dtype=None,
+                 **layer_kwargs):
         super().__init__()
         kind = _KINDS.get(type(block).__name__)
         if kind is None:
@@ -71,7 +71,13 @@ class LibmoeMoEBlock(nn.Module):
         wdt = dtype or w13.dtype
         cfg = dict(num_experts=E, top_k=self.top_k, hidden=H, intermediate=I,
                    activation=_activation(ex.act_fn), dtype=wdt,
-                   max_tokens_per_rank=self.max_tokens, deterministic=deterministic)
+                   max_tokens_per_rank=self.max_tokens)
+        bad = set(layer_kwargs) & {"num_experts", "top_k", "hidden", "intermediate", "activation",
+                                   "num_shared_experts", "shared_intermediate",
+                                   "shared_expert_gate", "max_tokens_per_rank"}
+        if bad:
+            raise TypeError(f"libmoe.from_hf: {sorted(bad)} come from the block")
+        cfg.update(layer_kwargs)  # ep_size, tp_size, dispatch, deterministic, fp8 options, ...
         shared, sgate = None, None
         if kind == "qwen2_moe":
             shared = _mlp_weights(block.shared_expert, "shared_expert")
@@ -86,7 +92,7 @@ class LibmoeMoEBlock(nn.Module):
         self.layer = MoELayer(runtime, **cfg)
         info = self.layer.info
         first, n = info["first_local_expert"], info["num_local_experts"]
-        for e in range(first, first + n):  # this rank's experts only (EP)
+        for e in range(first, first + n):  # this rank's experts only (EP; TP slices them)
             self.layer.set_weight("gate_proj", e, w13[e, :I])
             self.layer.set_weight("up_proj", e, w13[e, I:])
             self.layer.set_weight("down_proj", e, w2[e])
@@ -146,8 +152,9 @@ def from_hf(block, runtime=None, **kwargs):
     shared expert, Qwen3-MoE, DeepSeek-V3/V2 with groups, bias and shared experts), reading its
     weights and config; the same forward signature and output. Under mpirun each rank keeps
     only its experts (EP over the runtime's ranks). kwargs: routing ("block" or "libmoe"),
-    max_tokens (tokens per step per rank, default 4096), deterministic, dtype (libmoe's weight
-    dtype; default the block's)."""
+    max_tokens (tokens per step per rank, default 4096), dtype (libmoe's weight dtype; default
+    the block's), and MoELayer's layout and arithmetic options (ep_size, tp_size, dispatch,
+    deterministic, fp8_math, scale_kind, ...)."""
     return LibmoeMoEBlock(block, runtime, **kwargs)
 
 

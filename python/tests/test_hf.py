@@ -110,3 +110,21 @@ def test_compiled_block_fullgraph(rt):
         got = torch.compile(mod, fullgraph=True, backend="aot_eager")(x)
         want = block(x)
     assert rel(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("layout", ["tp", "all_gather_deterministic"])
+def test_layouts(rt, layout):
+    """MoELayer options through from_hf: TP over every rank, or all-gather dispatch with
+    deterministic sums; the same output as the block."""
+    model = make_model("deepseek_v3", seed=6)
+    block = next(m for m in model.modules() if libmoe.supported(m))
+    kw = dict(tp_size=rt.world, ep_size=1) if layout == "tp" else \
+        dict(dispatch="all_gather", deterministic=1)
+    mod = libmoe.from_hf(block, rt, **kw)
+    if layout == "tp":
+        assert mod.layer.info["tp_size"] == rt.world
+    x = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(rt.rank))
+    with torch.no_grad():
+        assert rel(mod(x), block(x)) <= 1e-5
+    with pytest.raises(TypeError, match="come from the block"):
+        libmoe.from_hf(block, rt, top_k=1)
