@@ -150,8 +150,11 @@ def test_hf_block_in_graph(grt, family):
 
 def test_generate_example_bf16_gpu():
     require_gpu()
+    env = dict(os.environ)
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(libmoe.__file__)))
+    env["PYTHONPATH"] = pkg + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "generate.py"),
                         "--device", "cuda", "--dtype", "bf16", "--new-tokens", "16"],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "same tokens: yes" in r.stdout, r.stdout
