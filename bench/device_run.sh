@@ -27,6 +27,13 @@
 #   kernels          GPU time per kernel of one layer step (ncu; KERNEL_PRESET, KERNEL_TOKENS,
 #                    KERNEL_X = bf16 or f32 tokens)
 #   rotate           moe-bench with and without L2 rotation (issue 13's bench check)
+#   python           the PyTorch binding (issue 36): python/tests' GPU half and the layer tests
+#                    with MOE_REQUIRE_GPU=1, bench/python_overhead.py beside moe-bench's graph
+#                    column (qwen3-30b-a3b, M = 1 and 8, --rotate 1) and examples/generate.py
+#                    in bf16; transformers and pytest from .whl/ (carry it: python3 -m pip
+#                    download transformers==5.24.0 pytest==9.2.0 --python-version 3.12
+#                    --only-binary=:all: --platform manylinux_2_28_x86_64 --platform
+#                    manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl; ~45 MB)
 #   mps              (one GPU) two ranks share it under MPS (daemon started and stopped here):
 #                    the lsa dispatch table, capacity 8192 told, not and asked (--ask),
 #                    rounds and one round,
@@ -387,8 +394,29 @@ sanitize)
         done
     done
     ;;
+python)
+    py=${MOE_PYTHON:-python3}
+    if ! "$py" -c "import transformers, pytest" 2>/dev/null; then # beside torch's environment
+        "$py" -m pip install -q --no-index --find-links .whl --target /tmp/moe-pydeps \
+            transformers==5.24.0 pytest==9.2.0 ||
+            echo "transformers/pytest missing: carry .whl (see the usage above)"
+        export PYTHONPATH=/tmp/moe-pydeps${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    lib=$PWD/build-gpu/libmoe.so
+    pp=python${PYTHONPATH:+:$PYTHONPATH}
+    MOE_REQUIRE_TORCH=1 timeout 420 bash tests/python/run_pytest.sh "$py" "$PWD" "$lib" 0 -rs \
+        tests/test_gpu.py tests/test_layer.py tests/test_fused_experts.py \
+        >"$OUT/pytest_gpu.log" 2>&1
+    grep -E "passed|failed|SKIPPED|FAILED|ERROR|Error" "$OUT/pytest_gpu.log" | head -30
+    PYTHONPATH=$pp LIBMOE_LIBRARY=$lib timeout 120 "$py" bench/python_overhead.py \
+        --preset qwen3-30b-a3b --tokens 1,8 --json "$OUT/python_overhead.json" 2>&1 | tail -3
+    timeout 120 $B/moe-bench --preset qwen3-30b-a3b --tokens 1,8 --rotate 1 2>&1 | quiet |
+        grep -vE "phases" | head -12
+    PYTHONPATH=$pp LIBMOE_LIBRARY=$lib timeout 300 "$py" examples/generate.py --device cuda \
+        --dtype bf16 --new-tokens 16 2>&1 | tail -4
+    ;;
 *)
-    echo "usage: $0 [tests|quick|ep|ep-layer|mps|bf16|fp8|tune|first|kernels|rotate|faults|soak|sanitize]..." >&2
+    echo "usage: $0 [tests|quick|ep|ep-layer|mps|bf16|fp8|tune|first|kernels|rotate|faults|soak|sanitize|python]..." >&2
     exit 2
     ;;
 esac
