@@ -154,7 +154,8 @@ def from_hf(block, runtime=None, **kwargs):
     only its experts (EP over the runtime's ranks). kwargs: routing ("block" or "libmoe"),
     max_tokens (tokens per step per rank, default 4096), dtype (libmoe's weight dtype; default
     the block's), and MoELayer's layout and arithmetic options (ep_size, tp_size, dispatch,
-    deterministic, fp8_math, scale_kind, ...)."""
+    deterministic, fp8_math, scale_kind, ...). Inference only: libmoe has no backward, and the
+    block's training-time router jitter is not applied."""
     return LibmoeMoEBlock(block, runtime, **kwargs)
 
 
