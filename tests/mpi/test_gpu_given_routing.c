@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/numeric.h"
+#include "base/numeric.h"
 #include "launch/layer_gen.h"
 
 static int rank, world;
