@@ -347,7 +347,8 @@ static moe_status_t run_given(moe_runtime_t *rt, moe_layer_config_t c, uint64_t 
     return st;
 }
 
-/* Given routing across ranks: every EP x TP layout and dispatch mode gives one rank's output. */
+/* Given routing across ranks: every EP x TP layout and dispatch mode, without and with
+ * redundant expert slots (EPLB), gives one rank's output. */
 static void test_given_routing_layouts(void **state)
 {
     const uint64_t seed = tu_seed("given_layouts");
@@ -368,18 +369,19 @@ static void test_given_routing_layouts(void **state)
         given_routing(&c, t0, n, ids, w);
         TU_OK(run_given(rt_self, c, seed, x, n, ids, w, ref));
         for (tp = 1; tp <= world; tp *= 2)
-            for (mode = MOE_DISPATCH_ALL_TO_ALL; mode <= MOE_DISPATCH_ALL_GATHER; mode++) {
+            for (mode = 0; mode < 4; mode++) {
                 moe_layer_config_t lc = c;
                 double err;
                 lc.tp_size = tp;
                 lc.ep_size = world / tp;
-                lc.dispatch = (moe_dispatch_t)mode;
+                lc.dispatch = (moe_dispatch_t)(MOE_DISPATCH_ALL_TO_ALL + mode % 2);
+                lc.num_redundant_experts = mode / 2 * lc.ep_size; /* EPLB's replicas too */
                 TU_OK(run_given(rt_world, lc, seed, x, n, ids, w, y));
                 assert_int_equal(tu_count_nan(y, n * c.hidden), 0);
                 err = tu_rel_err(y, ref, n * c.hidden);
                 if (err > 1e-5)
-                    fail_msg("given routing, family %d ep %d tp %d mode %d: rel err %.3g", f,
-                             world / tp, tp, mode, err);
+                    fail_msg("given routing, family %d ep %d tp %d mode %d R %d: rel err %.3g", f,
+                             world / tp, tp, mode % 2, lc.num_redundant_experts, err);
                 checked++;
             }
         free(x);
