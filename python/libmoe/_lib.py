@@ -60,7 +60,7 @@ class LayerConfig(ctypes.Structure):
                 ("ep_size", ctypes.c_int), ("tp_size", ctypes.c_int), ("dispatch", ctypes.c_int),
                 ("deterministic", ctypes.c_int), ("check_inputs", ctypes.c_int),
                 ("skip_weight_check", ctypes.c_int), ("fp8_math", ctypes.c_int),
-                ("ep_round_tokens", ctypes.c_int64)]
+                ("ep_round_tokens", ctypes.c_int64), ("num_redundant_experts", ctypes.c_int)]
 
 
 class LayerInfo(ctypes.Structure):

@@ -154,7 +154,7 @@ class MoELayer:
                  renormalize=True, routed_scaling_factor=1.0, dtype="bf16", scale_kind="none",
                  fp8_math="auto", max_tokens_per_rank=4096, ep_size=0, tp_size=0,
                  dispatch="auto", deterministic=0, check_inputs=False, skip_weight_check=False,
-                 ep_round_tokens=0):
+                 ep_round_tokens=0, num_redundant_experts=0):
         if runtime is None:
             runtime = default_runtime()
         c = _lib.LayerConfig()
@@ -179,6 +179,7 @@ class MoELayer:
         c.skip_weight_check = int(bool(skip_weight_check))
         c.fp8_math = _enum(_lib.FP8_MATH, fp8_math, "fp8_math")
         c.ep_round_tokens = int(ep_round_tokens)
+        c.num_redundant_experts = int(num_redundant_experts)
         lib = _lib.load()
         h = ctypes.c_void_p()
         check(lib.moe_layer_create(runtime.handle, ctypes.byref(c), ctypes.byref(h)))
@@ -217,6 +218,12 @@ class MoELayer:
             pass
 
     # -- weights
+    def local_experts(self):
+        """The global ids of the experts whose matrices this rank keeps: its contiguous block, or
+        (redundant slots, EPLB) every expert, set_weight keeping only what the rank holds."""
+        first, n = self.info["first_local_expert"], self.info["num_local_experts"]
+        return range(first, first + n) if first >= 0 else range(self.num_experts)
+
     def set_weight(self, kind, expert, tensor, scale=None):
         """Copies a host matrix (a torch tensor, 2-D, or 1-D for router_bias and
         shared_expert_gate; f32, bf16, f16 or float8_e4m3fn with `scale`) into the layer. The full

@@ -81,10 +81,8 @@ def _build(runtime, w1, w2, activation, fp8, w1_scale, w2_scale, block_shape, pe
 
 
 def _load(layer, w1, w2, I, s1, s2):
-    info = layer.info
-    first, n = info["first_local_expert"], info["num_local_experts"]
     w1c, w2c = w1.detach().cpu(), w2.detach().cpu()
-    for e in range(first, first + n):
+    for e in layer.local_experts():
         g, u = w1c[e, :I], w1c[e, I:]
         if s1 is None:
             layer.set_weight("gate_proj", e, g)

@@ -90,9 +90,7 @@ class LibmoeMoEBlock(nn.Module):
         if routing == "libmoe":
             cfg.update(self._routing_config(kind, gate, E))
         self.layer = MoELayer(runtime, **cfg)
-        info = self.layer.info
-        first, n = info["first_local_expert"], info["num_local_experts"]
-        for e in range(first, first + n):  # this rank's experts only (EP; TP slices them)
+        for e in self.layer.local_experts():  # this rank's experts only (EP; TP slices them)
             self.layer.set_weight("gate_proj", e, w13[e, :I])
             self.layer.set_weight("up_proj", e, w13[e, I:])
             self.layer.set_weight("down_proj", e, w2[e])

@@ -112,14 +112,15 @@ def test_compiled_block_fullgraph(rt):
     assert rel(got, want) <= 1e-5
 
 
-@pytest.mark.parametrize("layout", ["tp", "all_gather_deterministic"])
+@pytest.mark.parametrize("layout", ["tp", "all_gather_deterministic", "redundant"])
 def test_layouts(rt, layout):
-    """MoELayer options through from_hf: TP over every rank, or all-gather dispatch with
-    deterministic sums; the same output as the block."""
+    """MoELayer options through from_hf: TP over every rank, all-gather dispatch with
+    deterministic sums, or redundant expert slots (EPLB); the same output as the block."""
     model = make_model("deepseek_v3", seed=6)
     block = next(m for m in model.modules() if libmoe.supported(m))
-    kw = dict(tp_size=rt.world, ep_size=1) if layout == "tp" else \
-        dict(dispatch="all_gather", deterministic=1)
+    kw = {"tp": dict(tp_size=rt.world, ep_size=1),
+          "all_gather_deterministic": dict(dispatch="all_gather", deterministic=1),
+          "redundant": dict(num_redundant_experts=rt.world)}[layout]
     mod = libmoe.from_hf(block, rt, **kw)
     if layout == "tp":
         assert mod.layer.info["tp_size"] == rt.world

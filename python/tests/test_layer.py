@@ -200,7 +200,8 @@ int main(void) {
   S(moe_runtime_config_t) S(moe_runtime_info_t) S(moe_layer_config_t) S(moe_layer_info_t)
   S(moe_tensor_t) S(moe_forward_args_t) S(moe_layer_stats_t)
   O(moe_runtime_info_t, workspace_bytes) O(moe_layer_config_t, ep_round_tokens)
-  O(moe_layer_config_t, fp8_math) O(moe_layer_info_t, ep_round_tokens)
+  O(moe_layer_config_t, fp8_math) O(moe_layer_config_t, num_redundant_experts)
+  O(moe_layer_info_t, ep_round_tokens)
   O(moe_forward_args_t, given_topk_weights) O(moe_forward_args_t, max_tokens_across_ranks)
   O(moe_layer_stats_t, bytes_sent) O(moe_tensor_t, scale_cols)
   return 0;
