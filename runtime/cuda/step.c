@@ -374,7 +374,7 @@ static moe_status_t decode_forward(moe_layer_t *l, const moe_forward_args_t *a, 
     moe_decode_args_t d;
     MOE_CHECK(moe_cuda_record(s, EV_START, a->stream));
     MOE_CHECK(moe_cuda_scan_inputs(l, a, s->sticky));
-    MOE_CHECK(moe_cuda_route(l, a, ids, w));
+    MOE_CHECK(moe_cuda_route(l, a, ids, w, s->sticky));
     MOE_CHECK(moe_cuda_slot_ids(l, ids, a->num_tokens, 0, s->slot_ids, a->stream));
     MOE_CHECK(moe_cuda_record(s, EV_ROUTE, a->stream));
     MOE_CHECK(moe_cuda_record(s, EV_PERMUTE, a->stream));
