@@ -502,7 +502,7 @@ static void test_microbatch(void **state)
     create_fails(&c, MOE_STATUS_NOT_SUPPORTED, "MOE_EP_MICROBATCH=1");
     unsetenv("MOE_EP_LL");
     setenv("MOE_EP_MICROBATCH", rank == 0 ? "1" : "0", 1);
-    create_fails(&c, MOE_STATUS_INVALID_ARGUMENT, "differs");
+    create_fails(&c, MOE_STATUS_MISMATCH, "differs");
     microbatch = 0;
     unsetenv("MOE_EP_MICROBATCH");
     end_transports();
@@ -722,7 +722,7 @@ static void test_transport_refused(void **state)
     setenv("MOE_EP_LL", "2", 1);
     create_fails(&c, MOE_STATUS_INVALID_ARGUMENT, "MOE_EP_LL=2");
     setenv("MOE_EP_LL", rank == 0 ? "1" : "0", 1);
-    create_fails(&c, MOE_STATUS_INVALID_ARGUMENT, "differs");
+    create_fails(&c, MOE_STATUS_MISMATCH, "differs");
     setenv("MOE_EP_LL", "1", 1);
     if (gt_nccl_runs()) {
         setenv("MOE_EP_TRANSPORT", "allgather", 1);
@@ -742,7 +742,7 @@ static void test_transport_refused(void **state)
     setenv("MOE_EP_P2P_HEADER", "1", 1);
     create_fails(&c, MOE_STATUS_NOT_SUPPORTED, "MOE_EP_P2P_HEADER=1");
     setenv("MOE_EP_P2P_HEADER", rank == 0 ? "1" : "0", 1);
-    create_fails(&c, MOE_STATUS_INVALID_ARGUMENT, "differs");
+    create_fails(&c, MOE_STATUS_MISMATCH, "differs");
     unsetenv("MOE_EP_P2P_HEADER");
     unsetenv("MOE_EP_TRANSPORT");
     c.tp_size = world;

@@ -25,7 +25,7 @@ static moe_layer_config_t shape(int shared)
     c.top_k = 4;
     c.hidden = 512;
     c.intermediate = 256;
-    c.max_tokens_per_rank = 256;
+    c.max_tokens_per_rank = 320; /* tu_uneven_share gives rank 0 all 300 tokens */
     if (shared) { /* DeepSeek-style: none of its routing options apply to given routing */
         c.scoring = MOE_SCORING_SIGMOID;
         c.use_score_bias = 1;
@@ -231,7 +231,9 @@ static void test_graph(void **state)
     assert_int_equal(cudaMemcpy(y, dy, sizeof(y), cudaMemcpyDeviceToHost), cudaSuccess);
     TU_OK(run_given(gt_rts.cpu_self, c, x, n, ids, w, MOE_DTYPE_F32, ref, &sync));
     assert_int_equal(tu_count_nan(y, n * c.hidden), 0);
-    assert_true(tu_rel_err(y, ref, n * c.hidden) <= 1e-2);
+    if (tu_rel_err(y, ref, n * c.hidden) > 1e-2)
+        fail_msg("rank %d: graph replay rel err %.3g against the CPU backend", rank,
+                 tu_rel_err(y, ref, n * c.hidden));
     TU_OK(moe_gpu_graph_exec_destroy(exec));
     TU_OK(moe_gpu_graph_destroy(graph));
     TU_OK(moe_gpu_stream_destroy(stream));
