@@ -1,8 +1,10 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* libFuzzer target: the weight-value check (NaN/Inf values, FP8 scales finite and > 0) on
+/* libFuzzer target: the weight-value check (NaN/Inf values; FP8 scales finite, > 0 and within
+ * [FLT_MIN / 448, FLT_MAX / 448], runtime/weights.c) on
  * arbitrary bytes, against a plain reference that converts every element to f32. Layout of an
  * input: dtype, rows, cols, slice (r0, c0, rows, cols), scale kind, then the data and the
  * scales (short inputs are padded with zeros). */
+#include <float.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -21,6 +23,12 @@ static uint8_t byte_at(const uint8_t *d, size_t n, size_t i)
     return i < n ? d[i] : 0;
 }
 
+/* 1 for a scale the check refuses: not finite, not > 0, or out of e4m3's f32 range. */
+static int scale_bad(float s)
+{
+    return !isfinite(s) || !(s > 0) || s > FLT_MAX / 448.0f || s < FLT_MIN / 448.0f;
+}
+
 /* 1 when the slice holds a non-finite value or uses a bad scale. */
 static int reference_bad(const moe_tensor_t *t, moe_scale_kind_t sk, int64_t r0, int64_t c0,
                          int64_t rows, int64_t cols)
@@ -36,7 +44,7 @@ static int reference_bad(const moe_tensor_t *t, moe_scale_kind_t sk, int64_t r0,
             if (t->dtype == MOE_DTYPE_FP8_E4M3) {
                 float s = sk == MOE_SCALE_BLOCK_128 ? t->scale[(r / BLK) * t->scale_cols + c / BLK]
                                                     : t->scale[0];
-                if (!isfinite(s) || !(s > 0))
+                if (scale_bad(s))
                     return 1;
             }
         }
@@ -100,7 +108,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     st = moe_scales_check(scale, sr, sc, "fuzz", 0, 0);
     bad = 0;
     for (size_t i = 0; i < nscale; i++)
-        bad |= !isfinite(scale[i]) || !(scale[i] > 0);
+        bad |= scale_bad(scale[i]);
     if ((st == MOE_STATUS_NUMERIC_ERROR) != bad)
         abort();
     free(buf);
