@@ -36,7 +36,11 @@ META=[
  dict(topic='first_call',date='2026-12-01',commit='2935fd8',unit='ratio',command='mpirun -np 1 build-gpu/launch/moe-bench --first-call --preset P'),
  dict(topic='tuning_bf16_qwen3_dsv3',date='2026-12-01',commit='f7ac806',unit='us / loss',command='mpirun -np 1 moe-tune --preset P --out bench/tune-h200.json --iters 10'),
  dict(topic='tuning_mixtral_bf16_and_fp8',date='2026-12-02',commit='1814ad6',unit='built-in pick, loss',command='mpirun -np 1 moe-tune --preset P [--dtype fp8 --scales tensor] --iters 10'),
+ dict(topic='fused_decode',date='2026-12-02',commit='770e5ce',unit='us (score); TB/s',command='bash bench/decode_run.sh decode bench (moe-bench --preset P [--dtype fp8 --scales tensor] --tokens 1,4,8,16,64 --seconds 0.2, MOE_FUSED_DECODE=0 vs MOE_FORCE_VARIANT=sm90_fused_decode)'),
+ dict(topic='python_overhead',date='2026-12-02',commit='1d0bafc',unit='us',command='python3 bench/python_overhead.py --preset qwen3-30b-a3b --tokens 1,8; moe-bench --preset qwen3-30b-a3b --tokens 1,8 --rotate 1'),
  dict(topic='correctness',date='2026-11-30 .. 2026-12-02',commit='per row',unit='',command='bash bench/device_run.sh tests (ctest -L gpu, MOE_REQUIRE_GPU=1)'),
+ dict(topic='eplb_cpu_moe_run',date='2026-12-02',commit='669661f',unit='imbalance, hash',machine='the 2-core development VM, CPU backend, Open MPI over vader',command='mpirun -np 4 moe-run --experts 64 --top-k 8 --hidden 1024 --intermediate 512 --tokens 4096 --route-skew 1.2 --redundant-experts 4 --eplb'),
+ dict(topic='eplb_cpu_weight_moves',date='2026-12-02',commit='ab53ff7',unit='s, GB/s',machine='the 2-core development VM, CPU backend, Open MPI over vader',command='mpirun -np 2 moe-bench --eplb --experts 16 --hidden 7168 --intermediate 2048 --no-step --moves 4'),
 ]
 assert len(tables)==len(META),(len(tables),[t['header'][:2] for t in tables])
 out={'about':'The current tables of bench/RESULTS.md as data (same numbers, same sections). Times in microseconds unless "unit" says otherwise; a cell "x (s)" is {"value": x, "score": s}, score = limit / time.',
@@ -58,6 +62,12 @@ for t,m in zip(tables,META):
                 if isinstance(v,dict): rec['us']=v['value']; rec['score']=v['score']
                 else: rec['us']=v
                 out['runs'].append(rec)
+# runs that come from raw moe-bench JSON rather than these tables (the fused-decode A/B, at
+# full precision) are kept from the file as it was
+made={r['topic'] for r in out['runs']}
+try: kept=[r for r in json.load(open('bench/results/h200.json'))['runs'] if r.get('topic') not in made]
+except (OSError,ValueError,KeyError): kept=[]
+out['runs']+=kept
 json.dump(out,open('bench/results/h200.json','w'),indent=1,ensure_ascii=False)
 open('bench/results/h200.json','a').write('\n')
 print(len(out['tables']),len(out['runs']))
