@@ -847,16 +847,6 @@ static moe_status_t alloc_like(const moe_matrix_t *src, moe_matrix_t *dst)
     return MOE_STATUS_SUCCESS;
 }
 
-/* The old slot of this EP rank `g` holding e, or -1. */
-static int old_local_slot(const moe_plan_t *p, int e, int g)
-{
-    int k;
-    for (k = p->replica_begin[e]; k < p->replica_begin[e + 1]; k++)
-        if (p->slot_owner[p->replica_slot[k]] == g)
-            return p->slot_local[p->replica_slot[k]];
-    return -1;
-}
-
 /* Adds the data and scale messages of the three matrices at m, and their input scales. */
 static void add_msgs(moe_comm_msg_t *list, int *n, int peer, moe_matrix_t *m, float *meta,
                      int64_t *bytes)
@@ -895,7 +885,7 @@ static moe_status_t plan_moves(moe_layer_t *l, const int32_t *map, move_plan_t *
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "placement plan of %d slots", S);
     for (g = 0; g < p->ep_size; g++)
         for (i = 0; i < S; i++) {
-            const int e = map[g * S + i], mine = old_local_slot(p, e, g);
+            const int e = map[g * S + i], mine = moe_plan_local_slot_of(p, e, g);
             int src, n, slot;
             if (mine >= 0) {
                 if (g != me)

@@ -70,6 +70,16 @@ static inline int moe_plan_route_slot(const moe_plan_t *p, int e, int64_t t, int
     return p->replica_slot[b + (n == 1 ? 0 : (int)((t + src) % n))];
 }
 
+/* The local slot of EP rank g that holds logical expert e under p, or -1 (a placement change
+ * keeps such a slot instead of receiving e). */
+static inline int moe_plan_local_slot_of(const moe_plan_t *p, int e, int g)
+{
+    for (int k = p->replica_begin[e]; k < p->replica_begin[e + 1]; k++)
+        if (p->slot_owner[p->replica_slot[k]] == g)
+            return p->slot_local[p->replica_slot[k]];
+    return -1;
+}
+
 /* Weight matrix on a rank, in the layer's storage dtype (host or device memory). */
 typedef struct moe_matrix {
     moe_dtype_t dtype;

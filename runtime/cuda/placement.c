@@ -162,16 +162,6 @@ static moe_status_t upload_static_scales(cuda_layer_t *s)
     return st;
 }
 
-/* The old slot of EP rank g holding e, or -1 (as the CPU backend's plan_moves). */
-static int old_local_slot(const moe_plan_t *p, int e, int g)
-{
-    int k;
-    for (k = p->replica_begin[e]; k < p->replica_begin[e + 1]; k++)
-        if (p->slot_owner[p->replica_slot[k]] == g)
-            return p->slot_local[p->replica_slot[k]];
-    return -1;
-}
-
 /* This rank's moves from the old placement (l->plan) to map, as the CPU backend derives them
  * (docs/EPLB.md, "Moving the weights"): new slot i of EP rank g copies an old local slot of
  * the same expert where g had one, else receives it from the ((g + i) mod replicas)-th old
@@ -188,7 +178,7 @@ static void plan_moves(const moe_layer_t *l, const int32_t *map, size_t blob, ch
     *ns = *nr = 0;
     for (g = 0; g < p->ep_size; g++)
         for (i = 0; i < S; i++) {
-            const int e = map[g * S + i], mine = old_local_slot(p, e, g);
+            const int e = map[g * S + i], mine = moe_plan_local_slot_of(p, e, g);
             int n, slot, src;
             if (mine >= 0) {
                 if (g == me) {
