@@ -320,3 +320,13 @@ int moe_cli_path_identity(const char *opt, const char *path, uint64_t *h, char *
     free(names);
     return rc;
 }
+
+double moe_cli_rank_imbalance(int64_t rows)
+{
+    int64_t mx, sum;
+    int world;
+    MPI_Comm_size(MPI_COMM_WORLD, &world);
+    MPI_Allreduce(&rows, &mx, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+    MPI_Allreduce(&rows, &sum, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+    return sum > 0 ? (double)mx * world / (double)sum : 0.0;
+}

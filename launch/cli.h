@@ -63,6 +63,11 @@ void moe_cli_sort(double *v, int n);
 int moe_cli_agree(const char *tool, int local_error, const char *error, const moe_cli_field_t *f,
                   int n);
 
+/* Collective over MPI_COMM_WORLD: the ranks' largest `rows` over their mean (a layer's rows
+ * received in its last forward: the rank load imbalance the EPLB tools print), 0 when no rank
+ * counted any. */
+double moe_cli_rank_imbalance(int64_t rows);
+
 #ifdef __cplusplus
 }
 #endif

@@ -23,6 +23,7 @@
 #include "layer_gen.h"
 #include "moe/moe.h"
 #include "moe/moe_mpi.h"
+#include "tool_check.h"
 
 #define DIE(...)                                                                                   \
     do {                                                                                           \
@@ -30,12 +31,7 @@
         fprintf(stderr, "\n");                                                                     \
         MPI_Abort(MPI_COMM_WORLD, 1);                                                              \
     } while (0)
-#define MK(call)                                                                                   \
-    do {                                                                                           \
-        moe_status_t s_ = (call);                                                                  \
-        if (s_ != MOE_STATUS_SUCCESS)                                                              \
-            DIE("%s: %s: %s", #call, moe_status_string(s_), moe_last_error());                     \
-    } while (0)
+#define MK(call) MOE_TOOL_OK("moe-bench --eplb", call)
 
 typedef struct eplb_opts {
     moe_layer_config_t cfg;
@@ -141,11 +137,8 @@ static double max_all(double v)
 static double imbalance(moe_layer_t *l)
 {
     moe_layer_stats_t st;
-    int64_t mx, sum;
     MK(moe_layer_get_stats(l, &st));
-    MPI_Allreduce(&st.rows_received, &mx, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
-    MPI_Allreduce(&st.rows_received, &sum, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
-    return sum > 0 ? (double)mx * world_g / (double)sum : 0.0;
+    return moe_cli_rank_imbalance(st.rows_received);
 }
 
 static double step_us(moe_layer_t *l, const moe_forward_args_t *a, int iters)

@@ -572,14 +572,8 @@ typedef struct results {
 static double rank_imbalance(moe_layer_t *layer)
 {
     moe_layer_stats_t st;
-    int64_t v[2], mx, sum;
-    int world;
     CHECK(moe_layer_get_stats(layer, &st));
-    MPI_Comm_size(MPI_COMM_WORLD, &world);
-    v[0] = v[1] = st.rows_received;
-    MPI_Allreduce(&v[0], &mx, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
-    MPI_Allreduce(&v[1], &sum, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
-    return sum > 0 ? (double)mx * world / (double)sum : 0.0;
+    return moe_cli_rank_imbalance(st.rows_received);
 }
 
 /* --eplb: every layer rebalanced from the warm-up steps' load. */

@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The GPU tools' checks (programs, not the library): a failed CUDA or libmoe call prints one
+/* The tools' checks (programs, not the library): a failed CUDA or libmoe call prints one
  * line naming the tool and ends the job with MPI_Abort (after the ranks agreed on the options,
  * a failure on one rank can leave the others in a collective; the library itself never
- * aborts). Needs cuda_runtime.h, mpi.h, stdio.h and moe/moe.h first. */
+ * aborts). Needs mpi.h, stdio.h and moe/moe.h first; MOE_TOOL_CUDA_OK cuda_runtime.h too. */
 #ifndef MOE_TOOL_CHECK_H
 #define MOE_TOOL_CHECK_H
 
