@@ -2,6 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # One call on the GPU machine (device tool, carry .device): build, then the MODEs in turn (each
 # alone fits a call's 10 minutes); logs under $OUT. Usage: bash bench/device_run.sh [MODE...]
+#   build            the build alone
 #   tests (default)  the GPU tests (one GPU, and mpirun -np <GPUs>; with one GPU the ranks
 #                    share it: MOE_TEST_SHARED_GPU=1, NCCL between them over loopback sockets,
 #                    and test_gpu_ep runs with 4 ranks on it as well)
@@ -18,6 +19,12 @@
 #                    kernel forced (bench/decode_run.sh; JSON in $OUT/json.tgz)
 #   bf16             moe-bench bf16 tables with phases (three presets, M = 1 .. 8192)
 #   fp8              moe-bench fp8 tables (three presets, per-tensor and block) + torch peers
+#                    ($FP8_PRESETS set: those presets, no peers); JSON in $OUT/fp8json.tgz
+#   fp8-fast         moe-bench fp8 per-tensor at M = 512 .. 8192 with the fast-accumulation
+#                    tile forced (MOE_FORCE_VARIANT=sm90_fp8_fast_m128n256) beside the built-in
+#   gemm-prof        Nsight Compute on the expert GEMMs of one step (DRAM / SM throughput,
+#                    the top warp stalls): fp8 per-tensor, fp8 block and bf16 at the DeepSeek-V3
+#                    shard M = 64 and Mixtral M = 8, fp8 at Mixtral M = 8192 ($PROF_CASES)
 #   tune             moe-tune bf16 + fp8 for the three presets or $TUNE_PRESETS, $TUNE_DTYPES
 #                    (EP = all GPUs when 2+; each run up to $TUNE_SECONDS, default 150 s:
 #                    split over calls; Mixtral bf16 needs more), into
@@ -78,6 +85,7 @@ presets="mixtral-8x7b qwen3-30b-a3b deepseek-v3-ep8"
 quiet() { grep -vE "dlopen|pmix|Perhaps"; }
 for mode in $modes; do
 case $mode in
+build) ;; # the build above only
 tests | quick)
     timeout 540 ctest --test-dir build-gpu -L gpu -R "${GPU_TESTS:-.}" -j3 --output-on-failure \
         --timeout 400 >"$OUT/ctest_gpu.log" 2>&1
@@ -271,13 +279,46 @@ fp8)
     for p in ${FP8_PRESETS:-$presets}; do
         for s in ${FP8_SCALES:-tensor block}; do
             timeout 90 $B/moe-bench --preset "$p" --dtype fp8 --scales "$s" \
-                --tokens 1,8,64,512,2048,8192 --seconds 0.2 --json "$j/$p.$s.json" 2>&1 | quiet |
+                --tokens 1,8,64,512,2048,8192 --seconds "${FP8_SECONDS:-0.2}" \
+                --json "$j/$p.$s.json" 2>&1 | quiet |
                 grep -vE "^#  *(limit|time)" | head -20
         done
     done
+    tar -czf "$OUT/fp8json.tgz" -C $j .
     [ -n "${FP8_PRESETS:-}" ] ||
         timeout 200 python3 bench/torch_peers.py --dtype fp8 --moe-json $j/*.tensor.json \
             --markdown "$OUT/peers_fp8.md" 2>&1 | grep -v "^#   ("
+    ;;
+fp8-fast)
+    for p in ${FP8_PRESETS:-$presets}; do
+        for v in "" sm90_fp8_fast_m128n256; do
+            echo "== $p fp8 tensor, ${v:-built-in variants}"
+            MOE_FORCE_VARIANT=$v timeout 90 $B/moe-bench --preset "$p" --dtype fp8 \
+                --scales tensor --tokens ${FAST_TOKENS:-512,2048,8192} --seconds 0.2 2>&1 |
+                quiet | grep -vE "^#  *(limit|time)" | head -12
+        done
+    done
+    ;;
+gemm-prof)
+    command -v ncu >/dev/null || { echo "gemm-prof: no ncu on this machine"; continue; }
+    # preset:tokens:dtype-and-scales
+    for c in ${PROF_CASES:-deepseek-v3-ep8:64:tensor deepseek-v3-ep8:64:block \
+        deepseek-v3-ep8:64:bf16 mixtral-8x7b:8:tensor mixtral-8x7b:8:bf16 \
+        mixtral-8x7b:8192:tensor}; do
+        IFS=: read -r p t d <<<"$c"
+        dt="--dtype fp8 --scales $d"
+        [ "$d" = bf16 ] && dt="--dtype bf16"
+        echo "== $p M = $t $d: the step's expert GEMMs"
+        # shellcheck disable=SC2086 # $dt: options
+        timeout 120 ncu --section SpeedOfLight --section WarpStateStats --section Occupancy \
+            -k regex:moe_gemm_sm90 --launch-skip 4 --launch-count 2 $B/moe-bench --preset "$p" \
+            $dt --tokens "$t" --graph-max 0 --rotate 1 --seconds 0.01 \
+            >"$OUT/prof-$p-$t-$d.txt" 2>&1
+        grep -E "moe_gemm_sm90_kernel|^ +(Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Warp Cycles Per Issued)|Stall|stall" \
+            "$OUT/prof-$p-$t-$d.txt" | sed -E 's/void moe_gemm_sm90_kernel/K/; s/ +/ /g' |
+            cut -c1-150 | head -24
+    done
+    tar -czf "$OUT/prof.tgz" -C "$OUT" $(cd "$OUT" && ls prof-*.txt) && rm -f "$OUT"/prof-*.txt
     ;;
 tune)
     for p in ${TUNE_PRESETS:-$presets}; do
@@ -416,7 +457,7 @@ python)
         --dtype bf16 --new-tokens 16 2>&1 | tail -4
     ;;
 *)
-    echo "usage: $0 [tests|quick|ep|ep-layer|mps|bf16|fp8|tune|first|kernels|rotate|faults|soak|sanitize|python]..." >&2
+    echo "usage: $0 [tests|quick|ep|ep-layer|mps|bf16|fp8|fp8-fast|gemm-prof|tune|first|kernels|rotate|faults|soak|sanitize|python]..." >&2
     exit 2
     ;;
 esac

@@ -57,6 +57,11 @@ typedef struct moe_gemm_variant {
     /* Checks args (returns MOE_STATUS_INVALID_ARGUMENT / NOT_SUPPORTED with a message) and
      * launches on `stream` (cudaStream_t); checks the launch. Never synchronises. */
     moe_status_t (*launch)(const moe_gemm_args_t *args, void *stream);
+    /* 1: FP8 products summed over all of k by the tensor cores alone (no promotion to f32 every
+     * 128 of k; fewer bits kept: docs/KERNELS.md, "Fast accumulation"). The built-in tables
+     * never name such a variant; MOE_FORCE_VARIANT runs it, moe-tune tries it only with
+     * MOE_FP8_FAST_ACCUM=1. */
+    int fast_accum;
 } moe_gemm_variant_t;
 
 /* The shapes every bf16 variant runs at every row count: rows of whole 16-byte units

@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/env.h"
 #include "cli.h"
 #include "kernels/expert_gemm_table.h"
 #include "runtime/oracle.h"
@@ -361,9 +362,11 @@ static void tune_gemm(const bench_t *b, options_t *o, int arch, moe_oracle_group
     const int64_t E = o->cfg.num_experts, k = o->cfg.top_k, W = b->world;
     moe_layer_config_t cfg = o->cfg;
 
+    /* variants that sum FP8 products on the tensor cores alone change the numerics: asked for */
+    const int fast = !strcmp(moe_env_str("MOE_FP8_FAST_ACCUM", "0"), "1");
     for (i = 0; i < count && nc < MAX_CAND; i++)
         if (moe_gemm_variant_runs_on(&v[i], arch) && v[i].ab_dtype == g->dtype &&
-            v[i].scale_kind == g->scale)
+            v[i].scale_kind == g->scale && (!v[i].fast_accum || fast))
             snprintf(names[nc++], MOE_ORACLE_NAME_LEN, "%s", v[i].name);
     for (i = 0; i < o->num_rows; i++) { /* tokens per rank giving about that many rows */
         int64_t t = (int64_t)ceil(o->rows[i] * (double)E / (double)(k * W));

@@ -129,8 +129,8 @@ moe_status_t simt_launch(const moe_gemm_args_t *a, void *stream)
     }
 }
 
-const moe_gemm_variant_t simt_variant = {"simt_ref",     80,         BR, 0, MOE_DTYPE_BF16,
-                                         MOE_SCALE_NONE, simt_launch};
+const moe_gemm_variant_t simt_variant = {"simt_ref",     80,          BR, 0, MOE_DTYPE_BF16,
+                                         MOE_SCALE_NONE, simt_launch, 0};
 
 } /* namespace */
 

@@ -73,6 +73,21 @@ static __device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, uint
         : "memory");
 }
 
+/* 4-byte copy global -> shared (cp.async, L1-allocating); completes asynchronously. */
+static __device__ __forceinline__ void cp_async_4(float *dst, const float *src)
+{
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_u32(dst)), "l"(src)
+                 : "memory");
+}
+
+/* One arrival on `bar` once every cp.async this thread issued before has landed (noinc: the
+ * barrier's count includes this arrival). */
+static __device__ __forceinline__ void cp_async_arrive_noinc(uint64_t *bar)
+{
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar))
+                 : "memory");
+}
+
 static __device__ __forceinline__ void named_bar_sync(int id, int threads)
 {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
@@ -156,14 +171,22 @@ struct sm90_cfg {
     static constexpr int EPI_BYTES = SWAP ? (64 * WM * EPI_LD + 64) * 4 /* + row scales */
                                      : TS ? NWG * TS_BYTES
                                           : 0;
+    /* F8 = 2 (block scales): per stage and 128-wide k slice, the TOK A rows' scales and one
+     * weight scale per half, copied in by the producer warp with the tiles */
+    static constexpr int SC_SLICE = F8 == 2 ? TOK + HALVES : 0;
+    static constexpr int SC_BYTES = (STAGES * KB * SC_SLICE * 4 + 15) / 16 * 16;
+    /* the producer warpgroup's registers: 40; the scale copies need more (where the consumers'
+     * share leaves them: not at two consumer warpgroups of 232) */
+    static constexpr int PRODUCER_REGS = F8 == 2 && NWG != 2 ? 56 : 40;
     /* + PING's two turn barriers; 1024: the alignment of the tiles */
     static constexpr int SMEM =
-        STAGES * STAGE_BYTES + EPI_BYTES + (2 * STAGES + (PING ? 2 : 0)) * 8 + 1024;
+        STAGES * STAGE_BYTES + EPI_BYTES + SC_BYTES + (2 * STAGES + (PING ? 2 : 0)) * 8 + 1024;
     static_assert(!SWAP || HALVES * WR == 64 || HALVES * WR == 128, "swap-AB: 64 or 128 rows");
     static_assert(TOK_BYTES % 1024 == 0 && W_BYTES % 1024 == 0, "1024 B aligned tiles");
     static_assert(SMEM <= 227 * 1024, "shared memory");
     static_assert(EPI_BYTES % 1024 == 0 || SWAP, "TMA store buffers: 1024 B aligned");
     static_assert(!PING || (!SWAP && !F8 && TOK == 64), "ping-pong: normal bf16, 64 rows");
+    static_assert(F8 != 3 || !SWAP, "fast accumulation: normal layout");
 };
 
 /* Maps work item t to (row block b, weight tile jt); row blocks are taken `group` at a time
@@ -198,7 +221,8 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
     extern __shared__ uint8_t smem_raw[];
     uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     float *sepi = (float *)(smem + STAGES * C::STAGE_BYTES);
-    uint64_t *full = (uint64_t *)(smem + STAGES * C::STAGE_BYTES + C::EPI_BYTES);
+    float *sscl = (float *)(smem + STAGES * C::STAGE_BYTES + C::EPI_BYTES);
+    uint64_t *full = (uint64_t *)(smem + STAGES * C::STAGE_BYTES + C::EPI_BYTES + C::SC_BYTES);
     uint64_t *empty = full + STAGES;
     /* PING: turn[w] completes a phase when warpgroup w may start its next item's main loop */
     uint64_t *turn = empty + STAGES;
@@ -207,7 +231,8 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
-            mbar_init(&full[s], 1);
+            /* F8 = 2: + the producer warp's 32 lanes, each when its scale copies land */
+            mbar_init(&full[s], F8 == 2 ? 33 : 1);
             /* lane 0 of each consumer warp that reads the stage (PING: one warpgroup's) */
             mbar_init(&empty[s], (PING ? 1 : C::NWG) * 4);
         }
@@ -240,10 +265,14 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                                   : min(GROUP_BLOCKS, max(4, nb / max(p.num_experts, 1)));
     constexpr int BKE = sm90_elem<F8>::BKE;
     const int kt_count = (p.k + BKE - 1) / BKE; /* the k tail: TMA zero fill */
+    const int kbn = (p.k + 127) / 128;          /* 128-wide k slices (block scales) */
+    /* the output columns a weight tile may hold (the n tail: a half past it is not loaded) */
+    const int nlim = EPI == MOE_GEMM_EPI_STORE ? p.n : p.n / 2;
 
     if (wg == C::NWG) { /* producer */
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        if (tid == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(C::PRODUCER_REGS));
+        /* one thread issues the TMA; F8 = 2: the warp copies the stage's scales beside it */
+        if (tid < (F8 == 2 ? 32 : 1)) {
             int s = 0, ph = 0;
             for (int t = blockIdx.x; t < total; t += gridDim.x) {
                 int b, jt;
@@ -252,24 +281,49 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 if (e < 0 || e >= p.num_experts)
                     continue;
                 int wrow[HALVES];
+                bool win[HALVES]; /* the half's first output column is inside n */
 #pragma unroll
-                for (int h = 0; h < HALVES; h++)
+                for (int h = 0; h < HALVES; h++) {
                     wrow[h] = e * p.n + (EPI == MOE_GEMM_EPI_STORE ? jt * HALVES * WR + h * WR
                                                                    : h * (p.n / 2) + jt * WR);
+                    win[h] =
+                        (EPI == MOE_GEMM_EPI_STORE ? jt * HALVES * WR + h * WR : jt * WR) < nlim;
+                }
                 for (int kt = 0; kt < kt_count; kt += KB) {
                     /* k slices past k (last stage, k not a multiple of KB * 64) come back
                      * zero-filled from TMA and still count their bytes: they add nothing. */
                     mbar_wait(&empty[s], ph ^ 1);
                     uint8_t *st = smem + s * C::STAGE_BYTES;
-                    mbar_expect_tx(&full[s], C::STAGE_BYTES);
+                    if (tid == 0) {
+                        mbar_expect_tx(&full[s], C::STAGE_BYTES);
 #pragma unroll
-                    for (int sub = 0; sub < KB; sub++) {
+                        for (int sub = 0; sub < KB; sub++) {
 #pragma unroll
-                        for (int h = 0; h < HALVES; h++)
-                            tma_load_2d(st + sub * C::SUB_W + h * WR * ROW_BYTES, &tm_w,
-                                        (kt + sub) * BKE, wrow[h], &full[s]);
-                        tma_load_2d(st + C::W_BYTES + sub * C::SUB_T, &tm_tok, (kt + sub) * BKE,
-                                    b * TOK, &full[s]);
+                            for (int h = 0; h < HALVES; h++)
+                                tma_load_2d(st + sub * C::SUB_W + h * WR * ROW_BYTES, &tm_w,
+                                            (kt + sub) * BKE, wrow[h], &full[s]);
+                            tma_load_2d(st + C::W_BYTES + sub * C::SUB_T, &tm_tok, (kt + sub) * BKE,
+                                        b * TOK, &full[s]);
+                        }
+                    }
+                    if (F8 == 2) {
+                        /* the scales the consumers' promotion of each slice reads, so no
+                         * global load waits between two wgmma groups: slice sub's A rows,
+                         * then one weight scale per half (slices past k and halves past n
+                         * are left alone: the consumers do not read them) */
+                        float *sc = sscl + s * KB * C::SC_SLICE;
+                        constexpr int SCS = C::SC_SLICE > 0 ? C::SC_SLICE : 1;
+                        for (int i = tid; i < KB * C::SC_SLICE; i += 32) {
+                            const int sub = i / SCS, j = i - sub * SCS;
+                            const int ks = kt + sub;
+                            if (ks >= kbn || (j >= TOK && !win[j - TOK]))
+                                continue;
+                            const float *src = j < TOK
+                                                   ? p.a_scale + ((int64_t)b * TOK + j) * kbn + ks
+                                                   : p.b_scale + (int64_t)wrow[j - TOK] * kbn + ks;
+                            cp_async_4(sc + i, src);
+                        }
+                        cp_async_arrive_noinc(&full[s]);
                     }
                     if (++s == STAGES) {
                         s = 0;
@@ -281,13 +335,13 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
         return;
     }
 
-    /* The consumers' registers: what the producer gives back (down to 40) out of the launch's
-     * per-thread share (168 at 384 threads, 128 at 512 (three consumer warpgroups, 64
+    /* The consumers' registers: what the producer gives back (down to PRODUCER_REGS) out of the
+     * launch's per-thread share (168 at 384 threads, 128 at 512 (three consumer warpgroups, 64
      * accumulators each), 96 at 640 (four)). More would wait forever: setmaxnreg.inc only
      * takes registers the CTA already holds. */
     constexpr int LAUNCH_REGS = (65536 / C::THREADS > 255 ? 255 : 65536 / C::THREADS) / 8 * 8;
     constexpr int CONSUMER_REGS = C::NWG <= 2 ? 232 : C::NWG == 3 ? 152 : 104;
-    static_assert(LAUNCH_REGS * (C::NWG + 1) >= 40 + CONSUMER_REGS * C::NWG,
+    static_assert(LAUNCH_REGS * (C::NWG + 1) >= C::PRODUCER_REGS + CONSUMER_REGS * C::NWG,
                   "setmaxnreg.inc beyond the CTA's registers never returns");
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
     const int warp = tid / 32, lane = tid % 32;
@@ -325,21 +379,24 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
      * CUDA cores in f32, as DeepGEMM promotes: the tensor cores' FP8 accumulation keeps fewer
      * bits than f32 (measured: ~3e-4 relative within one 128-k slice), so a long k would drift
      * without it. */
-    float part[F8 ? C::NACC : 1][F8 ? C::ACC : 1];
+    constexpr bool PRO = F8 == 1 || F8 == 2; /* promotion (F8 = 3: the tensor cores sum all k) */
+    float part[PRO ? C::NACC : 1][PRO ? C::ACC : 1];
     /* swap-AB (few accumulators): two partials in turn, so slice i + 1's wgmmas run while slice
      * i's partial is added (the stage it read is released then) */
-    constexpr bool PP = F8 && SWAP && KB % 2 == 0;
+    constexpr bool PP = PRO && SWAP && KB % 2 == 0;
     float pa[PP ? C::NACC : 1][PP ? C::ACC : 1], pb[PP ? C::NACC : 1][PP ? C::ACC : 1];
     using acc_t = float(&)[C::NACC][C::ACC];
-    const int kbn = (p.k + 127) / 128; /* 128-wide k slices (block scales) */
     /* d += part (F8 = 2: times the block scales of each element's A row and weight row). The
      * element -> (row, column) map of a wgmma accumulator: row 16 warp + lane/4 + 8 ((i%4)/2),
      * column 8 (i/4) + 2 (lane%4) + i%2.
      * Block scales: a weight tile (WR rows, WR | 128, aligned in its own matrix: gate, up or
      * down) lies in one 128-row block, so its rows share one scale per k slice -- loaded once per
      * slice, not per element (the backend's per-row scales repeat it; layer.c keeps TP slices
-     * 128-aligned). A thread's accumulators touch 2 A rows (normal) or ACC/2 tokens (swap-AB). */
-    auto promote = [&](acc_t d, acc_t pp, int ks, int e, int64_t row0, int jt) {
+     * 128-aligned). A thread's accumulators touch 2 A rows (normal) or ACC/2 tokens (swap-AB).
+     * The scales of slice ks come from shared memory, `sc` (the producer copied them in with
+     * the stage). */
+    auto sc_of = [&](int stage, int sub) { return sscl + (stage * KB + sub) * C::SC_SLICE; };
+    auto promote = [&](acc_t d, acc_t pp, int ks, int jt, const float *sc) {
         if (F8 != 2) {
 #pragma unroll
             for (int h = 0; h < C::NACC; h++)
@@ -352,7 +409,6 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
         }
         /* slices past k (a last stage's zero fill) have no scales: nothing to add */
         const bool kin = ks < kbn;
-        const int nlim = EPI == MOE_GEMM_EPI_STORE ? p.n : p.n / 2;
         constexpr int NA = SWAP ? C::ACC / 2 : 2;
         float sb[C::NACC], sa[NA];
 #pragma unroll
@@ -361,16 +417,14 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
              * swap-AB rows 64 h + 16 warp .. + 15 (WR >= 32: one half), normal: slice h */
             const int hh = SWAP ? (64 * h + 16 * warp) / WR : h;
             const int lc0 = EPI == MOE_GEMM_EPI_STORE ? jt * HALVES * WR + hh * WR : jt * WR;
-            const int wl0 = EPI == MOE_GEMM_EPI_STORE ? lc0 : hh * (p.n / 2) + lc0;
-            sb[h] =
-                kin && lc0 < nlim ? __ldg(p.b_scale + ((int64_t)e * p.n + wl0) * kbn + ks) : 0.0f;
+            sb[h] = kin && lc0 < nlim ? sc[TOK + hh] : 0.0f;
         }
 #pragma unroll
         for (int j = 0; j < NA; j++) {
             /* normal: rows r16 + 8 j; swap-AB: token columns 8 (j/2) + 2 (lane%4) + j%2 */
-            const int64_t arow = SWAP ? row0 + 8 * (j >> 1) + 2 * (lane & 3) + (j & 1)
-                                      : row0 + wg * 64 + 16 * warp + (lane >> 2) + 8 * j;
-            sa[j] = kin ? __ldg(p.a_scale + arow * kbn + ks) : 0.0f;
+            const int arow = SWAP ? 8 * (j >> 1) + 2 * (lane & 3) + (j & 1)
+                                  : wg * 64 + 16 * warp + (lane >> 2) + 8 * j;
+            sa[j] = kin ? sc[arow] : 0.0f;
         }
 #pragma unroll
         for (int h = 0; h < C::NACC; h++)
@@ -433,6 +487,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
         }
         int s_prev = -1;
         bool pend = false; /* PP: pb holds the last slice's partial, not yet added */
+        int ks_last = 0;   /* PP: that slice */
         for (int kt = 0; kt < kt_count; kt += KB) {
             mbar_wait(&full[s], ph);
             const uint32_t st = smem_u32(smem + s * C::STAGE_BYTES);
@@ -454,14 +509,20 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                     if (sub > 0 || pend) {
                         wgmma_wait<1>();
                         /* the previous slice: sub - 1 here, or the last of the stage before */
-                        promote(acc, prv, (kt + sub) - 1, e, row0, jt);
-                        if (sub == 0 && s_prev >= 0 && lane == 0)
-                            mbar_arrive(&empty[s_prev]); /* its last slice is done */
+                        promote(acc, prv, (kt + sub) - 1, jt,
+                                sub > 0 ? sc_of(s, sub - 1) : sc_of(s_prev, KB - 1));
+                        if (sub == 0 && s_prev >= 0) {
+                            if (F8 == 2)
+                                __syncwarp(); /* the warp's scale reads are done */
+                            if (lane == 0)
+                                mbar_arrive(&empty[s_prev]); /* its last slice is done */
+                        }
                     }
                 }
                 pend = true;
                 s_prev = s;
-            } else if (F8) { /* promote after every 128 of k (one slice), as DeepGEMM does */
+                ks_last = kt + KB - 1;
+            } else if (PRO) { /* promote after every 128 of k (one slice), as DeepGEMM does */
 #pragma unroll
                 for (int sub = 0; sub < KB; sub++) {
 #pragma unroll
@@ -475,8 +536,10 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                     mma_slice(reinterpret_cast<acc_t>(part), st, sub, PING ? 0 : wg);
                     wgmma_commit();
                     wgmma_wait<0>();
-                    promote(acc, reinterpret_cast<acc_t>(part), kt + sub, e, row0, jt);
+                    promote(acc, reinterpret_cast<acc_t>(part), kt + sub, jt, sc_of(s, sub));
                 }
+                if (F8 == 2)
+                    __syncwarp();
                 if (lane == 0)
                     mbar_arrive(&empty[s]);
             } else {
@@ -499,13 +562,15 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
         if (PING && tid == 0)
             mbar_arrive(&turn[wg ^ 1]); /* every stage of this item waited for: its turn */
         wgmma_wait<0>();
-        if (PP && pend) /* the item's last slice: kt_count - 1 */
-            promote(acc, reinterpret_cast<acc_t>(pb), kt_count - 1, e, row0, jt);
+        if (PP && pend) /* the item's last slice (KB - 1 of the last stage: odd, pb) */
+            promote(acc, reinterpret_cast<acc_t>(pb), ks_last, jt, sc_of(s_prev, KB - 1));
 #pragma unroll
         for (int h = 0; h < C::NACC; h++)
 #pragma unroll
             for (int i = 0; i < C::ACC; i++)
                 reg_fence(acc[h][i]);
+        if (PP && F8 == 2)
+            __syncwarp();
         if (s_prev >= 0 && lane == 0)
             mbar_arrive(&empty[s_prev]);
 
@@ -601,7 +666,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
             for (int i = 0; i < C::ACC; i += 2) {
                 const int q = (i & 3) >> 1;
                 const int wc = 8 * (i >> 2) + 2 * (lane & 3);
-                if (F8 == 1) { /* F8 = 2: the block scales are in acc already */
+                if (F8 == 1 || F8 == 3) { /* F8 = 2: the block scales are in acc already */
                     if (EPI == MOE_GEMM_EPI_STORE) {
 #pragma unroll
                         for (int h = 0; h < HALVES; h++) {
@@ -786,8 +851,9 @@ static constexpr int stages_for(int stage_bytes, int budget, int cap)
 template <int TOK, int F8 = 0, int WRB = 128, int PING = 0>
 static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const char *name)
 {
-    /* FP8 keeps a second set of accumulators (the per-stage promotion): half the weight rows */
-    constexpr int WR = F8 ? 64 : WRB;
+    /* FP8 with promotion (F8 = 1, 2) keeps a second set of accumulators: half the weight rows;
+     * F8 = 3 (the tensor cores accumulate all of k) has the bf16 tile's */
+    constexpr int WR = F8 == 1 || F8 == 2 ? 64 : WRB;
     /* bf16: the TMA-store buffers (16 KB per consumer warpgroup) come out of the same budget
      * (m128: 4 stages of 48 KB + 32 KB; m64: 5 of 40 KB + 16 KB) */
     constexpr int ST = F8 ? stages_for((TOK + 2 * WR) * ROW_BYTES, 200 * 1024, 8)
@@ -796,7 +862,7 @@ static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const 
     if ((int64_t)a->max_blocks * TOK >= ((int64_t)1 << 31))
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: max_blocks = %d too large", name,
                          a->max_blocks);
-    MOE_CHECK(moe_gemm_check_common(a, name, F8));
+    MOE_CHECK(moe_gemm_check_common(a, name, F8 == 3 ? 1 : F8));
     cudaStream_t s = (cudaStream_t)stream;
     switch (a->epilogue) {
     case MOE_GEMM_EPI_STORE:
@@ -893,6 +959,18 @@ moe_status_t moe_gemm_sm90_fp8_m192_launch(const moe_gemm_args_t *a, void *strea
 moe_status_t moe_gemm_sm90_fp8_m64_launch(const moe_gemm_args_t *a, void *stream)
 {
     return launch_normal<64, 1>(a, stream, "sm90_fp8_m64n128");
+}
+/* FP8 per-row scales without promotion: the tensor cores accumulate the whole k (their FP8
+ * accumulation keeps fewer bits than f32: docs/KERNELS.md, "Fast accumulation"), so a
+ * warpgroup holds one m64n256 accumulator set as bf16 does. Chosen only where the layer
+ * allows it (MOE_FP8_FAST_ACCUM). */
+moe_status_t moe_gemm_sm90_fp8f_m128_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<128, 3>(a, stream, "sm90_fp8_fast_m128n256");
+}
+moe_status_t moe_gemm_sm90_fp8f_m64_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<64, 3>(a, stream, "sm90_fp8_fast_m64n256");
 }
 moe_status_t moe_gemm_sm90_fp8_swap16_launch(const moe_gemm_args_t *a, void *stream)
 {
