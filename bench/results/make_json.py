@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 # Rebuilds bench/results/h200.json from the tables of bench/RESULTS.md (run from the repository
-# root: python3 bench/results/make_json.py). META lists, table by table in the order they
+# root: python3 bench/results/make_json.py), plus every moe-bench --json file under
+# bench/results/moe-bench/ as a run of its own. META lists, table by table in the order they
 # appear, the topic, date, commit and command; a table added to RESULTS.md needs its entry.
 import json,re
 md=open('bench/RESULTS.md').read().split('\n')
@@ -62,6 +63,12 @@ for t,m in zip(tables,META):
                 if isinstance(v,dict): rec['us']=v['value']; rec['score']=v['score']
                 else: rec['us']=v
                 out['runs'].append(rec)
+# moe-bench --json outputs kept whole (bench/results/moe-bench/*.json: one preset x dtype x
+# scales each, with its date and commit), one run each
+import glob,os
+for f in sorted(glob.glob('bench/results/moe-bench/*.json')):
+    r=json.load(open(f)); r['topic']='moe_bench_json'; r['file']=os.path.relpath(f)
+    out['runs'].append(r)
 # runs that come from raw moe-bench JSON rather than these tables (the fused-decode A/B, at
 # full precision) are kept from the file as it was
 made={r['topic'] for r in out['runs']}

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "kernels/expert_gemm.h"
+#include "kernels/expert_gemm_table.h"
 #include "runtime/oracle.h"
 
 /* ---- the built-in thresholds as measured (bench/RESULTS.md, "Tuning"; a fixture) ---------- */
@@ -230,6 +231,29 @@ static char *temp_path(const char *name)
     snprintf(path, sizeof(path), "%s/moe_test_oracle_%d_%s", tmp && *tmp ? tmp : "/tmp",
              (int)getpid(), name);
     return path;
+}
+
+/* No built-in table names a variant that sums FP8 products on the tensor cores alone
+ * (fast_accum): those change the layer's numerics and run only when asked for. */
+static void test_defaults_never_fast_accum(void **state)
+{
+    int ng = 0, nv = 0, fast = 0;
+    const moe_oracle_group_t *g = moe_oracle_defaults(&ng);
+    const moe_gemm_variant_t *v = moe_gemm_variants(&nv);
+    (void)state;
+    for (int i = 0; i < nv; i++)
+        if (v[i].fast_accum) {
+            fast++;
+            assert_int_equal(v[i].ab_dtype, MOE_DTYPE_FP8_E4M3);
+            assert_int_equal(v[i].scale_kind, MOE_SCALE_PER_CHANNEL);
+        }
+    assert_true(fast >= 1);
+    for (int i = 0; i < ng; i++)
+        for (int b = 0; b < g[i].num_buckets; b++) {
+            const moe_gemm_variant_t *bv = moe_gemm_variant_by_name(g[i].bucket[b].name);
+            if (bv)
+                assert_int_equal(bv->fast_accum, 0);
+        }
 }
 
 static void test_round_trip(void **state)
@@ -771,10 +795,14 @@ static void test_buckets_from_points(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_defaults_match_old_table), cmocka_unit_test(test_round_trip),
-        cmocka_unit_test(test_bad_tune_files),           cmocka_unit_test(test_forced),
-        cmocka_unit_test(test_shipped_h200_file),        cmocka_unit_test(test_buckets_from_points),
+        cmocka_unit_test(test_defaults_match_old_table),
+        cmocka_unit_test(test_round_trip),
+        cmocka_unit_test(test_bad_tune_files),
+        cmocka_unit_test(test_forced),
+        cmocka_unit_test(test_shipped_h200_file),
+        cmocka_unit_test(test_buckets_from_points),
         cmocka_unit_test(test_fifo_tune_file),
+        cmocka_unit_test(test_defaults_never_fast_accum),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
