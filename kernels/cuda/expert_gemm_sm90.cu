@@ -171,13 +171,15 @@ struct sm90_cfg {
     static constexpr int EPI_BYTES = SWAP ? (64 * WM * EPI_LD + 64) * 4 /* + row scales */
                                      : TS ? NWG * TS_BYTES
                                           : 0;
-    /* F8 = 2 (block scales): per stage and 128-wide k slice, the TOK A rows' scales and one
-     * weight scale per half, copied in by the producer warp with the tiles */
-    static constexpr int SC_SLICE = F8 == 2 ? TOK + HALVES : 0;
+    /* F8 = 2 (block scales), swap-AB: per stage and 128-wide k slice, the TOK A rows' scales
+     * and one weight scale per half, copied in by the producer warp with the tiles (the normal
+     * tiles load theirs in the promotion: docs/KERNELS.md, "FP8 W8A8") */
+    static constexpr bool SSC = F8 == 2 && SWAP;
+    static constexpr int SC_SLICE = SSC ? TOK + HALVES : 0;
     static constexpr int SC_BYTES = (STAGES * KB * SC_SLICE * 4 + 15) / 16 * 16;
     /* the producer warpgroup's registers: 40; the scale copies need more (where the consumers'
      * share leaves them: not at two consumer warpgroups of 232) */
-    static constexpr int PRODUCER_REGS = F8 == 2 && NWG != 2 ? 56 : 40;
+    static constexpr int PRODUCER_REGS = SSC && NWG != 2 ? 56 : 40;
     /* + PING's two turn barriers; 1024: the alignment of the tiles */
     static constexpr int SMEM =
         STAGES * STAGE_BYTES + EPI_BYTES + SC_BYTES + (2 * STAGES + (PING ? 2 : 0)) * 8 + 1024;
@@ -232,7 +234,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
             /* F8 = 2: + the producer warp's 32 lanes, each when its scale copies land */
-            mbar_init(&full[s], F8 == 2 ? 33 : 1);
+            mbar_init(&full[s], C::SSC ? 33 : 1);
             /* lane 0 of each consumer warp that reads the stage (PING: one warpgroup's) */
             mbar_init(&empty[s], (PING ? 1 : C::NWG) * 4);
         }
@@ -265,15 +267,15 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                                   : min(GROUP_BLOCKS, max(4, nb / max(p.num_experts, 1)));
     constexpr int BKE = sm90_elem<F8>::BKE;
     const int kt_count = (p.k + BKE - 1) / BKE; /* the k tail: TMA zero fill */
-    const int kbn = (p.k + 127) / 128;          /* 128-wide k slices (block scales) */
-    /* the output columns a weight tile may hold (the n tail: a half past it is not loaded) */
-    const int nlim = EPI == MOE_GEMM_EPI_STORE ? p.n : p.n / 2;
 
     if (wg == C::NWG) { /* producer */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(C::PRODUCER_REGS));
         /* one thread issues the TMA; F8 = 2: the warp copies the stage's scales beside it */
-        if (tid < (F8 == 2 ? 32 : 1)) {
+        if (tid < (C::SSC ? 32 : 1)) {
             int s = 0, ph = 0;
+            const int kbn = (p.k + 127) / 128; /* 128-wide k slices (block scales) */
+            /* the output columns a weight tile may hold (the n tail: a half past it is empty) */
+            const int nlim = EPI == MOE_GEMM_EPI_STORE ? p.n : p.n / 2;
             for (int t = blockIdx.x; t < total; t += gridDim.x) {
                 int b, jt;
                 sm90_item(t, nb, p.n_tiles, &b, &jt, group);
@@ -306,7 +308,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                                         b * TOK, &full[s]);
                         }
                     }
-                    if (F8 == 2) {
+                    if (C::SSC) {
                         /* the scales the consumers' promotion of each slice reads, so no
                          * global load waits between two wgmma groups: slice sub's A rows,
                          * then one weight scale per half (slices past k and halves past n
@@ -386,6 +388,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
     constexpr bool PP = PRO && SWAP && KB % 2 == 0;
     float pa[PP ? C::NACC : 1][PP ? C::ACC : 1], pb[PP ? C::NACC : 1][PP ? C::ACC : 1];
     using acc_t = float(&)[C::NACC][C::ACC];
+    const int kbn = (p.k + 127) / 128; /* 128-wide k slices (block scales) */
     /* d += part (F8 = 2: times the block scales of each element's A row and weight row). The
      * element -> (row, column) map of a wgmma accumulator: row 16 warp + lane/4 + 8 ((i%4)/2),
      * column 8 (i/4) + 2 (lane%4) + i%2.
@@ -393,10 +396,11 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
      * down) lies in one 128-row block, so its rows share one scale per k slice -- loaded once per
      * slice, not per element (the backend's per-row scales repeat it; layer.c keeps TP slices
      * 128-aligned). A thread's accumulators touch 2 A rows (normal) or ACC/2 tokens (swap-AB).
-     * The scales of slice ks come from shared memory, `sc` (the producer copied them in with
-     * the stage). */
+     * Swap-AB (SSC): the scales of slice ks come from shared memory, `sc` (the producer copied
+     * them in with the stage); normal tiles load them here (e, row0: the item's expert and
+     * first A row). */
     auto sc_of = [&](int stage, int sub) { return sscl + (stage * KB + sub) * C::SC_SLICE; };
-    auto promote = [&](acc_t d, acc_t pp, int ks, int jt, const float *sc) {
+    auto promote = [&](acc_t d, acc_t pp, int ks, int e, int64_t row0, int jt, const float *sc) {
         if (F8 != 2) {
 #pragma unroll
             for (int h = 0; h < C::NACC; h++)
@@ -409,6 +413,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
         }
         /* slices past k (a last stage's zero fill) have no scales: nothing to add */
         const bool kin = ks < kbn;
+        const int nlim = EPI == MOE_GEMM_EPI_STORE ? p.n : p.n / 2;
         constexpr int NA = SWAP ? C::ACC / 2 : 2;
         float sb[C::NACC], sa[NA];
 #pragma unroll
@@ -417,14 +422,23 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
              * swap-AB rows 64 h + 16 warp .. + 15 (WR >= 32: one half), normal: slice h */
             const int hh = SWAP ? (64 * h + 16 * warp) / WR : h;
             const int lc0 = EPI == MOE_GEMM_EPI_STORE ? jt * HALVES * WR + hh * WR : jt * WR;
-            sb[h] = kin && lc0 < nlim ? sc[TOK + hh] : 0.0f;
+            const int wl0 = EPI == MOE_GEMM_EPI_STORE ? lc0 : hh * (p.n / 2) + lc0;
+            if (C::SSC)
+                sb[h] = kin && lc0 < nlim ? sc[TOK + hh] : 0.0f;
+            else
+                sb[h] = kin && lc0 < nlim ? __ldg(p.b_scale + ((int64_t)e * p.n + wl0) * kbn + ks)
+                                          : 0.0f;
         }
 #pragma unroll
         for (int j = 0; j < NA; j++) {
             /* normal: rows r16 + 8 j; swap-AB: token columns 8 (j/2) + 2 (lane%4) + j%2 */
-            const int arow = SWAP ? 8 * (j >> 1) + 2 * (lane & 3) + (j & 1)
-                                  : wg * 64 + 16 * warp + (lane >> 2) + 8 * j;
-            sa[j] = kin ? sc[arow] : 0.0f;
+            if (C::SSC) /* swap-AB: the item's tokens, from the stage's copy */
+                sa[j] = kin ? sc[8 * (j >> 1) + 2 * (lane & 3) + (j & 1)] : 0.0f;
+            else {
+                const int64_t arow = SWAP ? row0 + 8 * (j >> 1) + 2 * (lane & 3) + (j & 1)
+                                          : row0 + wg * 64 + 16 * warp + (lane >> 2) + 8 * j;
+                sa[j] = kin ? __ldg(p.a_scale + arow * kbn + ks) : 0.0f;
+            }
         }
 #pragma unroll
         for (int h = 0; h < C::NACC; h++)
@@ -509,10 +523,10 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                     if (sub > 0 || pend) {
                         wgmma_wait<1>();
                         /* the previous slice: sub - 1 here, or the last of the stage before */
-                        promote(acc, prv, (kt + sub) - 1, jt,
+                        promote(acc, prv, (kt + sub) - 1, e, row0, jt,
                                 sub > 0 ? sc_of(s, sub - 1) : sc_of(s_prev, KB - 1));
                         if (sub == 0 && s_prev >= 0) {
-                            if (F8 == 2)
+                            if (C::SSC)
                                 __syncwarp(); /* the warp's scale reads are done */
                             if (lane == 0)
                                 mbar_arrive(&empty[s_prev]); /* its last slice is done */
@@ -536,9 +550,10 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                     mma_slice(reinterpret_cast<acc_t>(part), st, sub, PING ? 0 : wg);
                     wgmma_commit();
                     wgmma_wait<0>();
-                    promote(acc, reinterpret_cast<acc_t>(part), kt + sub, jt, sc_of(s, sub));
+                    promote(acc, reinterpret_cast<acc_t>(part), kt + sub, e, row0, jt,
+                            sc_of(s, sub));
                 }
-                if (F8 == 2)
+                if (C::SSC)
                     __syncwarp();
                 if (lane == 0)
                     mbar_arrive(&empty[s]);
@@ -563,13 +578,13 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
             mbar_arrive(&turn[wg ^ 1]); /* every stage of this item waited for: its turn */
         wgmma_wait<0>();
         if (PP && pend) /* the item's last slice (KB - 1 of the last stage: odd, pb) */
-            promote(acc, reinterpret_cast<acc_t>(pb), ks_last, jt, sc_of(s_prev, KB - 1));
+            promote(acc, reinterpret_cast<acc_t>(pb), ks_last, e, row0, jt, sc_of(s_prev, KB - 1));
 #pragma unroll
         for (int h = 0; h < C::NACC; h++)
 #pragma unroll
             for (int i = 0; i < C::ACC; i++)
                 reg_fence(acc[h][i]);
-        if (PP && F8 == 2)
+        if (PP && C::SSC)
             __syncwarp();
         if (s_prev >= 0 && lane == 0)
             mbar_arrive(&empty[s_prev]);
