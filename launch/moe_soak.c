@@ -156,25 +156,57 @@ static double rel_err(const float *a, const float *b, int64_t n)
 
 typedef struct io {
     float *x, *y, *ref;
-    void *dx, *dy; /* device copies (cuda) */
+    int32_t *ids, *ref_ids; /* the step's routing (check steps), [n, top_k] */
+    float *w, *ref_w;
+    void *dx, *dy, *dids, *dw; /* device copies (cuda) */
 } io_t;
 
-static void forward(const opts_t *o, moe_layer_t *l, io_t *io, int64_t n, int64_t told)
+/* One step of layer l; with `route` its routing comes back too (ids, w). */
+static void forward(const opts_t *o, moe_layer_t *l, io_t *io, int64_t n, int64_t told, int route)
 {
     moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
+    const size_t nk = (size_t)n * (size_t)o->cfg.top_k;
     a.num_tokens = n;
     a.dtype = MOE_DTYPE_F32;
     a.x = o->cuda ? io->dx : io->x;
     a.y = o->cuda ? io->dy : io->y;
     a.max_tokens_across_ranks = told;
+    if (route) {
+        a.topk_ids = o->cuda ? (int32_t *)io->dids : io->ids;
+        a.topk_weights = o->cuda ? (float *)io->dw : io->w;
+    }
     CHECK(moe_layer_forward(l, &a));
     CHECK(moe_layer_synchronize(l, NULL));
 #ifdef MOE_HAVE_CUDA
     if (o->cuda && n &&
-        cudaMemcpy(io->y, io->dy, sizeof(float) * (size_t)(n * o->cfg.hidden),
-                   cudaMemcpyDeviceToHost) != cudaSuccess)
+        (cudaMemcpy(io->y, io->dy, sizeof(float) * (size_t)(n * o->cfg.hidden),
+                    cudaMemcpyDeviceToHost) != cudaSuccess ||
+         (route &&
+          (cudaMemcpy(io->ids, io->dids, sizeof(int32_t) * nk, cudaMemcpyDeviceToHost) !=
+               cudaSuccess ||
+           cudaMemcpy(io->w, io->dw, sizeof(float) * nk, cudaMemcpyDeviceToHost) != cudaSuccess))))
         DIE("cuda: cannot read y back");
+#else
+    (void)nk;
 #endif
+}
+
+/* Tokens whose set of k experts differs between ids and ref (a near-tie of router scores
+ * decided the other way: the GPU computes the logits on tensor cores, the reference in f32). */
+static int64_t routing_flips(const int32_t *ids, const int32_t *ref, int64_t n, int k)
+{
+    int64_t t, flips = 0;
+    for (t = 0; t < n; t++) {
+        int j, i, same = 1;
+        for (j = 0; j < k && same; j++) {
+            int found = 0;
+            for (i = 0; i < k; i++)
+                found |= ids[t * k + j] == ref[t * k + i];
+            same = found;
+        }
+        flips += !same;
+    }
+    return flips;
 }
 
 int main(int argc, char **argv)
@@ -188,6 +220,7 @@ int main(int argc, char **argv)
     io_t io;
     uint64_t mine, shared;
     int64_t step = 0, checks = 0, told_steps = 0, tokens = 0, rss0 = -1, dev0 = -1, i, bad;
+    int64_t flips = 0; /* tokens whose routing was a near-tie decided the other way */
     double t0, last, worst = 0;
     int l;
 
@@ -232,12 +265,19 @@ int main(int argc, char **argv)
     io.x = malloc(sizeof(float) * vals);
     io.y = malloc(sizeof(float) * vals);
     io.ref = malloc(sizeof(float) * vals);
-    io.dx = io.dy = NULL;
-    if (!io.x || !io.y || !io.ref)
+    const size_t kvals = (size_t)(o.cap * o.cfg.top_k) + 1;
+    io.ids = malloc(sizeof(int32_t) * kvals);
+    io.ref_ids = malloc(sizeof(int32_t) * kvals);
+    io.w = malloc(sizeof(float) * kvals);
+    io.ref_w = malloc(sizeof(float) * kvals);
+    io.dx = io.dy = io.dids = io.dw = NULL;
+    if (!io.x || !io.y || !io.ref || !io.ids || !io.ref_ids || !io.w || !io.ref_w)
         DIE("out of host memory");
 #ifdef MOE_HAVE_CUDA
     if (o.cuda && (cudaMalloc(&io.dx, sizeof(float) * vals) != cudaSuccess ||
-                   cudaMalloc(&io.dy, sizeof(float) * vals) != cudaSuccess))
+                   cudaMalloc(&io.dy, sizeof(float) * vals) != cudaSuccess ||
+                   cudaMalloc(&io.dids, sizeof(int32_t) * kvals) != cudaSuccess ||
+                   cudaMalloc(&io.dw, sizeof(float) * kvals) != cudaSuccess))
         DIE("cuda: cannot allocate x and y");
 #endif
     mine = 0x9E3779B97F4A7C15ULL ^ ((uint64_t)o.seed * 1000003u + (uint64_t)rank_g + 1);
@@ -271,23 +311,40 @@ int main(int argc, char **argv)
         for (l = 0; l < o.layers; l++) {
             for (i = 0; i < n * o.cfg.hidden; i++)
                 io.y[i] = NAN; /* poisoned: a row never written fails the check */
-            forward(&o, layer[l], &io, n, told);
+            forward(&o, layer[l], &io, n, told, check);
             if (check) {
                 moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
-                double e;
+                double e, e_own = 0;
+                int64_t f;
                 a.num_tokens = n;
                 a.dtype = MOE_DTYPE_F32;
                 a.x = io.x;
                 a.y = io.ref;
+                a.topk_ids = io.ref_ids;
+                a.topk_weights = io.ref_w;
                 CHECK(moe_layer_forward(ref[l], &a));
+                f = routing_flips(io.ids, io.ref_ids, n, o.cfg.top_k);
+                if (f > 0) {
+                    /* near-ties decided the other way: the reference again, with the routing
+                     * this layer chose, so the experts' arithmetic is still checked exactly */
+                    e_own = rel_err(io.y, io.ref, n * o.cfg.hidden);
+                    a.topk_ids = NULL;
+                    a.topk_weights = NULL;
+                    a.given_topk_ids = io.ids;
+                    a.given_topk_weights = io.w;
+                    CHECK(moe_layer_forward(ref[l], &a));
+                    flips += f;
+                }
                 e = rel_err(io.y, io.ref, n * o.cfg.hidden);
                 worst = e > worst ? e : worst;
                 /* the CPU backend computes as the reference does; the GPU's bf16 GEMMs round
                  * their inputs and h (test_gpu_ep's bound) */
                 if (!(e <= (o.cuda ? 1e-2 : 1e-4)))
                     DIE("step %lld layer %d (%lld tokens, told %lld): output differs from the "
-                        "CPU reference by %.3g (relative, L2)",
-                        (long long)step, l, (long long)n, (long long)told, e);
+                        "CPU reference by %.3g (relative, L2; %lld tokens routed otherwise than "
+                        "the reference's, error with the reference's own routing %.3g)",
+                        (long long)step, l, (long long)n, (long long)told, e, (long long)f,
+                        f ? e_own : e);
             }
         }
         checks += check;
@@ -298,20 +355,23 @@ int main(int argc, char **argv)
             MPI_Bcast(t, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
             done = t[0] - t0 >= (double)o.seconds;
             if (t[0] - last >= (double)o.report || done) {
-                int64_t v[4] = {rss_kib(), device_used_kib(o.cuda), 0, 0}, mx[4], mn[4];
+                int64_t v[5] = {rss_kib(), device_used_kib(o.cuda), 0, 0, flips}, mx[5], mn[5],
+                        sum[5];
                 v[2] = tokens, v[3] = (int64_t)(worst * 1e15); /* < 9e3: a larger one died */
-                MPI_Allreduce(v, mx, 4, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
-                MPI_Allreduce(v, mn, 4, MPI_INT64_T, MPI_MIN, MPI_COMM_WORLD);
+                MPI_Allreduce(v, mx, 5, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+                MPI_Allreduce(v, mn, 5, MPI_INT64_T, MPI_MIN, MPI_COMM_WORLD);
+                MPI_Allreduce(v, sum, 5, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
                 if (rss0 < 0) { /* the first report ends the warm-up: the reference for "flat" */
                     rss0 = mx[0];
                     dev0 = mx[1];
                 }
                 if (rank_g == 0) {
                     printf("t=%6.0fs steps=%lld checked=%lld told=%lld tokens/rank<=%lld "
-                           "rss_kib=%lld..%lld dev_kib=%lld..%lld worst_rel_err=%.2e\n",
+                           "rss_kib=%lld..%lld dev_kib=%lld..%lld worst_rel_err=%.2e "
+                           "routing_ties=%lld\n",
                            t[0] - t0, (long long)step, (long long)checks, (long long)told_steps,
                            (long long)mx[2], (long long)mn[0], (long long)mx[0], (long long)mn[1],
-                           (long long)mx[1], (double)mx[3] * 1e-15);
+                           (long long)mx[1], (double)mx[3] * 1e-15, (long long)sum[4]);
                     fflush(stdout);
                 }
                 last = t[0];
@@ -336,11 +396,17 @@ int main(int argc, char **argv)
     if (o.cuda) {
         cudaFree(io.dx);
         cudaFree(io.dy);
+        cudaFree(io.dids);
+        cudaFree(io.dw);
     }
 #endif
     free(io.x);
     free(io.y);
     free(io.ref);
+    free(io.ids);
+    free(io.ref_ids);
+    free(io.w);
+    free(io.ref_w);
     CHECK(moe_runtime_destroy(ref_rt));
     CHECK(moe_runtime_destroy(rt));
     MPI_Finalize();
