@@ -27,8 +27,9 @@ META=[
  dict(topic='layer_step_bf16',date='2026-12-01',commit='32fcdd3',unit='us',command='mpirun -np 1 build-gpu/launch/moe-bench --preset P --dtype bf16 --tokens 1,8,64,512,1024,2048,4096,8192 --seconds 0.1'),
  dict(topic='layer_step_bf16_remeasured',date='2026-12-02',commit='555aca0 / 6bef0eb (per row)',unit='us',command='moe-bench --preset P --tokens ... (three interleaved runs, range)'),
  dict(topic='kernels_qwen3_bf16',date='2026-12-01',commit='2626905',unit='us',command='KERNEL_TOKENS="1 8192" bash bench/device_run.sh kernels (Nsight Compute, caches flushed)'),
- dict(topic='layer_step_fp8_per_tensor',date='2026-12-01',commit='32fcdd3',unit='us',command='moe-bench --preset P --dtype fp8 --scales tensor --tokens 1,8,64,512,1024,2048,4096,8192 --seconds 0.1'),
- dict(topic='layer_step_fp8_block',date='2026-12-01',commit='2935fd8 (Mixtral) / 8a3c2f0 (Qwen3, DeepSeek-V3 shard)',unit='us',command='moe-bench --preset P --dtype fp8 --scales block --tokens 1,8,64,512,2048,8192 --seconds 0.2'),
+ dict(topic='layer_step_fp8_tensor_and_block',date='2026-12-02',commit='0e0766b',unit='us (score)',command='FP8_PRESETS="mixtral-8x7b qwen3-30b-a3b deepseek-v3-ep8" FP8_SECONDS=0.1 bash bench/device_run.sh fp8 (moe-bench --preset P --dtype fp8 --scales tensor|block --tokens 1,8,64,512,2048,8192 --seconds 0.1)'),
+ dict(topic='fp8_fast_accumulation',date='2026-12-02',commit='d8b75f0',unit='us (layer TFLOP/s)',command='FP8_PRESETS="mixtral-8x7b deepseek-v3-ep8" bash bench/device_run.sh fp8-fast'),
+ dict(topic='fp8_gemm_profile',date='2026-12-02',commit='d8b75f0',unit='us, % of peak',command='bash bench/device_run.sh gemm-prof (Nsight Compute)'),
  dict(topic='peers_bf16',date='2026-12-01 (libmoe, vLLM GEMMs); 2026-11-30 (torch)',commit='32fcdd3 / 8a3c2f0 / e6ed185',unit='us',command='moe-bench --json FILE; python3 bench/torch_peers.py --moe-json FILE --markdown OUT.md'),
  dict(topic='peers_fp8',date='2026-12-01',commit='32fcdd3 / 8a3c2f0 / 2935fd8; vLLM: issue 12',unit='us',command='python3 bench/torch_peers.py --dtype fp8 --moe-json ...'),
  dict(topic='ep_two_h200_allgather',date='2026-11-30',commit='f4c48f6',unit='us',machine='2 x H200 of one host (NVLink), NCCL 2.28.9',command='mpirun -np 2 build-gpu/launch/moe-bench --dispatch-only'),
@@ -54,7 +55,15 @@ for t,m in zip(tables,META):
 # normalised layer-step points
 presets=['mixtral-8x7b','qwen3-30b-a3b','deepseek-v3-ep8']
 for t,m in zip(tables,META):
-    if m['topic'] in ('layer_step_bf16','layer_step_fp8_per_tensor','layer_step_fp8_block'):
+    if m['topic']=='layer_step_fp8_tensor_and_block':
+        for r in t['rows']:
+            M=int(r[0])
+            for i,p in enumerate(presets):
+                for sc,cell in (('tensor',r[1+2*i].split(' / ')[0]),('block',r[1+2*i].split(' / ')[1])):
+                    v=num(cell)
+                    out['runs'].append({'topic':'layer_step_fp8','preset':p,'dtype':'fp8','scales':sc,'tokens':M,'us':v['value'],'score':v['score'],
+                                        'date':m['date'],'commit':m['commit'],'command':'moe-bench --preset %s --dtype fp8 --scales %s --tokens 1,8,64,512,2048,8192 --seconds 0.1'%(p,sc)})
+    if m['topic'] in ('layer_step_bf16',):
         for r in t['rows']:
             M=int(r[0])
             for i,p in enumerate(presets):
@@ -72,7 +81,9 @@ for f in sorted(glob.glob('bench/results/moe-bench/*.json')):
 # runs that come from raw moe-bench JSON rather than these tables (the fused-decode A/B, at
 # full precision) are kept from the file as it was
 made={r['topic'] for r in out['runs']}
-try: kept=[r for r in json.load(open('bench/results/h200.json'))['runs'] if r.get('topic') not in made]
+# (topics whose tables were replaced by newer measurements are dropped, not kept)
+retired={'layer_step_fp8_per_tensor','layer_step_fp8_block'}
+try: kept=[r for r in json.load(open('bench/results/h200.json'))['runs'] if r.get('topic') not in made|retired]
 except (OSError,ValueError,KeyError): kept=[]
 out['runs']+=kept
 json.dump(out,open('bench/results/h200.json','w'),indent=1,ensure_ascii=False)
