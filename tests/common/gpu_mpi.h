@@ -118,7 +118,7 @@ static inline int gt_group_teardown(void **state)
         MPI_Comm_size(MPI_COMM_WORLD, &world_var);                                                 \
         rc_ = gt_mpi_gpu_gate(world_var);                                                          \
         if (rc_ == 0) {                                                                            \
-            int ngpu_ = 1; /* ranks sharing one GPU (MOE_TEST_SHARED_GPU) all take device 0 */   \
+            int ngpu_ = 1; /* ranks sharing one GPU (MOE_TEST_SHARED_GPU) all take device 0 */     \
             if (moe_gpu_probe(&ngpu_) != MOE_STATUS_SUCCESS || ngpu_ < 1)                          \
                 ngpu_ = 1;                                                                         \
             moe_gpu_set_device(rank_var % ngpu_);                                                  \
