@@ -191,6 +191,25 @@ static void forward(const opts_t *o, moe_layer_t *l, io_t *io, int64_t n, int64_
 #endif
 }
 
+/* The token of [n, h] rows whose relative error is largest (*worst its error); *over: how many
+ * tokens are over `bound`. For a failure's report: one bad row or a whole bad batch. */
+static int64_t worst_token(const float *a, const float *b, int64_t n, int64_t h, double bound,
+                           double *worst, int64_t *over)
+{
+    int64_t t, at = -1;
+    *worst = 0;
+    *over = 0;
+    for (t = 0; t < n; t++) {
+        const double e = rel_err(a + t * h, b + t * h, h);
+        *over += !(e <= bound);
+        if (at < 0 || !(e <= *worst)) {
+            *worst = e;
+            at = t;
+        }
+    }
+    return at;
+}
+
 /* Tokens whose set of k experts differs between ids and ref (a near-tie of router scores
  * decided the other way: the GPU computes the logits on tensor cores, the reference in f32). */
 static int64_t routing_flips(const int32_t *ids, const int32_t *ref, int64_t n, int k)
@@ -339,12 +358,19 @@ int main(int argc, char **argv)
                 worst = e > worst ? e : worst;
                 /* the CPU backend computes as the reference does; the GPU's bf16 GEMMs round
                  * their inputs and h (test_gpu_ep's bound) */
-                if (!(e <= (o.cuda ? 1e-2 : 1e-4)))
+                if (!(e <= (o.cuda ? 1e-2 : 1e-4))) {
+                    char how[512] = "";
+                    double te;
+                    int64_t over, wt = worst_token(io.y, io.ref, n, o.cfg.hidden,
+                                                   o.cuda ? 1e-2 : 1e-4, &te, &over);
+                    (void)moe_layer_explain(layer[l], n, how, sizeof(how));
                     DIE("step %lld layer %d (%lld tokens, told %lld): output differs from the "
                         "CPU reference by %.3g (relative, L2; %lld tokens routed otherwise than "
-                        "the reference's, error with the reference's own routing %.3g)",
+                        "the reference's, error with the reference's own routing %.3g); %lld "
+                        "tokens over the bound, the worst token %lld at %.3g; the step: %s",
                         (long long)step, l, (long long)n, (long long)told, e, (long long)f,
-                        f ? e_own : e);
+                        f ? e_own : e, (long long)over, (long long)wt, te, how);
+                }
             }
         }
         checks += check;
