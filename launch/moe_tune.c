@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base/env.h"
+#include "base/diag.h"
 #include "cli.h"
 #include "kernels/expert_gemm_table.h"
 #include "runtime/oracle.h"
@@ -363,7 +363,7 @@ static void tune_gemm(const bench_t *b, options_t *o, int arch, moe_oracle_group
     moe_layer_config_t cfg = o->cfg;
 
     /* variants that sum FP8 products on the tensor cores alone change the numerics: asked for */
-    const int fast = !strcmp(moe_env_str("MOE_FP8_FAST_ACCUM", "0"), "1");
+    const int fast = moe_env_int("MOE_FP8_FAST_ACCUM", 0) != 0;
     for (i = 0; i < count && nc < MAX_CAND; i++)
         if (moe_gemm_variant_runs_on(&v[i], arch) && v[i].ab_dtype == g->dtype &&
             v[i].scale_kind == g->scale && (!v[i].fast_accum || fast))
