@@ -233,7 +233,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
-            /* F8 = 2: + the producer warp's 32 lanes, each when its scale copies land */
+            /* SSC: + the producer warp's 32 lanes, each when its scale copies land */
             mbar_init(&full[s], C::SSC ? 33 : 1);
             /* lane 0 of each consumer warp that reads the stage (PING: one warpgroup's) */
             mbar_init(&empty[s], (PING ? 1 : C::NWG) * 4);
@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
 
     if (wg == C::NWG) { /* producer */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(C::PRODUCER_REGS));
-        /* one thread issues the TMA; F8 = 2: the warp copies the stage's scales beside it */
+        /* one thread issues the TMA; SSC: the warp copies the stage's scales beside it */
         if (tid < (C::SSC ? 32 : 1)) {
             int s = 0, ph = 0;
             const int kbn = (p.k + 127) / 128; /* 128-wide k slices (block scales) */
