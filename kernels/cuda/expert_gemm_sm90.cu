@@ -123,8 +123,10 @@ static __device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr)
 /* d[N/2] += A(64 x 16, smem desc) . B(N x 16, smem desc)^T, f32 accumulators. */
 template <int N> __device__ __forceinline__ void wgmma_bf16(float *d, uint64_t da, uint64_t db);
 #include "kernels/cuda/expert_gemm_wgmma.inc"
-/* The same over 32 e4m3 values of k (32 bytes, as the bf16 form's 16 values). */
-template <int N> __device__ __forceinline__ void wgmma_fp8(float *d, uint64_t da, uint64_t db);
+/* The same over 32 e4m3 values of k (32 bytes, as the bf16 form's 16 values); sd = 0 overwrites
+ * d instead of adding to it (a promoted slice's first k step: no zeroing pass). */
+template <int N>
+__device__ __forceinline__ void wgmma_fp8(float *d, uint64_t da, uint64_t db, int sd = 1);
 #include "kernels/cuda/expert_gemm_wgmma_fp8.inc"
 
 /* ---- the kernel ------------------------------------------------------------------------------
@@ -348,8 +350,10 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
     const int warp = tid / 32, lane = tid % 32;
     float acc[C::NACC][C::ACC];
-    /* The wgmmas of one 64-wide k slice `sub` of the stage at shared address st. */
-    auto mma_slice = [&](float(&d)[C::NACC][C::ACC], uint32_t st, int sub, int wgi) {
+    /* The wgmmas of one 64-wide k slice `sub` of the stage at shared address st; fresh (FP8):
+     * the first k step overwrites d (a promoted slice's partial starts from nothing). */
+    auto mma_slice = [&](float(&d)[C::NACC][C::ACC], uint32_t st, int sub, int wgi,
+                         bool fresh = false) {
         const uint32_t sw = st + sub * C::SUB_W;
         const uint32_t stk = st + C::W_BYTES + sub * C::SUB_T;
 #pragma unroll
@@ -360,7 +364,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                     const uint64_t da = sw128_desc(sw + j * 64 * ROW_BYTES + kk * 32);
                     const uint64_t db = sw128_desc(stk + kk * 32);
                     if (F8)
-                        wgmma_fp8<C::WN>(d[j], da, db);
+                        wgmma_fp8<C::WN>(d[j], da, db, !(fresh && kk == 0));
                     else
                         wgmma_bf16<C::WN>(d[j], da, db);
                 }
@@ -370,7 +374,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                     const uint64_t da = sw128_desc(stk + wgi * 64 * ROW_BYTES + kk * 32);
                     const uint64_t db = sw128_desc(sw + h * WR * ROW_BYTES + kk * 32);
                     if (F8)
-                        wgmma_fp8<C::WN>(d[h], da, db);
+                        wgmma_fp8<C::WN>(d[h], da, db, !(fresh && kk == 0));
                     else
                         wgmma_bf16<C::WN>(d[h], da, db);
                 }
@@ -383,10 +387,6 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
      * without it. */
     constexpr bool PRO = F8 == 1 || F8 == 2; /* promotion (F8 = 3: the tensor cores sum all k) */
     float part[PRO ? C::NACC : 1][PRO ? C::ACC : 1];
-    /* swap-AB (few accumulators): two partials in turn, so slice i + 1's wgmmas run while slice
-     * i's partial is added (the stage it read is released then) */
-    constexpr bool PP = PRO && SWAP && KB % 2 == 0;
-    float pa[PP ? C::NACC : 1][PP ? C::ACC : 1], pb[PP ? C::NACC : 1][PP ? C::ACC : 1];
     using acc_t = float(&)[C::NACC][C::ACC];
     const int kbn = (p.k + 127) / 128; /* 128-wide k slices (block scales) */
     /* d += part (F8 = 2: times the block scales of each element's A row and weight row). The
@@ -400,22 +400,17 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
      * them in with the stage); normal tiles load them here (e, row0: the item's expert and
      * first A row). */
     auto sc_of = [&](int stage, int sub) { return sscl + (stage * KB + sub) * C::SC_SLICE; };
-    auto promote = [&](acc_t d, acc_t pp, int ks, int e, int64_t row0, int jt, const float *sc) {
-        if (F8 != 2) {
-#pragma unroll
-            for (int h = 0; h < C::NACC; h++)
-#pragma unroll
-                for (int i = 0; i < C::ACC; i++) {
-                    reg_fence(pp[h][i]);
-                    d[h][i] += pp[h][i];
-                }
+    constexpr int NA = SWAP ? C::ACC / 2 : 2; /* A rows (tokens) a thread's accumulators touch */
+    /* The scales of slice ks for this thread's accumulators (F8 = 2; else nothing): sb per
+     * accumulator set, sa per A row. Normal tiles load them before the slice's wgmmas, so the
+     * loads run under the tensor cores. */
+    auto load_scales = [&](float(&sb)[C::NACC], float(&sa)[NA], int ks, int e, int64_t row0, int jt,
+                           const float *sc) {
+        if (F8 != 2)
             return;
-        }
         /* slices past k (a last stage's zero fill) have no scales: nothing to add */
         const bool kin = ks < kbn;
         const int nlim = EPI == MOE_GEMM_EPI_STORE ? p.n : p.n / 2;
-        constexpr int NA = SWAP ? C::ACC / 2 : 2;
-        float sb[C::NACC], sa[NA];
 #pragma unroll
         for (int h = 0; h < C::NACC; h++) {
             /* the half hh of weight tile rows (gate or up for *_MUL) this accumulator set holds:
@@ -440,13 +435,19 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 sa[j] = kin ? __ldg(p.a_scale + arow * kbn + ks) : 0.0f;
             }
         }
+    };
+    /* d += pp (F8 = 2: times the scales load_scales gave) */
+    auto apply = [&](acc_t d, acc_t pp, const float(&sb)[C::NACC], const float(&sa)[NA]) {
 #pragma unroll
         for (int h = 0; h < C::NACC; h++)
 #pragma unroll
             for (int i = 0; i < C::ACC; i++) {
                 reg_fence(pp[h][i]);
                 const int j = SWAP ? 2 * (i >> 2) + (i & 1) : (i & 3) >> 1;
-                d[h][i] += pp[h][i] * (sa[j] * sb[h]);
+                if (F8 == 2)
+                    d[h][i] += pp[h][i] * (sa[j] * sb[h]);
+                else
+                    d[h][i] += pp[h][i];
             }
     };
     int s = 0, ph = 0, mine = 0, tph = 0;
@@ -500,63 +501,32 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
             }
         }
         int s_prev = -1;
-        bool pend = false; /* PP: pb holds the last slice's partial, not yet added */
-        int ks_last = 0;   /* PP: that slice */
         for (int kt = 0; kt < kt_count; kt += KB) {
             mbar_wait(&full[s], ph);
             const uint32_t st = smem_u32(smem + s * C::STAGE_BYTES);
-            if (PP) {
+            if (PRO) {
+                /* promote after every 128 of k (one slice), as DeepGEMM does: the slice's
+                 * wgmmas are waited for before its partial is read (reading it while other
+                 * wgmmas are in flight makes ptxas serialize every wgmma: C7514) */
 #pragma unroll
                 for (int sub = 0; sub < KB; sub++) {
-                    acc_t cur = reinterpret_cast<acc_t>(sub & 1 ? pb : pa);
-                    acc_t prv = reinterpret_cast<acc_t>(sub & 1 ? pa : pb);
-#pragma unroll
-                    for (int h = 0; h < C::NACC; h++)
-#pragma unroll
-                        for (int i = 0; i < C::ACC; i++) {
-                            cur[h][i] = 0.0f;
-                            reg_fence(cur[h][i]);
-                        }
+                    /* the block scales first: their loads run under the wgmmas */
+                    float sb[C::NACC], sa[NA];
+                    load_scales(sb, sa, kt + sub, e, row0, jt, sc_of(s, sub));
                     wgmma_fence();
-                    mma_slice(cur, st, sub, PING ? 0 : wg);
-                    wgmma_commit();
-                    if (sub > 0 || pend) {
-                        wgmma_wait<1>();
-                        /* the previous slice: sub - 1 here, or the last of the stage before */
-                        promote(acc, prv, (kt + sub) - 1, e, row0, jt,
-                                sub > 0 ? sc_of(s, sub - 1) : sc_of(s_prev, KB - 1));
-                        if (sub == 0 && s_prev >= 0) {
-                            if (C::SSC)
-                                __syncwarp(); /* the warp's scale reads are done */
-                            if (lane == 0)
-                                mbar_arrive(&empty[s_prev]); /* its last slice is done */
-                        }
-                    }
-                }
-                pend = true;
-                s_prev = s;
-                ks_last = kt + KB - 1;
-            } else if (PRO) { /* promote after every 128 of k (one slice), as DeepGEMM does */
-#pragma unroll
-                for (int sub = 0; sub < KB; sub++) {
-#pragma unroll
-                    for (int h = 0; h < C::NACC; h++)
-#pragma unroll
-                        for (int i = 0; i < C::ACC; i++) {
-                            part[h][i] = 0.0f;
-                            reg_fence(part[h][i]);
-                        }
-                    wgmma_fence();
-                    mma_slice(reinterpret_cast<acc_t>(part), st, sub, PING ? 0 : wg);
+                    mma_slice(reinterpret_cast<acc_t>(part), st, sub, PING ? 0 : wg, true);
                     wgmma_commit();
                     wgmma_wait<0>();
-                    promote(acc, reinterpret_cast<acc_t>(part), kt + sub, e, row0, jt,
-                            sc_of(s, sub));
+                    /* the stage is read (the scales are not in it): free it before the adds */
+                    if (sub == KB - 1 && !C::SSC && lane == 0)
+                        mbar_arrive(&empty[s]);
+                    apply(acc, reinterpret_cast<acc_t>(part), sb, sa);
                 }
-                if (C::SSC)
+                if (C::SSC) {
                     __syncwarp();
-                if (lane == 0)
-                    mbar_arrive(&empty[s]);
+                    if (lane == 0)
+                        mbar_arrive(&empty[s]);
+                }
             } else {
                 wgmma_fence();
 #pragma unroll
@@ -577,15 +547,11 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
         if (PING && tid == 0)
             mbar_arrive(&turn[wg ^ 1]); /* every stage of this item waited for: its turn */
         wgmma_wait<0>();
-        if (PP && pend) /* the item's last slice (KB - 1 of the last stage: odd, pb) */
-            promote(acc, reinterpret_cast<acc_t>(pb), ks_last, e, row0, jt, sc_of(s_prev, KB - 1));
 #pragma unroll
         for (int h = 0; h < C::NACC; h++)
 #pragma unroll
             for (int i = 0; i < C::ACC; i++)
                 reg_fence(acc[h][i]);
-        if (PP && C::SSC)
-            __syncwarp();
         if (s_prev >= 0 && lane == 0)
             mbar_arrive(&empty[s_prev]);
 
