@@ -14,6 +14,10 @@
 #   ep-cap           (2+ GPUs) issue 10's capacity table (8 tokens per rank, capacity 8 ..
 #                    8192, each transport), weak scaling, first call
 #   ep-layer         DeepSeek-V3's whole layer at 8 and 4096 tokens per rank, all GPUs vs one
+#   ep-wide          (4+ GPUs) DeepSeek-V3's layer as EP N x TP 1 against EP N/2 x TP 2 at 128
+#                    and 4096 tokens per rank, then the memory plan of a whole model: 61 layers
+#                    of DeepSeek-V3 in fp8 (W8A8), 8 tokens per rank (the dispatch at 1 .. 128
+#                    tokens per rank, DeepSeek-V3 routing, is the ep mode's table)
 #   decode           the fused decode kernel: test_gpu_decode, then moe-bench at M = 1, 4, 8,
 #                    16, 64 for the three presets, bf16 and fp8, grouped path against the
 #                    kernel forced (bench/decode_run.sh; JSON in $OUT/json.tgz)
@@ -209,6 +213,22 @@ ep-layer)
             done
         done
     done 2>&1 | tee "$OUT/ep_layer.log"
+    ;;
+ep-wide)
+    [ "$ngpu" -ge 4 ] || { echo "ep-wide: needs 4+ GPUs (this machine has $ngpu)"; exit 1; }
+    for T in 128 4096; do
+        for tp in 1 2; do
+            echo "== deepseek-v3, $ngpu GPUs, EP $((ngpu / tp)) x TP $tp, $T tokens per rank"
+            timeout 150 mpirun -np "$ngpu" $B/moe-run --backend cuda --preset deepseek-v3 \
+                --x-dtype bf16 --ep $((ngpu / tp)) --tp $tp --tokens $((T * ngpu)) --iters 30 \
+                --warmup 3 2>&1 | quiet | grep -E "ep [0-9]|rounds|phase|tokens/s|step|memory"
+        done
+    done 2>&1 | tee "$OUT/ep_tp.log"
+    # every layer gets the same generated weights (one generation per layer on the host)
+    echo "== deepseek-v3, 61 layers, fp8 W8A8, $ngpu GPUs, 8 tokens per rank"
+    timeout 400 mpirun -np "$ngpu" $B/moe-run --backend cuda --preset deepseek-v3 --dtype fp8 \
+        --fp8-math w8a8 --x-dtype bf16 --layers 61 --tokens $((8 * ngpu)) --iters 5 --warmup 1 \
+        2>&1 | quiet | tee "$OUT/layers61.log" | grep -E "ep [0-9]|memory|phase|step|rank 0"
     ;;
 mps)
     [ "$ngpu" -eq 1 ] || { echo "mps: for a one-GPU machine (this one has $ngpu)"; exit 1; }
@@ -466,7 +486,7 @@ python)
         --dtype bf16 --new-tokens 16 2>&1 | tail -4
     ;;
 *)
-    echo "usage: $0 [tests|quick|ep|ep-layer|mps|bf16|fp8|fp8-fast|gemm-prof|tune|first|kernels|rotate|faults|soak|sanitize|python]..." >&2
+    echo "usage: $0 [tests|quick|ep|ep-cap|ep-layer|ep-wide|mps|decode|bf16|fp8|fp8-fast|gemm-prof|tune|first|kernels|rotate|faults|soak|sanitize|python]..." >&2
     exit 2
     ;;
 esac
