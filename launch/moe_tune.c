@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* moe-tune: measures, on this machine's GPUs, which grouped-GEMM variant is fastest at each
- * rows-per-expert point and (with several ranks) which expert-parallel transport is fastest at
- * each tokens-per-rank point, for one layer shape, and writes the oracle's tune file
+ * rows-per-expert point, (with several ranks) which expert-parallel transport is fastest at
+ * each tokens-per-rank point and (on one sm_90 GPU) up to how many tokens per step the fused
+ * decode kernel beats the grouped path, for one layer shape, and writes the oracle's tune file
  * (docs/KERNELS.md, "Tune file"), which MOE_TUNE_FILE then loads.
  *
  * Each candidate runs through the public API, forced by the oracle's own switches
@@ -21,6 +22,7 @@
 
 #include "base/diag.h"
 #include "cli.h"
+#include "kernels/decode.h"
 #include "kernels/expert_gemm_table.h"
 #include "runtime/oracle.h"
 #include "layer_gen.h"
@@ -43,7 +45,9 @@ typedef struct options {
     int num_rows;
     int64_t tokens[MAX_POINTS]; /* transport points: tokens per rank */
     int num_tokens;
-    int tp, iters, fp8, help, no_transport;
+    int64_t decode[MAX_POINTS]; /* fused-decode points: tokens per step (one GPU) */
+    int num_decode;
+    int tp, iters, fp8, help, no_transport, no_decode;
     moe_scale_kind_t scales;
     moe_oracle_table_t keep; /* --out's tables that this run does not replace */
     char err[512];
@@ -58,14 +62,17 @@ static void usage(void)
            "                [--dtype bf16|fp8 [--scales tensor|channel|block]]\n"
            "                [--rows 1,2,4,8,16,32,64,96,128,160,192,224,256,320]\n"
            "                [--tokens 1,8,64,512,4096]\n"
-           "                [--iters N] [--no-transport]\n"
+           "                [--decode 1,2,4,8,16,32,64] [--iters N] [--no-transport]\n"
+           "                [--no-decode]\n"
            "  Times every grouped-GEMM variant that runs this layer here at each rows-per-expert\n"
-           "  point (--rows), and with N > 1 ranks every transport (allgather, lsa, p2p) at each\n"
-           "  tokens-per-rank point (--tokens), and writes the tune file FILE (rank 0). A FILE\n"
-           "  that holds tables of this GPU keeps those of other shapes, dtypes and layouts.\n"
+           "  point (--rows), with N > 1 ranks every transport (allgather, lsa, p2p) at each\n"
+           "  tokens-per-rank point (--tokens), on one sm_90 GPU the fused decode kernel against\n"
+           "  the grouped path at each tokens-per-step point (--decode, at most %d), and writes\n"
+           "  the tune file FILE (rank 0). A FILE that holds tables of this GPU keeps those of\n"
+           "  other shapes, dtypes and layouts.\n"
            "  Use it with MOE_TUNE_FILE=FILE (moe-bench --explain shows the choices).\n"
            "presets: %s\n",
-           moe_gen_preset_names());
+           MOE_DECODE_MAX_TOKENS, moe_gen_preset_names());
 }
 
 /* A comma-separated list of up to MAX_POINTS numbers in [lo, hi], sorted, duplicates dropped. */
@@ -101,9 +108,22 @@ static int parse_list(options_t *o, const char *opt, const char *s, double lo, d
     }
 }
 
-static int parse_value(options_t *o, const char *a, const char *v, const moe_layer_config_t *init)
+/* A list of whole token counts in [1, hi] (parse_list's rules), into out[*n]. */
+static int parse_counts(options_t *o, const char *a, const char *v, double hi, int64_t *out, int *n)
 {
     double t[MAX_POINTS];
+    if (!parse_list(o, a, v, 1, hi, t, n))
+        return 0;
+    for (int i = 0; i < *n; i++) {
+        if (t[i] != floor(t[i]))
+            return REJECT("%s %s: %g is not a whole number of tokens", a, v, t[i]);
+        out[i] = (int64_t)t[i];
+    }
+    return 1;
+}
+
+static int parse_value(options_t *o, const char *a, const char *v, const moe_layer_config_t *init)
+{
     {
         const int sh = moe_gen_shape_option(a, v, &o->cfg, &o->preset, o->err, sizeof(o->err));
         if (sh >= 0)
@@ -125,16 +145,10 @@ static int parse_value(options_t *o, const char *a, const char *v, const moe_lay
     }
     if (!strcmp(a, "--rows"))
         return parse_list(o, a, v, 1.0 / 64, 1 << 20, o->rows, &o->num_rows);
-    if (!strcmp(a, "--tokens")) {
-        if (!parse_list(o, a, v, 1, 1 << 24, t, &o->num_tokens))
-            return 0;
-        for (int i = 0; i < o->num_tokens; i++) {
-            if (t[i] != floor(t[i]))
-                return REJECT("--tokens %s: %g is not a whole number of tokens", v, t[i]);
-            o->tokens[i] = (int64_t)t[i];
-        }
-        return 1;
-    }
+    if (!strcmp(a, "--tokens"))
+        return parse_counts(o, a, v, 1 << 24, o->tokens, &o->num_tokens);
+    if (!strcmp(a, "--decode"))
+        return parse_counts(o, a, v, MOE_DECODE_MAX_TOKENS, o->decode, &o->num_decode);
     if (!strcmp(a, "--out")) {
         o->out = v;
         return 1;
@@ -161,6 +175,8 @@ static int parse(int argc, char **argv, options_t *o)
                &o->num_rows);
     o->num_tokens = 5;
     memcpy(o->tokens, (int64_t[]){1, 8, 64, 512, 4096}, sizeof(int64_t) * 5);
+    o->num_decode = 7;
+    memcpy(o->decode, (int64_t[]){1, 2, 4, 8, 16, 32, 64}, sizeof(int64_t) * 7);
     for (int i = 1; i < argc; i++)
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h"))
             return o->help = 1;
@@ -168,6 +184,10 @@ static int parse(int argc, char **argv, options_t *o)
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--no-transport")) {
             o->no_transport = 1;
+            continue;
+        }
+        if (!strcmp(a, "--no-decode")) {
+            o->no_decode = 1;
             continue;
         }
         if (!v)
@@ -241,6 +261,7 @@ static int agree_options(const options_t *o, int bad)
         rows64[i] = (int64_t)(o->rows[i] * 64.0);
     h = moe_cli_hash_list(MOE_CLI_HASH_SEED, rows64, o->num_rows);
     h = moe_cli_hash_list(h, o->tokens, o->num_tokens);
+    h = moe_cli_hash_list(h, o->decode, o->num_decode);
     {
         const moe_cli_field_t f[] = {
             {"--help", o->help, 0},
@@ -254,7 +275,8 @@ static int agree_options(const options_t *o, int bad)
             {"--dtype", o->fp8, 0},
             {"--scales", o->scales, 0},
             {"--no-transport", o->no_transport, 0},
-            {"--rows/--tokens", (int64_t)(h >> 1), 1},
+            {"--no-decode", o->no_decode, 0},
+            {"--rows/--tokens/--decode", (int64_t)(h >> 1), 1},
         };
         return moe_cli_agree("moe-tune", bad, o->err, f, (int)(sizeof(f) / sizeof(f[0])));
     }
@@ -477,6 +499,68 @@ static void tune_transport(const bench_t *b, const options_t *o, moe_oracle_grou
     make_buckets(g, at, win, best, names, o->num_tokens);
 }
 
+/* The fused decode kernel (MOE_FORCE_VARIANT=sm90_fused_decode) against the grouped path
+ * (MOE_FUSED_DECODE=0) at each tokens-per-step point, one GPU. The crossover is the largest
+ * point up to which the kernel won at every point (a point it loses ends it: the layer runs the
+ * kernel up to one bound, and where it was not measured to win the built-in choice, the grouped
+ * path, stays). */
+static void tune_decode(const bench_t *b, const options_t *o, moe_oracle_group_t *g, int rank)
+{
+    static const char *const names[2] = {MOE_ORACLE_GROUPED_PATH, MOE_ORACLE_FUSED_DECODE};
+    double us[2][MAX_POINTS];
+    int i, j, last = -1;
+    moe_layer_config_t cfg = o->cfg;
+
+    cfg.max_tokens_per_rank = o->decode[o->num_decode - 1];
+    if (rank == 0)
+        printf("# decode: %d points (%s, scales %s)\n#  %12s %12s %18s\n", o->num_decode,
+               moe_oracle_dtype_name(g->dtype), moe_oracle_scale_name(g->scale), "tokens", names[0],
+               names[1]);
+    for (j = 0; j < 2; j++) {
+        moe_layer_t *layer;
+        int made;
+        setenv(j ? "MOE_FORCE_VARIANT" : "MOE_FUSED_DECODE", j ? MOE_ORACLE_FUSED_DECODE : "0", 1);
+        made = make_layer(b, &cfg, &layer);
+        unsetenv("MOE_FORCE_VARIANT");
+        unsetenv("MOE_FUSED_DECODE");
+        if (!made && rank == 0)
+            printf("# %s: not run (%s)\n", names[j], moe_last_error());
+        for (i = 0; i < o->num_decode; i++)
+            us[j][i] = made ? time_steps(b, layer, o->decode[i]) : HUGE_VAL;
+        if (made)
+            moe_layer_destroy(layer);
+    }
+    for (i = 0; i < o->num_decode; i++) {
+        const int fused = us[1][i] < us[0][i];
+        if (fused && last == i - 1)
+            last = i;
+        if (rank == 0)
+            printf("   %12lld %12.1f %18.1f   best %s\n", (long long)o->decode[i], us[0][i],
+                   us[1][i], names[fused]);
+    }
+    g->num_buckets = 0;
+    if (last >= 0) {
+        moe_oracle_bucket_t *k = &g->bucket[g->num_buckets++];
+        snprintf(k->name, sizeof(k->name), "%s", MOE_ORACLE_FUSED_DECODE);
+        k->max = (double)o->decode[last];
+        k->at = (double)o->decode[last];
+        k->time_us = us[1][last];
+    }
+    {
+        moe_oracle_bucket_t *k = &g->bucket[g->num_buckets++];
+        memset(k, 0, sizeof(*k));
+        snprintf(k->name, sizeof(k->name), "%s", MOE_ORACLE_GROUPED_PATH);
+        k->max = HUGE_VAL;
+        if (last + 1 < o->num_decode && us[0][last + 1] < HUGE_VAL) {
+            k->at = (double)o->decode[last + 1];
+            k->time_us = us[0][last + 1];
+        }
+    }
+    if (rank == 0)
+        printf("# decode crossover: %s\n",
+               last >= 0 ? "the fused kernel up to the last point it won" : "none (grouped)");
+}
+
 /* The new tables after --out's others; rank 0. */
 static int write_file(options_t *o, const char *gpu, int arch, const moe_oracle_group_t *g, int n)
 {
@@ -512,7 +596,7 @@ int main(int argc, char **argv)
     options_t o;
     moe_runtime_config_t rc = MOE_RUNTIME_CONFIG_INIT;
     struct cudaDeviceProp prop;
-    moe_oracle_group_t g[2];
+    moe_oracle_group_t g[3];
     bench_t b;
     int rank = 0, dev = 0, arch, bad, ng = 0, rcode = 0;
     int64_t max_t = 0;
@@ -565,6 +649,8 @@ int main(int argc, char **argv)
         max_t = t > 1 ? t : 1;
         for (int i = 0; i < o.num_tokens; i++)
             max_t = o.tokens[i] > max_t ? o.tokens[i] : max_t;
+        for (int i = 0; i < o.num_decode; i++)
+            max_t = o.decode[i] > max_t ? o.decode[i] : max_t;
         hx = malloc(2 * (size_t)(max_t * o.cfg.hidden));
         if (!hx) {
             fprintf(stderr, "moe-tune: out of host memory for %lld tokens\n", (long long)max_t);
@@ -608,6 +694,13 @@ int main(int argc, char **argv)
         g[1].scale = MOE_SCALE_NONE;
         tune_transport(&b, &o, &g[1], rank);
         ng = 2;
+    }
+    /* the fused decode kernel: one GPU, sm_90, bf16 or per-row fp8 (what it runs) */
+    if (ng && b.world == 1 && !o.no_decode && arch == 90 && g[0].scale != MOE_SCALE_BLOCK_128) {
+        g[ng] = g[0];
+        g[ng].kind = MOE_ORACLE_DECODE;
+        tune_decode(&b, &o, &g[ng], rank);
+        ng++;
     }
     if (rank == 0 && ng)
         rcode = write_file(&o, prop.name, arch, g, ng);

@@ -142,9 +142,10 @@ static int key_fits(const moe_oracle_group_t *g, const moe_oracle_query_t *q, in
 {
     if (tuned ? g->arch != q->arch : g->arch != default_arch(q->arch))
         return 0;
-    if (g->kind == MOE_ORACLE_GEMM &&
-        (g->dtype != q->dtype || g->scale != q->scale ||
-         (g->transport != MOE_ORACLE_ANY && g->transport != q->transport)))
+    if (g->kind != MOE_ORACLE_TRANSPORT && (g->dtype != q->dtype || g->scale != q->scale))
+        return 0;
+    if (g->kind == MOE_ORACLE_GEMM && g->transport != MOE_ORACLE_ANY &&
+        g->transport != q->transport)
         return 0;
     return (!g->ep_size || g->ep_size == q->ep_size) && (!g->tp_size || g->tp_size == q->tp_size);
 }
@@ -319,14 +320,38 @@ moe_status_t moe_oracle_forced_transport(const char **name, const char **env)
     return forced("MOE_FORCE_TRANSPORT", "MOE_EP_TRANSPORT", "auto", name, env);
 }
 
-/* The bound is the largest token count at which the fused kernel beat the grouped path on all
- * three presets (moe-bench, graph-replayed, weights rotated past L2, one H200; bench/RESULTS.md,
- * "Fused decode (one kernel), one H200"). It won at none of 1, 4, 8, 16, 64 tokens in bf16 or
- * fp8 per-tensor (5-53 % slower at 1 .. 16 tokens, 1.5-5.7 times at 64), so the built-in table
- * never picks it; MOE_FORCE_VARIANT runs it. */
-int moe_oracle_decode_tokens(const moe_oracle_query_t *q)
+/* The built-in bound is the largest token count at which the fused kernel beat the grouped path
+ * on all three presets (moe-bench, graph-replayed, weights rotated past L2, one H200;
+ * bench/RESULTS.md, "Fused decode (one kernel), one H200"). It won at none of 1, 4, 8, 16, 64
+ * tokens in bf16 or fp8 per-tensor (5-53 % slower at 1 .. 16 tokens, 1.5-5.7 times at 64), so
+ * the built-in table never picks it; a tune file (moe-tune's decode table) or
+ * MOE_FORCE_VARIANT runs it. */
+int moe_oracle_decode_tokens(const moe_oracle_t *o, const moe_oracle_query_t *q,
+                             moe_oracle_choice_t *c)
 {
-    (void)q;
+    moe_oracle_choice_t tmp;
+    if (!c)
+        c = &tmp;
+    memset(c, 0, sizeof(*c));
+    c->arch = q->arch;
+    c->name = MOE_ORACLE_GROUPED_PATH;
+    c->hi = HUGE_VAL;
+    for (int i = 0; o && i < o->tuned.num_groups; i++) {
+        const moe_oracle_group_t *g = &o->tuned.group[i];
+        double bound = 0.0;
+        if (g->kind != MOE_ORACLE_DECODE || !key_fits(g, q, 1))
+            continue;
+        for (int j = 0; j < g->num_buckets && !strcmp(g->bucket[j].name, MOE_ORACLE_FUSED_DECODE);
+             j++)
+            bound = g->bucket[j].max;
+        c->source = MOE_ORACLE_TUNED;
+        c->origin = o->file;
+        if (bound > 0.0) {
+            c->name = MOE_ORACLE_FUSED_DECODE;
+            c->hi = bound;
+        }
+        return bound >= (double)INT32_MAX ? INT32_MAX : (int)bound;
+    }
     return 0;
 }
 
@@ -368,6 +393,12 @@ moe_status_t moe_oracle_check_variant(const char *env, const char *name, int arc
 }
 
 /* ---- the tune file: reading ------------------------------------------------------------- */
+
+/* The tune file's words per table kind: its list, a bucket's bound and a bucket's choice. */
+static const char *const list_key[MOE_ORACLE_KINDS] = {"gemm", "transport", "decode"};
+static const char *const bound_key[MOE_ORACLE_KINDS] = {
+    "max_rows_per_expert", "max_tokens_per_rank", "max_tokens_per_step"};
+static const char *const name_key[MOE_ORACLE_KINDS] = {"variant", "transport", "path"};
 
 typedef struct pctx {
     const char *what;
@@ -480,6 +511,17 @@ static int check_name(pctx_t *p, const moe_oracle_group_t *g, const char *where,
             return bad(p, "%stransport \"%.48s\": expected allgather, lsa or p2p", where, name);
         return 0;
     }
+    if (g->kind == MOE_ORACLE_DECODE) {
+        if (!strcmp(name, MOE_ORACLE_GROUPED_PATH))
+            return 0;
+        if (strcmp(name, MOE_ORACLE_FUSED_DECODE))
+            return bad(p, "%spath \"%.48s\": expected %s or %s", where, name,
+                       MOE_ORACLE_FUSED_DECODE, MOE_ORACLE_GROUPED_PATH);
+        if (g->arch != 90 || g->scale == MOE_SCALE_BLOCK_128)
+            return bad(p, "%s%s does not run %s/%s on sm_%d", where, name,
+                       moe_oracle_dtype_name(g->dtype), moe_oracle_scale_name(g->scale), g->arch);
+        return 0;
+    }
     v = moe_gemm_variant_by_name(name);
     if (!v)
         return bad(p, "%svariant \"%.48s\" is unknown to this build (a stale file?)", where, name);
@@ -492,9 +534,8 @@ static int check_name(pctx_t *p, const moe_oracle_group_t *g, const char *where,
 
 static int parse_buckets(pctx_t *p, const moe_json_t *g, const char *where, moe_oracle_group_t *o)
 {
-    const int gemm = o->kind == MOE_ORACLE_GEMM;
-    const char *bound = gemm ? "max_rows_per_expert" : "max_tokens_per_rank";
-    const char *namekey = gemm ? "variant" : "transport";
+    const char *bound = bound_key[o->kind];
+    const char *namekey = name_key[o->kind];
     const moe_json_t *b = moe_json_get(g, "buckets"), *e;
     double prev = 0.0;
     int i = 0;
@@ -534,6 +575,11 @@ static int parse_buckets(pctx_t *p, const moe_json_t *g, const char *where, moe_
             return bad(p, "%s\"%s\" is too long", at, namekey);
         if (check_name(p, o, at, name) < 0)
             return -1;
+        /* a layer runs the fused kernel up to one bound: its buckets lead */
+        if (o->kind == MOE_ORACLE_DECODE && i > 0 && !strcmp(name, MOE_ORACLE_FUSED_DECODE) &&
+            strcmp(o->bucket[i - 1].name, MOE_ORACLE_FUSED_DECODE))
+            return bad(p, "%s%s after %s: its buckets must come first (one crossover)", at, name,
+                       o->bucket[i - 1].name);
         strcpy(k->name, name);
     }
     o->num_buckets = i;
@@ -545,8 +591,7 @@ static int parse_group(pctx_t *p, const moe_json_t *g, moe_oracle_kind_t kind, i
 {
     moe_oracle_group_t *o = &t->group[t->num_groups];
     char where[64];
-    snprintf(where, sizeof(where), "\"%s\"[%d]: ", kind == MOE_ORACLE_GEMM ? "gemm" : "transport",
-             index);
+    snprintf(where, sizeof(where), "\"%s\"[%d]: ", list_key[kind], index);
     if (g->type != MOE_JSON_OBJECT)
         return bad(p, "%snot an object", where);
     memset(o, 0, sizeof(*o));
@@ -555,8 +600,10 @@ static int parse_group(pctx_t *p, const moe_json_t *g, moe_oracle_kind_t kind, i
     o->transport = MOE_ORACLE_ANY;
     if (parse_shape(p, g, where, &o->shape) < 0)
         return -1;
-    if (kind == MOE_ORACLE_GEMM && parse_gemm_key(p, g, where, o) < 0)
+    if (kind != MOE_ORACLE_TRANSPORT && parse_gemm_key(p, g, where, o) < 0)
         return -1;
+    if (kind == MOE_ORACLE_DECODE)
+        o->transport = MOE_ORACLE_ANY; /* one GPU: no transport */
     if (get_int(p, g, where, "ep_size", 1, 65536, &o->ep_size) < 0 ||
         get_int(p, g, where, "tp_size", 1, 65536, &o->tp_size) < 0)
         return -1;
@@ -568,7 +615,6 @@ static int parse_group(pctx_t *p, const moe_json_t *g, moe_oracle_kind_t kind, i
 
 static int parse_root(pctx_t *p, const moe_json_t *r, moe_oracle_table_t *t)
 {
-    static const char *const lists[2] = {"gemm", "transport"};
     const char *gpu = NULL;
     size_t total = 0;
     int version = 0;
@@ -587,10 +633,10 @@ static int parse_root(pctx_t *p, const moe_json_t *r, moe_oracle_table_t *t)
     strcpy(t->gpu, gpu);
     if (get_int(p, r, "", "arch", 10, 1000, &t->arch) <= 0)
         return p->err[0] ? -1 : bad(p, "no \"arch\"");
-    for (int l = 0; l < 2; l++) {
-        const moe_json_t *a = moe_json_get(r, lists[l]);
+    for (int l = 0; l < MOE_ORACLE_KINDS; l++) {
+        const moe_json_t *a = moe_json_get(r, list_key[l]);
         if (a && a->type != MOE_JSON_ARRAY && a->type != MOE_JSON_NULL)
-            return bad(p, "\"%s\" is not an array", lists[l]);
+            return bad(p, "\"%s\" is not an array", list_key[l]);
         total += a && a->type == MOE_JSON_ARRAY ? a->count : 0;
     }
     if (total > MOE_ORACLE_MAX_GROUPS)
@@ -598,13 +644,13 @@ static int parse_root(pctx_t *p, const moe_json_t *r, moe_oracle_table_t *t)
     t->group = calloc(total ? total : 1, sizeof(*t->group));
     if (!t->group)
         return bad(p, "out of memory");
-    for (int l = 0; l < 2; l++) {
-        const moe_json_t *a = moe_json_get(r, lists[l]), *g;
+    for (int l = 0; l < MOE_ORACLE_KINDS; l++) {
+        const moe_json_t *a = moe_json_get(r, list_key[l]), *g;
         int i = 0;
         if (!a || a->type != MOE_JSON_ARRAY)
             continue;
         for (g = a->child; g; g = g->next, i++)
-            if (parse_group(p, g, l ? MOE_ORACLE_TRANSPORT : MOE_ORACLE_GEMM, i, t) < 0)
+            if (parse_group(p, g, (moe_oracle_kind_t)l, i, t) < 0)
                 return -1;
     }
     return 0;
@@ -774,7 +820,6 @@ static void put_str(out_t *w, const char *s)
 
 static void put_group(out_t *w, const moe_oracle_group_t *g)
 {
-    const int gemm = g->kind == MOE_ORACLE_GEMM;
     const moe_oracle_shape_t *s = &g->shape;
     put(w, "    {");
     if (s->hidden || s->intermediate || s->experts || s->top_k)
@@ -782,10 +827,11 @@ static void put_group(out_t *w, const moe_oracle_group_t *g)
             "\"shape\": {\"hidden\": %d, \"intermediate\": %d, \"experts\": %d, \"top_k\": %d},\n  "
             "   ",
             s->hidden, s->intermediate, s->experts, s->top_k);
-    if (gemm)
-        put(w, "\"dtype\": \"%s\", \"scales\": \"%s\", \"transport\": \"%s\", ",
-            moe_oracle_dtype_name(g->dtype), moe_oracle_scale_name(g->scale),
-            moe_oracle_transport_name(g->transport));
+    if (g->kind != MOE_ORACLE_TRANSPORT)
+        put(w, "\"dtype\": \"%s\", \"scales\": \"%s\", ", moe_oracle_dtype_name(g->dtype),
+            moe_oracle_scale_name(g->scale));
+    if (g->kind == MOE_ORACLE_GEMM)
+        put(w, "\"transport\": \"%s\", ", moe_oracle_transport_name(g->transport));
     if (g->ep_size)
         put(w, "\"ep_size\": %d, ", g->ep_size);
     if (g->tp_size)
@@ -795,8 +841,8 @@ static void put_group(out_t *w, const moe_oracle_group_t *g)
         const moe_oracle_bucket_t *b = &g->bucket[i];
         put(w, "%s\n      {", i ? "," : "");
         if (i + 1 < g->num_buckets)
-            put(w, "\"%s\": %.17g, ", gemm ? "max_rows_per_expert" : "max_tokens_per_rank", b->max);
-        put(w, "\"%s\": ", gemm ? "variant" : "transport");
+            put(w, "\"%s\": %.17g, ", bound_key[g->kind], b->max);
+        put(w, "\"%s\": ", name_key[g->kind]);
         put_str(w, b->name);
         if (b->at > 0)
             put(w, ", \"at\": %.17g", b->at);
@@ -813,9 +859,9 @@ size_t moe_oracle_format(const moe_oracle_table_t *t, char *buf, size_t len)
     put(&w, "{\n  \"libmoe_tune\": %d,\n  \"gpu\": ", MOE_TUNE_VERSION);
     put_str(&w, t->gpu);
     put(&w, ",\n  \"arch\": %d", t->arch);
-    for (int l = 0; l < 2; l++) {
+    for (int l = 0; l < MOE_ORACLE_KINDS; l++) {
         int first = 1;
-        put(&w, ",\n  \"%s\": [", l ? "transport" : "gemm");
+        put(&w, ",\n  \"%s\": [", list_key[l]);
         for (int i = 0; i < t->num_groups; i++) {
             if ((int)t->group[i].kind != l)
                 continue;

@@ -29,6 +29,8 @@ extern "C" {
 /* The fused small-batch decode kernel (kernels/decode.h): MOE_FORCE_VARIANT=<this> runs it at
  * every step it can take; any other forced variant keeps the grouped path at every size. */
 #define MOE_ORACLE_FUSED_DECODE "sm90_fused_decode"
+/* A decode table's other path: route, permute, the grouped GEMMs, combine. */
+#define MOE_ORACLE_GROUPED_PATH "grouped"
 
 /* Where a choice came from. */
 typedef enum moe_oracle_source {
@@ -38,9 +40,12 @@ typedef enum moe_oracle_source {
 } moe_oracle_source_t;
 
 typedef enum moe_oracle_kind {
-    MOE_ORACLE_GEMM = 0,     /* buckets of rows per expert -> grouped-GEMM variant */
-    MOE_ORACLE_TRANSPORT = 1 /* buckets of max tokens per rank -> allgather | lsa | p2p */
+    MOE_ORACLE_GEMM = 0,      /* buckets of rows per expert -> grouped-GEMM variant */
+    MOE_ORACLE_TRANSPORT = 1, /* buckets of max tokens per rank -> allgather | lsa | p2p */
+    MOE_ORACLE_DECODE = 2     /* buckets of tokens per step (one GPU) -> sm90_fused_decode |
+                                 grouped; the fused buckets come first (one crossover) */
 } moe_oracle_kind_t;
+#define MOE_ORACLE_KINDS 3
 
 /* The expert-parallel transports by name (runtime/cuda/ep_transport.c); a GEMM table's layout
  * key may name one, or MOE_ORACLE_ANY. A one-GPU layer queries with MOE_ORACLE_ANY. */
@@ -69,8 +74,8 @@ typedef struct moe_oracle_group {
     moe_oracle_kind_t kind;
     int arch; /* the device's compute capability (90); built-in sm_80 table: 80 and newer */
     moe_oracle_shape_t shape;
-    moe_dtype_t dtype;      /* GEMM: the operands, BF16 or FP8_E4M3 */
-    moe_scale_kind_t scale; /* GEMM: NONE (bf16), PER_CHANNEL (per-row), BLOCK_128 */
+    moe_dtype_t dtype;      /* GEMM, DECODE: the operands, BF16 or FP8_E4M3 */
+    moe_scale_kind_t scale; /* GEMM, DECODE: NONE (bf16), PER_CHANNEL (per-row), BLOCK_128 */
     int ep_size, tp_size;   /* 0: any layout */
     int transport;          /* GEMM: MOE_ORACLE_ANY or the transport it was measured with */
     int num_buckets;
@@ -175,10 +180,14 @@ moe_status_t moe_oracle_forced_transport(const char **name, const char **env);
  * on a device of `arch`: MOE_STATUS_INVALID_ARGUMENT for an unknown name, NOT_SUPPORTED for a
  * variant built for another arch or of another dtype or scale kind; the message names
  * ENV=NAME and the mismatch. simt_ref: bf16 layers, any arch. */
-/* The built-in crossover of the fused decode kernel: the most tokens per step (one GPU) at which
- * it runs instead of the grouped path (route, permute, GEMM 1, GEMM 2, combine) for a layer
- * of this arch, dtype and scale kind; 0: never. */
-int moe_oracle_decode_tokens(const moe_oracle_query_t *q);
+/* The crossover of the fused decode kernel: the most tokens per step (one GPU) at which it runs
+ * instead of the grouped path (route, permute, GEMM 1, GEMM 2, combine) for a layer of this
+ * arch, dtype and scale kind (q->value unused): the first tuned decode table whose key fits
+ * (the bound of its leading sm90_fused_decode buckets; INT32_MAX when all of them are), else
+ * the built-in one; 0: never. c (may be NULL) gets the source (TUNED with the file, or
+ * DEFAULT), the path below the crossover and the bucket (0, crossover]. o may be NULL. */
+int moe_oracle_decode_tokens(const moe_oracle_t *o, const moe_oracle_query_t *q,
+                             moe_oracle_choice_t *c);
 
 moe_status_t moe_oracle_check_variant(const char *env, const char *name, int arch,
                                       moe_dtype_t dtype, moe_scale_kind_t scale);

@@ -273,7 +273,15 @@ static moe_status_t plan_decode(cuda_layer_t *s)
         moe_error_clear();
         return MOE_STATUS_SUCCESS;
     }
-    s->dec_max = s->dec_forced > 0 ? MOE_DECODE_MAX_TOKENS : moe_oracle_decode_tokens(&s->oq);
+    if (s->dec_forced > 0) {
+        s->dec_max = MOE_DECODE_MAX_TOKENS;
+    } else {
+        moe_oracle_choice_t c;
+        s->dec_max = moe_oracle_decode_tokens(&s->oracle, &s->oq, &c);
+        s->dec_tuned = c.source == MOE_ORACLE_TUNED;
+        if (s->dec_max > MOE_DECODE_MAX_TOKENS) /* a table's open bucket: as far as it goes */
+            s->dec_max = MOE_DECODE_MAX_TOKENS;
+    }
     if (s->dec_max > s->cap)
         s->dec_max = (int)s->cap;
     if (s->dec_max <= 0)
@@ -488,8 +496,13 @@ static void cuda_explain(const moe_layer_t *l, int64_t T, char *text, size_t len
                  "%s (one persistent kernel: GEMM 1, activation, GEMM 2 and the weighted sum%s; "
                  "GEMM 2 k split %d) at up to %d tokens (%s%s)",
                  MOE_ORACLE_FUSED_DECODE, s->f8 ? ", x and h quantised inside" : "", s->dec_split,
-                 s->dec_max, s->dec_forced > 0 ? "forced by " : "built-in crossover",
-                 s->dec_forced > 0 ? s->forced_env : "");
+                 s->dec_max,
+                 s->dec_forced > 0 ? "forced by "
+                 : s->dec_tuned    ? "crossover tuned from "
+                                   : "built-in crossover",
+                 s->dec_forced > 0 ? s->forced_env
+                 : s->dec_tuned    ? s->oracle.file
+                                   : "");
     else
         moe_cuda_explain_gemm(s, rpe, routed, sizeof(routed));
     if (s->ss > 0)

@@ -176,9 +176,10 @@ typedef struct cuda_layer {
 
     /* The fused small-batch decode kernel (kernels/decode.h): one GPU, bf16 or per-row W8A8, not
      * deterministic. dec_max: the most tokens a step runs it at (0: never); dec_forced: 1
-     * MOE_FORCE_VARIANT=sm90_fused_decode, -1 another variant forced, 0 the oracle's crossover.
+     * MOE_FORCE_VARIANT=sm90_fused_decode, -1 another variant forced, 0 the oracle's crossover
+     * (dec_tuned: from the tune file's decode table, else the built-in one).
      * Its workspace holds dec_tokens tokens; dec_sync is persistent (zero between steps). */
-    int dec_ok, dec_max, dec_forced, dec_tokens, dec_split;
+    int dec_ok, dec_max, dec_forced, dec_tuned, dec_tokens, dec_split;
     void *dec_h;
     float *dec_o, *dec_xs;
     uint8_t *dec_xq;

@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* libFuzzer target: tune files (MOE_TUNE_FILE) through the oracle's reader; an accepted file
- * writes back to text that reads back to the same tables, and every pick names a variant that
- * runs the query's dtype on its arch. */
+ * writes back to text that reads back to the same tables, every pick names a variant that
+ * runs the query's dtype on its arch, and a decode crossover is only for what the fused kernel
+ * runs. */
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -45,6 +46,13 @@ static void check_picks(const moe_oracle_t *o)
                 if (moe_oracle_pick_transport(o, &q, &c) &&
                     moe_oracle_transport_by_name(c.name) < 0)
                     abort();
+                /* a decode crossover only for what the fused kernel runs, named as such */
+                {
+                    const int d = moe_oracle_decode_tokens(o, &q, &c);
+                    if (d < 0 || (d > 0 && (sc[k] == MOE_SCALE_BLOCK_128 ||
+                                            strcmp(c.name, MOE_ORACLE_FUSED_DECODE))))
+                        abort();
+                }
             }
 }
 

@@ -276,7 +276,7 @@ static void test_decode_graph_explain_refusals(void **state)
     REQUIRE_SM90();
 
     l = make(rt_gpu, c, 4096, seed);
-    assert_int_equal(runs_fused(l, 1), moe_oracle_decode_tokens(&q) >= 1);
+    assert_int_equal(runs_fused(l, 1), moe_oracle_decode_tokens(NULL, &q, NULL) >= 1);
     moe_layer_destroy(l);
     setenv("MOE_FORCE_VARIANT", "sm90_fused_decode", 1);
     l = make(rt_gpu, c, 4096, seed);

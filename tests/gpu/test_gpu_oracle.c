@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The oracle in the CUDA backend (one GPU): a tune file's variant is the one the layer runs
  * (bitwise the output of forcing it), its explanation names the file, a file that does not fit
- * leaves the built-in table with no error, and forced variants are checked at create. */
+ * leaves the built-in table with no error, forced variants are checked at create, and a decode
+ * table sets the fused decode kernel's crossover. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -45,26 +46,45 @@ static moe_layer_config_t config(void)
     return c;
 }
 
-static void write_tune(const char *gpu_name, const char *variant)
+/* A table of `kind` keyed to config()'s shape, bf16, on this device, with no buckets yet. */
+static moe_oracle_group_t key_of(moe_oracle_kind_t kind)
 {
-    moe_oracle_table_t t;
     moe_oracle_group_t g;
-    memset(&t, 0, sizeof(t));
     memset(&g, 0, sizeof(g));
-    snprintf(t.gpu, sizeof(t.gpu), "%s", gpu_name);
-    t.arch = arch;
-    t.num_groups = 1;
-    t.group = &g;
-    g.kind = MOE_ORACLE_GEMM;
+    g.kind = kind;
     g.arch = arch;
     g.shape = (moe_oracle_shape_t){256, 512, 8, 2};
     g.dtype = MOE_DTYPE_BF16;
     g.scale = MOE_SCALE_NONE;
     g.transport = MOE_ORACLE_ANY;
-    g.num_buckets = 1;
-    g.bucket[0].max = HUGE_VAL;
-    snprintf(g.bucket[0].name, sizeof(g.bucket[0].name), "%s", variant);
+    return g;
+}
+
+/* Bucket i of g: up to `max` (HUGE_VAL: open), `name`. */
+static void set_bucket(moe_oracle_group_t *g, int i, double max, const char *name)
+{
+    g->bucket[i].max = max;
+    snprintf(g->bucket[i].name, sizeof(g->bucket[i].name), "%s", name);
+    g->num_buckets = i + 1;
+}
+
+/* The tune file at `path`: g alone, for the GPU named gpu_name. */
+static void write_group(const char *gpu_name, moe_oracle_group_t *g)
+{
+    moe_oracle_table_t t;
+    memset(&t, 0, sizeof(t));
+    snprintf(t.gpu, sizeof(t.gpu), "%s", gpu_name);
+    t.arch = arch;
+    t.num_groups = 1;
+    t.group = g;
     ok(moe_oracle_write(path, &t), "write tune file");
+}
+
+static void write_tune(const char *gpu_name, const char *variant)
+{
+    moe_oracle_group_t g = key_of(MOE_ORACLE_GEMM);
+    set_bucket(&g, 0, HUGE_VAL, variant);
+    write_group(gpu_name, &g);
 }
 
 /* Creates the layer under the current environment, runs T tokens, returns y (f32, host) and
@@ -131,6 +151,39 @@ static void test_tuned_is_what_runs(void **state)
     free(yt), free(yf), free(yd);
 }
 
+/* A tune file's decode table (moe-tune's crossover of the fused decode kernel): the layer runs
+ * the kernel up to the table's bound and the grouped path above it, says so with the file's
+ * name, and at the bound computes what the forced kernel computes. */
+static void test_tuned_decode_crossover(void **state)
+{
+    moe_oracle_group_t g = key_of(MOE_ORACLE_DECODE);
+    char why_t[1024], why_f[1024], why_9[1024];
+    float *yt, *yf, *y9;
+    (void)state;
+    if (arch != 90) {
+        print_message("sm_%d: the fused decode kernel runs on sm_90 only\n", arch);
+        skip();
+    }
+    set_bucket(&g, 0, 8, MOE_ORACLE_FUSED_DECODE);
+    set_bucket(&g, 1, HUGE_VAL, MOE_ORACLE_GROUPED_PATH);
+    write_group(gpu, &g);
+    setenv("MOE_TUNE_FILE", path, 1);
+    yt = run(8, why_t, sizeof(why_t));
+    y9 = run(9, why_9, sizeof(why_9));
+    unsetenv("MOE_TUNE_FILE");
+    expect_in(why_t, MOE_ORACLE_FUSED_DECODE);
+    expect_in(why_t, "at up to 8 tokens (crossover tuned from ");
+    expect_in(why_t, path);
+    if (strstr(why_9, MOE_ORACLE_FUSED_DECODE))
+        fail_msg("9 tokens, past the tuned crossover: '%s'", why_9);
+    setenv("MOE_FORCE_VARIANT", MOE_ORACLE_FUSED_DECODE, 1);
+    yf = run(8, why_f, sizeof(why_f));
+    unsetenv("MOE_FORCE_VARIANT");
+    assert_memory_equal(yt, yf, sizeof(float) * 8 * 256);
+    print_message("tuned decode: %s\n", why_t);
+    free(yt), free(yf), free(y9);
+}
+
 static void test_bad_files_leave_defaults(void **state)
 {
     char why[1024];
@@ -193,6 +246,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tuned_is_what_runs),
+        cmocka_unit_test(test_tuned_decode_crossover),
         cmocka_unit_test(test_bad_files_leave_defaults),
         cmocka_unit_test(test_forced_checked),
     };

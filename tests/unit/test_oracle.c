@@ -438,6 +438,18 @@ static const char *const bad_files[] = {
     "\"transport\": [{\"buckets\": [{\"max_tokens_per_rank\": 0, \"transport\": \"lsa\"}, "
     "{\"transport\": \"p2p\"}]}]}",
     GOOD_HEAD "\"transport\": [{\"buckets\": [{\"transport\": \"any\"}]}]}",
+    /* decode tables: a path that is neither, the fused kernel after the grouped path (it runs up
+     * to one bound), the fused kernel for block scales, no dtype, not an array */
+    GOOD_HEAD "\"decode\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"buckets\": [{\"path\": "
+              "\"fused\"}]}]}",
+    GOOD_HEAD "\"decode\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"buckets\": "
+              "[{\"max_tokens_per_step\": 8, \"path\": \"grouped\"}, {\"path\": "
+              "\"sm90_fused_decode\"}]}]}",
+    GOOD_HEAD "\"decode\": [{\"dtype\": \"fp8_e4m3\", \"scales\": \"block_128\", \"buckets\": "
+              "[{\"max_tokens_per_step\": 8, \"path\": \"sm90_fused_decode\"}, {\"path\": "
+              "\"grouped\"}]}]}",
+    GOOD_HEAD "\"decode\": [{\"buckets\": [{\"path\": \"grouped\"}]}]}",
+    GOOD_HEAD "\"decode\": 7}",
     /* valid, but no table for this layer's shape */
     GOOD_HEAD "\"gemm\": [{\"shape\": {\"hidden\": 7168, \"intermediate\": 2048, \"experts\": 256, "
               "\"top_k\": 8}, \"dtype\": \"bf16\", \"scales\": \"none\", " GOOD_BUCKETS "}]}",
@@ -538,6 +550,72 @@ static void test_bad_tune_files(void **state)
         moe_oracle_free(&o);
     }
     unlink(path);
+}
+
+/* A decode table (moe-tune's fused-decode crossover): its bound is the layer's crossover for
+ * its dtype and scales only, it names the file, and it survives a write and a read. */
+static void test_decode_table(void **state)
+{
+    static const char text[] = GOOD_HEAD
+        "\"decode\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"ep_size\": 1, "
+        "\"tp_size\": 1, \"buckets\": [{\"max_tokens_per_step\": 8, \"path\": "
+        "\"sm90_fused_decode\", \"at\": 8, \"time_us\": 120.5}, {\"path\": \"grouped\"}]}, "
+        "{\"dtype\": \"fp8_e4m3\", \"scales\": \"per_channel\", \"buckets\": "
+        "[{\"path\": \"sm90_fused_decode\"}]}]}";
+    moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 0};
+    moe_oracle_choice_t c;
+    moe_oracle_table_t t;
+    moe_oracle_t o, back;
+    char *out;
+    size_t n;
+    (void)state;
+
+    moe_oracle_init(&o);
+    assert_int_equal(moe_oracle_load_text(&o, text, strlen(text), "decode.json", &h200), 2);
+    assert_string_equal(o.warning, "");
+    assert_int_equal(moe_oracle_decode_tokens(&o, &q, &c), 8);
+    assert_int_equal(c.source, MOE_ORACLE_TUNED);
+    assert_string_equal(c.name, MOE_ORACLE_FUSED_DECODE);
+    assert_string_equal(c.origin, "decode.json");
+    assert_true(c.hi == 8.0);
+    /* the decode table is not a GEMM table: the GEMM choice stays the built-in one */
+    q.value = 1;
+    assert_int_equal(moe_oracle_pick_gemm(&o, &q, &c), 1);
+    assert_int_equal(c.source, MOE_ORACLE_DEFAULT);
+    /* per-row fp8: all of it fused (the open bucket), as far as the kernel goes */
+    q.dtype = MOE_DTYPE_FP8_E4M3, q.scale = MOE_SCALE_PER_CHANNEL;
+    assert_int_equal(moe_oracle_decode_tokens(&o, &q, &c), INT32_MAX);
+    /* no table for these: the built-in crossover (never), from the built-in table */
+    q.scale = MOE_SCALE_BLOCK_128;
+    assert_int_equal(moe_oracle_decode_tokens(&o, &q, &c), 0);
+    assert_int_equal(c.source, MOE_ORACLE_DEFAULT);
+    assert_string_equal(c.name, MOE_ORACLE_GROUPED_PATH);
+    q.dtype = MOE_DTYPE_BF16, q.scale = MOE_SCALE_NONE, q.arch = 100;
+    assert_int_equal(moe_oracle_decode_tokens(&o, &q, &c), 0);
+    q.arch = 90, q.ep_size = 2; /* the bf16 table is for one GPU */
+    assert_int_equal(moe_oracle_decode_tokens(&o, &q, &c), 0);
+    q.ep_size = 1;
+    assert_int_equal(moe_oracle_decode_tokens(NULL, &q, NULL), 0);
+
+    /* written and read back: the same tables and crossover */
+    TU_OK(moe_oracle_parse(text, strlen(text), "decode.json", &t));
+    n = moe_oracle_format(&t, NULL, 0);
+    out = malloc(n + 1);
+    assert_int_equal(moe_oracle_format(&t, out, n + 1), n);
+    assert_non_null(strstr(out, "\"decode\": ["));
+    assert_non_null(strstr(out, "\"max_tokens_per_step\": 8"));
+    /* one GPU: a decode table names no transport (the decode list comes last) */
+    assert_null(strstr(strstr(out, "\"decode\": ["), "\"transport\""));
+    moe_oracle_init(&back);
+    assert_int_equal(moe_oracle_load_text(&back, out, n, "back", &h200), 2);
+    assert_int_equal(back.tuned.group[0].kind, MOE_ORACLE_DECODE);
+    assert_int_equal(back.tuned.group[0].num_buckets, 2);
+    assert_true(back.tuned.group[0].bucket[0].time_us == 120.5);
+    assert_int_equal(moe_oracle_decode_tokens(&back, &q, &c), 8);
+    moe_oracle_free(&back);
+    moe_oracle_table_free(&t);
+    moe_oracle_free(&o);
+    free(out);
 }
 
 /* A FIFO named as the tune file, read (MOE_TUNE_FILE) and written (moe-tune --out): refused at
@@ -646,7 +724,7 @@ static void test_forced(void **state)
                  MOE_STATUS_NOT_SUPPORTED, "this layer: sm_80");
     {
         const moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 1};
-        assert_int_equal(moe_oracle_decode_tokens(&q), 0);
+        assert_int_equal(moe_oracle_decode_tokens(NULL, &q, NULL), 0);
     }
     expect_error(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_nope", 90, MOE_DTYPE_BF16,
                                           MOE_SCALE_NONE),
@@ -798,6 +876,7 @@ int main(void)
         cmocka_unit_test(test_defaults_match_old_table),
         cmocka_unit_test(test_round_trip),
         cmocka_unit_test(test_bad_tune_files),
+        cmocka_unit_test(test_decode_table),
         cmocka_unit_test(test_forced),
         cmocka_unit_test(test_shipped_h200_file),
         cmocka_unit_test(test_buckets_from_points),
