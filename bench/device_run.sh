@@ -21,7 +21,8 @@
 #   decode           the fused decode kernel: test_gpu_decode, then moe-bench at M = 1, 4, 8,
 #                    16, 64 for the three presets, bf16 and fp8, grouped path against the
 #                    kernel forced (bench/decode_run.sh; JSON in $OUT/json.tgz)
-#   bf16             moe-bench bf16 tables with phases (three presets, M = 1 .. 8192)
+#   bf16             moe-bench bf16 tables with phases (three presets, M = 1 .. 8192), JSON in
+#                    $OUT/<preset>.bf16.json, and the torch peers beside them (BF16_PEERS=0: none)
 #   fp8              moe-bench fp8 tables (three presets, per-tensor and block) + torch peers
 #                    ($FP8_PRESETS set: those presets, no peers); JSON in $OUT/fp8json.tgz
 #   fp8-fast         moe-bench fp8 per-tensor at M = 512 .. 8192 with the fast-accumulation
@@ -293,6 +294,10 @@ bf16)
         timeout 120 $B/moe-bench --preset "$p" --tokens 1,8,64,512,2048,8192 --seconds 0.2 \
             --json "$OUT/$p.bf16.json" 2>&1 | quiet | grep -vE "^#  *(limit|time)" | head -20
     done
+    # the torch peers beside them (per-expert loop, torch._grouped_mm), as the fp8 mode does
+    [ -n "${BF16_PEERS:-1}" ] && [ "${BF16_PEERS:-1}" != 0 ] &&
+        timeout 200 python3 bench/torch_peers.py --moe-json "$OUT"/*.bf16.json \
+            --markdown "$OUT/peers_bf16.md" 2>&1 | grep -v "^#   ("
     ;;
 fp8)
     j=/tmp/fp8json
