@@ -295,7 +295,7 @@ bf16)
             --json "$OUT/$p.bf16.json" 2>&1 | quiet | grep -vE "^#  *(limit|time)" | head -20
     done
     # the torch peers beside them (per-expert loop, torch._grouped_mm), as the fp8 mode does
-    [ -n "${BF16_PEERS:-1}" ] && [ "${BF16_PEERS:-1}" != 0 ] &&
+    [ "${BF16_PEERS:-1}" != 0 ] &&
         timeout 200 python3 bench/torch_peers.py --moe-json "$OUT"/*.bf16.json \
             --markdown "$OUT/peers_bf16.md" 2>&1 | grep -v "^#   ("
     ;;
