@@ -65,7 +65,7 @@
 #   sanitize         compute-sanitizer memcheck (leaks too) and racecheck over the multi-rank
 #                    GPU tests, 2 ranks sharing the GPU (one GPU) or a GPU each; $SAN_TOOLS and
 #                    $SAN_TESTS pick (a call's 10 minutes hold about one tool), $SAN_TIMEOUT
-#                    bounds each run (default 280 s)
+#                    bounds each run (default 280 s), SAN_PARALLEL=1 starts every run at once
 set -uo pipefail
 # shellcheck source=/dev/null # written by the GPU machine's setup, not in the repository
 source .device/env.sh
@@ -446,27 +446,51 @@ soak)
     ;;
 sanitize)
     cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+    # one tool over one test, 2 ranks, its log and exit status under $OUT
+    san_one() {
+        # API return codes are not reported: NCCL's start-up probes kernel images and gets
+        # cudaErrorNoKernelImageForDevice, which it handles (8 a rank); libmoe checks its own
+        # shellcheck disable=SC2086 # $3: options or nothing
+        MOE_TEST_FAULT_TIMEOUT_MS=20000 timeout "${SAN_TIMEOUT:-280}" mpirun -np 2 --oversubscribe \
+            -x MOE_TEST_FAULT_TIMEOUT_MS $W "$cs" --tool "$1" $3 --error-exitcode 9 \
+            --report-api-errors no --print-limit 20 "build-gpu/tests/mpi/$2" \
+            >"$OUT/sanitize-$1-$2.log" 2>&1
+        echo $? >"$OUT/sanitize-$1-$2.rc"
+    }
+    san_report() {
+        local log="$OUT/sanitize-$1-$2.log"
+        echo "== compute-sanitizer --tool $1, $2, 2 ranks: exit $(cat "$OUT/sanitize-$1-$2.rc")" \
+            "(124: stopped by SAN_TIMEOUT), success lines $(grep -cE "^success:" "$log")," \
+            "reports outside NCCL's kernels $(grep -E "^========= +(Error|Race|Warning|Invalid)" \
+                "$log" | grep -vc nccl)"
+        grep -E "ERROR SUMMARY|LEAK SUMMARY|RACECHECK SUMMARY|=========  [A-Z]|FAILED" "$log" |
+            sort | uniq -c | head -12
+    }
+    runs=()
     for tool in ${SAN_TOOLS:-memcheck racecheck}; do
         extra=""
-        [ $tool = memcheck ] && extra="--leak-check full"
+        [ "$tool" = memcheck ] && extra="--leak-check full"
         # racecheck: NCCL's kernels (flag-based protocols in shared memory) are left out; their
         # reports filled the print limit before libmoe's kernels came up (2026-12-02, 75a1636)
-        [ $tool = racecheck ] && "$cs" --help 2>&1 | grep -q -- --kernel-name-exclude &&
+        [ "$tool" = racecheck ] && "$cs" --help 2>&1 | grep -q -- --kernel-name-exclude &&
             extra="--kernel-name-exclude kns=nccl"
         for t in ${SAN_TESTS:-test_gpu_ep test_gpu_shapes test_gpu_fp8 test_gpu_faults}; do
-            [ $tool = racecheck ] && [ $t = test_gpu_faults ] && continue # spins by design
-            # API return codes are not reported: NCCL's start-up probes kernel images and gets
-            # cudaErrorNoKernelImageForDevice, which it handles (8 a rank); libmoe checks its own
-            echo "== compute-sanitizer --tool $tool, $t, 2 ranks"
-            # shellcheck disable=SC2086 # $extra: options or nothing
-            MOE_TEST_FAULT_TIMEOUT_MS=20000 timeout "${SAN_TIMEOUT:-280}" mpirun -np 2 --oversubscribe \
-                -x MOE_TEST_FAULT_TIMEOUT_MS $W "$cs" --tool $tool $extra --error-exitcode 9 \
-                --report-api-errors no \
-                --print-limit 20 build-gpu/tests/mpi/$t 2>&1 | quiet |
-                tee "$OUT/sanitize-$tool-$t.log" | grep -E "ERROR SUMMARY|LEAK SUMMARY|=========  [A-Z]|PASSED|FAILED" |
-                sort | uniq -c | head -20
-            echo "exit ${PIPESTATUS[0]}"
+            [ "$tool" = racecheck ] && [ "$t" = test_gpu_faults ] && continue # spins by design
+            # SAN_PARALLEL=1: every run at once (the tools' cost is mostly on the CPU side; the
+            # ranks of all runs share the one GPU), reported when all have ended
+            if [ "${SAN_PARALLEL:-0}" = 1 ]; then
+                san_one "$tool" "$t" "$extra" &
+                runs+=("$tool $t")
+            else
+                san_one "$tool" "$t" "$extra"
+                san_report "$tool" "$t"
+            fi
         done
+    done
+    wait
+    for r in "${runs[@]}"; do
+        # shellcheck disable=SC2086 # "tool test"
+        san_report $r
     done
     ;;
 python)
