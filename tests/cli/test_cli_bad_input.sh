@@ -2,11 +2,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # Bad input to the tools: every case must end promptly with the expected exit status (never a
 # crash, a hang or a run with a wrapped value) and an error naming the option and its value.
-#   test_cli_bad_input.sh MOE_RUN [MOE_BENCH]    (MOE_BENCH: CUDA builds only)
+#   test_cli_bad_input.sh MOE_RUN [MOE_BENCH MOE_TUNE]    (the last two: CUDA builds only)
 # Each case is bounded by `timeout`; exit 124 (timed out) or >= 128 (a signal) fails it.
 set -u
 moe_run=$1
 moe_bench=${2:-}
+moe_tune=${3:-}
 # shellcheck source=cli_expect.sh
 . "$(dirname "$0")/cli_expect.sh"
 
@@ -211,6 +212,20 @@ if [ -n "$moe_bench" ]; then
         b --first-call --capacity 30
     expect bench-first-call-no-probe 2 "--tokens lists every count in 1..3" \
         b --first-call --tokens 1,2,3
+fi
+
+# ---- moe-tune (parsed before any GPU work) -----------------------------------------------------
+if [ -n "$moe_tune" ]; then
+    t() { timeout 60 "$moe_tune" "$@"; }
+    expect tune-no-out 2 "--out FILE is required" t --decode 4
+    expect tune-decode-over 2 "--decode 65: must be a finite number in 1..64" \
+        t --out "$tmp/t.json" --decode 65
+    expect tune-decode-zero 2 "--decode 0: must be a finite number in 1..64" \
+        t --out "$tmp/t.json" --decode 0
+    expect tune-decode-fraction 2 "--decode 1,2.5: 2.5 is not a whole number of tokens" \
+        t --out "$tmp/t.json" --decode 1,2.5
+    expect tune-tokens-fraction 2 "--tokens 3.5: 3.5 is not a whole number of tokens" \
+        t --out "$tmp/t.json" --tokens 3.5
 fi
 
 echo "$pass passed, $fail failed"
