@@ -25,6 +25,11 @@
 #                    $OUT/<preset>.bf16.json, and the torch peers beside them (BF16_PEERS=0: none)
 #   fp8              moe-bench fp8 tables (three presets, per-tensor and block) + torch peers
 #                    ($FP8_PRESETS set: those presets, no peers); JSON in $OUT/fp8json.tgz
+#   ab               an A/B of this tree against .device/ab-base (bench/ab_base.sh REV writes it
+#                    here; carry .device): the base's moe-bench is built beside, then per preset
+#                    ($AB_PRESETS) and option set ($AB_ARGS, sets split by ';', default fp8
+#                    tensor;fp8 block) both sides in turn at $AB_TOKENS, --seconds $AB_SECONDS;
+#                    bench/ab_compare.py prints new / base per point and geometric means
 #   fp8-fast         moe-bench fp8 per-tensor at M = 512 .. 8192 with the fast-accumulation
 #                    tile forced (MOE_FORCE_VARIANT=sm90_fp8_fast_m128n256) beside the built-in
 #   gemm-prof        Nsight Compute on the expert GEMMs of one step (DRAM / SM throughput,
@@ -315,6 +320,37 @@ fp8)
         timeout 200 python3 bench/torch_peers.py --dtype fp8 --moe-json $j/*.tensor.json \
             --markdown "$OUT/peers_fp8.md" 2>&1 | grep -v "^#   ("
     ;;
+ab)
+    base=.device/ab-base
+    [ -f "$base/CMakeLists.txt" ] ||
+        { echo "ab: no $base (run bench/ab_base.sh REV here first, and carry .device)"; continue; }
+    echo "== A/B: this tree against $(cat "$base/.ab-rev" 2>/dev/null || echo "the base")"
+    if ! { cmake -S "$base" -B /tmp/ab-base-build -G Ninja -DCMAKE_BUILD_TYPE=Release \
+        >"$OUT/ab-cmake.log" 2>&1 &&
+        cmake --build /tmp/ab-base-build -j"$(nproc)" --target moe-bench >"$OUT/ab-build.log" 2>&1; }; then
+        echo "ab: the base does not build"
+        tail -20 "$OUT/ab-build.log"
+        continue
+    fi
+    j=/tmp/abjson
+    rm -rf $j
+    mkdir -p $j
+    IFS=';' read -ra sets <<<"${AB_ARGS:---dtype fp8 --scales tensor;--dtype fp8 --scales block}"
+    for p in ${AB_PRESETS:-$presets}; do
+        for i in "${!sets[@]}"; do
+            for side in new base; do
+                bin=$B/moe-bench
+                [ $side = base ] && bin=/tmp/ab-base-build/launch/moe-bench
+                # shellcheck disable=SC2086 # the set's options
+                timeout 120 "$bin" --preset "$p" ${sets[$i]} --tokens "${AB_TOKENS:-1,8,64,512,2048,8192}" \
+                    --seconds "${AB_SECONDS:-0.1}" --json "$j/$side.$p.$i.json" >"$j/$side.$p.$i.txt" 2>&1 ||
+                    echo "ab: $side, $p, ${sets[$i]}: failed (tail of $j/$side.$p.$i.txt: $(tail -1 "$j/$side.$p.$i.txt"))"
+            done
+        done
+    done
+    python3 bench/ab_compare.py $j | tee "$OUT/ab.txt"
+    tar -czf "$OUT/ab.tgz" -C $j .
+    ;;
 fp8-fast)
     for p in ${FP8_PRESETS:-$presets}; do
         for v in "" sm90_fp8_fast_m128n256; do
@@ -515,7 +551,7 @@ python)
         --dtype bf16 --new-tokens 16 2>&1 | tail -4
     ;;
 *)
-    echo "usage: $0 [tests|quick|ep|ep-cap|ep-layer|ep-wide|mps|decode|bf16|fp8|fp8-fast|gemm-prof|tune|first|kernels|rotate|faults|soak|sanitize|python]..." >&2
+    echo "usage: $0 [tests|quick|ep|ep-cap|ep-layer|ep-wide|mps|decode|bf16|fp8|ab|fp8-fast|gemm-prof|tune|first|kernels|rotate|faults|soak|sanitize|python]..." >&2
     exit 2
     ;;
 esac
