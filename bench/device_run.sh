@@ -70,7 +70,8 @@
 #   sanitize         compute-sanitizer memcheck (leaks too) and racecheck over the multi-rank
 #                    GPU tests, 2 ranks sharing the GPU (one GPU) or a GPU each; $SAN_TOOLS and
 #                    $SAN_TESTS pick (a call's 10 minutes hold about one tool), $SAN_TIMEOUT
-#                    bounds each run (default 280 s), SAN_PARALLEL=1 starts every run at once
+#                    bounds each run (default 280 s), SAN_PARALLEL=1 starts every run at once,
+#                    $SAN_PRINT_LIMIT the reports printed a rank (default 20)
 set -uo pipefail
 # shellcheck source=/dev/null # written by the GPU machine's setup, not in the repository
 source .device/env.sh
@@ -489,7 +490,7 @@ sanitize)
         # shellcheck disable=SC2086 # $3: options or nothing
         MOE_TEST_FAULT_TIMEOUT_MS=20000 timeout "${SAN_TIMEOUT:-280}" mpirun -np 2 --oversubscribe \
             -x MOE_TEST_FAULT_TIMEOUT_MS $W "$cs" --tool "$1" $3 --error-exitcode 9 \
-            --report-api-errors no --print-limit 20 "build-gpu/tests/mpi/$2" \
+            --report-api-errors no --print-limit "${SAN_PRINT_LIMIT:-20}" "build-gpu/tests/mpi/$2" \
             >"$OUT/sanitize-$1-$2.log" 2>&1
         echo $? >"$OUT/sanitize-$1-$2.rc"
     }
