@@ -696,7 +696,8 @@ int main(int argc, char **argv)
         ng = 2;
     }
     /* the fused decode kernel: one GPU, sm_90, bf16 or per-row fp8 (what it runs) */
-    if (ng && b.world == 1 && !o.no_decode && arch == 90 && g[0].scale != MOE_SCALE_BLOCK_128) {
+    if (ng && b.world == 1 && !o.no_decode &&
+        moe_oracle_fused_decode_runs(arch, g[0].dtype, g[0].scale)) {
         g[ng] = g[0];
         g[ng].kind = MOE_ORACLE_DECODE;
         tune_decode(&b, &o, &g[ng], rank);

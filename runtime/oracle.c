@@ -355,6 +355,11 @@ int moe_oracle_decode_tokens(const moe_oracle_t *o, const moe_oracle_query_t *q,
     return 0;
 }
 
+int moe_oracle_fused_decode_runs(int arch, moe_dtype_t dtype, moe_scale_kind_t scale)
+{
+    return arch == 90 && !(dtype == MOE_DTYPE_FP8_E4M3 && scale == MOE_SCALE_BLOCK_128);
+}
+
 moe_status_t moe_oracle_check_variant(const char *env, const char *name, int arch,
                                       moe_dtype_t dtype, moe_scale_kind_t scale)
 {
@@ -362,7 +367,7 @@ moe_status_t moe_oracle_check_variant(const char *env, const char *name, int arc
     if (!name)
         return moe_error(MOE_STATUS_INVALID_ARGUMENT, "%s: no variant name", env);
     if (!strcmp(name, MOE_ORACLE_FUSED_DECODE)) {
-        if (arch != 90 || (dtype == MOE_DTYPE_FP8_E4M3 && scale == MOE_SCALE_BLOCK_128))
+        if (!moe_oracle_fused_decode_runs(arch, dtype, scale))
             return moe_error(MOE_STATUS_NOT_SUPPORTED,
                              "%s=%s runs on sm_90 with bf16 or per-row fp8 scales; this layer: "
                              "sm_%d, %s (scales %s)",
@@ -517,7 +522,7 @@ static int check_name(pctx_t *p, const moe_oracle_group_t *g, const char *where,
         if (strcmp(name, MOE_ORACLE_FUSED_DECODE))
             return bad(p, "%spath \"%.48s\": expected %s or %s", where, name,
                        MOE_ORACLE_FUSED_DECODE, MOE_ORACLE_GROUPED_PATH);
-        if (g->arch != 90 || g->scale == MOE_SCALE_BLOCK_128)
+        if (!moe_oracle_fused_decode_runs(g->arch, g->dtype, g->scale))
             return bad(p, "%s%s does not run %s/%s on sm_%d", where, name,
                        moe_oracle_dtype_name(g->dtype), moe_oracle_scale_name(g->scale), g->arch);
         return 0;
