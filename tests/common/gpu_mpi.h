@@ -89,15 +89,27 @@ static inline void gt_runtimes_destroy(gt_runtimes_t *r)
     moe_runtime_destroy(r->gpu);
 }
 
-/* The runtimes of a multi-GPU cmocka group (its setup and teardown; peers time out at 120 s). */
+/* The runtimes of a multi-GPU cmocka group (its setup and teardown; peers time out at 120 s,
+ * or MOE_TEST_PEER_TIMEOUT_MS: under compute-sanitizer NCCL's start-up alone can take longer). */
 static gt_runtimes_t gt_rts;
 
 static inline int gt_group_setup(void **state)
 {
     int rank = 0;
+    const char *v = getenv("MOE_TEST_PEER_TIMEOUT_MS");
+    const long ms = v ? strtol(v, NULL, 10) : 0;
     (void)state;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    return gt_runtimes_create(&gt_rts, rank, 120000);
+    return gt_runtimes_create(&gt_rts, rank, ms > 0 && ms <= 3600000 ? (int)ms : 120000);
+}
+
+/* MOE_TEST_MAX_TOKENS: the largest token count the shape tests run (a sanitizer's scale: every
+ * shape and kernel variant, fewer rows); unset or invalid: no bound. */
+static inline int64_t gt_max_tokens(void)
+{
+    const char *v = getenv("MOE_TEST_MAX_TOKENS");
+    const long long n = v ? strtoll(v, NULL, 10) : 0;
+    return n > 0 ? (int64_t)n : INT64_MAX;
 }
 
 static inline int gt_group_teardown(void **state)
@@ -124,6 +136,8 @@ static inline int gt_group_teardown(void **state)
             moe_gpu_set_device(rank_var % ngpu_);                                                  \
             if (rank_var != 0)                                                                     \
                 cmocka_set_message_output(CM_OUTPUT_SUBUNIT);                                      \
+            if (getenv("MOE_TEST_FILTER")) /* e.g. test_ep*: a subset */                           \
+                cmocka_set_test_filter(getenv("MOE_TEST_FILTER"));                                 \
             rc_ = cmocka_run_group_tests(tests, setup, teardown) ? 1 : 0;                          \
             MPI_Allreduce(MPI_IN_PLACE, &rc_, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);                \
         }                                                                                          \
