@@ -34,7 +34,8 @@
 #                    tile forced (MOE_FORCE_VARIANT=sm90_fp8_fast_m128n256) beside the built-in
 #   gemm-prof        Nsight Compute on the expert GEMMs of one step (DRAM / SM throughput,
 #                    the top warp stalls): fp8 per-tensor, fp8 block and bf16 at the DeepSeek-V3
-#                    shard M = 64 and Mixtral M = 8, fp8 at Mixtral M = 8192 ($PROF_CASES)
+#                    shard M = 64 and Mixtral M = 8, fp8 at Mixtral M = 8192 ($PROF_CASES:
+#                    preset:M:bf16|tensor|block[:decode], decode: the fused decode kernel)
 #   tune             moe-tune bf16 + fp8 for the three presets or $TUNE_PRESETS, $TUNE_DTYPES
 #                    (EP = all GPUs when 2+; each run up to $TUNE_SECONDS, default 150 s:
 #                    split over calls; Mixtral bf16 needs more), into
@@ -367,22 +368,24 @@ fp8-fast)
     ;;
 gemm-prof)
     command -v ncu >/dev/null || { echo "gemm-prof: no ncu on this machine"; continue; }
-    # preset:tokens:dtype-and-scales
+    # preset:tokens:dtype-and-scales[:decode] (decode: the fused decode kernel, forced)
     for c in ${PROF_CASES:-deepseek-v3-ep8:64:tensor deepseek-v3-ep8:64:block \
         deepseek-v3-ep8:64:bf16 mixtral-8x7b:8:tensor mixtral-8x7b:8:bf16 \
         mixtral-8x7b:8192:tensor}; do
-        IFS=: read -r p t d <<<"$c"
+        IFS=: read -r p t d f <<<"$c"
         dt="--dtype fp8 --scales $d"
         [ "$d" = bf16 ] && dt="--dtype bf16"
-        echo "== $p M = $t $d: the step's expert GEMMs"
+        k=moe_gemm_sm90 force=""
+        [ "${f:-}" = decode ] && k=decode_kernel force=sm90_fused_decode
+        echo "== $p M = $t $d: the step's ${force:-expert GEMMs}"
         # shellcheck disable=SC2086 # $dt: options
-        timeout 120 ncu --section SpeedOfLight --section WarpStateStats --section Occupancy \
-            -k regex:moe_gemm_sm90 --launch-skip 4 --launch-count 2 $B/moe-bench --preset "$p" \
-            $dt --tokens "$t" --graph-max 0 --rotate 1 --seconds 0.01 \
-            >"$OUT/prof-$p-$t-$d.txt" 2>&1
-        grep -E "moe_gemm_sm90_kernel|^ +(Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Warp Cycles Per Issued)|Stall|stall" \
-            "$OUT/prof-$p-$t-$d.txt" | sed -E 's/void moe_gemm_sm90_kernel/K/; s/ +/ /g' |
-            cut -c1-150 | head -24
+        MOE_FORCE_VARIANT=$force timeout 120 ncu --section SpeedOfLight --section WarpStateStats \
+            --section Occupancy --section MemoryWorkloadAnalysis -k "regex:$k" --launch-skip 4 \
+            --launch-count 2 $B/moe-bench --preset "$p" $dt --tokens "$t" --graph-max 0 \
+            --rotate 1 --seconds 0.01 >"$OUT/prof-$p-$t-$d${f:+-$f}.txt" 2>&1
+        grep -E "moe_gemm_sm90_kernel|decode_kernel|^ +(Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|L2 Hit|Mem Busy|Max Bandwidth)|Stall|stall" \
+            "$OUT/prof-$p-$t-$d${f:+-$f}.txt" | sed -E 's/void moe_gemm_sm90_kernel/K/; s/ +/ /g' |
+            cut -c1-150 | head -30
     done
     (cd "$OUT" && tar -czf prof.tgz prof-*.txt) && rm -f "$OUT"/prof-*.txt
     ;;
