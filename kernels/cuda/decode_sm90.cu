@@ -76,7 +76,6 @@ struct params {
     float *xs;
     int32_t *sync;
     int T, k, E, H, I, split, y_f32, gelu;
-    int pf; // weight batches prefetched into L2 ahead of the loads (0: none)
 };
 
 __device__ __forceinline__ uint4 ld_stream(const uint8_t *p)
@@ -86,14 +85,6 @@ __device__ __forceinline__ uint4 ld_stream(const uint8_t *p)
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
     return v;
-}
-
-// bytes [p, p + n) into L2 (p 16-byte aligned, n a multiple of 16): no registers, no shared
-// memory, nothing to wait for; the loads that follow hit L2
-__device__ __forceinline__ void prefetch_l2(const uint8_t *p, int n)
-{
-    if (n > 0)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(n) : "memory");
 }
 
 // data written earlier in this launch by other SMs: L2, not a stale L1 line
@@ -288,24 +279,14 @@ template <typename XT> __device__ void quantise_x(const params &p, int t)
 // One weight-row pair's dot products with up to NG x 8 token columns over k in [k0, k1):
 // rows ra / rb (byte pointers at k = 0), B columns from bcol(ng, k) (16 bytes for this lane's
 // column, zero where the column or k is past its end). wait() runs after the first loads.
-// pf > 0: the rows' bytes pf batches ahead of the loads are prefetched into L2 (lane t = 0 of
-// each row pair ra's, t = 1 rb's), so a batch's loads wait on L2, not on DRAM; an item's first
-// pf batches are asked for at its start, before it waits.
 template <bool F8, int NG, int U, typename B, typename W>
 __device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra, const uint8_t *rb,
-                                         int k0, int k1, int ncols, int pf, B bcol, W wait)
+                                         int k0, int k1, int ncols, B bcol, W wait)
 {
     constexpr int EPT = F8 ? 16 : 8; // k per 16-byte load
     constexpr int CK = 4 * EPT;      // k per load of the 4 lanes of a row
     constexpr int ES = F8 ? 1 : 2;   // bytes per weight
-    constexpr int BK = U * CK;       // k per batch
     const int t = threadIdx.x & 3;
-    const uint8_t *const rp = t == 0 ? ra : rb; // the row this lane prefetches (t < 2)
-    auto prefetch = [&](int from, int to) {    // k range [from, to) of rp, clipped to k1
-        if (t < 2 && pf > 0)
-            prefetch_l2(rp + (int64_t)from * ES, ((to < k1 ? to : k1) - from) * ES);
-    };
-    prefetch(k0 + BK, k0 + (pf + 1) * BK);
     uint4 ca[U], cb[U];
 #pragma unroll
     for (int g = 0; g < NG; g++)
@@ -326,10 +307,9 @@ __device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra,
     };
     load(k0, ca, cb);
     wait();
-    for (int kb = k0; kb < k1; kb += BK) {
+    for (int kb = k0; kb < k1; kb += U * CK) {
         uint4 na[U], nb[U];
-        prefetch(kb + (pf + 1) * BK, kb + (pf + 2) * BK);
-        load(kb + BK, na, nb);
+        load(kb + U * CK, na, nb);
 #pragma unroll
         for (int i = 0; i < U; i++) {
             const int k = kb + i * CK + t * EPT;
@@ -372,7 +352,7 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0)
             warp_wait(p.sync + SYNC_XQ, p.T);
     };
     float acc[NG][4];
-    dot_rows<F8, NG, U>(acc, ra, rb, 0, p.H, n, p.pf, bcol, wait);
+    dot_rows<F8, NG, U>(acc, ra, rb, 0, p.H, n, bcol, wait);
     // c0, c1: gate of column c0 + g for tokens 2t, 2t + 1 of the group; c2, c3: up
     const int col = c0 + g;
     float sg = 1.0f, su = 1.0f;
@@ -505,7 +485,7 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
                           e4m3x4(bf(b.z, 0), bf(b.z, 1), bf(b.w, 0), bf(b.w, 1), sc));
     };
     float acc[NG][4];
-    dot_rows<F8, NG, U>(acc, ra, rb, k0, k1, n, p.pf, bcol, wait);
+    dot_rows<F8, NG, U>(acc, ra, rb, k0, k1, n, bcol, wait);
     float s0 = 1.0f, s1 = 1.0f;
     if (F8)
         s0 = __ldg(p.w2s + (int64_t)e * p.H + row0), s1 = __ldg(p.w2s + (int64_t)e * p.H + row1);
@@ -577,14 +557,6 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
         if (threadIdx.x == 0)
             p.sync[SYNC_DONE] = 0;
     }
-}
-
-/* MOE_DECODE_PREFETCH=N: weight batches (256 bytes a row each) prefetched into L2 ahead of a
- * warp's loads, 0: none (docs/KERNELS.md, "Fused decode"). */
-int prefetch_batches()
-{
-    static int cached = -1;
-    return moe_env_once(&cached, "MOE_DECODE_PREFETCH", 2);
 }
 
 // CTAs that fit on the device at once (every one must be resident: items wait on others)
@@ -734,7 +706,6 @@ extern "C" moe_status_t moe_decode_launch(const moe_decode_args_t *a, void *stre
     p.split = a->split;
     p.y_f32 = a->y_dtype == MOE_DTYPE_F32;
     p.gelu = a->gelu;
-    p.pf = prefetch_batches();
     const cudaStream_t st = (cudaStream_t)stream;
     if (a->f8)
         return a->x_dtype == MOE_DTYPE_F32
