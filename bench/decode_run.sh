@@ -8,8 +8,9 @@
 #           PROFILE_PRESET, default qwen3-30b-a3b; PROFILE_TOKENS, default "1 8"): speed of
 #           light, memory workload, warp states, occupancy, into $OUT/ncu_decode.txt
 #   bench   moe-bench at M = 1, 8, 64 (--explain) for the three presets, bf16 and fp8
-#           per-tensor: VARIANTS of grouped (MOE_FUSED_DECODE=0), fused (forced), builtin (the
-#           built-in crossover)
+#           per-tensor: VARIANTS of grouped (MOE_FUSED_DECODE=0), fused (forced), fused-k1
+#           (forced, GEMM 1 split along k: MOE_DECODE_K1_SPLIT=0), builtin (the built-in
+#           crossover)
 # BUILD_DIR (default /tmp/b35) keeps the build between calls on a warm machine.
 set -uo pipefail
 # shellcheck source=/dev/null # written by shared/device/prepare.sh, not in the repository
@@ -69,10 +70,13 @@ bench)
                 case $v in
                 builtin) env="MOE_FUSED_DECODE=1" ;; # the built-in crossover
                 fused) env="MOE_FORCE_VARIANT=sm90_fused_decode" ;;
+                fused-k1) # GEMM 1 split along k by the shape's rule
+                    env="MOE_FORCE_VARIANT=sm90_fused_decode MOE_DECODE_K1_SPLIT=0" ;;
                 grouped) env="MOE_FUSED_DECODE=0" ;; # the oracle's grouped variants, as before
                 esac
                 echo "== $p $dt $v"
-                env "$env" timeout "${BENCH_TIMEOUT:-150}" "$B/launch/moe-bench" --preset "$p" "${f[@]}" \
+                # shellcheck disable=SC2086 # $env: VAR=value words
+                env $env timeout "${BENCH_TIMEOUT:-150}" "$B/launch/moe-bench" --preset "$p" "${f[@]}" \
                     --tokens "${TOKENS:-1,8,64}" --seconds "${SECONDS_PER_POINT:-0.3}" \
                     --json "/tmp/json/$p.$dt.$v.json" --explain 2>&1 | quiet |
                     grep -vE "^#  *(limit|time)" | tee -a "$OUT/bench.log" | head -24

@@ -16,7 +16,7 @@ extern "C" {
 
 #define MOE_DECODE_MAX_TOKENS 64   /* tokens per launch (an expert's tokens: 8 mma columns x 8) */
 #define MOE_DECODE_MAX_EXPERTS 512 /* local experts (the per-CTA expert table) */
-#define MOE_DECODE_MAX_SPLIT 8     /* GEMM 2's k split */
+#define MOE_DECODE_MAX_SPLIT 8     /* GEMM 1's and GEMM 2's k splits */
 
 /* y[t] = sum_{j in order} w[t, j] * W2_e (act(W1_e x_t) * (W3_e x_t)) (+ g_t * shared[t]),
  * e = topk_ids[t, j], for T <= MOE_DECODE_MAX_TOKENS tokens on one GPU.
@@ -46,6 +46,8 @@ typedef struct moe_decode_args {
     /* workspace (moe_decode_workspace_bytes) */
     void *h;       /* bf16 [T top_k][inter]: GEMM 1's rows by slot */
     float *o;      /* f32 [split][T top_k][hidden]: GEMM 2's rows by slot, per k split */
+    float *o1;     /* split1 > 1: f32 [split1][T top_k][2 inter]: GEMM 1's gate and up sums by
+                    * slot, per k split (NULL with split1 = 1) */
     uint8_t *xq;   /* f8: e4m3 [T][hidden] */
     float *xs;     /* f8: [T] */
     int32_t *sync; /* device, moe_decode_sync_count ints, zero between launches (the last CTA
@@ -55,15 +57,21 @@ typedef struct moe_decode_args {
     int f8;       /* 0: bf16 weights; 1: e4m3 weights with per-row scales */
     int gelu;     /* 1: gelu (tanh) * up, else silu * up */
     int split;    /* GEMM 2's k split, moe_decode_split (1 .. MOE_DECODE_MAX_SPLIT) */
+    int split1;   /* GEMM 1's k split (1 .. MOE_DECODE_MAX_SPLIT; moe_decode_split1 gives one
+                   * from the shape); 0 is taken as 1 */
     int max_ctas; /* at most this many CTAs (0: as many as fit on the GPU) */
 } moe_decode_args_t;
 
-/* ints of the persistent sync array for a layer of these dimensions */
-size_t moe_decode_sync_count(int num_experts, int hidden, int max_rows);
+/* ints of the persistent sync array for a layer of these dimensions and GEMM 1 k split */
+size_t moe_decode_sync_count(int num_experts, int hidden, int inter, int split1, int max_rows);
 /* GEMM 2's k split for a layer: enough (expert, row tile, split) items for every warp of the
  * GPU when one token's top_k experts are touched; from the shape only, so a token's sums do not
  * depend on the batch. */
 int moe_decode_split(int num_experts, int top_k, int hidden, int inter, int num_sms);
+/* GEMM 1's k split by the same rule: enough (expert, 8 columns of h, split) items for every warp
+ * at one token, each piece at least 256 of k. GEMM 1's pieces are summed in split order by the
+ * piece that finishes last, so the split changes a token's bits only with the layer's shape. */
+int moe_decode_split1(int num_experts, int top_k, int hidden, int inter, int num_sms);
 /* NOT_SUPPORTED (naming the value) where the kernel cannot run these dimensions. */
 moe_status_t moe_decode_check(int num_experts, int top_k, int hidden, int inter, int f8);
 moe_status_t moe_decode_launch(const moe_decode_args_t *args, void *stream);

@@ -4,10 +4,12 @@
 //
 // Work items, one warp each, in one order that every warp walks with a stride of the warp
 // count (item i on warp i mod W): [x quantisation of each token (fp8)] [GEMM 1: (expert,
-// 8 output columns of h)] [GEMM 2: (expert, 16 rows of hidden, k split)]. An item waits only on
-// items before it (GEMM 1 on the quantised x, GEMM 2 on every GEMM 1 item of its expert) and a
-// warp takes its items in order, so the lowest unfinished item can always run: no deadlock,
-// with no grid-wide barrier. The last GEMM 2 item of a row tile sums that tile for every token.
+// 8 output columns of h, k split)] [GEMM 2: (expert, 16 rows of hidden, k split)]. An item waits
+// only on items before it (GEMM 1 on the quantised x, GEMM 2 on every GEMM 1 item of its expert)
+// and a warp takes its items in order, so the lowest unfinished item can always run: no
+// deadlock, with no grid-wide barrier. The last GEMM 1 piece of a column tile sums the tile's
+// pieces and applies the activation; the last GEMM 2 item of a row tile sums that tile for
+// every token.
 // A waiting item issues its first weight loads before it waits.
 //
 // Tensor cores through mma.sync with the weights as the M side (swap-AB): a warp's 16 weight
@@ -37,17 +39,22 @@ constexpr int TILE1 = 8;  // GEMM 1: output columns of h per item (8 gate + 8 up
 constexpr int TILE2 = 16; // GEMM 2: output columns of y per item
 constexpr int MAX_ROWS = MOE_DECODE_MAX_TOKENS * 16; // slots: tokens x top_k (top_k <= 16)
 
-// sync[] layout: done counter, x quantised counter, GEMM 1 items done per expert (one 128-byte
-// line each: many warps poll them), GEMM 2 items done per row tile (one 32-byte sector each),
-// then |h| max per slot (f8; float bits).
+// sync[] layout: done counter, x quantised counter, GEMM 1 column tiles done per expert (one
+// 128-byte line each: many warps poll them), GEMM 2 items done per row tile (one 32-byte sector
+// each), GEMM 1 pieces done per (expert, column tile) with a k split (dense: never polled, each
+// left at zero by its last piece), then |h| max per slot (f8; float bits).
 constexpr int SYNC_DONE = 0, SYNC_XQ = 32, SYNC_E1 = 64, E1_STRIDE = 32, COL_STRIDE = 8;
-__device__ __forceinline__ int sync_col(int E)
+__host__ __device__ __forceinline__ int sync_col(int E)
 {
     return SYNC_E1 + E * E1_STRIDE;
 }
-__device__ __forceinline__ int sync_hmax(int E, int H)
+__host__ __device__ __forceinline__ int sync_tile(int E, int H)
 {
     return sync_col(E) + (H + 15) / 16 * COL_STRIDE;
+}
+__host__ __device__ __forceinline__ int sync_hmax(int E, int H, int I, int split1)
+{
+    return sync_tile(E, H) + (split1 > 1 ? E * (I / TILE1) : 0);
 }
 
 struct smem_t {
@@ -71,11 +78,11 @@ struct params {
     void *y;
     int32_t *counts;
     __nv_bfloat16 *h;
-    float *o;
+    float *o, *o1;
     uint8_t *xq;
     float *xs;
     int32_t *sync;
-    int T, k, E, H, I, split, y_f32, gelu;
+    int T, k, E, H, I, split, split1, y_f32, gelu;
 };
 
 __device__ __forceinline__ uint4 ld_stream(const uint8_t *p)
@@ -326,9 +333,10 @@ __device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra,
     }
 }
 
-// GEMM 1 item: expert e, h columns c0 .. c0 + 7 for the expert's n tokens
-template <bool F8, int NG, int U, typename XT>
-__device__ void gemm1(const params &p, const smem_t &s, int e, int c0)
+// GEMM 1 item: expert e, h columns c0 .. c0 + 7 for the expert's n tokens, k piece q of
+// p.split1 (K1: split1 > 1; pieces of a multiple of 4 x 16 bytes of k)
+template <bool F8, int NG, int U, typename XT, bool K1>
+__device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n = s.cnt[e], *list = s.slots + s.off[e];
@@ -351,10 +359,52 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0)
         if (F8)
             warp_wait(p.sync + SYNC_XQ, p.T);
     };
+    constexpr int CK = F8 ? 64 : 32; // k per 16-byte load of the 4 lanes of a row
+    const int s1 = K1 ? p.split1 : 1;
+    const int per = K1 ? ((p.H + s1 - 1) / s1 + CK - 1) / CK * CK : p.H;
+    const int k0 = !K1 ? 0 : q * per < p.H ? q * per : p.H;
+    const int k1 = !K1 ? p.H : k0 + per < p.H ? k0 + per : p.H;
     float acc[NG][4];
-    dot_rows<F8, NG, U>(acc, ra, rb, 0, p.H, n, bcol, wait);
+    dot_rows<F8, NG, U>(acc, ra, rb, k0, k1, n, bcol, wait);
     // c0, c1: gate of column c0 + g for tokens 2t, 2t + 1 of the group; c2, c3: up
     const int col = c0 + g;
+    if (K1) {
+        // this piece's sums by slot; the tile's last piece adds every piece in split order
+        // (the same order whichever piece ends last) and goes on with the whole sums
+        const int64_t rows = (int64_t)p.T * p.k, I2 = 2 * (int64_t)p.I;
+        int32_t *done = p.sync + sync_tile(p.E, p.H) + e * (p.I / TILE1) + c0 / TILE1;
+#pragma unroll
+        for (int i = 0; i < NG; i++)
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const int m = i * 8 + 2 * t + j;
+                if (i * 8 < n && m < n) {
+                    float *o = p.o1 + (q * rows + list[m]) * I2 + col;
+                    o[0] = acc[i][j];
+                    o[p.I] = acc[i][2 + j];
+                }
+            }
+        if (warp_signal(done) != p.split1 - 1)
+            return;
+        __threadfence();
+#pragma unroll
+        for (int i = 0; i < NG; i++)
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const int m = i * 8 + 2 * t + j;
+                float gv = 0.0f, uv = 0.0f;
+                if (i * 8 < n && m < n)
+                    for (int r = 0; r < p.split1; r++) {
+                        const float *o = p.o1 + (r * rows + list[m]) * I2 + col;
+                        gv += ld_cg_f32(o);
+                        uv += ld_cg_f32(o + p.I);
+                    }
+                acc[i][j] = gv;
+                acc[i][2 + j] = uv;
+            }
+        if (lane == 0)
+            *done = 0; // every piece of this launch has counted: ready for the next launch
+    }
     float sg = 1.0f, su = 1.0f;
     if (F8)
         sg = __ldg(p.w13s + rg), su = __ldg(p.w13s + rg + p.I);
@@ -387,7 +437,8 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0)
                 for (int o = 4; o < 32; o <<= 1)
                     hm[j] = fmaxf(hm[j], __shfl_xor_sync(0xffffffffu, hm[j], o));
                 if (g == 0 && slot[j] >= 0)
-                    atomicMax(p.sync + sync_hmax(p.E, p.H) + slot[j], __float_as_int(hm[j]));
+                    atomicMax(p.sync + sync_hmax(p.E, p.H, p.I, s1) + slot[j],
+                              __float_as_int(hm[j]));
             }
         }
     }
@@ -443,8 +494,8 @@ template <typename YT> __device__ void combine_tile(const params &p, int r)
     }
 }
 
-// GEMM 2 item: expert e, rows r * 16 .. + 16 of hidden, k split q
-template <bool F8, int NG, int U>
+// GEMM 2 item: expert e, rows r * 16 .. + 16 of hidden, k split q (K1: GEMM 1 split too)
+template <bool F8, int NG, int U, bool K1>
 __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int n1)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -455,7 +506,8 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
     const uint8_t *rb = p.w2 + ((int64_t)e * p.H + row1) * p.I * ES;
     const int per = ((p.I + p.split - 1) / p.split + CK - 1) / CK * CK;
     const int k0 = q * per, k1 = k0 + per < p.I ? k0 + per : p.I;
-    const float *hmax = reinterpret_cast<const float *>(p.sync + sync_hmax(p.E, p.H));
+    const float *hmax =
+        reinterpret_cast<const float *>(p.sync + sync_hmax(p.E, p.H, p.I, K1 ? p.split1 : 1));
     int slot[NG];
     float hs[NG];
 #pragma unroll
@@ -511,7 +563,9 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
     }
 }
 
-template <bool F8, int NG, int U, typename XT, typename YT>
+// K1: GEMM 1 split along k (p.split1 > 1), a kernel of its own so that the others keep their
+// registers
+template <bool F8, int NG, int U, typename XT, typename YT, bool K1>
 __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
 {
     __shared__ smem_t s;
@@ -522,19 +576,20 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
     const int warp = threadIdx.x / 32, nw = gridDim.x * WARPS;
     const int nu = s.nuniq;
     const int n0 = F8 ? p.T : 0;
-    const int t1 = p.I / TILE1, n1 = nu * t1;
+    const int s1 = K1 ? p.split1 : 1;
+    const int t1 = p.I / TILE1, n1 = nu * t1 * s1;
     const int t2 = (p.H + TILE2 - 1) / TILE2, n2 = nu * t2 * p.split;
     int32_t *col_done = p.sync + sync_col(p.E);
     for (int item = warp * gridDim.x + blockIdx.x; item < n0 + n1 + n2; item += nw) {
         if (item < n0) {
             quantise_x<XT>(p, item);
         } else if (item < n0 + n1) {
-            const int i = item - n0;
-            gemm1<F8, NG, U, XT>(p, s, s.uniq[i / t1], (i % t1) * TILE1);
+            const int i = item - n0; // (expert, column tile, k piece), the pieces adjacent
+            gemm1<F8, NG, U, XT, K1>(p, s, s.uniq[i / (t1 * s1)], i / s1 % t1 * TILE1, i % s1);
         } else {
             const int i = item - n0 - n1;
             const int u = i / (t2 * p.split), r = i / p.split % t2, q = i % p.split;
-            gemm2<F8, NG, U>(p, s, s.uniq[u], r, q, t1);
+            gemm2<F8, NG, U, K1>(p, s, s.uniq[u], r, q, t1);
             if (warp_signal(col_done + r * COL_STRIDE) == nu * p.split - 1) {
                 __threadfence();
                 combine_tile<YT>(p, r);
@@ -550,8 +605,11 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
     __syncthreads();
     if (s.last) {
         __threadfence();
-        const int n = sync_hmax(p.E, p.H) + (F8 ? p.T * p.k : 0);
-        for (int i = 1 + threadIdx.x; i < n; i += THREADS)
+        // (the GEMM 1 piece counters between them are left at zero by their last pieces)
+        const int nt = sync_tile(p.E, p.H), nh = sync_hmax(p.E, p.H, p.I, s1);
+        for (int i = 1 + threadIdx.x; i < nt; i += THREADS)
+            p.sync[i] = 0;
+        for (int i = nh + threadIdx.x; i < nh + (F8 ? p.T * p.k : 0); i += THREADS)
             p.sync[i] = 0;
         __syncthreads();
         if (threadIdx.x == 0)
@@ -560,7 +618,7 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
 }
 
 // CTAs that fit on the device at once (every one must be resident: items wait on others)
-template <bool F8, int NG, int U, typename XT, typename YT> int resident_ctas()
+template <bool F8, int NG, int U, typename XT, typename YT, bool K1> int resident_ctas()
 {
     static int cached[MOE_MAX_DEVICES];
     int dev = 0;
@@ -569,25 +627,32 @@ template <bool F8, int NG, int U, typename XT, typename YT> int resident_ctas()
     return moe_device_cached(cached, dev, [](int d) {
         int sms = 0, per = 0;
         if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d) != cudaSuccess ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, decode_kernel<F8, NG, U, XT, YT>,
-                                                          THREADS, 0) != cudaSuccess)
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                &per, decode_kernel<F8, NG, U, XT, YT, K1>, THREADS, 0) != cudaSuccess)
             return 0;
         return sms * per;
     });
 }
 
-template <bool F8, int NG, int U, typename XT, typename YT>
-moe_status_t launch(const params &p, int max_ctas, cudaStream_t stream)
+template <bool F8, int NG, int U, typename XT, typename YT, bool K1>
+moe_status_t launch_k1(const params &p, int max_ctas, cudaStream_t stream)
 {
-    int ctas = resident_ctas<F8, NG, U, XT, YT>();
+    int ctas = resident_ctas<F8, NG, U, XT, YT, K1>();
     if (ctas <= 0)
         return moe_error(MOE_STATUS_CUDA_ERROR, "decode: no CTA fits on the device");
     if (max_ctas > 0 && max_ctas < ctas)
         ctas = max_ctas;
     MOE_CUDA_CHECK(
-        moe_launch(decode_kernel<F8, NG, U, XT, YT>, dim3(ctas), dim3(THREADS), 0, stream, p));
+        moe_launch(decode_kernel<F8, NG, U, XT, YT, K1>, dim3(ctas), dim3(THREADS), 0, stream, p));
     MOE_CUDA_CHECK_LAUNCH("decode_kernel");
     return MOE_STATUS_SUCCESS;
+}
+
+template <bool F8, int NG, int U, typename XT, typename YT>
+moe_status_t launch(const params &p, int max_ctas, cudaStream_t stream)
+{
+    return p.split1 > 1 ? launch_k1<F8, NG, U, XT, YT, true>(p, max_ctas, stream)
+                        : launch_k1<F8, NG, U, XT, YT, false>(p, max_ctas, stream);
 }
 
 template <bool F8, typename XT, typename YT>
@@ -611,39 +676,55 @@ moe_status_t launch_y(const params &p, moe_dtype_t yt, int max_ctas, cudaStream_
 
 template <bool F8> moe_status_t prepare_f8()
 {
-#define MOE_DECODE_PREP(NG, U)                                                                     \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, float, float>));                                    \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, float, __nv_bfloat16>));                            \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, __nv_bfloat16, float>));                            \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, __nv_bfloat16, __nv_bfloat16>));
-    MOE_DECODE_PREP(1, U_WIDE)
-    MOE_DECODE_PREP(2, U_WIDE)
-    MOE_DECODE_PREP(4, U_WIDE)
-    MOE_DECODE_PREP(8, U_WIDE)
+#define MOE_DECODE_PREP(NG, U, K1)                                                                 \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, float, float, K1>));                                \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, float, __nv_bfloat16, K1>));                        \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, __nv_bfloat16, float, K1>));                        \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, __nv_bfloat16, __nv_bfloat16, K1>));
+    MOE_DECODE_PREP(1, U_WIDE, false)
+    MOE_DECODE_PREP(2, U_WIDE, false)
+    MOE_DECODE_PREP(4, U_WIDE, false)
+    MOE_DECODE_PREP(8, U_WIDE, false)
+    MOE_DECODE_PREP(1, U_WIDE, true)
+    MOE_DECODE_PREP(2, U_WIDE, true)
+    MOE_DECODE_PREP(4, U_WIDE, true)
+    MOE_DECODE_PREP(8, U_WIDE, true)
 #undef MOE_DECODE_PREP
     return MOE_STATUS_SUCCESS;
 }
 
 } // namespace
 
-extern "C" size_t moe_decode_sync_count(int num_experts, int hidden, int max_rows)
+extern "C" size_t moe_decode_sync_count(int num_experts, int hidden, int inter, int split1,
+                                        int max_rows)
 {
-    return (size_t)SYNC_E1 + (size_t)num_experts * E1_STRIDE +
-           (size_t)(hidden + TILE2 - 1) / TILE2 * COL_STRIDE + (size_t)max_rows;
+    return (size_t)sync_hmax(num_experts, hidden, inter, split1) + (size_t)max_rows;
 }
 
-extern "C" int moe_decode_split(int num_experts, int top_k, int hidden, int inter, int num_sms)
+// A k split for `items` items of a step of one token: enough items for every warp of the GPU,
+// at least 256 of the k length `k` a piece, at most MOE_DECODE_MAX_SPLIT
+static int split_rule(int64_t items, int k, int num_sms)
 {
-    const int64_t touched = top_k < num_experts ? top_k : num_experts;
-    const int64_t items = touched * ((hidden + TILE2 - 1) / TILE2);
     const int64_t warps = (int64_t)(num_sms > 0 ? num_sms : 132) * 2 * WARPS;
     int64_t split = items > 0 ? warps / items : 1;
-    const int64_t most = inter / 256 > 0 ? inter / 256 : 1; // at least 256 k a piece
+    const int64_t most = k / 256 > 0 ? k / 256 : 1;
     if (split > most)
         split = most;
     if (split > MOE_DECODE_MAX_SPLIT)
         split = MOE_DECODE_MAX_SPLIT;
     return split < 1 ? 1 : (int)split;
+}
+
+extern "C" int moe_decode_split(int num_experts, int top_k, int hidden, int inter, int num_sms)
+{
+    const int64_t touched = top_k < num_experts ? top_k : num_experts;
+    return split_rule(touched * ((hidden + TILE2 - 1) / TILE2), inter, num_sms);
+}
+
+extern "C" int moe_decode_split1(int num_experts, int top_k, int hidden, int inter, int num_sms)
+{
+    const int64_t touched = top_k < num_experts ? top_k : num_experts;
+    return split_rule(touched * (inter / TILE1), hidden, num_sms);
 }
 
 extern "C" moe_status_t moe_decode_check(int num_experts, int top_k, int hidden, int inter, int f8)
@@ -670,6 +751,9 @@ extern "C" moe_status_t moe_decode_launch(const moe_decode_args_t *a, void *stre
                   MOE_DECODE_MAX_TOKENS);
     MOE_ARG_CHECK(a->split >= 1 && a->split <= MOE_DECODE_MAX_SPLIT, "decode: split = %d",
                   a->split);
+    MOE_ARG_CHECK(a->split1 >= 0 && a->split1 <= MOE_DECODE_MAX_SPLIT, "decode: split1 = %d",
+                  a->split1);
+    MOE_ARG_CHECK(a->split1 <= 1 || a->o1, "decode: split1 = %d needs the o1 workspace", a->split1);
     MOE_ARG_CHECK(a->x_dtype == MOE_DTYPE_F32 || a->x_dtype == MOE_DTYPE_BF16,
                   "decode: x dtype %s (F32 or BF16)", moe_dtype_name(a->x_dtype));
     MOE_ARG_CHECK(a->y_dtype == MOE_DTYPE_F32 || a->y_dtype == MOE_DTYPE_BF16,
@@ -704,6 +788,8 @@ extern "C" moe_status_t moe_decode_launch(const moe_decode_args_t *a, void *stre
     p.H = a->hidden;
     p.I = a->inter;
     p.split = a->split;
+    p.split1 = a->split1 > 1 ? a->split1 : 1;
+    p.o1 = a->o1;
     p.y_f32 = a->y_dtype == MOE_DTYPE_F32;
     p.gelu = a->gelu;
     const cudaStream_t st = (cudaStream_t)stream;

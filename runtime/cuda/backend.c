@@ -290,6 +290,11 @@ static moe_status_t plan_decode(cuda_layer_t *s)
     s->dec_ok = 1;
     s->dec_tokens = s->dec_max;
     s->dec_split = moe_decode_split(s->E, s->k, s->H, (int)s->is, sms);
+    /* MOE_DECODE_K1_SPLIT: GEMM 1's k split; 1 (default): none, 0: by the layer's shape
+     * (moe_decode_split1), N: N pieces (an experiment until measured: docs/KERNELS.md) */
+    s->dec_split1 = (int)moe_env_int("MOE_DECODE_K1_SPLIT", 1);
+    if (s->dec_split1 == 0)
+        s->dec_split1 = moe_decode_split1(s->E, s->k, s->H, (int)s->is, sms);
     return MOE_STATUS_SUCCESS;
 }
 
@@ -343,10 +348,9 @@ static moe_status_t cuda_init(moe_layer_t *l)
     MOE_CHECK_GOTO(moe_gpu_memset(s->bias, 0, sizeof(float) * (size_t)s->E_total), st, fail);
     MOE_CHECK_GOTO(moe_gpu_memset(s->perm_done, 0, 2 * sizeof(int32_t)), st, fail);
     if (s->dec_ok)
-        MOE_CHECK_GOTO(moe_gpu_memset(s->dec_sync, 0,
-                                      sizeof(int32_t) *
-                                          moe_decode_sync_count(s->E, s->H, s->dec_tokens * s->k)),
-                       st, fail);
+        MOE_CHECK_GOTO(
+            moe_gpu_memset(s->dec_sync, 0, sizeof(int32_t) * moe_cuda_decode_sync_count(s)), st,
+            fail);
     MOE_CHECK_GOTO(moe_cuda_upload_placement(&l->plan, s), st, fail);
     MOE_CHECK_GOTO(moe_gpu_memset(s->load, 0, sizeof(unsigned long long) * (size_t)s->E_total), st,
                    fail);
@@ -494,9 +498,9 @@ static void cuda_explain(const moe_layer_t *l, int64_t T, char *text, size_t len
     if (moe_cuda_use_decode(s, T, NULL))
         snprintf(routed, sizeof(routed),
                  "%s (one persistent kernel: GEMM 1, activation, GEMM 2 and the weighted sum%s; "
-                 "GEMM 2 k split %d) at up to %d tokens (%s%s)",
-                 MOE_ORACLE_FUSED_DECODE, s->f8 ? ", x and h quantised inside" : "", s->dec_split,
-                 s->dec_max,
+                 "GEMM 1 k split %d, GEMM 2 k split %d) at up to %d tokens (%s%s)",
+                 MOE_ORACLE_FUSED_DECODE, s->f8 ? ", x and h quantised inside" : "", s->dec_split1,
+                 s->dec_split, s->dec_max,
                  s->dec_forced > 0 ? "forced by "
                  : s->dec_tuned    ? "crossover tuned from "
                                    : "built-in crossover",

@@ -9,6 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "comm/nccl_comm.h"
+#include "kernels/decode.h"
 #include "kernels/expert_gemm.h"
 #include "kernels/permute.h"
 #include "runtime/layer.h"
@@ -178,10 +179,11 @@ typedef struct cuda_layer {
      * deterministic. dec_max: the most tokens a step runs it at (0: never); dec_forced: 1
      * MOE_FORCE_VARIANT=sm90_fused_decode, -1 another variant forced, 0 the oracle's crossover
      * (dec_tuned: from the tune file's decode table, else the built-in one).
-     * Its workspace holds dec_tokens tokens; dec_sync is persistent (zero between steps). */
-    int dec_ok, dec_max, dec_forced, dec_tuned, dec_tokens, dec_split;
+     * Its workspace holds dec_tokens tokens; dec_sync is persistent (zero between steps).
+     * dec_split, dec_split1: GEMM 2's and GEMM 1's k splits (dec_o1: GEMM 1's pieces). */
+    int dec_ok, dec_max, dec_forced, dec_tuned, dec_tokens, dec_split, dec_split1;
     void *dec_h;
-    float *dec_o, *dec_xs;
+    float *dec_o, *dec_o1, *dec_xs;
     uint8_t *dec_xq;
     int32_t *dec_sync;
 
@@ -208,6 +210,12 @@ static inline void *moe_cuda_take(carve_t *c, size_t bytes)
     void *p = c->base ? c->base + c->off : NULL;
     c->off += align_up(bytes);
     return p;
+}
+
+/* ints of the fused decode kernel's sync array (dec_sync) */
+static inline size_t moe_cuda_decode_sync_count(const cuda_layer_t *s)
+{
+    return moe_decode_sync_count(s->E, s->H, (int)s->is, s->dec_split1, s->dec_tokens * s->k);
 }
 
 /* The GEMMs' scale kind: none (bf16), per row (W8A8 per-tensor / per-channel weights, their

@@ -169,6 +169,9 @@ void moe_cuda_plan_workspace(cuda_layer_t *s, carve_t *c)
         const size_t dr = (size_t)s->dec_tokens * (size_t)s->k;
         s->dec_h = moe_cuda_take(c, 2 * dr * (size_t)s->is);
         s->dec_o = moe_cuda_take(c, sizeof(float) * (size_t)s->dec_split * dr * (size_t)s->H);
+        if (s->dec_split1 > 1)
+            s->dec_o1 =
+                moe_cuda_take(c, sizeof(float) * (size_t)s->dec_split1 * dr * 2 * (size_t)s->is);
         if (s->f8) {
             s->dec_xq = moe_cuda_take(c, (size_t)s->dec_tokens * (size_t)s->H);
             s->dec_xs = moe_cuda_take(c, sizeof(float) * (size_t)s->dec_tokens);
@@ -207,8 +210,7 @@ void moe_cuda_plan_weights(cuda_layer_t *s, carve_t *c)
     s->load = moe_cuda_take(c, sizeof(unsigned long long) * (size_t)s->E_total);
     s->perm_done = moe_cuda_take(c, 2 * sizeof(int32_t)); /* lane 0's, lane 1's */
     if (s->dec_ok)
-        s->dec_sync = moe_cuda_take(c, sizeof(int32_t) *
-                                           moe_decode_sync_count(s->E, s->H, s->dec_tokens * s->k));
+        s->dec_sync = moe_cuda_take(c, sizeof(int32_t) * moe_cuda_decode_sync_count(s));
     if (ss > 0) {
         s->sw13 = moe_cuda_take(c, eb * 2 * ss * H);
         s->sw2 = moe_cuda_take(c, eb * H * ss);

@@ -156,6 +156,24 @@ static int runs_fused(const moe_layer_t *l, int64_t n)
     return strstr(text, "sm90_fused_decode") != NULL;
 }
 
+/* The GEMM 1 k split a fused layer runs (its explain text), and the shape's rule for a case */
+static int k1_split_of(const moe_layer_t *l)
+{
+    char text[2048];
+    const char *at;
+    gt_ok(moe_layer_explain(l, 1, text, sizeof(text)), "explain");
+    at = strstr(text, "GEMM 1 k split ");
+    assert_non_null(at);
+    return atoi(at + strlen("GEMM 1 k split "));
+}
+
+static int k1_rule(const dec_case_t *c)
+{
+    int sms = 0;
+    gt_ok(moe_gpu_sm_count(0, &sms), "SM count");
+    return moe_decode_split1(c->E, c->k, c->H, c->I, sms);
+}
+
 typedef struct layers {
     moe_layer_t *cpu, *fused, *grouped;
 } layers_t;
@@ -213,15 +231,22 @@ static void test_decode_against_cpu(void **state)
         if (only && !strstr(c->name, only))
             continue;
         ls.cpu = make(rt_cpu, c, 64, seed);
-        setenv("MOE_FORCE_VARIANT", "sm90_fused_decode", 1);
-        ls.fused = make(rt_gpu, c, 64, seed);
         setenv("MOE_FORCE_VARIANT", grouped_of(c), 1);
         ls.grouped = make(rt_gpu, c, 64, seed);
+        /* GEMM 1 whole, then split along k by the shape's rule (MOE_DECODE_K1_SPLIT=0) */
+        for (int k1 = 0; k1 < 2; k1++) {
+            setenv("MOE_FORCE_VARIANT", "sm90_fused_decode", 1);
+            if (k1)
+                setenv("MOE_DECODE_K1_SPLIT", "0", 1);
+            ls.fused = make(rt_gpu, c, 64, seed);
+            unsetenv("MOE_DECODE_K1_SPLIT");
+            assert_int_equal(k1_split_of(ls.fused), k1 ? k1_rule(c) : 1);
+            for (size_t j = 0; j < sizeof(counts) / sizeof(counts[0]); j++)
+                fails += check_case(c, &ls, counts[j]);
+            moe_layer_destroy(ls.fused);
+        }
         unsetenv("MOE_FORCE_VARIANT");
-        for (size_t j = 0; j < sizeof(counts) / sizeof(counts[0]); j++)
-            fails += check_case(c, &ls, counts[j]);
         moe_layer_destroy(ls.cpu);
-        moe_layer_destroy(ls.fused);
         moe_layer_destroy(ls.grouped);
     }
     assert_int_equal(fails, 0);
@@ -240,17 +265,23 @@ static void test_decode_batch_invariant(void **state)
               *y1 = malloc(4 * H);
         moe_layer_t *l;
         moe_gen_tokens(seed, 0, 64, c->H, x);
-        setenv("MOE_FORCE_VARIANT", "sm90_fused_decode", 1);
-        l = make(rt_gpu, c, 64, seed);
-        unsetenv("MOE_FORCE_VARIANT");
-        run_steps(l, c, 1, x, 64, 1, y64);
-        run_steps(l, c, 1, x + 20 * H, 7, 1, y7); /* tokens 20 .. 26 */
-        run_steps(l, c, 1, x + 23 * H, 1, 1, y1); /* token 23 */
-        moe_layer_destroy(l);
-        assert_int_equal(tu_count_nan(y64, (int64_t)(64 * H)), 0);
-        assert_memory_equal(y7, y64 + 20 * H, 4 * 7 * H);
-        assert_memory_equal(y1, y64 + 23 * H, 4 * H);
-        fprintf(stderr, "  %-56s batch-invariant (1 / 7 / 64 tokens)\n", c->name);
+        for (int k1 = 0; k1 < 2; k1++) { /* GEMM 1 whole, then split by the shape's rule */
+            setenv("MOE_FORCE_VARIANT", "sm90_fused_decode", 1);
+            if (k1)
+                setenv("MOE_DECODE_K1_SPLIT", "0", 1);
+            l = make(rt_gpu, c, 64, seed);
+            unsetenv("MOE_DECODE_K1_SPLIT");
+            unsetenv("MOE_FORCE_VARIANT");
+            run_steps(l, c, 1, x, 64, 1, y64);
+            run_steps(l, c, 1, x + 20 * H, 7, 1, y7); /* tokens 20 .. 26 */
+            run_steps(l, c, 1, x + 23 * H, 1, 1, y1); /* token 23 */
+            moe_layer_destroy(l);
+            assert_int_equal(tu_count_nan(y64, (int64_t)(64 * H)), 0);
+            assert_memory_equal(y7, y64 + 20 * H, 4 * 7 * H);
+            assert_memory_equal(y1, y64 + 23 * H, 4 * H);
+            fprintf(stderr, "  %-56s batch-invariant (1 / 7 / 64 tokens), GEMM 1 k split %d\n",
+                    c->name, k1 ? k1_rule(c) : 1);
+        }
         free(x), free(y64), free(y7), free(y1);
     }
 }
