@@ -384,6 +384,51 @@ static int teardown(void **state)
     return 0;
 }
 
+/* The shape rules for the k splits and the sync array's size, and the launch's refusals of bad
+ * splits: host code, run with or without a GPU. */
+static void test_decode_split_rules(void **state)
+{
+    moe_decode_args_t a;
+    float o = 0.0f;
+    (void)state;
+    /* one token's GEMM 1 items against 132 SMs x 16 warps: Qwen3-30B-A3B has 8 x 96 = 768 */
+    assert_int_equal(moe_decode_split1(128, 8, 2048, 768, 132), 2);
+    assert_int_equal(moe_decode_split1(8, 2, 4096, 14336, 132), 1); /* Mixtral: 3584 items */
+    assert_int_equal(moe_decode_split1(32, 8, 7168, 2048, 132), 1); /* DeepSeek-V3 shard */
+    assert_int_equal(moe_decode_split1(32, 8, 1024, 256, 132), 4);  /* at least 256 k a piece */
+    assert_int_equal(moe_decode_split1(8, 2, 128, 64, 132), 1);     /* k < 512: one piece */
+    assert_int_equal(moe_decode_split1(1, 1, 65536, 8, 132), MOE_DECODE_MAX_SPLIT);
+    assert_int_equal(moe_decode_split1(16, 4, 1024, 96, 0), 4);    /* 0 SMs: 132 assumed */
+    assert_int_equal(moe_decode_split(128, 8, 2048, 768, 132), 2); /* GEMM 2: 1024 items */
+    /* the piece counters only with a GEMM 1 split: E x inter / 8 ints */
+    assert_true(moe_decode_sync_count(128, 2048, 768, 1, 64) ==
+                moe_decode_sync_count(128, 2048, 768, 0, 64));
+    assert_true(moe_decode_sync_count(128, 2048, 768, 2, 64) ==
+                moe_decode_sync_count(128, 2048, 768, 1, 64) + 128 * 768 / 8);
+    /* refused before anything runs: a split past the bound, a split without its workspace */
+    memset(&a, 0, sizeof(a));
+    a.num_tokens = 1;
+    a.top_k = 2;
+    a.num_experts = 8;
+    a.hidden = 1024;
+    a.inter = 256;
+    a.split = 1;
+    a.x_dtype = a.y_dtype = MOE_DTYPE_BF16;
+    a.split1 = MOE_DECODE_MAX_SPLIT + 1;
+    assert_int_equal(moe_decode_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
+    assert_non_null(strstr(moe_last_error(), "split1 = 9"));
+    a.split1 = 2;
+    assert_int_equal(moe_decode_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
+    assert_non_null(strstr(moe_last_error(), "o1 workspace"));
+    a.o1 = &o;
+    a.split1 = -1;
+    assert_int_equal(moe_decode_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
+}
+
+static const struct CMUnitTest host_tests[] = {
+    cmocka_unit_test(test_decode_split_rules),
+};
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_decode_graph_explain_refusals),
     cmocka_unit_test(test_decode_batch_invariant),
@@ -392,7 +437,10 @@ static const struct CMUnitTest tests[] = {
 
 int main(void)
 {
-    int gate = gt_gpu_gate(1);
+    int gate;
+    if (cmocka_run_group_tests_name("decode host", host_tests, NULL, NULL))
+        return 1; /* a failure, GPU or not */
+    gate = gt_gpu_gate(1);
     if (gate)
         return gate;
     gt_seed();
