@@ -681,14 +681,14 @@ template <bool F8> moe_status_t prepare_f8()
     MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, float, __nv_bfloat16, K1>));                        \
     MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, __nv_bfloat16, float, K1>));                        \
     MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, __nv_bfloat16, __nv_bfloat16, K1>));
-    MOE_DECODE_PREP(1, U_WIDE, false)
-    MOE_DECODE_PREP(2, U_WIDE, false)
-    MOE_DECODE_PREP(4, U_WIDE, false)
-    MOE_DECODE_PREP(8, U_WIDE, false)
-    MOE_DECODE_PREP(1, U_WIDE, true)
-    MOE_DECODE_PREP(2, U_WIDE, true)
-    MOE_DECODE_PREP(4, U_WIDE, true)
-    MOE_DECODE_PREP(8, U_WIDE, true)
+#define MOE_DECODE_PREP_NG(K1)                                                                     \
+    MOE_DECODE_PREP(1, U_WIDE, K1)                                                                 \
+    MOE_DECODE_PREP(2, U_WIDE, K1)                                                                 \
+    MOE_DECODE_PREP(4, U_WIDE, K1)                                                                 \
+    MOE_DECODE_PREP(8, U_WIDE, K1)
+    MOE_DECODE_PREP_NG(false)
+    MOE_DECODE_PREP_NG(true)
+#undef MOE_DECODE_PREP_NG
 #undef MOE_DECODE_PREP
     return MOE_STATUS_SUCCESS;
 }

@@ -145,6 +145,10 @@ constexpr int BK = 64;            /* bf16 elements per row of a stage: one 128 B
 constexpr int ROW_BYTES = BK * 2; /* 128 (e4m3: 128 elements) */
 
 /* Elements of k per 128-byte stage row: 64 bf16 or 128 e4m3. */
+/* swap-AB FP8 per-row scales (F8 = 1): the epilogue's staging holds the item's A-row scales (64)
+ * and weight-row scales (128) beside its rows */
+constexpr int SWAP_F8_SCALE_FLOATS = 192;
+
 template <int F8> struct sm90_elem {
     static constexpr int BKE = F8 ? 128 : 64;
 };
@@ -170,8 +174,7 @@ struct sm90_cfg {
     static constexpr int TOK_BYTES = KB * SUB_T;
     static constexpr int STAGE_BYTES = W_BYTES + TOK_BYTES;
     static constexpr int EPI_LD = TOK + 1; /* swap-AB staging row (floats), odd: no conflicts */
-    /* swap-AB FP8 per-row scales: + the item's A-row scales (64) and weight-row scales (128) */
-    static constexpr int F8_SCALES = SWAP && F8 == 1 ? 192 : 0;
+    static constexpr int F8_SCALES = SWAP && F8 == 1 ? SWAP_F8_SCALE_FLOATS : 0;
     static constexpr int EPI_BYTES =
         SWAP ? (64 * WM * EPI_LD + 64 + F8_SCALES) * 4 /* + row scales */
         : TS ? NWG * TS_BYTES
@@ -891,9 +894,9 @@ static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const 
 template <int TOK, int KB, int WM = 1, int F8 = 0>
 static moe_status_t launch_swap(const moe_gemm_args_t *a, void *stream, const char *name)
 {
-    constexpr int ST =
-        stages_for(KB * (TOK + 64 * WM) * ROW_BYTES,
-                   200 * 1024 - (64 * WM * (TOK + 1) + 64 + (F8 == 1 ? 192 : 0)) * 4, 12);
+    constexpr int ST = stages_for(
+        KB * (TOK + 64 * WM) * ROW_BYTES,
+        200 * 1024 - (64 * WM * (TOK + 1) + 64 + (F8 == 1 ? SWAP_F8_SCALE_FLOATS : 0)) * 4, 12);
     if ((int64_t)a->max_blocks * TOK >= ((int64_t)1 << 31))
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: max_blocks = %d too large", name,
                          a->max_blocks);
