@@ -35,7 +35,6 @@ static const struct knob {
     {"MOE_GEMM_GROUP", 0, 4096},    /* row blocks a sweep; 0: by blocks per expert */
     {"MOE_GEMM_MAX_CTAS", 0, 4096}, /* sm_90 GEMM grid cap (an experiment); 0: the SMs */
     {"MOE_DECODE_K1_SPLIT", 0, 8},  /* fused decode's GEMM 1 k split; 0: by shape, 1: none */
-    {"MOE_GEMM_F8_EPI_SMEM", 0, 1}, /* swap-AB FP8 epilogue scales through shared memory */
     {"MOE_FP8_FAST_ACCUM", 0, 1},   /* moe-tune: try the FP8 tiles without promotion */
 };
 

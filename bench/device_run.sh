@@ -32,8 +32,6 @@
 #                    bench/ab_compare.py prints new / base per point and geometric means
 #   fp8-fast         moe-bench fp8 per-tensor at M = 512 .. 8192 with the fast-accumulation
 #                    tile forced (MOE_FORCE_VARIANT=sm90_fp8_fast_m128n256) beside the built-in
-#   f8-epi           moe-bench fp8 per-tensor at M = 1 .. 512 ($EPI_TOKENS) with
-#                    MOE_GEMM_F8_EPI_SMEM=0 and 1 in turn, twice ($FP8_PRESETS)
 #   gemm-prof        Nsight Compute on the expert GEMMs of one step (DRAM / SM throughput,
 #                    the top warp stalls): fp8 per-tensor, fp8 block and bf16 at the DeepSeek-V3
 #                    shard M = 64 and Mixtral M = 8, fp8 at Mixtral M = 8192 ($PROF_CASES:
@@ -365,18 +363,6 @@ fp8-fast)
             MOE_FORCE_VARIANT=$v timeout 90 $B/moe-bench --preset "$p" --dtype fp8 \
                 --scales tensor --tokens ${FAST_TOKENS:-512,2048,8192} --seconds 0.2 2>&1 |
                 quiet | grep -vE "^#  *(limit|time)" | head -12
-        done
-    done
-    ;;
-f8-epi)
-    # the swap-AB FP8 epilogue's scales through shared memory (MOE_GEMM_F8_EPI_SMEM) against
-    # the default, in turn per preset, twice (ABAB)
-    for p in ${FP8_PRESETS:-$presets}; do
-        for v in 0 1 0 1; do
-            echo "== $p fp8 tensor, MOE_GEMM_F8_EPI_SMEM=$v"
-            MOE_GEMM_F8_EPI_SMEM=$v timeout 90 $B/moe-bench --preset "$p" --dtype fp8 \
-                --scales tensor --tokens "${EPI_TOKENS:-1,8,64,512}" --seconds 0.2 2>&1 |
-                quiet | grep -vE "^#  *(limit|time)" | head -10
         done
     done
     ;;

@@ -23,8 +23,6 @@ struct moe_gemm_kparams {
     const float *a_scale; /* FP8: [rows] per A row (block: [rows][ceil(k/128)]) */
     const float *b_scale; /* FP8: [num_experts][n] per weight row (block: [..][ceil(k/128)]) */
     int tma_store;        /* sm_90a normal layout: bf16 c through shared memory and TMA */
-    int f8_scales_smem;   /* sm_90a swap-AB FP8 per-row scales: the epilogue stages the item's
-                           * A-row and weight-row scales in shared memory (MOE_GEMM_F8_EPI_SMEM) */
     const int32_t *expert_counts, *expert_offsets; /* optional: see moe_gemm_args_t */
     int group; /* sm_90a: row blocks swept together over the weight tiles (0: by the step) */
 };
@@ -46,7 +44,6 @@ static inline moe_gemm_kparams moe_gemm_base_params(const moe_gemm_args_t *a)
     p.n_out = 0;
     p.n_tiles = 0;
     p.tma_store = 0;
-    p.f8_scales_smem = 0;
     p.group = 0;
     p.expert_counts = a->expert_counts; /* both or neither: moe_gemm_check_common */
     p.expert_offsets = a->expert_offsets;

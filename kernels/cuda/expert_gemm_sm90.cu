@@ -145,10 +145,6 @@ constexpr int BK = 64;            /* bf16 elements per row of a stage: one 128 B
 constexpr int ROW_BYTES = BK * 2; /* 128 (e4m3: 128 elements) */
 
 /* Elements of k per 128-byte stage row: 64 bf16 or 128 e4m3. */
-/* swap-AB FP8 per-row scales (F8 = 1): the epilogue's staging holds the item's A-row scales (64)
- * and weight-row scales (128) beside its rows */
-constexpr int SWAP_F8_SCALE_FLOATS = 192;
-
 template <int F8> struct sm90_elem {
     static constexpr int BKE = F8 ? 128 : 64;
 };
@@ -174,11 +170,9 @@ struct sm90_cfg {
     static constexpr int TOK_BYTES = KB * SUB_T;
     static constexpr int STAGE_BYTES = W_BYTES + TOK_BYTES;
     static constexpr int EPI_LD = TOK + 1; /* swap-AB staging row (floats), odd: no conflicts */
-    static constexpr int F8_SCALES = SWAP && F8 == 1 ? SWAP_F8_SCALE_FLOATS : 0;
-    static constexpr int EPI_BYTES =
-        SWAP ? (64 * WM * EPI_LD + 64 + F8_SCALES) * 4 /* + row scales */
-        : TS ? NWG * TS_BYTES
-             : 0;
+    static constexpr int EPI_BYTES = SWAP ? (64 * WM * EPI_LD + 64) * 4 /* + row scales */
+                                     : TS ? NWG * TS_BYTES
+                                          : 0;
     /* F8 = 2 (block scales), swap-AB: per stage and 128-wide k slice, the TOK A rows' scales
      * and one weight scale per half, copied in by the producer warp with the tiles (the normal
      * tiles load theirs in the promotion: docs/KERNELS.md, "FP8 W8A8") */
@@ -566,23 +560,9 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
         if (SWAP) {
             constexpr int OC = 64 * C::WM / HALVES; /* output columns of the item */
             float *sscale = sepi + 64 * C::WM * C::EPI_LD;
-            /* F8 = 1, p.f8_scales_smem: the scales each output multiplies by, loaded once per
-             * item by as many threads (else two dependent loads per output) */
-            float *sfa = sscale + 64, *sfb = sfa + 64;
             asm volatile("bar.sync 1, 128;" ::: "memory"); /* last item's readers are done */
             if (tid < TOK)
                 sscale[tid] = moe_gemm_row_scale(p, row0 + tid);
-            if (F8 == 1 && p.f8_scales_smem) {
-                if (tid < TOK)
-                    sfa[tid] = __ldg(p.a_scale + row0 + tid);
-                for (int c = tid; c < (EPI == MOE_GEMM_EPI_STORE ? OC : 2 * OC); c += 128) {
-                    const int col = jt * OC + c % OC;
-                    sfb[c] =
-                        col < p.n_out
-                            ? __ldg(p.b_scale + (int64_t)e * p.n + (c < OC ? col : p.n / 2 + col))
-                            : 0.0f;
-                }
-            }
 #pragma unroll
             for (int i = 0; i < C::ACC; i++) {
                 int wr = 16 * warp + (lane >> 2) + 8 * ((i & 3) >> 1);
@@ -599,12 +579,11 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 if (F8 && col >= p.n_out)
                     continue;
                 if (F8 == 1)
-                    v *= p.f8_scales_smem ? sfa[tk] * sfb[oc] : sm90_f8_scale(p, row0 + tk, e, col);
+                    v *= sm90_f8_scale(p, row0 + tk, e, col);
                 if (EPI != MOE_GEMM_EPI_STORE) {
                     float u = sepi[(OC + oc) * C::EPI_LD + tk];
                     if (F8 == 1)
-                        u *= p.f8_scales_smem ? sfa[tk] * sfb[OC + oc]
-                                              : sm90_f8_scale(p, row0 + tk, e, p.n / 2 + col);
+                        u *= sm90_f8_scale(p, row0 + tk, e, p.n / 2 + col);
                     v = moe_gemm_act_mul<EPI>(v, u);
                 }
                 moe_gemm_put1(p, row0 + tk, col, v * sscale[tk]);
@@ -771,15 +750,6 @@ static int tma_store_enabled(void)
     return moe_env_once(&cached, "MOE_GEMM_TMA_STORE", 1) != 0;
 }
 
-/* MOE_GEMM_F8_EPI_SMEM=1: the swap-AB FP8 tiles (per-row scales) stage an item's scales in
- * shared memory for the epilogue (the same products, so the same bits); 0 (default): two
- * loads per output. An experiment until measured (docs/KERNELS.md, "Missing / next"). */
-static int f8_scales_smem_enabled(void)
-{
-    static int cached = -1;
-    return moe_env_once(&cached, "MOE_GEMM_F8_EPI_SMEM", 0) != 0;
-}
-
 /* MOE_GEMM_GROUP=N sweeps N row blocks at a time over the weight tiles; 0 or unset: the
  * kernel's rule (by blocks per expert). */
 static int sweep_group(void)
@@ -824,7 +794,6 @@ static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, co
     /* c as [rows, n_out] bf16 in [64 x 64] boxes (the TMA-store epilogue; else unused) */
     CUtensorMap tm_c = tm_tok;
     p.tma_store = C::TS && !a->c_f32 && tma_store_enabled();
-    p.f8_scales_smem = SWAP && F8 == 1 && f8_scales_smem_enabled();
     if (p.tma_store)
         MOE_CHECK(encode_map(&tm_c, a->c, (int64_t)a->max_blocks * TOK, p.n_out, 64, name));
     int grid = (int)(items < sms ? items : sms);
@@ -894,9 +863,8 @@ static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const 
 template <int TOK, int KB, int WM = 1, int F8 = 0>
 static moe_status_t launch_swap(const moe_gemm_args_t *a, void *stream, const char *name)
 {
-    constexpr int ST = stages_for(
-        KB * (TOK + 64 * WM) * ROW_BYTES,
-        200 * 1024 - (64 * WM * (TOK + 1) + 64 + (F8 == 1 ? SWAP_F8_SCALE_FLOATS : 0)) * 4, 12);
+    constexpr int ST = stages_for(KB * (TOK + 64 * WM) * ROW_BYTES,
+                                  200 * 1024 - (64 * WM * (TOK + 1) + 64) * 4, 12);
     if ((int64_t)a->max_blocks * TOK >= ((int64_t)1 << 31))
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: max_blocks = %d too large", name,
                          a->max_blocks);
