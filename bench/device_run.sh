@@ -2,6 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # One call on the GPU machine (device tool, carry .device): build, then the MODEs in turn (each
 # alone fits a call's 10 minutes); logs under $OUT. Usage: bash bench/device_run.sh [MODE...]
+# (BUILD_TARGETS: build those targets only, e.g. "moe-bench test_gpu_expert_gemm")
 #   build            the build alone
 #   tests (default)  the GPU tests (one GPU, and mpirun -np <GPUs>; with one GPU the ranks
 #                    share it: MOE_TEST_SHARED_GPU=1, NCCL between them over loopback sockets,
@@ -32,6 +33,10 @@
 #                    bench/ab_compare.py prints new / base per point and geometric means
 #   fp8-fast         moe-bench fp8 per-tensor at M = 512 .. 8192 with the fast-accumulation
 #                    tile forced (MOE_FORCE_VARIANT=sm90_fp8_fast_m128n256) beside the built-in
+#   vs               a forced variant against the built-in choice, in turn ($VS_REPS times,
+#                    default 2): $VS_CASES, cases split by ';', each
+#                    "preset|moe-bench options|variant|tokens"; bench/ab_compare.py prints
+#                    forced / built-in per point (new = forced); JSON in $OUT/vs.tgz
 #   gemm-prof        Nsight Compute on the expert GEMMs of one step (DRAM / SM throughput,
 #                    the top warp stalls): fp8 per-tensor, fp8 block and bf16 at the DeepSeek-V3
 #                    shard M = 64 and Mixtral M = 8, fp8 at Mixtral M = 8192 ($PROF_CASES:
@@ -89,7 +94,8 @@ np=$((ngpu >= 2 ? ngpu : 2))
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOE_TEST_GPU_NP="$np" \
     >"$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
 start=$(date +%s)
-cmake --build build-gpu -j"$(nproc)" >"$OUT/build.log" 2>&1 ||
+# shellcheck disable=SC2086 # $BUILD_TARGETS: target names
+cmake --build build-gpu -j"$(nproc)" --target ${BUILD_TARGETS:-all} >"$OUT/build.log" 2>&1 ||
     { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
 echo "build: $(($(date +%s) - start)) s"
 export MOE_REQUIRE_GPU=1 MOE_TIMEOUT_MS=20000
@@ -366,6 +372,29 @@ fp8-fast)
         done
     done
     ;;
+vs)
+    j=/tmp/vsjson
+    rm -rf $j
+    mkdir -p $j
+    IFS=';' read -ra cases <<<"${VS_CASES:-qwen3-30b-a3b|--dtype fp8 --scales tensor|sm90_fp8_swapab_n16_pp|1,8,64}"
+    for i in "${!cases[@]}"; do
+        IFS='|' read -r p opts v toks <<<"${cases[$i]}"
+        for r in $(seq "${VS_REPS:-2}"); do
+            for side in base new; do
+                force=""
+                [ $side = new ] && force=$v
+                # shellcheck disable=SC2086 # $opts: options
+                MOE_FORCE_VARIANT=$force timeout 120 $B/moe-bench --preset "$p" $opts \
+                    --tokens "$toks" --seconds "${VS_SECONDS:-0.1}" \
+                    --json "$j/$side.$p.$i.$r.json" >"$j/$side.$p.$i.$r.txt" 2>&1 ||
+                    echo "vs: $side, $p, $opts, ${force:-built-in}: failed ($(tail -1 "$j/$side.$p.$i.$r.txt"))"
+            done
+        done
+        echo "== case $i: $p $opts: $v (new) against the built-in choice (base)"
+    done
+    python3 bench/ab_compare.py $j | tee "$OUT/vs.txt"
+    tar -czf "$OUT/vs.tgz" -C $j .
+    ;;
 gemm-prof)
     command -v ncu >/dev/null || { echo "gemm-prof: no ncu on this machine"; continue; }
     # preset:tokens:dtype-and-scales[:decode] (decode: the fused decode kernel, forced)
@@ -565,7 +594,7 @@ python)
         --dtype bf16 --new-tokens 16 2>&1 | tail -4
     ;;
 *)
-    echo "usage: $0 [tests|quick|ep|ep-cap|ep-layer|ep-wide|mps|decode|bf16|fp8|ab|fp8-fast|gemm-prof|tune|first|kernels|rotate|faults|soak|sanitize|python]..." >&2
+    echo "usage: $0 [tests|quick|ep|ep-cap|ep-layer|ep-wide|mps|decode|bf16|fp8|ab|fp8-fast|vs|gemm-prof|tune|first|kernels|rotate|faults|soak|sanitize|python]..." >&2
     exit 2
     ;;
 esac

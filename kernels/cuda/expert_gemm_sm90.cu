@@ -152,9 +152,9 @@ constexpr int GROUP_BLOCKS = 16; /* at most this many row blocks a sweep (L2 reu
 
 template <int SWAP, int TOK, int WR, int HALVES, int STAGES, int KB, int F8, int PING = 0>
 struct sm90_cfg {
-    /* PING (normal bf16, TOK = 64): two consumer warpgroups take alternate items, so one's
-     * epilogue runs while the other's wgmmas do */
-    static constexpr int NWG = SWAP ? 1 : PING ? 2 : TOK / 64;
+    /* PING (normal bf16 with TOK = 64, or swap-AB): two consumer warpgroups take alternate
+     * items, so one's epilogue runs while the other's wgmmas do */
+    static constexpr int NWG = PING ? 2 : SWAP ? 1 : TOK / 64;
     /* normal bf16 layout: the epilogue writes bf16 rows through shared memory and TMA stores
      * (TS_BYTES per consumer warpgroup: 64 rows x 128 output columns, two 64-column boxes) */
     static constexpr bool TS = !SWAP && !F8 && (WR == 128 || WR == 64);
@@ -170,18 +170,18 @@ struct sm90_cfg {
     static constexpr int TOK_BYTES = KB * SUB_T;
     static constexpr int STAGE_BYTES = W_BYTES + TOK_BYTES;
     static constexpr int EPI_LD = TOK + 1; /* swap-AB staging row (floats), odd: no conflicts */
-    static constexpr int EPI_BYTES = SWAP ? (64 * WM * EPI_LD + 64) * 4 /* + row scales */
-                                     : TS ? NWG * TS_BYTES
-                                          : 0;
+    /* swap-AB: a consumer warpgroup's staging, its rows + the item's row scales */
+    static constexpr int EPI_WG_FLOATS = 64 * WM * EPI_LD + 64;
+    static constexpr int EPI_BYTES = SWAP ? NWG * EPI_WG_FLOATS * 4 : TS ? NWG * TS_BYTES : 0;
     /* F8 = 2 (block scales), swap-AB: per stage and 128-wide k slice, the TOK A rows' scales
      * and one weight scale per half, copied in by the producer warp with the tiles (the normal
      * tiles load theirs in the promotion: docs/KERNELS.md, "FP8 W8A8") */
     static constexpr bool SSC = F8 == 2 && SWAP;
     static constexpr int SC_SLICE = SSC ? TOK + HALVES : 0;
     static constexpr int SC_BYTES = (STAGES * KB * SC_SLICE * 4 + 15) / 16 * 16;
-    /* the producer warpgroup's registers: 40; the scale copies need more (where the consumers'
-     * share leaves them: not at two consumer warpgroups of 232) */
-    static constexpr int PRODUCER_REGS = SSC && NWG != 2 ? 56 : 40;
+    /* the producer warpgroup's registers: 40; the scale copies need more (two consumer
+     * warpgroups then take 224 each instead of 232) */
+    static constexpr int PRODUCER_REGS = SSC ? 56 : 40;
     /* + PING's two turn barriers; 1024: the alignment of the tiles */
     static constexpr int SMEM =
         STAGES * STAGE_BYTES + EPI_BYTES + SC_BYTES + (2 * STAGES + (PING ? 2 : 0)) * 8 + 1024;
@@ -189,7 +189,7 @@ struct sm90_cfg {
     static_assert(TOK_BYTES % 1024 == 0 && W_BYTES % 1024 == 0, "1024 B aligned tiles");
     static_assert(SMEM <= 227 * 1024, "shared memory");
     static_assert(EPI_BYTES % 1024 == 0 || SWAP, "TMA store buffers: 1024 B aligned");
-    static_assert(!PING || (!SWAP && !F8 && TOK == 64), "ping-pong: normal bf16, 64 rows");
+    static_assert(!PING || SWAP || (!F8 && TOK == 64), "ping-pong: swap-AB, or bf16 64 rows");
     static_assert(F8 != 3 || !SWAP, "fast accumulation: normal layout");
 };
 
@@ -344,7 +344,11 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
      * accumulators each), 96 at 640 (four)). More would wait forever: setmaxnreg.inc only
      * takes registers the CTA already holds. */
     constexpr int LAUNCH_REGS = (65536 / C::THREADS > 255 ? 255 : 65536 / C::THREADS) / 8 * 8;
-    constexpr int CONSUMER_REGS = C::NWG <= 2 ? 232 : C::NWG == 3 ? 152 : 104;
+    constexpr int CONSUMER_REGS = C::NWG == 1                            ? 232
+                                  : C::NWG == 2 && C::PRODUCER_REGS > 40 ? 224
+                                  : C::NWG == 2                          ? 232
+                                  : C::NWG == 3                          ? 152
+                                                                         : 104;
     static_assert(LAUNCH_REGS * (C::NWG + 1) >= C::PRODUCER_REGS + CONSUMER_REGS * C::NWG,
                   "setmaxnreg.inc beyond the CTA's registers never returns");
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
@@ -558,9 +562,10 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
         /* Epilogue. Accumulator i of a thread: wgmma row 16*warp + lane/4 + 8*((i%4)/2),
          * column 8*(i/4) + 2*(lane%4) + i%2. (row0: the item's first A row, above.) */
         if (SWAP) {
-            constexpr int OC = 64 * C::WM / HALVES; /* output columns of the item */
-            float *sscale = sepi + 64 * C::WM * C::EPI_LD;
-            asm volatile("bar.sync 1, 128;" ::: "memory"); /* last item's readers are done */
+            constexpr int OC = 64 * C::WM / HALVES;                /* output columns of the item */
+            float *se = sepi + (PING ? wg : 0) * C::EPI_WG_FLOATS; /* this warpgroup's staging */
+            float *sscale = se + 64 * C::WM * C::EPI_LD;
+            named_bar_sync(2 + wg, 128); /* the last item's readers are done */
             if (tid < TOK)
                 sscale[tid] = moe_gemm_row_scale(p, row0 + tid);
 #pragma unroll
@@ -569,19 +574,19 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 int tk = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
 #pragma unroll
                 for (int j = 0; j < C::WM; j++)
-                    sepi[(64 * j + wr) * C::EPI_LD + tk] = acc[j][i];
+                    se[(64 * j + wr) * C::EPI_LD + tk] = acc[j][i];
             }
-            asm volatile("bar.sync 1, 128;" ::: "memory");
+            named_bar_sync(2 + wg, 128);
             for (int idx = tid; idx < OC * TOK; idx += 128) {
                 int oc = idx % OC, tk = idx / OC;
                 const int col = jt * OC + oc;
-                float v = sepi[oc * C::EPI_LD + tk];
+                float v = se[oc * C::EPI_LD + tk];
                 if (F8 && col >= p.n_out)
                     continue;
                 if (F8 == 1)
                     v *= sm90_f8_scale(p, row0 + tk, e, col);
                 if (EPI != MOE_GEMM_EPI_STORE) {
-                    float u = sepi[(OC + oc) * C::EPI_LD + tk];
+                    float u = se[(OC + oc) * C::EPI_LD + tk];
                     if (F8 == 1)
                         u *= sm90_f8_scale(p, row0 + tk, e, p.n / 2 + col);
                     v = moe_gemm_act_mul<EPI>(v, u);
@@ -859,12 +864,13 @@ static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const 
 
 /* Swap-AB: 64 weight rows per item (64 output columns for STORE; 32 gate + 32 up rows, 32
  * output columns, for *_MUL) x TOK tokens; a stage holds KB slices of 64 k (longer contiguous
- * runs of each weight row per stage). */
-template <int TOK, int KB, int WM = 1, int F8 = 0>
+ * runs of each weight row per stage). PING: two consumer warpgroups on alternate items, each
+ * with its own epilogue staging. */
+template <int TOK, int KB, int WM = 1, int F8 = 0, int PING = 0>
 static moe_status_t launch_swap(const moe_gemm_args_t *a, void *stream, const char *name)
 {
     constexpr int ST = stages_for(KB * (TOK + 64 * WM) * ROW_BYTES,
-                                  200 * 1024 - (64 * WM * (TOK + 1) + 64) * 4, 12);
+                                  200 * 1024 - (PING ? 2 : 1) * (64 * WM * (TOK + 1) + 64) * 4, 12);
     if ((int64_t)a->max_blocks * TOK >= ((int64_t)1 << 31))
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: max_blocks = %d too large", name,
                          a->max_blocks);
@@ -872,11 +878,11 @@ static moe_status_t launch_swap(const moe_gemm_args_t *a, void *stream, const ch
     cudaStream_t s = (cudaStream_t)stream;
     switch (a->epilogue) {
     case MOE_GEMM_EPI_STORE:
-        return launch_one<1, TOK, 64 * WM, 1, MOE_GEMM_EPI_STORE, ST, KB, F8>(a, s, name);
+        return launch_one<1, TOK, 64 * WM, 1, MOE_GEMM_EPI_STORE, ST, KB, F8, PING>(a, s, name);
     case MOE_GEMM_EPI_SILU_MUL:
-        return launch_one<1, TOK, 32 * WM, 2, MOE_GEMM_EPI_SILU_MUL, ST, KB, F8>(a, s, name);
+        return launch_one<1, TOK, 32 * WM, 2, MOE_GEMM_EPI_SILU_MUL, ST, KB, F8, PING>(a, s, name);
     case MOE_GEMM_EPI_GELU_MUL:
-        return launch_one<1, TOK, 32 * WM, 2, MOE_GEMM_EPI_GELU_MUL, ST, KB, F8>(a, s, name);
+        return launch_one<1, TOK, 32 * WM, 2, MOE_GEMM_EPI_GELU_MUL, ST, KB, F8, PING>(a, s, name);
     default:
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: epilogue %d", name, (int)a->epilogue);
     }
@@ -961,6 +967,16 @@ moe_status_t moe_gemm_sm90_fp8_swap32_launch(const moe_gemm_args_t *a, void *str
 {
     return launch_swap<32, 2, 1, 1>(a, stream, "sm90_fp8_swapab_n32");
 }
+/* Swap-AB FP8 with two consumer warpgroups on alternate items (ping-pong): one's epilogue and
+ * promotion waits run while the other's wgmmas do */
+moe_status_t moe_gemm_sm90_fp8_swap16pp_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<16, 4, 1, 1, 1>(a, stream, "sm90_fp8_swapab_n16_pp");
+}
+moe_status_t moe_gemm_sm90_fp8_swap32pp_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<32, 2, 1, 1, 1>(a, stream, "sm90_fp8_swapab_n32_pp");
+}
 moe_status_t moe_gemm_sm90_fp8_swap64_launch(const moe_gemm_args_t *a, void *stream)
 {
     return launch_swap<64, 2, 1, 1>(a, stream, "sm90_fp8_swapab_n64");
@@ -986,5 +1002,13 @@ moe_status_t moe_gemm_sm90_fp8b_swap16_launch(const moe_gemm_args_t *a, void *st
 moe_status_t moe_gemm_sm90_fp8b_swap32_launch(const moe_gemm_args_t *a, void *stream)
 {
     return launch_swap<32, 2, 1, 2>(a, stream, "sm90_fp8_block_swapab_n32");
+}
+moe_status_t moe_gemm_sm90_fp8b_swap16pp_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<16, 4, 1, 2, 1>(a, stream, "sm90_fp8_block_swapab_n16_pp");
+}
+moe_status_t moe_gemm_sm90_fp8b_swap32pp_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<32, 2, 1, 2, 1>(a, stream, "sm90_fp8_block_swapab_n32_pp");
 }
 }

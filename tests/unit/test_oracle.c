@@ -28,15 +28,15 @@ static const old_bucket_t old_sm90[] = {
     {22.6, "sm90_swapab_w128_n32"},     {45.3, "sm90_wgmma_tma_m64n256_pp"},
     {119.7, "sm90_wgmma_tma_m128n256"}, {180.0, "sm90_wgmma_tma_m192n128"},
     {247.9, "sm90_wgmma_tma_m256n128"}, {1e300, "sm90_wgmma_tma_m128n256"}};
-static const old_bucket_t old_fp8[] = {{22.6, "sm90_fp8_swapab_n16"},
-                                       {45.3, "sm90_fp8_swapab_n32"},
+static const old_bucket_t old_fp8[] = {{22.6, "sm90_fp8_swapab_n16_pp"},
+                                       {45.3, "sm90_fp8_swapab_n32_pp"},
                                        {119.7, "sm90_fp8_m128n128"},
                                        {183.8, "sm90_fp8_m192n128"},
                                        {1e300, "sm90_fp8_m128n128"}};
 static const old_bucket_t old_fp8b[] = {
-    {16.0, "sm90_fp8_block_swapab_n16"}, {32.0, "sm90_fp8_block_swapab_n32"},
-    {96.0, "sm90_fp8_block_m64n128"},    {135.8, "sm90_fp8_block_m128n128"},
-    {183.8, "sm90_fp8_block_m192n128"},  {1e300, "sm90_fp8_block_m128n128"}};
+    {16.0, "sm90_fp8_block_swapab_n16_pp"}, {32.0, "sm90_fp8_block_swapab_n32"},
+    {96.0, "sm90_fp8_block_m64n128"},       {135.8, "sm90_fp8_block_m128n128"},
+    {183.8, "sm90_fp8_block_m192n128"},     {1e300, "sm90_fp8_block_m128n128"}};
 static const old_bucket_t old_sm80[] = {{32.0, "sm80_mma_m32n128"}, {1e300, "sm80_mma_m64n128"}};
 #define OLD_N(b) ((int)(sizeof(b) / sizeof((b)[0])))
 
@@ -324,7 +324,7 @@ static void test_round_trip(void **state)
         assert_string_equal(c.name, "sm90_swapab_n64");
         q.dtype = MOE_DTYPE_FP8_E4M3, q.scale = MOE_SCALE_PER_CHANNEL; /* not tuned */
         moe_oracle_pick_gemm(&from_file, &q, &c);
-        assert_string_equal(c.name, "sm90_fp8_swapab_n16");
+        assert_string_equal(c.name, "sm90_fp8_swapab_n16_pp");
         assert_int_equal(c.source, MOE_ORACLE_DEFAULT);
         q.scale = MOE_SCALE_BLOCK_128, q.value = 100;
         moe_oracle_pick_gemm(&from_file, &q, &c);
