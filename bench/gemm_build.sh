@@ -12,9 +12,15 @@ CC=${CC:-cc}
 inc="-I include -I . -I tests/common"
 cuinc=$(dirname "$(command -v "$NVCC")")/../include
 nvflags="-O3 -std=c++17 --expt-relaxed-constexpr -lineinfo $inc -Xptxas -v"
-$NVCC $nvflags -gencode=arch=compute_90a,code=sm_90a -c kernels/cuda/expert_gemm_sm90.cu \
-    -o "$out/expert_gemm_sm90.o" 2> "$out/ptxas_sm90.txt" &
-p1=$!
+sm90=""
+pids=""
+for f in kernels/cuda/expert_gemm*_sm90.cu; do
+    o="$out/$(basename "$f" .cu).o"
+    $NVCC $nvflags -gencode=arch=compute_90a,code=sm_90a -c "$f" -o "$o" \
+        2> "$out/ptxas_$(basename "$f" .cu).txt" &
+    pids="$pids $!"
+    sm90="$sm90 $o"
+done
 $NVCC $nvflags -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=sm_80 \
     -c kernels/cuda/expert_gemm_sm80.cu -o "$out/expert_gemm_sm80.o" 2> "$out/ptxas_sm80.txt" &
 p2=$!
@@ -28,10 +34,12 @@ for f in kernels/expert_gemm.c kernels/expert_gemm_table.c runtime/oracle.c base
     base/diag.c base/env.c tests/gpu/test_gpu_expert_gemm.c bench/gemm_bench.c; do
     $CC $cflags -c "$f" -o "$out/$(basename "$f" .c).o"
 done
-wait $p1 || { cat "$out/ptxas_sm90.txt"; exit 1; }
+for p in $pids; do
+    wait "$p" || { cat "$out"/ptxas_expert_gemm*_sm90.txt; exit 1; }
+done
 wait $p2 || { cat "$out/ptxas_sm80.txt"; exit 1; }
 wait $p3 || { cat "$out/ptxas_simple.txt"; exit 1; }
-common="$out/expert_gemm_sm90.o $out/expert_gemm_sm80.o $out/expert_gemm.o $out/expert_gemm_table.o"
+common="$sm90 $out/expert_gemm_sm80.o $out/expert_gemm.o $out/expert_gemm_table.o"
 common="$common $out/expert_gemm_simple.o $out/gpu.o $out/oracle.o $out/json.o $out/diag.o $out/env.o"
 $NVCC -o "$out/test_gpu_expert_gemm" "$out/test_gpu_expert_gemm.o" $common -lm
 $NVCC -o "$out/gemm_bench" "$out/gemm_bench.o" $common -lm

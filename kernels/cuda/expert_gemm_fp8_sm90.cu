@@ -1,0 +1,32 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Grouped expert GEMM variants for sm_90a (expert_gemm_sm90.cuh): FP8 e4m3 with per-row scales,
+ * normal layout. */
+#include "kernels/cuda/expert_gemm_sm90.cuh"
+
+extern "C" {
+/* FP8 e4m3 (W8A8, per-row scales of A and B): the same tiles, 128 k per stage row. */
+moe_status_t moe_gemm_sm90_fp8_m128_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<128, 1>(a, stream, "sm90_fp8_m128n128");
+}
+moe_status_t moe_gemm_sm90_fp8_m192_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<192, 1>(a, stream, "sm90_fp8_m192n128");
+}
+moe_status_t moe_gemm_sm90_fp8_m64_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<64, 1>(a, stream, "sm90_fp8_m64n128");
+}
+/* FP8 per-row scales without promotion: the tensor cores accumulate the whole k (their FP8
+ * accumulation keeps fewer bits than f32: docs/KERNELS.md, "Fast accumulation"), so a
+ * warpgroup holds one m64n256 accumulator set as bf16 does. Chosen only where the layer
+ * allows it (MOE_FP8_FAST_ACCUM). */
+moe_status_t moe_gemm_sm90_fp8f_m128_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<128, 3>(a, stream, "sm90_fp8_fast_m128n256");
+}
+moe_status_t moe_gemm_sm90_fp8f_m64_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<64, 3>(a, stream, "sm90_fp8_fast_m64n256");
+}
+}

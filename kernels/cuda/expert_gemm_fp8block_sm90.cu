@@ -1,0 +1,37 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Grouped expert GEMM variants for sm_90a (expert_gemm_sm90.cuh): FP8 e4m3 with 128 x 128 block
+ * scales. */
+#include "kernels/cuda/expert_gemm_sm90.cuh"
+
+extern "C" {
+/* FP8 with 128 x 128 weight blocks and 1 x 128 activation groups (DeepSeek-V3): the scales
+ * multiply each 128-wide k slice's partial as it is promoted. */
+moe_status_t moe_gemm_sm90_fp8b_m128_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<128, 2>(a, stream, "sm90_fp8_block_m128n128");
+}
+moe_status_t moe_gemm_sm90_fp8b_m192_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<192, 2>(a, stream, "sm90_fp8_block_m192n128");
+}
+moe_status_t moe_gemm_sm90_fp8b_m64_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<64, 2>(a, stream, "sm90_fp8_block_m64n128");
+}
+moe_status_t moe_gemm_sm90_fp8b_swap16_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<16, 4, 1, 2>(a, stream, "sm90_fp8_block_swapab_n16");
+}
+moe_status_t moe_gemm_sm90_fp8b_swap32_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<32, 2, 1, 2>(a, stream, "sm90_fp8_block_swapab_n32");
+}
+moe_status_t moe_gemm_sm90_fp8b_swap16pp_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<16, 4, 1, 2, 1>(a, stream, "sm90_fp8_block_swapab_n16_pp");
+}
+moe_status_t moe_gemm_sm90_fp8b_swap32pp_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<32, 2, 1, 2, 1>(a, stream, "sm90_fp8_block_swapab_n32_pp");
+}
+}

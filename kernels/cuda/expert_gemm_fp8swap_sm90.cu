@@ -1,0 +1,29 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Grouped expert GEMM variants for sm_90a (expert_gemm_sm90.cuh): FP8 e4m3 with per-row scales,
+ * swap-AB layout. */
+#include "kernels/cuda/expert_gemm_sm90.cuh"
+
+extern "C" {
+moe_status_t moe_gemm_sm90_fp8_swap16_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<16, 4, 1, 1>(a, stream, "sm90_fp8_swapab_n16");
+}
+moe_status_t moe_gemm_sm90_fp8_swap32_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<32, 2, 1, 1>(a, stream, "sm90_fp8_swapab_n32");
+}
+/* Swap-AB FP8 with two consumer warpgroups on alternate items (ping-pong): one's epilogue and
+ * promotion waits run while the other's wgmmas do */
+moe_status_t moe_gemm_sm90_fp8_swap16pp_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<16, 4, 1, 1, 1>(a, stream, "sm90_fp8_swapab_n16_pp");
+}
+moe_status_t moe_gemm_sm90_fp8_swap32pp_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<32, 2, 1, 1, 1>(a, stream, "sm90_fp8_swapab_n32_pp");
+}
+moe_status_t moe_gemm_sm90_fp8_swap64_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<64, 2, 1, 1>(a, stream, "sm90_fp8_swapab_n64");
+}
+}

@@ -1,0 +1,895 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Grouped expert GEMM for sm_90a: wgmma fed by TMA through an mbarrier ring, persistent CTAs,
+ * a normal layout (tokens in wgmma M) and a swap-AB layout (weight rows in M, tokens in N).
+ * The kernel template and its host launcher; the variants' entry points are instantiated in
+ * expert_gemm*_sm90.cu, a few per file so they compile in parallel. */
+#ifndef MOE_EXPERT_GEMM_SM90_CUH
+#define MOE_EXPERT_GEMM_SM90_CUH
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+/* Without sm_90a the kernel bodies below would compile to nothing: refuse instead. */
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "expert_gemm_sm90.cuh is sm_90a only (-gencode arch=compute_90a,code=sm_90a)"
+#endif
+
+#include "kernels/cuda/expert_gemm_common.cuh"
+#include "kernels/cuda/expert_gemm_launch.h"
+
+/* ---- device primitives -------------------------------------------------------------------- */
+
+static __device__ __forceinline__ uint32_t smem_u32(const void *p)
+{
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+static __device__ __forceinline__ void mbar_init(uint64_t *bar, int count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+
+static __device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+
+static __device__ __forceinline__ void mbar_arrive(uint64_t *bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+static __device__ __forceinline__ void mbar_wait(uint64_t *bar, int phase)
+{
+    uint32_t done;
+    do {
+        asm volatile("{\n"
+                     ".reg .pred p;\n"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n"
+                     "}\n"
+                     : "=r"(done)
+                     : "r"(smem_u32(bar)), "r"(phase)
+                     : "memory");
+    } while (!done);
+}
+
+/* 2D tile load: c0 = column (k, innermost), c1 = row. Completes on `bar` with its bytes. */
+static __device__ __forceinline__ void tma_load_2d(void *dst, const CUtensorMap *map, int c0,
+                                                   int c1, uint64_t *bar)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3}], [%4];" ::"r"(smem_u32(dst)),
+                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(smem_u32(bar))
+                 : "memory");
+}
+
+/* 2D tile store from shared memory (bulk group); coordinates as tma_load_2d. Parts of the box
+ * past the tensor's extent are not written. */
+static __device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, uint32_t src, int c0,
+                                                    int c1)
+{
+    asm volatile(
+        "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+            (uint64_t)map),
+        "r"(src), "r"(c0), "r"(c1)
+        : "memory");
+}
+
+/* 4-byte copy global -> shared (cp.async, L1-allocating); completes asynchronously. */
+static __device__ __forceinline__ void cp_async_4(float *dst, const float *src)
+{
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_u32(dst)), "l"(src)
+                 : "memory");
+}
+
+/* One arrival on `bar` once every cp.async this thread issued before has landed (noinc: the
+ * barrier's count includes this arrival). */
+static __device__ __forceinline__ void cp_async_arrive_noinc(uint64_t *bar)
+{
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar))
+                 : "memory");
+}
+
+static __device__ __forceinline__ void named_bar_sync(int id, int threads)
+{
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+static __device__ __forceinline__ void wgmma_fence()
+{
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+static __device__ __forceinline__ void wgmma_commit()
+{
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N> static __device__ __forceinline__ void wgmma_wait()
+{
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+/* Keeps the compiler from moving accumulator reads/writes across wgmma fences and waits. */
+static __device__ __forceinline__ void reg_fence(float &r)
+{
+    asm volatile("" : "+f"(r)::"memory");
+}
+
+/* Shared-memory matrix descriptor for a K-major tile of 64 bf16 (128 B) per row, written by TMA
+ * with the 128-byte swizzle: 8-row atoms 1024 B apart (stride byte offset), leading byte offset
+ * unused (1), layout type 1 = SWIZZLE_128B in bits 62-63. */
+static __device__ __forceinline__ uint64_t sw128_desc(uint32_t saddr)
+{
+    return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) |
+           ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
+}
+
+/* d[N/2] += A(64 x 16, smem desc) . B(N x 16, smem desc)^T, f32 accumulators. */
+template <int N> __device__ __forceinline__ void wgmma_bf16(float *d, uint64_t da, uint64_t db);
+#include "kernels/cuda/expert_gemm_wgmma.inc"
+/* The same over 32 e4m3 values of k (32 bytes, as the bf16 form's 16 values); sd = 0 overwrites
+ * d instead of adding to it (a promoted slice's first k step: no zeroing pass). */
+template <int N>
+__device__ __forceinline__ void wgmma_fp8(float *d, uint64_t da, uint64_t db, int sd = 1);
+#include "kernels/cuda/expert_gemm_wgmma_fp8.inc"
+
+/* ---- the kernel ------------------------------------------------------------------------------
+ * One CTA = NWG consumer warpgroups + 1 producer warpgroup (one thread issues TMA). Work item t
+ * (persistent, strided by gridDim.x) = (row block b, weight tile jt). A weight tile is HALVES
+ * slices of WR weight rows: for STORE consecutive rows, for the *_MUL epilogues the gate rows
+ * and the up rows of the same output columns.
+ *   normal (SWAP=0): wgmma M = tokens (64 per consumer warpgroup), N = WR weight rows per
+ *     slice, one accumulator per slice, so a thread holds gate and up of its outputs.
+ *   swap-AB (SWAP=1): wgmma M = the weight rows of the tile, 64 per wgmma, WM = 1 or 2
+ *     wgmmas (HALVES x WR = 64 WM: for *_MUL gate rows first, then up rows), N = TOK tokens;
+ *     the epilogue goes through shared memory (pairs gate with up, writes rows of c
+ *     coalesced). 32 WM output columns per item for *_MUL keeps items small, so few-token
+ *     steps still spread over every SM. */
+constexpr int BK = 64;            /* bf16 elements per row of a stage: one 128 B swizzle row */
+constexpr int ROW_BYTES = BK * 2; /* 128 (e4m3: 128 elements) */
+
+/* Elements of k per 128-byte stage row: 64 bf16 or 128 e4m3. */
+template <int F8> struct sm90_elem {
+    static constexpr int BKE = F8 ? 128 : 64;
+};
+constexpr int GROUP_BLOCKS = 16; /* at most this many row blocks a sweep (L2 reuse) */
+
+template <int SWAP, int TOK, int WR, int HALVES, int STAGES, int KB, int F8, int PING = 0>
+struct sm90_cfg {
+    /* PING (normal bf16 with TOK = 64, or swap-AB): two consumer warpgroups take alternate
+     * items, so one's epilogue runs while the other's wgmmas do */
+    static constexpr int NWG = PING ? 2 : SWAP ? 1 : TOK / 64;
+    /* normal bf16 layout: the epilogue writes bf16 rows through shared memory and TMA stores
+     * (TS_BYTES per consumer warpgroup: 64 rows x 128 output columns, two 64-column boxes) */
+    static constexpr bool TS = !SWAP && !F8 && (WR == 128 || WR == 64);
+    static constexpr int TS_BYTES = 64 * WR * 2;
+    static constexpr int THREADS = (NWG + 1) * 128;
+    static constexpr int WN = SWAP ? TOK : WR; /* wgmma N */
+    static constexpr int ACC = WN / 2;         /* f32 accumulators per thread per wgmma */
+    static constexpr int WM = SWAP ? HALVES * WR / 64 : 1; /* swap-AB: m64 wgmmas per k16 */
+    static constexpr int NACC = SWAP ? WM : HALVES;
+    static constexpr int SUB_W = HALVES * WR * ROW_BYTES; /* one 64-wide k slice of weights */
+    static constexpr int SUB_T = TOK * ROW_BYTES;         /* one 64-wide k slice of tokens */
+    static constexpr int W_BYTES = KB * SUB_W;            /* a stage holds KB k slices */
+    static constexpr int TOK_BYTES = KB * SUB_T;
+    static constexpr int STAGE_BYTES = W_BYTES + TOK_BYTES;
+    static constexpr int EPI_LD = TOK + 1; /* swap-AB staging row (floats), odd: no conflicts */
+    /* swap-AB: a consumer warpgroup's staging, its rows + the item's row scales */
+    static constexpr int EPI_WG_FLOATS = 64 * WM * EPI_LD + 64;
+    static constexpr int EPI_BYTES = SWAP ? NWG * EPI_WG_FLOATS * 4 : TS ? NWG * TS_BYTES : 0;
+    /* F8 = 2 (block scales), swap-AB: per stage and 128-wide k slice, the TOK A rows' scales
+     * and one weight scale per half, copied in by the producer warp with the tiles (the normal
+     * tiles load theirs in the promotion: docs/KERNELS.md, "FP8 W8A8") */
+    static constexpr bool SSC = F8 == 2 && SWAP;
+    static constexpr int SC_SLICE = SSC ? TOK + HALVES : 0;
+    static constexpr int SC_BYTES = (STAGES * KB * SC_SLICE * 4 + 15) / 16 * 16;
+    /* the producer warpgroup's registers: 40; the scale copies need more (two consumer
+     * warpgroups then take 224 each instead of 232) */
+    static constexpr int PRODUCER_REGS = SSC ? 56 : 40;
+    /* + PING's two turn barriers; 1024: the alignment of the tiles */
+    static constexpr int SMEM =
+        STAGES * STAGE_BYTES + EPI_BYTES + SC_BYTES + (2 * STAGES + (PING ? 2 : 0)) * 8 + 1024;
+    static_assert(!SWAP || HALVES * WR == 64 || HALVES * WR == 128, "swap-AB: 64 or 128 rows");
+    static_assert(TOK_BYTES % 1024 == 0 && W_BYTES % 1024 == 0, "1024 B aligned tiles");
+    static_assert(SMEM <= 227 * 1024, "shared memory");
+    static_assert(EPI_BYTES % 1024 == 0 || SWAP, "TMA store buffers: 1024 B aligned");
+    static_assert(!PING || SWAP || (!F8 && TOK == 64), "ping-pong: swap-AB, or bf16 64 rows");
+    static_assert(F8 != 3 || !SWAP, "fast accumulation: normal layout");
+};
+
+/* Maps work item t to (row block b, weight tile jt); row blocks are taken `group` at a time
+ * across all weight tiles so the group's token rows and the swept weight tiles stay in L2. */
+static __device__ __forceinline__ void sm90_item(int t, int nb, int n_tiles, int *b, int *jt,
+                                                 int group)
+{
+    int per_group = group * n_tiles;
+    int g = t / per_group;
+    int rem = t - g * per_group;
+    int gsize = min(group, nb - g * group);
+    *jt = rem / gsize;
+    *b = g * group + rem % gsize;
+}
+
+/* FP8 (F8 = 1): e4m3 A and B, f32 accumulation; the epilogue multiplies each output by the
+ * A row's scale and the weight row's scale (per-tensor scales come expanded per row). */
+__device__ __forceinline__ float sm90_f8_scale(const moe_gemm_kparams &p, int64_t row, int e,
+                                               int wrow)
+{
+    return __ldg(p.a_scale + row) * __ldg(p.b_scale + (int64_t)e * p.n + wrow);
+}
+
+template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB, int F8, int PING>
+__global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8, PING>::THREADS, 1)
+    moe_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tm_tok,
+                         const __grid_constant__ CUtensorMap tm_w,
+                         const __grid_constant__ CUtensorMap tm_c, const moe_gemm_kparams p)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using C = sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8, PING>;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t *smem = (uint8_t *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    float *sepi = (float *)(smem + STAGES * C::STAGE_BYTES);
+    float *sscl = (float *)(smem + STAGES * C::STAGE_BYTES + C::EPI_BYTES);
+    uint64_t *full = (uint64_t *)(smem + STAGES * C::STAGE_BYTES + C::EPI_BYTES + C::SC_BYTES);
+    uint64_t *empty = full + STAGES;
+    /* PING: turn[w] completes a phase when warpgroup w may start its next item's main loop */
+    uint64_t *turn = empty + STAGES;
+    const int wg = threadIdx.x / 128;
+    const int tid = threadIdx.x % 128;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++) {
+            /* SSC: + the producer warp's 32 lanes, each when its scale copies land */
+            mbar_init(&full[s], C::SSC ? 33 : 1);
+            /* lane 0 of each consumer warp that reads the stage (PING: one warpgroup's) */
+            mbar_init(&empty[s], (PING ? 1 : C::NWG) * 4);
+        }
+        if (PING) {
+            mbar_init(&turn[0], 1);
+            mbar_init(&turn[1], 1);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        if (PING)
+            mbar_arrive(&turn[0]); /* warpgroup 0 goes first */
+        asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tm_w) : "memory");
+        asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tm_tok) : "memory");
+        if (C::TS)
+            asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tm_c) : "memory");
+    }
+    __syncthreads();
+    /* Programmatic dependent launch: everything above overlaps the previous kernel's tail;
+     * nothing it writes (a, block_expert, num_blocks) is read before this wait. */
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+
+    const int nb = min(__ldg(p.num_blocks), p.max_blocks);
+    const int total = nb * p.n_tiles;
+    /* Row blocks per sweep: set (MOE_GEMM_GROUP), or for the normal layout the step's blocks
+     * per expert within [4, GROUP_BLOCKS] (one expert's blocks share each weight tile while it
+     * is in L2; fewer blocks a sweep measured faster where experts have few blocks: docs/
+     * KERNELS.md, "The variants"), GROUP_BLOCKS for swap-AB. */
+    const int group = p.group > 0 ? p.group
+                      : SWAP      ? GROUP_BLOCKS
+                                  : min(GROUP_BLOCKS, max(4, nb / max(p.num_experts, 1)));
+    constexpr int BKE = sm90_elem<F8>::BKE;
+    const int kt_count = (p.k + BKE - 1) / BKE; /* the k tail: TMA zero fill */
+
+    if (wg == C::NWG) { /* producer */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(C::PRODUCER_REGS));
+        /* one thread issues the TMA; SSC: the warp copies the stage's scales beside it */
+        if (tid < (C::SSC ? 32 : 1)) {
+            int s = 0, ph = 0;
+            const int kbn = (p.k + 127) / 128; /* 128-wide k slices (block scales) */
+            /* the output columns a weight tile may hold (the n tail: a half past it is empty) */
+            const int nlim = EPI == MOE_GEMM_EPI_STORE ? p.n : p.n / 2;
+            for (int t = blockIdx.x; t < total; t += gridDim.x) {
+                int b, jt;
+                sm90_item(t, nb, p.n_tiles, &b, &jt, group);
+                int e = __ldg(p.block_expert + b);
+                if (e < 0 || e >= p.num_experts)
+                    continue;
+                int wrow[HALVES];
+                bool win[HALVES]; /* the half's first output column is inside n */
+#pragma unroll
+                for (int h = 0; h < HALVES; h++) {
+                    wrow[h] = e * p.n + (EPI == MOE_GEMM_EPI_STORE ? jt * HALVES * WR + h * WR
+                                                                   : h * (p.n / 2) + jt * WR);
+                    win[h] =
+                        (EPI == MOE_GEMM_EPI_STORE ? jt * HALVES * WR + h * WR : jt * WR) < nlim;
+                }
+                for (int kt = 0; kt < kt_count; kt += KB) {
+                    /* k slices past k (last stage, k not a multiple of KB * 64) come back
+                     * zero-filled from TMA and still count their bytes: they add nothing. */
+                    mbar_wait(&empty[s], ph ^ 1);
+                    uint8_t *st = smem + s * C::STAGE_BYTES;
+                    if (tid == 0) {
+                        mbar_expect_tx(&full[s], C::STAGE_BYTES);
+#pragma unroll
+                        for (int sub = 0; sub < KB; sub++) {
+#pragma unroll
+                            for (int h = 0; h < HALVES; h++)
+                                tma_load_2d(st + sub * C::SUB_W + h * WR * ROW_BYTES, &tm_w,
+                                            (kt + sub) * BKE, wrow[h], &full[s]);
+                            tma_load_2d(st + C::W_BYTES + sub * C::SUB_T, &tm_tok, (kt + sub) * BKE,
+                                        b * TOK, &full[s]);
+                        }
+                    }
+                    if (C::SSC) {
+                        /* the scales the consumers' promotion of each slice reads, so no
+                         * global load waits between two wgmma groups: slice sub's A rows,
+                         * then one weight scale per half (slices past k and halves past n
+                         * are left alone: the consumers do not read them) */
+                        float *sc = sscl + s * KB * C::SC_SLICE;
+                        constexpr int SCS = C::SC_SLICE > 0 ? C::SC_SLICE : 1;
+                        for (int i = tid; i < KB * C::SC_SLICE; i += 32) {
+                            const int sub = i / SCS, j = i - sub * SCS;
+                            const int ks = kt + sub;
+                            if (ks >= kbn || (j >= TOK && !win[j - TOK]))
+                                continue;
+                            const float *src = j < TOK
+                                                   ? p.a_scale + ((int64_t)b * TOK + j) * kbn + ks
+                                                   : p.b_scale + (int64_t)wrow[j - TOK] * kbn + ks;
+                            cp_async_4(sc + i, src);
+                        }
+                        cp_async_arrive_noinc(&full[s]);
+                    }
+                    if (++s == STAGES) {
+                        s = 0;
+                        ph ^= 1;
+                    }
+                }
+            }
+        }
+        return;
+    }
+
+    /* The consumers' registers: what the producer gives back (down to PRODUCER_REGS) out of the
+     * launch's per-thread share (168 at 384 threads, 128 at 512 (three consumer warpgroups, 64
+     * accumulators each), 96 at 640 (four)). More would wait forever: setmaxnreg.inc only
+     * takes registers the CTA already holds. */
+    constexpr int LAUNCH_REGS = (65536 / C::THREADS > 255 ? 255 : 65536 / C::THREADS) / 8 * 8;
+    constexpr int CONSUMER_REGS = C::NWG == 1                            ? 232
+                                  : C::NWG == 2 && C::PRODUCER_REGS > 40 ? 224
+                                  : C::NWG == 2                          ? 232
+                                  : C::NWG == 3                          ? 152
+                                                                         : 104;
+    static_assert(LAUNCH_REGS * (C::NWG + 1) >= C::PRODUCER_REGS + CONSUMER_REGS * C::NWG,
+                  "setmaxnreg.inc beyond the CTA's registers never returns");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+    const int warp = tid / 32, lane = tid % 32;
+    float acc[C::NACC][C::ACC];
+    /* The wgmmas of one 64-wide k slice `sub` of the stage at shared address st; fresh (FP8):
+     * the first k step overwrites d (a promoted slice's partial starts from nothing). */
+    auto mma_slice = [&](float(&d)[C::NACC][C::ACC], uint32_t st, int sub, int wgi,
+                         bool fresh = false) {
+        const uint32_t sw = st + sub * C::SUB_W;
+        const uint32_t stk = st + C::W_BYTES + sub * C::SUB_T;
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; kk++) {
+            if (SWAP) {
+#pragma unroll
+                for (int j = 0; j < C::WM; j++) {
+                    const uint64_t da = sw128_desc(sw + j * 64 * ROW_BYTES + kk * 32);
+                    const uint64_t db = sw128_desc(stk + kk * 32);
+                    if (F8)
+                        wgmma_fp8<C::WN>(d[j], da, db, !(fresh && kk == 0));
+                    else
+                        wgmma_bf16<C::WN>(d[j], da, db);
+                }
+            } else {
+#pragma unroll
+                for (int h = 0; h < HALVES; h++) {
+                    const uint64_t da = sw128_desc(stk + wgi * 64 * ROW_BYTES + kk * 32);
+                    const uint64_t db = sw128_desc(sw + h * WR * ROW_BYTES + kk * 32);
+                    if (F8)
+                        wgmma_fp8<C::WN>(d[h], da, db, !(fresh && kk == 0));
+                    else
+                        wgmma_bf16<C::WN>(d[h], da, db);
+                }
+            }
+        }
+    };
+    /* FP8: each 128 of k accumulates in `part` on the tensor cores, then is added to acc on the
+     * CUDA cores in f32, as DeepGEMM promotes: the tensor cores' FP8 accumulation keeps fewer
+     * bits than f32 (measured: ~3e-4 relative within one 128-k slice), so a long k would drift
+     * without it. */
+    constexpr bool PRO = F8 == 1 || F8 == 2; /* promotion (F8 = 3: the tensor cores sum all k) */
+    float part[PRO ? C::NACC : 1][PRO ? C::ACC : 1];
+    using acc_t = float(&)[C::NACC][C::ACC];
+    const int kbn = (p.k + 127) / 128; /* 128-wide k slices (block scales) */
+    /* d += part (F8 = 2: times the block scales of each element's A row and weight row). The
+     * element -> (row, column) map of a wgmma accumulator: row 16 warp + lane/4 + 8 ((i%4)/2),
+     * column 8 (i/4) + 2 (lane%4) + i%2.
+     * Block scales: a weight tile (WR rows, WR | 128, aligned in its own matrix: gate, up or
+     * down) lies in one 128-row block, so its rows share one scale per k slice -- loaded once per
+     * slice, not per element (the backend's per-row scales repeat it; layer.c keeps TP slices
+     * 128-aligned). A thread's accumulators touch 2 A rows (normal) or ACC/2 tokens (swap-AB).
+     * Swap-AB (SSC): the scales of slice ks come from shared memory, `sc` (the producer copied
+     * them in with the stage); normal tiles load them here (e, row0: the item's expert and
+     * first A row). */
+    auto sc_of = [&](int stage, int sub) { return sscl + (stage * KB + sub) * C::SC_SLICE; };
+    constexpr int NA = SWAP ? C::ACC / 2 : 2; /* A rows (tokens) a thread's accumulators touch */
+    /* The scales of slice ks for this thread's accumulators (F8 = 2; else nothing): sb per
+     * accumulator set, sa per A row. Normal tiles load them before the slice's wgmmas, so the
+     * loads run under the tensor cores. */
+    auto load_scales = [&](float(&sb)[C::NACC], float(&sa)[NA], int ks, int e, int64_t row0, int jt,
+                           const float *sc) {
+        if (F8 != 2)
+            return;
+        /* slices past k (a last stage's zero fill) have no scales: nothing to add */
+        const bool kin = ks < kbn;
+        const int nlim = EPI == MOE_GEMM_EPI_STORE ? p.n : p.n / 2;
+#pragma unroll
+        for (int h = 0; h < C::NACC; h++) {
+            /* the half hh of weight tile rows (gate or up for *_MUL) this accumulator set holds:
+             * swap-AB rows 64 h + 16 warp .. + 15 (WR >= 32: one half), normal: slice h */
+            const int hh = SWAP ? (64 * h + 16 * warp) / WR : h;
+            const int lc0 = EPI == MOE_GEMM_EPI_STORE ? jt * HALVES * WR + hh * WR : jt * WR;
+            const int wl0 = EPI == MOE_GEMM_EPI_STORE ? lc0 : hh * (p.n / 2) + lc0;
+            if (C::SSC)
+                sb[h] = kin && lc0 < nlim ? sc[TOK + hh] : 0.0f;
+            else
+                sb[h] = kin && lc0 < nlim ? __ldg(p.b_scale + ((int64_t)e * p.n + wl0) * kbn + ks)
+                                          : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < NA; j++) {
+            /* normal: rows r16 + 8 j; swap-AB: token columns 8 (j/2) + 2 (lane%4) + j%2 */
+            if (C::SSC) /* swap-AB: the item's tokens, from the stage's copy */
+                sa[j] = kin ? sc[8 * (j >> 1) + 2 * (lane & 3) + (j & 1)] : 0.0f;
+            else {
+                const int64_t arow = SWAP ? row0 + 8 * (j >> 1) + 2 * (lane & 3) + (j & 1)
+                                          : row0 + wg * 64 + 16 * warp + (lane >> 2) + 8 * j;
+                sa[j] = kin ? __ldg(p.a_scale + arow * kbn + ks) : 0.0f;
+            }
+        }
+    };
+    /* d += pp (F8 = 2: times the scales load_scales gave) */
+    auto apply = [&](acc_t d, acc_t pp, const float(&sb)[C::NACC], const float(&sa)[NA]) {
+#pragma unroll
+        for (int h = 0; h < C::NACC; h++)
+#pragma unroll
+            for (int i = 0; i < C::ACC; i++) {
+                reg_fence(pp[h][i]);
+                const int j = SWAP ? 2 * (i >> 2) + (i & 1) : (i & 3) >> 1;
+                if (F8 == 2)
+                    d[h][i] += pp[h][i] * (sa[j] * sb[h]);
+                else
+                    d[h][i] += pp[h][i];
+            }
+    };
+    int s = 0, ph = 0, mine = 0, tph = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+        int b, jt;
+        sm90_item(t, nb, p.n_tiles, &b, &jt, group);
+        int e = __ldg(p.block_expert + b);
+        if (e < 0 || e >= p.num_experts)
+            continue;
+        /* PING: the other warpgroup's item; its stages go by in the ring (same count for every
+         * item: k is the same). Then this one's main loop waits for its turn: the other's main
+         * loop has passed all its stages, so this one's first stages are at most one phase
+         * ahead of their barriers (a parity wait further ahead would pass on an old phase). */
+        if (PING) {
+            if ((mine++ & 1) != wg) {
+                for (int kt = 0; kt < kt_count; kt += KB)
+                    if (++s == STAGES) {
+                        s = 0;
+                        ph ^= 1;
+                    }
+                continue;
+            }
+            mbar_wait(&turn[wg], tph);
+            tph ^= 1;
+        }
+#pragma unroll
+        for (int h = 0; h < C::NACC; h++)
+#pragma unroll
+            for (int i = 0; i < C::ACC; i++) {
+                acc[h][i] = 0.0f;
+                reg_fence(acc[h][i]);
+            }
+        const int64_t row0 = (int64_t)b * TOK;
+        /* An expert's last block is mostly padding when its rows just pass a multiple of TOK
+         * (130 rows: 128 + 2). A consumer warpgroup whose 64 rows are all padding passes the
+         * item's stages through (the other one runs the tensor cores alone, about twice as
+         * fast) and stores nothing: padding rows of c are never read. */
+        if (!PING && C::NWG > 1 && wg > 0 && p.expert_counts) {
+            const int used = __ldg(p.expert_counts + e) - (int)(row0 - __ldg(p.expert_offsets + e));
+            if (used <= wg * 64) {
+                for (int kt = 0; kt < kt_count; kt += KB) {
+                    mbar_wait(&full[s], ph);
+                    if (lane == 0)
+                        mbar_arrive(&empty[s]);
+                    if (++s == STAGES) {
+                        s = 0;
+                        ph ^= 1;
+                    }
+                }
+                continue;
+            }
+        }
+        int s_prev = -1;
+        for (int kt = 0; kt < kt_count; kt += KB) {
+            mbar_wait(&full[s], ph);
+            const uint32_t st = smem_u32(smem + s * C::STAGE_BYTES);
+            if (PRO) {
+                /* promote after every 128 of k (one slice), as DeepGEMM does: the slice's
+                 * wgmmas are waited for before its partial is read (reading it while other
+                 * wgmmas are in flight makes ptxas serialize every wgmma: C7514) */
+#pragma unroll
+                for (int sub = 0; sub < KB; sub++) {
+                    /* the block scales first: their loads run under the wgmmas */
+                    float sb[C::NACC], sa[NA];
+                    load_scales(sb, sa, kt + sub, e, row0, jt, sc_of(s, sub));
+                    wgmma_fence();
+                    mma_slice(reinterpret_cast<acc_t>(part), st, sub, PING ? 0 : wg, true);
+                    wgmma_commit();
+                    wgmma_wait<0>();
+                    /* the stage is read (the scales are not in it): free it before the adds */
+                    if (sub == KB - 1 && !C::SSC && lane == 0)
+                        mbar_arrive(&empty[s]);
+                    apply(acc, reinterpret_cast<acc_t>(part), sb, sa);
+                }
+                if (C::SSC) {
+                    __syncwarp();
+                    if (lane == 0)
+                        mbar_arrive(&empty[s]);
+                }
+            } else {
+                wgmma_fence();
+#pragma unroll
+                for (int sub = 0; sub < KB; sub++)
+                    mma_slice(acc, st, sub, PING ? 0 : wg);
+                wgmma_commit();
+                /* keep this k-step's wgmmas in flight; the previous step's stage is free now */
+                wgmma_wait<1>();
+                if (s_prev >= 0 && lane == 0)
+                    mbar_arrive(&empty[s_prev]);
+                s_prev = s;
+            }
+            if (++s == STAGES) {
+                s = 0;
+                ph ^= 1;
+            }
+        }
+        if (PING && tid == 0)
+            mbar_arrive(&turn[wg ^ 1]); /* every stage of this item waited for: its turn */
+        wgmma_wait<0>();
+#pragma unroll
+        for (int h = 0; h < C::NACC; h++)
+#pragma unroll
+            for (int i = 0; i < C::ACC; i++)
+                reg_fence(acc[h][i]);
+        if (s_prev >= 0 && lane == 0)
+            mbar_arrive(&empty[s_prev]);
+
+        /* Epilogue. Accumulator i of a thread: wgmma row 16*warp + lane/4 + 8*((i%4)/2),
+         * column 8*(i/4) + 2*(lane%4) + i%2. (row0: the item's first A row, above.) */
+        if (SWAP) {
+            constexpr int OC = 64 * C::WM / HALVES;                /* output columns of the item */
+            float *se = sepi + (PING ? wg : 0) * C::EPI_WG_FLOATS; /* this warpgroup's staging */
+            float *sscale = se + 64 * C::WM * C::EPI_LD;
+            named_bar_sync(2 + wg, 128); /* the last item's readers are done */
+            if (tid < TOK)
+                sscale[tid] = moe_gemm_row_scale(p, row0 + tid);
+#pragma unroll
+            for (int i = 0; i < C::ACC; i++) {
+                int wr = 16 * warp + (lane >> 2) + 8 * ((i & 3) >> 1);
+                int tk = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+#pragma unroll
+                for (int j = 0; j < C::WM; j++)
+                    se[(64 * j + wr) * C::EPI_LD + tk] = acc[j][i];
+            }
+            named_bar_sync(2 + wg, 128);
+            for (int idx = tid; idx < OC * TOK; idx += 128) {
+                int oc = idx % OC, tk = idx / OC;
+                const int col = jt * OC + oc;
+                float v = se[oc * C::EPI_LD + tk];
+                if (F8 && col >= p.n_out)
+                    continue;
+                if (F8 == 1)
+                    v *= sm90_f8_scale(p, row0 + tk, e, col);
+                if (EPI != MOE_GEMM_EPI_STORE) {
+                    float u = se[(OC + oc) * C::EPI_LD + tk];
+                    if (F8 == 1)
+                        u *= sm90_f8_scale(p, row0 + tk, e, p.n / 2 + col);
+                    v = moe_gemm_act_mul<EPI>(v, u);
+                }
+                moe_gemm_put1(p, row0 + tk, col, v * sscale[tk]);
+            }
+        } else if (C::TS && p.tma_store) {
+            /* bf16 rows through shared memory: each consumer warpgroup writes its 64 rows x 128
+             * columns (a slice of STORE's 256, or *_MUL's 128 outputs) into two [64 x 64] boxes
+             * with the 128-byte swizzle (16-byte chunk j of row r at j ^ (r % 8): a warp's
+             * stores of one accumulator pair cover 32 banks), then one thread stores the boxes
+             * by TMA and the warpgroup goes on to its next item while they drain. */
+            const uint32_t sbuf = smem_u32((uint8_t *)sepi + wg * C::TS_BYTES);
+            const int r = 16 * warp + (lane >> 2); /* rows r and r + 8 of the warpgroup's 64 */
+            const int64_t grow = row0 + (PING ? 0 : wg * 64);
+            const float sc[2] = {moe_gemm_row_scale(p, grow + r),
+                                 moe_gemm_row_scale(p, grow + r + 8)};
+            constexpr int ROUNDS = EPI == MOE_GEMM_EPI_STORE ? HALVES : 1;
+#pragma unroll
+            for (int h = 0; h < ROUNDS; h++) {
+                /* the buffer is free once the last boxes stored from it have been read */
+                if (tid == 0)
+                    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+                named_bar_sync(2 + wg, 128);
+#pragma unroll
+                for (int i = 0; i < C::ACC; i += 2) {
+                    const int q = (i & 3) >> 1, row = r + 8 * q;
+                    const int wc = 8 * (i >> 2) + 2 * (lane & 3); /* column in the 128 */
+                    float v0, v1;
+                    if (EPI == MOE_GEMM_EPI_STORE) {
+                        v0 = acc[h][i] * sc[q];
+                        v1 = acc[h][i + 1] * sc[q];
+                    } else {
+                        v0 = moe_gemm_act_mul<EPI>(acc[0][i], acc[C::NACC - 1][i]) * sc[q];
+                        v1 = moe_gemm_act_mul<EPI>(acc[0][i + 1], acc[C::NACC - 1][i + 1]) * sc[q];
+                    }
+                    const uint32_t off = (wc >> 6) * (64 * ROW_BYTES) + row * ROW_BYTES +
+                                         ((((wc & 63) >> 3) ^ (row & 7)) << 4) + (wc & 7) * 2;
+                    __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
+                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(sbuf + off),
+                                 "r"(*reinterpret_cast<uint32_t *>(&v))
+                                 : "memory");
+                }
+                /* the generic-proxy writes must be visible to the TMA (async proxy) reads */
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                named_bar_sync(2 + wg, 128);
+                if (tid == 0) {
+                    const int col0 =
+                        EPI == MOE_GEMM_EPI_STORE ? jt * HALVES * WR + h * WR : jt * WR;
+#pragma unroll
+                    for (int bx = 0; bx < WR / 64; bx++)
+                        if (col0 + bx * 64 < p.n_out)
+                            tma_store_2d(&tm_c, sbuf + bx * 64 * ROW_BYTES, col0 + bx * 64,
+                                         (int)grow);
+                    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+                }
+            }
+        } else {
+            /* a thread's outputs lie on two rows: 8 apart */
+            const int64_t row = row0 + (PING ? 0 : wg * 64) + 16 * warp + (lane >> 2);
+            const float sc[2] = {moe_gemm_row_scale(p, row), moe_gemm_row_scale(p, row + 8)};
+#pragma unroll
+            for (int i = 0; i < C::ACC; i += 2) {
+                const int q = (i & 3) >> 1;
+                const int wc = 8 * (i >> 2) + 2 * (lane & 3);
+                if (F8 == 1 || F8 == 3) { /* F8 = 2: the block scales are in acc already */
+                    if (EPI == MOE_GEMM_EPI_STORE) {
+#pragma unroll
+                        for (int h = 0; h < HALVES; h++) {
+                            const int col = jt * HALVES * WR + h * WR + wc;
+                            if (col >= p.n_out)
+                                continue;
+                            moe_gemm_put2(p, row + 8 * q, col,
+                                          acc[h][i] * sm90_f8_scale(p, row + 8 * q, e, col) * sc[q],
+                                          acc[h][i + 1] *
+                                              sm90_f8_scale(p, row + 8 * q, e, col + 1) * sc[q]);
+                        }
+                    } else {
+                        const int col = jt * WR + wc, up = p.n / 2 + col;
+                        if (col >= p.n_out)
+                            continue;
+                        const float g0 = acc[0][i] * sm90_f8_scale(p, row + 8 * q, e, col);
+                        const float g1 = acc[0][i + 1] * sm90_f8_scale(p, row + 8 * q, e, col + 1);
+                        const float u0 = acc[C::NACC - 1][i] * sm90_f8_scale(p, row + 8 * q, e, up);
+                        const float u1 =
+                            acc[C::NACC - 1][i + 1] * sm90_f8_scale(p, row + 8 * q, e, up + 1);
+                        moe_gemm_put2(p, row + 8 * q, col, moe_gemm_act_mul<EPI>(g0, u0) * sc[q],
+                                      moe_gemm_act_mul<EPI>(g1, u1) * sc[q]);
+                    }
+                } else if (EPI == MOE_GEMM_EPI_STORE) {
+#pragma unroll
+                    for (int h = 0; h < HALVES; h++)
+                        moe_gemm_put2(p, row + 8 * q, jt * HALVES * WR + h * WR + wc,
+                                      acc[h][i] * sc[q], acc[h][i + 1] * sc[q]);
+                } else {
+                    moe_gemm_put2(p, row + 8 * q, jt * WR + wc,
+                                  moe_gemm_act_mul<EPI>(acc[0][i], acc[C::NACC - 1][i]) * sc[q],
+                                  moe_gemm_act_mul<EPI>(acc[0][i + 1], acc[C::NACC - 1][i + 1]) *
+                                      sc[q]);
+                }
+            }
+        }
+    }
+    /* the last boxes must be written before the CTA (and its shared memory) goes */
+    if (C::TS && p.tma_store && tid == 0)
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+#endif
+}
+
+/* ---- host side ------------------------------------------------------------------------------ */
+
+static PFN_cuTensorMapEncodeTiled_v12000 encode_fn(void)
+{
+    static PFN_cuTensorMapEncodeTiled_v12000 fn;
+    PFN_cuTensorMapEncodeTiled_v12000 f = __atomic_load_n(&fn, __ATOMIC_ACQUIRE);
+    if (f)
+        return f;
+    void *ptr = NULL;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess || !ptr)
+        return NULL;
+    f = (PFN_cuTensorMapEncodeTiled_v12000)ptr;
+    __atomic_store_n(&fn, f, __ATOMIC_RELEASE);
+    return f;
+}
+
+/* Row-major bf16 [rows, k] with a box of [box_rows, 64] (e4m3, f8 = 1: [box_rows, 128]),
+ * 128-byte swizzle. */
+static moe_status_t encode_map(CUtensorMap *map, const void *ptr, int64_t rows, int k, int box_rows,
+                               const char *name, int f8 = 0)
+{
+    PFN_cuTensorMapEncodeTiled_v12000 f = encode_fn();
+    if (!f)
+        return moe_error(MOE_STATUS_CUDA_ERROR, "%s: cuTensorMapEncodeTiled not found in driver",
+                         name);
+    cuuint64_t dims[2] = {(cuuint64_t)k, (cuuint64_t)rows};
+    cuuint64_t strides[1] = {(cuuint64_t)k * (f8 ? 1 : 2)};
+    cuuint32_t box[2] = {(cuuint32_t)(f8 ? 128 : BK), (cuuint32_t)box_rows};
+    cuuint32_t estr[2] = {1, 1};
+    CUresult r = f(map, f8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
+                   (void *)ptr, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                   CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS)
+        return moe_error(MOE_STATUS_CUDA_ERROR,
+                         "%s: cuTensorMapEncodeTiled(rows %lld, k %d, box %d) failed: %d", name,
+                         (long long)rows, k, box_rows, (int)r);
+    return MOE_STATUS_SUCCESS;
+}
+
+/* MOE_GEMM_PDL=0 turns programmatic dependent launch off: the kernel's prologue then no longer
+ * overlaps the previous kernel on the stream. */
+static int pdl_enabled(void)
+{
+    static int cached = -1;
+    return moe_env_once(&cached, "MOE_GEMM_PDL", 1) != 0;
+}
+
+/* MOE_GEMM_TMA_STORE=0 makes the normal-layout bf16 epilogue store from registers instead of
+ * through shared memory and TMA. */
+static int tma_store_enabled(void)
+{
+    static int cached = -1;
+    return moe_env_once(&cached, "MOE_GEMM_TMA_STORE", 1) != 0;
+}
+
+/* MOE_GEMM_GROUP=N sweeps N row blocks at a time over the weight tiles; 0 or unset: the
+ * kernel's rule (by blocks per expert). */
+static int sweep_group(void)
+{
+    static int cached = -1;
+    return moe_env_once(&cached, "MOE_GEMM_GROUP", 0);
+}
+
+/* MOE_GEMM_MAX_CTAS=N caps the sm_90 GEMMs' persistent grid at N CTAs (0 or unset: one per SM):
+ * measures whether few-item steps are limited by the SMs streaming or by HBM (split-K's case). */
+static int max_ctas(void)
+{
+    static int cached = -1;
+    return moe_env_once(&cached, "MOE_GEMM_MAX_CTAS", 0);
+}
+
+template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB = 1, int F8 = 0,
+          int PING = 0>
+static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, const char *name)
+{
+    using C = sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8, PING>;
+    static int smem_done[MOE_MAX_DEVICES];
+    auto kernel = moe_gemm_sm90_kernel<SWAP, TOK, WR, HALVES, EPI, STAGES, KB, F8, PING>;
+    int dev, sms;
+    MOE_CHECK(moe_gemm_device_sms(name, &dev, &sms));
+    MOE_CHECK(moe_gemm_smem_once(name, (const void *)kernel, C::SMEM, dev, smem_done));
+
+    moe_gemm_kparams p = moe_gemm_base_params(a);
+    if (EPI == MOE_GEMM_EPI_STORE) {
+        p.n_out = a->n;
+        p.n_tiles = (a->n + HALVES * WR - 1) / (HALVES * WR);
+    } else {
+        p.n_out = a->n / 2;
+        p.n_tiles = (a->n / 2 + WR - 1) / WR; /* the n tail: masked stores */
+    }
+    int64_t items = (int64_t)a->max_blocks * p.n_tiles;
+    if (items == 0)
+        return MOE_STATUS_SUCCESS;
+    CUtensorMap tm_tok, tm_w;
+    MOE_CHECK(encode_map(&tm_tok, a->a, (int64_t)a->max_blocks * TOK, a->k, TOK, name, F8));
+    MOE_CHECK(encode_map(&tm_w, a->b, (int64_t)a->num_experts * a->n, a->k, WR, name, F8));
+    /* c as [rows, n_out] bf16 in [64 x 64] boxes (the TMA-store epilogue; else unused) */
+    CUtensorMap tm_c = tm_tok;
+    p.tma_store = C::TS && !a->c_f32 && tma_store_enabled();
+    if (p.tma_store)
+        MOE_CHECK(encode_map(&tm_c, a->c, (int64_t)a->max_blocks * TOK, p.n_out, 64, name));
+    int grid = (int)(items < sms ? items : sms);
+    if (max_ctas() > 0 && grid > max_ctas())
+        grid = max_ctas();
+    if (a->max_ctas > 0 && grid > a->max_ctas)
+        grid = a->max_ctas;
+    p.group = sweep_group();
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(C::THREADS);
+    cfg.dynamicSmemBytes = C::SMEM;
+    cfg.stream = stream;
+    if (pdl_enabled()) {
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+    }
+    cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, tm_tok, tm_w, tm_c, p);
+    if (err != cudaSuccess)
+        return moe_error(MOE_STATUS_CUDA_ERROR, "%s: launch: %s", name, cudaGetErrorString(err));
+    return moe_gemm_check_launch(name);
+}
+
+/* Stages that fit in `budget` bytes of shared memory, at most `cap`. */
+static constexpr int stages_for(int stage_bytes, int budget, int cap)
+{
+    return budget / stage_bytes < cap ? budget / stage_bytes : cap;
+}
+
+/* Normal layout: TOK tokens (64 per consumer warpgroup; PING: two warpgroups on alternate
+ * 64-row items) x 2 x WR weight rows (bf16: WRB, 128, or 64 for three and four consumer
+ * warpgroups). */
+template <int TOK, int F8 = 0, int WRB = 128, int PING = 0>
+static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const char *name)
+{
+    /* FP8 with promotion (F8 = 1, 2) keeps a second set of accumulators: half the weight rows;
+     * F8 = 3 (the tensor cores accumulate all of k) has the bf16 tile's */
+    constexpr int WR = F8 == 1 || F8 == 2 ? 64 : WRB;
+    /* bf16: the TMA-store buffers (16 KB per consumer warpgroup) come out of the same budget
+     * (m128: 4 stages of 48 KB + 32 KB; m64: 5 of 40 KB + 16 KB) */
+    constexpr int ST = F8 ? stages_for((TOK + 2 * WR) * ROW_BYTES, 200 * 1024, 8)
+                          : stages_for((TOK + 2 * WR) * ROW_BYTES,
+                                       227 * 1024 - (PING ? 2 : TOK / 64) * 64 * WR * 2 - 2048, 8);
+    if ((int64_t)a->max_blocks * TOK >= ((int64_t)1 << 31))
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: max_blocks = %d too large", name,
+                         a->max_blocks);
+    MOE_CHECK(moe_gemm_check_common(a, name, F8 == 3 ? 1 : F8));
+    cudaStream_t s = (cudaStream_t)stream;
+    switch (a->epilogue) {
+    case MOE_GEMM_EPI_STORE:
+        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_STORE, ST, 1, F8, PING>(a, s, name);
+    case MOE_GEMM_EPI_SILU_MUL:
+        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_SILU_MUL, ST, 1, F8, PING>(a, s, name);
+    case MOE_GEMM_EPI_GELU_MUL:
+        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_GELU_MUL, ST, 1, F8, PING>(a, s, name);
+    default:
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: epilogue %d", name, (int)a->epilogue);
+    }
+}
+
+/* Swap-AB: 64 weight rows per item (64 output columns for STORE; 32 gate + 32 up rows, 32
+ * output columns, for *_MUL) x TOK tokens; a stage holds KB slices of 64 k (longer contiguous
+ * runs of each weight row per stage). PING: two consumer warpgroups on alternate items, each
+ * with its own epilogue staging. */
+template <int TOK, int KB, int WM = 1, int F8 = 0, int PING = 0>
+static moe_status_t launch_swap(const moe_gemm_args_t *a, void *stream, const char *name)
+{
+    constexpr int ST = stages_for(KB * (TOK + 64 * WM) * ROW_BYTES,
+                                  200 * 1024 - (PING ? 2 : 1) * (64 * WM * (TOK + 1) + 64) * 4, 12);
+    if ((int64_t)a->max_blocks * TOK >= ((int64_t)1 << 31))
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: max_blocks = %d too large", name,
+                         a->max_blocks);
+    MOE_CHECK(moe_gemm_check_common(a, name, F8));
+    cudaStream_t s = (cudaStream_t)stream;
+    switch (a->epilogue) {
+    case MOE_GEMM_EPI_STORE:
+        return launch_one<1, TOK, 64 * WM, 1, MOE_GEMM_EPI_STORE, ST, KB, F8, PING>(a, s, name);
+    case MOE_GEMM_EPI_SILU_MUL:
+        return launch_one<1, TOK, 32 * WM, 2, MOE_GEMM_EPI_SILU_MUL, ST, KB, F8, PING>(a, s, name);
+    case MOE_GEMM_EPI_GELU_MUL:
+        return launch_one<1, TOK, 32 * WM, 2, MOE_GEMM_EPI_GELU_MUL, ST, KB, F8, PING>(a, s, name);
+    default:
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: epilogue %d", name, (int)a->epilogue);
+    }
+}
+
+#endif /* MOE_EXPERT_GEMM_SM90_CUH */
