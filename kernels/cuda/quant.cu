@@ -34,12 +34,7 @@ __device__ __forceinline__ void store_e4m3x8(uint8_t *q, const float *v, float s
     *reinterpret_cast<uint2 *>(q) = make_uint2(lo, hi);
 }
 
-// One CTA per row, Q_VPT 8-wide vectors a thread: a row of up to Q_VPT x 8 x Q_MAX_THREADS values
-// (32768) is read once into registers, all its loads in flight at once, then reduced and
-// converted from there; longer rows loop (read twice). The host sizes the CTA to the row
-// (Q_MIN_THREADS .. Q_MAX_THREADS): one CTA of 128 threads looping over a row of 14336 took
-// 27 us for eight tokens of Mixtral's h (2026-12-03, Nsight Compute).
-constexpr int Q_VPT = 8, Q_MIN_THREADS = 128, Q_MAX_THREADS = 512;
+constexpr int Q_THREADS = 128; // one CTA per row: long rows (I = 14336) need many loads in flight
 
 // v[0..8) = the row's values c .. c + 7: zeros for a padding row (x NULL); with `round`, f32
 // values rounded to bf16 (the gather's copy, fused: a no-op for bf16 x).
@@ -60,11 +55,11 @@ __device__ __forceinline__ void load_row8(const T *x, int c, bool round, float *
 }
 
 template <typename T>
-__global__ void __launch_bounds__(Q_MAX_THREADS) quant_rows_kernel(moe_quant_rows_args_t a)
+__global__ void __launch_bounds__(Q_THREADS) quant_rows_kernel(moe_quant_rows_args_t a)
 {
-    __shared__ float warp_max[Q_MAX_THREADS / 32];
+    __shared__ float warp_max[Q_THREADS / 32];
     __shared__ float row_scale;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, nt = blockDim.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
     const int64_t row = blockIdx.x;
     if (a.num_blocks && row >= (int64_t)*a.num_blocks * a.block_rows)
         return;
@@ -79,7 +74,7 @@ __global__ void __launch_bounds__(Q_MAX_THREADS) quant_rows_kernel(moe_quant_row
     if (a.group) { /* 1 x 128 groups: 16 lanes (one half-warp) per group of 8-wide vectors */
         const int nvec = a.cols / 8, ng = (a.cols + 127) / 128;
         uint8_t *q = a.q + row * a.cols;
-        for (int v0 = 0; v0 < nvec; v0 += nt) {
+        for (int v0 = 0; v0 < nvec; v0 += Q_THREADS) {
             const int v = v0 + threadIdx.x;
             float vals[8], m = 0.0f;
             if (v < nvec) {
@@ -100,16 +95,6 @@ __global__ void __launch_bounds__(Q_MAX_THREADS) quant_rows_kernel(moe_quant_row
         }
         return;
     }
-    const int nvec = a.cols / 8;
-    const bool held = nvec <= Q_VPT * nt; /* the row in registers: read once */
-    float vals[Q_VPT][8];
-    if (held)
-#pragma unroll
-        for (int i = 0; i < Q_VPT; i++) {
-            const int v = threadIdx.x + i * nt;
-            if (v < nvec)
-                load_row8(x, v * 8, round, vals[i]);
-        }
     float st = 0.0f; /* the row's expert's static scale; the same for the whole CTA */
     if (a.static_scale) {
         const int32_t e = a.block_expert[row / a.block_rows];
@@ -120,23 +105,14 @@ __global__ void __launch_bounds__(Q_MAX_THREADS) quant_rows_kernel(moe_quant_row
         if (threadIdx.x == 0)
             row_scale = st;
     } else {
-        float m = 0.0f; // fmaxf drops NaN: a NaN value stays NaN below
-        if (held) {
-#pragma unroll
-            for (int i = 0; i < Q_VPT; i++)
-                if (threadIdx.x + i * nt < nvec)
-#pragma unroll
-                    for (int j = 0; j < 8; j++)
-                        m = fmaxf(m, fabsf(vals[i][j]));
-        } else {
+        float m = 0.0f;
 #pragma unroll 4
-            for (int c = threadIdx.x * 8; c < a.cols; c += nt * 8) {
-                float v[8];
-                load_row8(x, c, round, v);
+        for (int c = threadIdx.x * 8; c < a.cols; c += Q_THREADS * 8) {
+            float v[8];
+            load_row8(x, c, round, v);
 #pragma unroll
-                for (int i = 0; i < 8; i++)
-                    m = fmaxf(m, fabsf(v[i]));
-            }
+            for (int i = 0; i < 8; i++)
+                m = fmaxf(m, fabsf(v[i])); // fmaxf drops NaN: a NaN value stays NaN below
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1)
@@ -145,7 +121,7 @@ __global__ void __launch_bounds__(Q_MAX_THREADS) quant_rows_kernel(moe_quant_row
             warp_max[warp] = m;
         __syncthreads();
         if (threadIdx.x == 0) {
-            for (int w = 1; w < nt / 32; w++)
+            for (int w = 1; w < Q_THREADS / 32; w++)
                 m = fmaxf(m, warp_max[w]);
             row_scale = dynamic_scale(m);
         }
@@ -155,17 +131,8 @@ __global__ void __launch_bounds__(Q_MAX_THREADS) quant_rows_kernel(moe_quant_row
     if (threadIdx.x == 0)
         a.scale[row] = s;
     uint8_t *q = a.q + row * a.cols;
-    if (held) {
-#pragma unroll
-        for (int i = 0; i < Q_VPT; i++) {
-            const int v = threadIdx.x + i * nt;
-            if (v < nvec)
-                store_e4m3x8(q + (int64_t)v * 8, vals[i], s);
-        }
-        return;
-    }
 #pragma unroll 4
-    for (int c = threadIdx.x * 8; c < a.cols; c += nt * 8) {
+    for (int c = threadIdx.x * 8; c < a.cols; c += Q_THREADS * 8) {
         float v[8];
         load_row8(x, c, round, v);
         store_e4m3x8(q + c, v, s);
@@ -195,16 +162,11 @@ extern "C" moe_status_t moe_quant_rows_launch(const moe_quant_rows_args_t *a, vo
     if (a->rows > INT32_MAX)
         return moe_error(MOE_STATUS_INVALID_ARGUMENT, "e4m3 rows: %lld rows", (long long)a->rows);
     const unsigned grid = (unsigned)a->rows;
-    /* enough threads for Q_VPT vectors each (whole warps), within [Q_MIN, Q_MAX]_THREADS */
-    const int64_t need = ((int64_t)a->cols / 8 + Q_VPT - 1) / Q_VPT;
-    const int threads = need <= Q_MIN_THREADS   ? Q_MIN_THREADS
-                        : need >= Q_MAX_THREADS ? Q_MAX_THREADS
-                                                : (int)(need + 31) / 32 * 32;
     cudaStream_t s = (cudaStream_t)stream;
     if (a->x_dtype == MOE_DTYPE_BF16)
-        quant_rows_kernel<__nv_bfloat16><<<grid, threads, 0, s>>>(*a);
+        quant_rows_kernel<__nv_bfloat16><<<grid, Q_THREADS, 0, s>>>(*a);
     else if (a->x_dtype == MOE_DTYPE_F32)
-        quant_rows_kernel<float><<<grid, threads, 0, s>>>(*a);
+        quant_rows_kernel<float><<<grid, Q_THREADS, 0, s>>>(*a);
     else
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "e4m3 rows from %s", moe_dtype_name(a->x_dtype));
     MOE_CUDA_CHECK_LAUNCH("e4m3 rows");
