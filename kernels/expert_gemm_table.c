@@ -54,6 +54,9 @@ static const moe_gemm_variant_t variants[] = {
      L(moe_gemm_sm90_fp8_swap16pp_launch), 0},
     {"sm90_fp8_swapab_n32_pp", 90, 32, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
      L(moe_gemm_sm90_fp8_swap32pp_launch), 0},
+    /* not in a built-in table: for moe-tune and MOE_FORCE_VARIANT until measured */
+    {"sm90_fp8_swapab_w128_n16_pp", 90, 16, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
+     L(moe_gemm_sm90_fp8_swap16wpp_launch), 0},
     {"sm90_fp8_swapab_n64", 90, 64, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
      L(moe_gemm_sm90_fp8_swap64_launch), 0},
     {"sm90_fp8_m64n128", 90, 64, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,

@@ -22,6 +22,12 @@ moe_status_t moe_gemm_sm90_fp8_swap32pp_launch(const moe_gemm_args_t *a, void *s
 {
     return launch_swap<32, 2, 1, 1, 1>(a, stream, "sm90_fp8_swapab_n32_pp");
 }
+/* 128 weight rows an item (two m64 wgmmas), ping-pong: half the items of n16_pp for steps with
+ * many short items (Qwen3's GEMM 2); two 128-k slices a stage */
+moe_status_t moe_gemm_sm90_fp8_swap16wpp_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<16, 2, 2, 1, 1>(a, stream, "sm90_fp8_swapab_w128_n16_pp");
+}
 moe_status_t moe_gemm_sm90_fp8_swap64_launch(const moe_gemm_args_t *a, void *stream)
 {
     return launch_swap<64, 2, 1, 1>(a, stream, "sm90_fp8_swapab_n64");
