@@ -31,7 +31,8 @@ $NVCC $nvflags -gencode=arch=compute_80,code=sm_80 -c kernels/cuda/gpu.cu -o "$o
     2> "$out/ptxas_gpu.txt" || { cat "$out/ptxas_gpu.txt"; exit 1; }
 cflags="-std=c11 -D_GNU_SOURCE -O2 -Wall -Wextra -Wno-unused-parameter -DMOE_HAVE_CUDA=1 $inc -I $cuinc"
 for f in kernels/expert_gemm.c kernels/expert_gemm_table.c runtime/oracle.c base/json.c \
-    base/diag.c base/env.c tests/gpu/test_gpu_expert_gemm.c bench/gemm_bench.c; do
+    base/diag.c base/env.c runtime/formats/file.c tests/gpu/test_gpu_expert_gemm.c \
+    bench/gemm_bench.c; do
     $CC $cflags -c "$f" -o "$out/$(basename "$f" .c).o"
 done
 for p in $pids; do
@@ -41,6 +42,7 @@ wait $p2 || { cat "$out/ptxas_sm80.txt"; exit 1; }
 wait $p3 || { cat "$out/ptxas_simple.txt"; exit 1; }
 common="$sm90 $out/expert_gemm_sm80.o $out/expert_gemm.o $out/expert_gemm_table.o"
 common="$common $out/expert_gemm_simple.o $out/gpu.o $out/oracle.o $out/json.o $out/diag.o $out/env.o"
+common="$common $out/file.o"
 $NVCC -o "$out/test_gpu_expert_gemm" "$out/test_gpu_expert_gemm.o" $common -lm
 $NVCC -o "$out/gemm_bench" "$out/gemm_bench.o" $common -lm
 echo "built $out/test_gpu_expert_gemm $out/gemm_bench"
