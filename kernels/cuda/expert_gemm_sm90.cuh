@@ -345,14 +345,13 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
 
     /* The consumers' registers: what the producer gives back (down to PRODUCER_REGS) out of the
      * launch's per-thread share (168 at 384 threads, 128 at 512 (three consumer warpgroups, 64
-     * accumulators each), 96 at 640 (four)). More would wait forever: setmaxnreg.inc only
-     * takes registers the CTA already holds. */
+     * accumulators each), 96 at 640 (four)), split evenly in multiples of 8, at most 232: 232
+     * for one or two consumer warpgroups (224 beside a 56-register producer), 152 for three,
+     * 104 for four. More would wait forever: setmaxnreg.inc only takes registers the CTA
+     * already holds. */
     constexpr int LAUNCH_REGS = (65536 / C::THREADS > 255 ? 255 : 65536 / C::THREADS) / 8 * 8;
-    constexpr int CONSUMER_REGS = C::NWG == 1                            ? 232
-                                  : C::NWG == 2 && C::PRODUCER_REGS > 40 ? 224
-                                  : C::NWG == 2                          ? 232
-                                  : C::NWG == 3                          ? 152
-                                                                         : 104;
+    constexpr int CONSUMER_SHARE = (LAUNCH_REGS * (C::NWG + 1) - C::PRODUCER_REGS) / C::NWG / 8 * 8;
+    constexpr int CONSUMER_REGS = CONSUMER_SHARE < 232 ? CONSUMER_SHARE : 232;
     static_assert(LAUNCH_REGS * (C::NWG + 1) >= C::PRODUCER_REGS + CONSUMER_REGS * C::NWG,
                   "setmaxnreg.inc beyond the CTA's registers never returns");
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
