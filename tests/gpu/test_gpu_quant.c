@@ -116,6 +116,7 @@ static void test_quant_rows(void **state)
     (void)state;
     check_quant(40, 2048, 0, MOE_DTYPE_BF16, NULL, 0, -1, 16);
     check_quant(40, 14336, 0, MOE_DTYPE_BF16, NULL, 0, -1, 16); /* Mixtral's h rows */
+    check_quant(7, 12296, 0, MOE_DTYPE_F32, NULL, 0, -1, 16);   /* held, a CTA of 224 */
     check_quant(6, 36872, 0, MOE_DTYPE_BF16, NULL, 0, -1, 16);  /* past 32768: read twice */
     check_quant(6, 36872, 0, MOE_DTYPE_F32, NULL, 0, -1, 16);
     check_quant(33, 1032, 0, MOE_DTYPE_F32, NULL, 0, -1, 16);
