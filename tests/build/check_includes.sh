@@ -44,7 +44,8 @@ check() {
             to=${target%.*}
             [ "$from" = "$to" ] || echo "$from $to" >>"$edges"
         done < <(sed -n 's/^[[:space:]]*#[[:space:]]*include[[:space:]]*"\([^"]*\)".*/\1/p' "$f")
-    done < <(find . \( -path ./.git -o -path './build*' \) -prune -o -type f \
+    done < <(find . \( -path ./.git -o -path './build*' -o -path ./.device -o -path ./.whl \
+        -o -path ./python/build \) -prune -o -type f \
         \( -name '*.c' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.inc' \) \
         -print | sed 's|^\./||' | sort)
     # tsort reports every loop it meets on stderr and fails
