@@ -57,6 +57,11 @@ static const moe_gemm_variant_t variants[] = {
     /* not in a built-in table: for moe-tune and MOE_FORCE_VARIANT until measured */
     {"sm90_fp8_swapab_w128_n16_pp", 90, 16, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
      L(moe_gemm_sm90_fp8_swap16wpp_launch), 0},
+    /* _p4: promoted every 4 slices of 128 k, not after each (docs/KERNELS.md, "FP8 W8A8") */
+    {"sm90_fp8_swapab_n16_pp_p4", 90, 16, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
+     L(moe_gemm_sm90_fp8_swap16ppi_launch), 0},
+    {"sm90_fp8_swapab_n32_pp_p4", 90, 32, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
+     L(moe_gemm_sm90_fp8_swap32ppi_launch), 0},
     {"sm90_fp8_swapab_n64", 90, 64, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
      L(moe_gemm_sm90_fp8_swap64_launch), 0},
     {"sm90_fp8_m64n128", 90, 64, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
@@ -65,6 +70,8 @@ static const moe_gemm_variant_t variants[] = {
      L(moe_gemm_sm90_fp8_m128_launch), 0},
     {"sm90_fp8_m192n128", 90, 192, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
      L(moe_gemm_sm90_fp8_m192_launch), 0},
+    {"sm90_fp8_m128n128_p4", 90, 128, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
+     L(moe_gemm_sm90_fp8i_m128_launch), 0},
     /* no promotion (fast_accum): forced or tuned with MOE_FP8_FAST_ACCUM=1 only */
     {"sm90_fp8_fast_m64n256", 90, 64, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
      L(moe_gemm_sm90_fp8f_m64_launch), 1},

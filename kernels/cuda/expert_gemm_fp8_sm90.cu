@@ -17,6 +17,13 @@ moe_status_t moe_gemm_sm90_fp8_m64_launch(const moe_gemm_args_t *a, void *stream
 {
     return launch_normal<64, 1>(a, stream, "sm90_fp8_m64n128");
 }
+/* FP8 per-row scales promoted every F8_PI (4) slices of 128 k instead of every one: the wgmmas
+ * of the slices between stay in flight (one wait, one add pass per 512 of k). Not in a built-in
+ * table until measured: moe-tune and MOE_FORCE_VARIANT. */
+moe_status_t moe_gemm_sm90_fp8i_m128_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<128, 4>(a, stream, "sm90_fp8_m128n128_p4");
+}
 /* FP8 per-row scales without promotion: the tensor cores accumulate the whole k (their FP8
  * accumulation keeps fewer bits than f32: docs/KERNELS.md, "Fast accumulation"), so a
  * warpgroup holds one m64n256 accumulator set as bf16 does. Chosen only where the layer

@@ -22,6 +22,16 @@ moe_status_t moe_gemm_sm90_fp8_swap32pp_launch(const moe_gemm_args_t *a, void *s
 {
     return launch_swap<32, 2, 1, 1, 1>(a, stream, "sm90_fp8_swapab_n32_pp");
 }
+/* The same, promoted once a stage (every F8_PI = 4 slices of 128 k: n16's stage, two of n32's)
+ * instead of after every slice; not in a built-in table until measured */
+moe_status_t moe_gemm_sm90_fp8_swap16ppi_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<16, 4, 1, 4, 1>(a, stream, "sm90_fp8_swapab_n16_pp_p4");
+}
+moe_status_t moe_gemm_sm90_fp8_swap32ppi_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<32, 2, 1, 4, 1>(a, stream, "sm90_fp8_swapab_n32_pp_p4");
+}
 /* 128 weight rows an item (two m64 wgmmas), ping-pong: half the items of n16_pp for steps with
  * many short items (Qwen3's GEMM 2); two 128-k slices a stage */
 moe_status_t moe_gemm_sm90_fp8_swap16wpp_launch(const moe_gemm_args_t *a, void *stream)

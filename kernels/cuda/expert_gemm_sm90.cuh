@@ -148,7 +148,12 @@ __device__ __forceinline__ void wgmma_fp8(float *d, uint64_t da, uint64_t db, in
 constexpr int BK = 64;            /* bf16 elements per row of a stage: one 128 B swizzle row */
 constexpr int ROW_BYTES = BK * 2; /* 128 (e4m3: 128 elements) */
 
-/* Elements of k per 128-byte stage row: 64 bf16 or 128 e4m3. */
+/* F8, the kernels' element kind: 0 bf16; e4m3 with 1 per-row scales, each 128 of k promoted
+ * (added to f32 accumulators on the CUDA cores); 2 128 x 128 block scales, promoted likewise;
+ * 3 per-row scales, not promoted (the tensor cores sum all of k: "fast accumulation");
+ * 4 per-row scales, promoted every F8_PI slices of 128 k, the wgmmas in flight between.
+ * Elements of k per 128-byte stage row: 64 bf16 or 128 e4m3. */
+constexpr int F8_PI = 4;
 template <int F8> struct sm90_elem {
     static constexpr int BKE = F8 ? 128 : 64;
 };
@@ -195,6 +200,7 @@ struct sm90_cfg {
     static_assert(EPI_BYTES % 1024 == 0 || SWAP, "TMA store buffers: 1024 B aligned");
     static_assert(!PING || SWAP || (!F8 && TOK == 64), "ping-pong: swap-AB, or bf16 64 rows");
     static_assert(F8 != 3 || !SWAP, "fast accumulation: normal layout");
+    static_assert(F8 != 4 || F8_PI % KB == 0, "promotion interval: whole stages");
 };
 
 /* Maps work item t to (row block b, weight tile jt); row blocks are taken `group` at a time
@@ -393,7 +399,8 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
      * bits than f32 (measured: ~3e-4 relative within one 128-k slice), so a long k would drift
      * without it. */
     constexpr bool PRO = F8 == 1 || F8 == 2; /* promotion (F8 = 3: the tensor cores sum all k) */
-    float part[PRO ? C::NACC : 1][PRO ? C::ACC : 1];
+    constexpr bool PRI = F8 == 4;            /* promotion every F8_PI slices */
+    float part[PRO || PRI ? C::NACC : 1][PRO || PRI ? C::ACC : 1];
     using acc_t = float(&)[C::NACC][C::ACC];
     const int kbn = (p.k + 127) / 128; /* 128-wide k slices (block scales) */
     /* d += part (F8 = 2: times the block scales of each element's A row and weight row). The
@@ -534,6 +541,32 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                     if (lane == 0)
                         mbar_arrive(&empty[s]);
                 }
+            } else if (PRI) {
+                /* the partial sums F8_PI slices on the tensor cores, one stage's wgmma group in
+                 * flight across stages as F8 = 3 keeps it; read (promoted) only once all of
+                 * them are waited for, at the interval's last stage or k's */
+                wgmma_fence();
+#pragma unroll
+                for (int sub = 0; sub < KB; sub++)
+                    mma_slice(reinterpret_cast<acc_t>(part), st, sub, PING ? 0 : wg,
+                              (kt + sub) % F8_PI == 0);
+                wgmma_commit();
+                if ((kt + KB) % F8_PI == 0 || kt + KB >= kt_count) {
+                    wgmma_wait<0>();
+                    if (lane == 0) {
+                        if (s_prev >= 0)
+                            mbar_arrive(&empty[s_prev]);
+                        mbar_arrive(&empty[s]);
+                    }
+                    s_prev = -1;
+                    const float sb[C::NACC] = {}, sa[NA] = {}; /* per-row scales: the epilogue's */
+                    apply(acc, reinterpret_cast<acc_t>(part), sb, sa);
+                } else {
+                    wgmma_wait<1>();
+                    if (s_prev >= 0 && lane == 0)
+                        mbar_arrive(&empty[s_prev]);
+                    s_prev = s;
+                }
             } else {
                 wgmma_fence();
 #pragma unroll
@@ -586,11 +619,11 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 float v = se[oc * C::EPI_LD + tk];
                 if (F8 && col >= p.n_out)
                     continue;
-                if (F8 == 1)
+                if (F8 == 1 || F8 == 4)
                     v *= sm90_f8_scale(p, row0 + tk, e, col);
                 if (EPI != MOE_GEMM_EPI_STORE) {
                     float u = se[(OC + oc) * C::EPI_LD + tk];
-                    if (F8 == 1)
+                    if (F8 == 1 || F8 == 4)
                         u *= sm90_f8_scale(p, row0 + tk, e, p.n / 2 + col);
                     v = moe_gemm_act_mul<EPI>(v, u);
                 }
@@ -655,7 +688,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
             for (int i = 0; i < C::ACC; i += 2) {
                 const int q = (i & 3) >> 1;
                 const int wc = 8 * (i >> 2) + 2 * (lane & 3);
-                if (F8 == 1 || F8 == 3) { /* F8 = 2: the block scales are in acc already */
+                if (F8 == 1 || F8 >= 3) { /* F8 = 2: the block scales are in acc already */
                     if (EPI == MOE_GEMM_EPI_STORE) {
 #pragma unroll
                         for (int h = 0; h < HALVES; h++) {
@@ -840,9 +873,9 @@ static constexpr int stages_for(int stage_bytes, int budget, int cap)
 template <int TOK, int F8 = 0, int WRB = 128, int PING = 0>
 static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const char *name)
 {
-    /* FP8 with promotion (F8 = 1, 2) keeps a second set of accumulators: half the weight rows;
-     * F8 = 3 (the tensor cores accumulate all of k) has the bf16 tile's */
-    constexpr int WR = F8 == 1 || F8 == 2 ? 64 : WRB;
+    /* FP8 with promotion (F8 = 1, 2, 4) keeps a second set of accumulators: half the weight
+     * rows; F8 = 3 (the tensor cores accumulate all of k) has the bf16 tile's */
+    constexpr int WR = F8 == 1 || F8 == 2 || F8 == 4 ? 64 : WRB;
     /* bf16: the TMA-store buffers (16 KB per consumer warpgroup) come out of the same budget
      * (m128: 4 stages of 48 KB + 32 KB; m64: 5 of 40 KB + 16 KB) */
     constexpr int ST = F8 ? stages_for((TOK + 2 * WR) * ROW_BYTES, 200 * 1024, 8)
@@ -851,7 +884,7 @@ static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const 
     if ((int64_t)a->max_blocks * TOK >= ((int64_t)1 << 31))
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: max_blocks = %d too large", name,
                          a->max_blocks);
-    MOE_CHECK(moe_gemm_check_common(a, name, F8 == 3 ? 1 : F8));
+    MOE_CHECK(moe_gemm_check_common(a, name, F8 >= 3 ? 1 : F8));
     cudaStream_t s = (cudaStream_t)stream;
     switch (a->epilogue) {
     case MOE_GEMM_EPI_STORE:
@@ -877,7 +910,7 @@ static moe_status_t launch_swap(const moe_gemm_args_t *a, void *stream, const ch
     if ((int64_t)a->max_blocks * TOK >= ((int64_t)1 << 31))
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: max_blocks = %d too large", name,
                          a->max_blocks);
-    MOE_CHECK(moe_gemm_check_common(a, name, F8));
+    MOE_CHECK(moe_gemm_check_common(a, name, F8 >= 3 ? 1 : F8));
     cudaStream_t s = (cudaStream_t)stream;
     switch (a->epilogue) {
     case MOE_GEMM_EPI_STORE:
