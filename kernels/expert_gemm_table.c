@@ -57,6 +57,8 @@ static const moe_gemm_variant_t variants[] = {
     /* not in a built-in table: for moe-tune and MOE_FORCE_VARIANT until measured */
     {"sm90_fp8_swapab_w128_n16_pp", 90, 16, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
      L(moe_gemm_sm90_fp8_swap16wpp_launch), 0},
+    {"sm90_fp8_swapab_n8_pp", 90, 8, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
+     L(moe_gemm_sm90_fp8_swap8pp_launch), 0},
     /* _p4: promoted every 4 slices of 128 k, not after each (docs/KERNELS.md, "FP8 W8A8") */
     {"sm90_fp8_swapab_n16_pp_p4", 90, 16, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
      L(moe_gemm_sm90_fp8_swap16ppi_launch), 0},

@@ -29,6 +29,7 @@ moe_status_t moe_gemm_sm90_fp8_swap16_launch(const moe_gemm_args_t *args, void *
 moe_status_t moe_gemm_sm90_fp8_swap16pp_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8_swap32pp_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8_swap16wpp_launch(const moe_gemm_args_t *args, void *stream);
+moe_status_t moe_gemm_sm90_fp8_swap8pp_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8_swap16ppi_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8_swap32ppi_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8_swap32_launch(const moe_gemm_args_t *args, void *stream);
