@@ -54,11 +54,13 @@ static const moe_oracle_group_t defaults[] = {
             {OPEN, "sm90_fp8_m128n128", 0, 0}),
     /* FP8 128x128 blocks: the bf16 table's first crossovers (not tuned), m192n128 at 136..184
      * rows per expert, 10-20% faster there (measured as the per-row table's); the swap-AB tiles
-     * as ping-pong, n16 0-5% faster, n32 6% (Qwen3 at 32 rows per expert; 2026-12-03, as above) */
+     * as ping-pong, n16 0-5% faster, n32 6% on Qwen3 at 32 rows per expert and level on the other
+     * two (2026-12-03, as above) */
     BUILTIN(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128, 6,
-            {16.0, "sm90_fp8_block_swapab_n16_pp", 0, 0}, {32.0, "sm90_fp8_block_swapab_n32_pp", 0, 0},
-            {96.0, "sm90_fp8_block_m64n128", 0, 0}, {135.8, "sm90_fp8_block_m128n128", 0, 0},
-            {183.8, "sm90_fp8_block_m192n128", 0, 0}, {OPEN, "sm90_fp8_block_m128n128", 0, 0}),
+            {16.0, "sm90_fp8_block_swapab_n16_pp", 0, 0},
+            {32.0, "sm90_fp8_block_swapab_n32_pp", 0, 0}, {96.0, "sm90_fp8_block_m64n128", 0, 0},
+            {135.8, "sm90_fp8_block_m128n128", 0, 0}, {183.8, "sm90_fp8_block_m192n128", 0, 0},
+            {OPEN, "sm90_fp8_block_m128n128", 0, 0}),
     /* sm_80 .. sm_89 and anything newer than sm_90 (the sm_80 family's PTX) */
     BUILTIN(80, MOE_DTYPE_BF16, MOE_SCALE_NONE, 2, {32.0, "sm80_mma_m32n128", 0, 0},
             {OPEN, "sm80_mma_m64n128", 0, 0}),
