@@ -777,7 +777,10 @@ static void test_shipped_h200_file(void **state)
         {{4096, 14336, 8, 2}, MOE_DTYPE_BF16, 64, "sm90_wgmma_tma_m128n256"},
         {{4096, 14336, 8, 2}, MOE_DTYPE_FP8_E4M3, 64, "sm90_fp8_m128n128"},
         {{2048, 768, 128, 8}, MOE_DTYPE_BF16, 1, "sm90_swapab_n8"},
-        {{2048, 768, 128, 8}, MOE_DTYPE_FP8_E4M3, 32, "sm90_fp8_swapab_n32"},
+        /* fp8 below 64 rows per expert: the built-in ping-pong tiles (their one-warpgroup
+         * points, measured before them, were dropped from the file) */
+        {{2048, 768, 128, 8}, MOE_DTYPE_FP8_E4M3, 32, "sm90_fp8_swapab_n32_pp"},
+        {{4096, 14336, 8, 2}, MOE_DTYPE_FP8_E4M3, 1, "sm90_fp8_swapab_n16_pp"},
         {{7168, 2048, 32, 8}, MOE_DTYPE_BF16, 16, "sm90_wgmma_tma_m64n256"},
         /* where the built-in table loses most (8.1 % and 11.0 %, bench/RESULTS.md) */
         {{2048, 768, 128, 8}, MOE_DTYPE_BF16, 256, "sm90_wgmma_tma_m64n256_pp"},
