@@ -154,6 +154,16 @@ constexpr int ROW_BYTES = BK * 2; /* 128 (e4m3: 128 elements) */
  * 4 per-row scales, promoted every F8_PI slices of 128 k, the wgmmas in flight between.
  * Elements of k per 128-byte stage row: 64 bf16 or 128 e4m3. */
 constexpr int F8_PI = 4;
+/* Kinds whose per-row scales the epilogue applies (1, 3, 4), and kinds that promote a partial
+ * into a second, f32 set of accumulators (1, 2, 4). */
+constexpr bool f8_row_scales(int f8)
+{
+    return f8 == 1 || f8 >= 3;
+}
+constexpr bool f8_promoted(int f8)
+{
+    return f8 == 1 || f8 == 2 || f8 == 4;
+}
 template <int F8> struct sm90_elem {
     static constexpr int BKE = F8 ? 128 : 64;
 };
@@ -400,7 +410,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
      * without it. */
     constexpr bool PRO = F8 == 1 || F8 == 2; /* promotion (F8 = 3: the tensor cores sum all k) */
     constexpr bool PRI = F8 == 4;            /* promotion every F8_PI slices */
-    float part[PRO || PRI ? C::NACC : 1][PRO || PRI ? C::ACC : 1];
+    float part[f8_promoted(F8) ? C::NACC : 1][f8_promoted(F8) ? C::ACC : 1];
     using acc_t = float(&)[C::NACC][C::ACC];
     const int kbn = (p.k + 127) / 128; /* 128-wide k slices (block scales) */
     /* d += part (F8 = 2: times the block scales of each element's A row and weight row). The
@@ -541,17 +551,17 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                     if (lane == 0)
                         mbar_arrive(&empty[s]);
                 }
-            } else if (PRI) {
-                /* the partial sums F8_PI slices on the tensor cores, one stage's wgmma group in
-                 * flight across stages as F8 = 3 keeps it; read (promoted) only once all of
-                 * them are waited for, at the interval's last stage or k's */
+            } else {
+                /* one stage's wgmma group kept in flight across stages; PRI: into the partial,
+                 * which sums F8_PI slices and is read (promoted) only once all of them are
+                 * waited for, at the interval's last stage or k's */
+                acc_t d = PRI ? reinterpret_cast<acc_t>(part) : acc;
                 wgmma_fence();
 #pragma unroll
                 for (int sub = 0; sub < KB; sub++)
-                    mma_slice(reinterpret_cast<acc_t>(part), st, sub, PING ? 0 : wg,
-                              (kt + sub) % F8_PI == 0);
+                    mma_slice(d, st, sub, PING ? 0 : wg, PRI && (kt + sub) % F8_PI == 0);
                 wgmma_commit();
-                if ((kt + KB) % F8_PI == 0 || kt + KB >= kt_count) {
+                if (PRI && ((kt + KB) % F8_PI == 0 || kt + KB >= kt_count)) {
                     wgmma_wait<0>();
                     if (lane == 0) {
                         if (s_prev >= 0)
@@ -560,24 +570,14 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                     }
                     s_prev = -1;
                     const float sb[C::NACC] = {}, sa[NA] = {}; /* per-row scales: the epilogue's */
-                    apply(acc, reinterpret_cast<acc_t>(part), sb, sa);
+                    apply(acc, d, sb, sa);
                 } else {
+                    /* the previous stage's wgmmas are done: its stage is free */
                     wgmma_wait<1>();
                     if (s_prev >= 0 && lane == 0)
                         mbar_arrive(&empty[s_prev]);
                     s_prev = s;
                 }
-            } else {
-                wgmma_fence();
-#pragma unroll
-                for (int sub = 0; sub < KB; sub++)
-                    mma_slice(acc, st, sub, PING ? 0 : wg);
-                wgmma_commit();
-                /* keep this k-step's wgmmas in flight; the previous step's stage is free now */
-                wgmma_wait<1>();
-                if (s_prev >= 0 && lane == 0)
-                    mbar_arrive(&empty[s_prev]);
-                s_prev = s;
             }
             if (++s == STAGES) {
                 s = 0;
@@ -619,11 +619,11 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 float v = se[oc * C::EPI_LD + tk];
                 if (F8 && col >= p.n_out)
                     continue;
-                if (F8 == 1 || F8 == 4)
+                if (f8_row_scales(F8))
                     v *= sm90_f8_scale(p, row0 + tk, e, col);
                 if (EPI != MOE_GEMM_EPI_STORE) {
                     float u = se[(OC + oc) * C::EPI_LD + tk];
-                    if (F8 == 1 || F8 == 4)
+                    if (f8_row_scales(F8))
                         u *= sm90_f8_scale(p, row0 + tk, e, p.n / 2 + col);
                     v = moe_gemm_act_mul<EPI>(v, u);
                 }
@@ -688,7 +688,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
             for (int i = 0; i < C::ACC; i += 2) {
                 const int q = (i & 3) >> 1;
                 const int wc = 8 * (i >> 2) + 2 * (lane & 3);
-                if (F8 == 1 || F8 >= 3) { /* F8 = 2: the block scales are in acc already */
+                if (f8_row_scales(F8)) { /* F8 = 2: the block scales are in acc already */
                     if (EPI == MOE_GEMM_EPI_STORE) {
 #pragma unroll
                         for (int h = 0; h < HALVES; h++) {
@@ -875,7 +875,7 @@ static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const 
 {
     /* FP8 with promotion (F8 = 1, 2, 4) keeps a second set of accumulators: half the weight
      * rows; F8 = 3 (the tensor cores accumulate all of k) has the bf16 tile's */
-    constexpr int WR = F8 == 1 || F8 == 2 || F8 == 4 ? 64 : WRB;
+    constexpr int WR = f8_promoted(F8) ? 64 : WRB;
     /* bf16: the TMA-store buffers (16 KB per consumer warpgroup) come out of the same budget
      * (m128: 4 stages of 48 KB + 32 KB; m64: 5 of 40 KB + 16 KB) */
     constexpr int ST = F8 ? stages_for((TOK + 2 * WR) * ROW_BYTES, 200 * 1024, 8)
@@ -884,7 +884,7 @@ static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const 
     if ((int64_t)a->max_blocks * TOK >= ((int64_t)1 << 31))
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: max_blocks = %d too large", name,
                          a->max_blocks);
-    MOE_CHECK(moe_gemm_check_common(a, name, F8 >= 3 ? 1 : F8));
+    MOE_CHECK(moe_gemm_check_common(a, name, f8_row_scales(F8) ? 1 : F8));
     cudaStream_t s = (cudaStream_t)stream;
     switch (a->epilogue) {
     case MOE_GEMM_EPI_STORE:
@@ -910,7 +910,7 @@ static moe_status_t launch_swap(const moe_gemm_args_t *a, void *stream, const ch
     if ((int64_t)a->max_blocks * TOK >= ((int64_t)1 << 31))
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: max_blocks = %d too large", name,
                          a->max_blocks);
-    MOE_CHECK(moe_gemm_check_common(a, name, F8 >= 3 ? 1 : F8));
+    MOE_CHECK(moe_gemm_check_common(a, name, f8_row_scales(F8) ? 1 : F8));
     cudaStream_t s = (cudaStream_t)stream;
     switch (a->epilogue) {
     case MOE_GEMM_EPI_STORE:

@@ -66,6 +66,7 @@ __global__ void __launch_bounds__(HELD ? Q_MAX_THREADS : Q_MIN_THREADS)
     quant_rows_kernel(moe_quant_rows_args_t a)
 {
     constexpr int MAX_THREADS = HELD ? Q_MAX_THREADS : Q_MIN_THREADS;
+    constexpr int VPT = HELD ? Q_VPT : 1; /* 8-wide vectors a thread holds */
     __shared__ float warp_max[MAX_THREADS / 32];
     __shared__ float row_scale;
     const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
@@ -106,11 +107,11 @@ __global__ void __launch_bounds__(HELD ? Q_MAX_THREADS : Q_MIN_THREADS)
         return;
     }
     const int nvec = a.cols / 8;
-    const bool held = HELD && nvec <= Q_VPT * nt; /* the row in registers: read once */
-    float vals[HELD ? Q_VPT : 1][8];
+    const bool held = HELD && nvec <= VPT * nt; /* the row in registers: read once */
+    float vals[VPT][8];
     if (held)
 #pragma unroll
-        for (int i = 0; i < (HELD ? Q_VPT : 1); i++) {
+        for (int i = 0; i < VPT; i++) {
             const int v = threadIdx.x + i * nt;
             if (v < nvec)
                 load_row8(x, v * 8, round, vals[i]);
@@ -128,7 +129,7 @@ __global__ void __launch_bounds__(HELD ? Q_MAX_THREADS : Q_MIN_THREADS)
         float m = 0.0f; // fmaxf drops NaN: a NaN value stays NaN below
         if (held) {
 #pragma unroll
-            for (int i = 0; i < (HELD ? Q_VPT : 1); i++)
+            for (int i = 0; i < VPT; i++)
                 if (threadIdx.x + i * nt < nvec)
 #pragma unroll
                     for (int j = 0; j < 8; j++)
@@ -162,7 +163,7 @@ __global__ void __launch_bounds__(HELD ? Q_MAX_THREADS : Q_MIN_THREADS)
     uint8_t *q = a.q + row * a.cols;
     if (held) {
 #pragma unroll
-        for (int i = 0; i < (HELD ? Q_VPT : 1); i++) {
+        for (int i = 0; i < VPT; i++) {
             const int v = threadIdx.x + i * nt;
             if (v < nvec)
                 store_e4m3x8(q + (int64_t)v * 8, vals[i], s);
