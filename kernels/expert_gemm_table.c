@@ -74,6 +74,8 @@ static const moe_gemm_variant_t variants[] = {
      L(moe_gemm_sm90_fp8_m192_launch), 0},
     {"sm90_fp8_m128n128_p4", 90, 128, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
      L(moe_gemm_sm90_fp8i_m128_launch), 0},
+    {"sm90_fp8_m192n128_p4", 90, 192, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
+     L(moe_gemm_sm90_fp8i_m192_launch), 0},
     /* no promotion (fast_accum): forced or tuned with MOE_FP8_FAST_ACCUM=1 only */
     {"sm90_fp8_fast_m64n256", 90, 64, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
      L(moe_gemm_sm90_fp8f_m64_launch), 1},

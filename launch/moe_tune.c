@@ -32,6 +32,8 @@
 #include "moe/moe_mpi.h"
 
 #define MAX_POINTS MOE_ORACLE_MAX_BUCKETS
+/* a GEMM point keeps the built-in pick when it is within this fraction of the fastest */
+#define TUNE_MARGIN 0.01
 #define MAX_CAND 32
 #define MAX_DIM (INT64_C(1) << 20)
 
@@ -423,28 +425,35 @@ static void tune_gemm(const bench_t *b, options_t *o, int arch, moe_oracle_group
     }
     unsetenv("MOE_FORCE_VARIANT");
     for (i = 0; i < np; i++) {
-        win[i] = -1;
+        /* the built-in table's pick here, and what tuning gains over it */
+        const moe_oracle_query_t q = {arch,       g->dtype,       g->scale, g->ep_size,
+                                      g->tp_size, MOE_ORACLE_ANY, at[i]};
+        moe_oracle_choice_t c;
+        int d = -1, fastest = -1;
+        if (moe_oracle_pick_gemm(NULL, &q, &c))
+            for (j = 0; j < nc; j++)
+                if (!strcmp(names[j], c.name))
+                    d = j;
         for (j = 0; j < nc; j++)
-            if (us[j][i] < HUGE_VAL && (win[i] < 0 || us[j][i] < us[win[i]][i]))
-                win[i] = j;
+            if (us[j][i] < HUGE_VAL && (fastest < 0 || us[j][i] < us[fastest][i]))
+                fastest = j;
+        /* a point keeps the built-in pick unless another variant beats it by more than the
+         * noise margin: run-to-run spread alone must not make the table alternate between
+         * near-equal variants (which also needs more buckets than a table holds) */
+        win[i] = fastest;
+        if (d >= 0 && fastest >= 0 && us[d][i] < HUGE_VAL &&
+            us[d][i] <= us[fastest][i] * (1.0 + TUNE_MARGIN))
+            win[i] = d;
         best[i] = win[i] >= 0 ? us[win[i]][i] : 0;
         if (rank == 0) {
-            /* the built-in table's pick here, and what tuning gains over it */
-            const moe_oracle_query_t q = {arch,       g->dtype,       g->scale, g->ep_size,
-                                          g->tp_size, MOE_ORACLE_ANY, at[i]};
-            moe_oracle_choice_t c;
-            int d = -1;
-            if (moe_oracle_pick_gemm(NULL, &q, &c))
-                for (j = 0; j < nc; j++)
-                    if (!strcmp(names[j], c.name))
-                        d = j;
             printf("   %12.3g %8lld", at[i], (long long)T[i]);
             for (j = 0; j < nc; j++)
                 printf(" %*.1f", (int)strlen(names[j]), us[j][i]);
-            printf("   best %s", win[i] >= 0 ? names[win[i]] : "(none)");
-            if (d >= 0 && win[i] >= 0 && us[d][i] < HUGE_VAL)
-                printf(", default %s: %.1f us, best saves %.1f%%", names[d], us[d][i],
-                       100.0 * (1.0 - best[i] / us[d][i]));
+            printf("   best %s", fastest >= 0 ? names[fastest] : "(none)");
+            if (d >= 0 && fastest >= 0 && us[d][i] < HUGE_VAL)
+                printf(", default %s: %.1f us, best saves %.1f%%%s", names[d], us[d][i],
+                       100.0 * (1.0 - us[fastest][i] / us[d][i]),
+                       win[i] == d && d != fastest ? " (within the margin: default kept)" : "");
             printf("\n");
         }
     }

@@ -47,11 +47,21 @@ static const moe_oracle_group_t defaults[] = {
     /* FP8 per-tensor / per-channel (per-row scales): measured as above; m192n128 (one block per
      * expert) at 120..184 rows per expert, 3-23% faster there (docs/KERNELS.md, "FP8 W8A8
      * (sm_90a)"). The swap-AB tiles as ping-pong (_pp: two consumer warpgroups on alternate
-     * items), 1-26% faster than one (2026-12-03, bench/RESULTS.md, "Layer step, FP8 W8A8") */
-    BUILTIN(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, 5,
-            {22.6, "sm90_fp8_swapab_n16_pp", 0, 0}, {45.3, "sm90_fp8_swapab_n32_pp", 0, 0},
-            {119.7, "sm90_fp8_m128n128", 0, 0}, {183.8, "sm90_fp8_m192n128", 0, 0},
-            {OPEN, "sm90_fp8_m128n128", 0, 0}),
+     * items), 1-26% faster than one (2026-12-03, bench/RESULTS.md, "Layer step, FP8 W8A8").
+     * n8_pp up to 11.3 (0.0625..8 rows: 1-4% faster than n16_pp, Mixtral at 2 rows 1% slower);
+     * the tiles promoted every 512 of k (_p4): m128n128_p4 2-9% faster at 64..512 rows,
+     * m192n128_p4 1-4% on Mixtral and the DeepSeek-V3 shard at 128 (Qwen3 1% slower), n32_pp_p4
+     * 1-4% faster than n32_pp at 48 and 64 rows and 4-7% faster than m128n128_p4 at 48 (Qwen3
+     * 17%), so it runs to 55.4. From moe-tune on the three shapes at 48..320 rows (the same
+     * day, bench/RESULTS.md, "Tuning"), the smallest worst loss per point: m192n128_p4 also at 192
+     * (worst loss 1.6% against m128n128_p4's 7.7%) and 320 (4-5% faster on all three), m128n128_p4
+     * at 224 (8-26% faster) and 256 (worst loss 2.9% against 4.0%) (docs/KERNELS.md, "Promotion
+     * interval") */
+    BUILTIN(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, 8,
+            {11.3, "sm90_fp8_swapab_n8_pp", 0, 0}, {22.6, "sm90_fp8_swapab_n16_pp", 0, 0},
+            {55.4, "sm90_fp8_swapab_n32_pp_p4", 0, 0}, {119.7, "sm90_fp8_m128n128_p4", 0, 0},
+            {207.4, "sm90_fp8_m192n128_p4", 0, 0}, {286.2, "sm90_fp8_m128n128_p4", 0, 0},
+            {320.0, "sm90_fp8_m192n128_p4", 0, 0}, {OPEN, "sm90_fp8_m128n128_p4", 0, 0}),
     /* FP8 128x128 blocks: the bf16 table's first crossovers (not tuned), m192n128 at 136..184
      * rows per expert, 10-20% faster there (measured as the per-row table's); the swap-AB tiles
      * as ping-pong, n16 0-5% faster, n32 6% on Qwen3 at 32 rows per expert and level on the other

@@ -24,6 +24,10 @@ moe_status_t moe_gemm_sm90_fp8i_m128_launch(const moe_gemm_args_t *a, void *stre
 {
     return launch_normal<128, 4>(a, stream, "sm90_fp8_m128n128_p4");
 }
+moe_status_t moe_gemm_sm90_fp8i_m192_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<192, 4>(a, stream, "sm90_fp8_m192n128_p4");
+}
 /* FP8 per-row scales without promotion: the tensor cores accumulate the whole k (their FP8
  * accumulation keeps fewer bits than f32: docs/KERNELS.md, "Fast accumulation"), so a
  * warpgroup holds one m64n256 accumulator set as bf16 does. Chosen only where the layer
