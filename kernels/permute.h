@@ -6,6 +6,8 @@
 
 #include <stdint.h>
 #include "moe/moe.h"
+#include "kernels/ep.h"
+#include "kernels/route.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -88,6 +90,21 @@ typedef struct moe_permute_args {
 #define MOE_PERMUTE_MAX_EXPERTS 1024
 
 moe_status_t moe_permute_launch(const moe_permute_args_t *args, void *stream);
+
+/* A small step's scoring + top-k, local slot ids and permute metadata in one launch (one CTA):
+ * the results of moe_route_launch(&route), moe_ep_slot_ids_launch(&slots) and
+ * moe_permute_launch(&permute) in turn, with two kernel boundaries fewer (a decode step's fixed
+ * cost). route.num_tokens <= MOE_ROUTE_PERMUTE_MAX_TOKENS; slots.in is route.topk_ids,
+ * slots.n = num_tokens * top_k; permute.topk_ids is slots.out, the plain layout (no regions).
+ * Anything else: MOE_STATUS_INVALID_ARGUMENT naming the value. */
+#define MOE_ROUTE_PERMUTE_MAX_TOKENS 64
+typedef struct moe_route_permute_args {
+    moe_route_args_t route;
+    moe_ep_slot_ids_args_t slots;
+    moe_permute_args_t permute;
+} moe_route_permute_args_t;
+
+moe_status_t moe_route_permute_launch(const moe_route_permute_args_t *args, void *stream);
 
 /* a[row] = bf16(x[slot_of_row[row] / top_k]) for the rows of the first *num_blocks blocks;
  * padding rows are zeroed. The grid is sized from max_blocks; blocks past *num_blocks exit.

@@ -55,6 +55,8 @@ typedef struct moe_route_args {
 } moe_route_args_t;
 
 moe_status_t moe_route_launch(const moe_route_args_t *args, void *stream);
+/* moe_route_launch's argument checks alone (MOE_STATUS_SUCCESS: it would launch). */
+moe_status_t moe_route_check(const moe_route_args_t *args);
 
 /* The caller's routing (moe_forward_args_t.given_topk_ids/weights) checked and copied into the
  * step's: an id outside 0..num_experts-1 becomes expert 0 with weight 0 and sets *flag =

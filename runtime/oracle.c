@@ -57,11 +57,11 @@ static const moe_oracle_group_t defaults[] = {
      * (worst loss 1.6% against m128n128_p4's 7.7%) and 320 (4-5% faster on all three), m128n128_p4
      * at 224 (8-26% faster) and 256 (worst loss 2.9% against 4.0%) (docs/KERNELS.md, "Promotion
      * interval") */
-    BUILTIN(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, 8,
-            {11.3, "sm90_fp8_swapab_n8_pp", 0, 0}, {22.6, "sm90_fp8_swapab_n16_pp", 0, 0},
-            {55.4, "sm90_fp8_swapab_n32_pp_p4", 0, 0}, {119.7, "sm90_fp8_m128n128_p4", 0, 0},
-            {207.4, "sm90_fp8_m192n128_p4", 0, 0}, {286.2, "sm90_fp8_m128n128_p4", 0, 0},
-            {320.0, "sm90_fp8_m192n128_p4", 0, 0}, {OPEN, "sm90_fp8_m128n128_p4", 0, 0}),
+    BUILTIN(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, 8, {11.3, "sm90_fp8_swapab_n8_pp", 0, 0},
+            {22.6, "sm90_fp8_swapab_n16_pp", 0, 0}, {55.4, "sm90_fp8_swapab_n32_pp_p4", 0, 0},
+            {119.7, "sm90_fp8_m128n128_p4", 0, 0}, {207.4, "sm90_fp8_m192n128_p4", 0, 0},
+            {286.2, "sm90_fp8_m128n128_p4", 0, 0}, {320.0, "sm90_fp8_m192n128_p4", 0, 0},
+            {OPEN, "sm90_fp8_m128n128_p4", 0, 0}),
     /* FP8 128x128 blocks: the bf16 table's first crossovers (not tuned), m192n128 at 136..184
      * rows per expert, 10-20% faster there (measured as the per-row table's); the swap-AB tiles
      * as ping-pong, n16 0-5% faster, n32 6% on Qwen3 at 32 rows per expert and level on the other

@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/slot.cuh"
 #include "kernels/cuda/sticky.cuh"
 
 namespace
@@ -40,9 +41,7 @@ __global__ void slot_ids_kernel(const int32_t *__restrict__ in, int32_t *__restr
         out[i] = -1;
         return;
     }
-    const int b = replica_begin[e], ne = replica_begin[e + 1] - b;
-    const int64_t t = first_token + i / top_k + rank;
-    out[i] = replica_slot[b + (ne == 1 ? 0 : (int)(t % ne))];
+    out[i] = moe_replica_slot(e, first_token + i / top_k + rank, replica_begin, replica_slot);
     if (load)
         atomicAdd(load + e, 1ULL);
 }

@@ -8,6 +8,8 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_cache.cuh"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/route_topk.cuh"
+#include "kernels/cuda/slot.cuh"
 #include "kernels/cuda/sticky.cuh"
 #include "kernels/cuda/vec8.cuh"
 
@@ -297,6 +299,65 @@ __global__ void __launch_bounds__(META_THREADS)
     n = ids.setup(idv, n, top_k, rg, true, prefix);
     meta_pass(ids, n, E, br, max_blocks, smem, expert_counts, expert_offsets, block_expert,
               num_blocks, row_of_slot, slot_of_row);
+}
+
+/* ---- a small step's route, slot ids and metadata in one CTA (moe_route_permute_launch) ---- */
+
+/* The slots the route + permute kernel walks: this CTA's shared slot ids. */
+struct shared_slots {
+    const int *sl;
+
+    __device__ __forceinline__ int slot(int i) const
+    {
+        return i;
+    }
+    __device__ __forceinline__ int expert(int slot, int E) const
+    {
+        const int e = sl[slot];
+        return e >= 0 && e < E ? e : -1;
+    }
+};
+
+constexpr int RP_TOPK_WARPS = 16; /* warps that score tokens (their shared rows: 2 NPL KB) */
+constexpr int RP_MAX_SLOTS = MOE_ROUTE_PERMUTE_MAX_TOKENS * MOE_ROUTE_MAX_TOP_K;
+
+/* Top-k of every token (RP_TOPK_WARPS warps, a token each in turn) with the ids kept in shared
+ * memory too, the local slot of each pair there (and in slots.out), then the metadata pass over
+ * them: the three kernels' work with no global round trip between them. */
+template <int NPL>
+__global__ void __launch_bounds__(META_THREADS)
+    route_permute_kernel(moe_route_args_t r, moe_ep_slot_ids_args_t sa, moe_permute_args_t pa,
+                         route_kparams p)
+{
+    moe_pdl_wait();
+    extern __shared__ int smem[];
+    __shared__ float choice_sm[RP_TOPK_WARPS][NPL * 32];
+    __shared__ int sl[RP_MAX_SLOTS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int T = (int)r.num_tokens, K = p.top_k, n = T * K;
+
+    if (warp < RP_TOPK_WARPS)
+        for (int t = warp; t < T; t += RP_TOPK_WARPS)
+            route_topk_token<NPL>(r.logits + (size_t)t * p.num_experts, r.bias, p, lane,
+                                  choice_sm[warp], r.topk_ids + (size_t)t * K,
+                                  r.topk_weights + (size_t)t * K, sl + t * K);
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += META_THREADS) {
+        const int e = sl[i];
+        int out = -1;
+        if (e >= 0) {
+            out = moe_replica_slot(e, sa.first_token + i / K + sa.rank, sa.replica_begin,
+                                   sa.replica_slot);
+            if (sa.load)
+                atomicAdd(sa.load + e, 1ULL);
+        }
+        sl[i] = out;
+        sa.out[i] = out;
+    }
+    __syncthreads();
+    const shared_slots ids = {sl};
+    meta_pass(ids, n, pa.num_experts, pa.block_rows, pa.max_blocks, smem, pa.expert_counts,
+              pa.expert_offsets, pa.block_expert, pa.num_blocks, pa.row_of_slot, pa.slot_of_row);
 }
 
 constexpr int SCAN_LOADS = 8;
@@ -672,7 +733,12 @@ moe_status_t raise_smem_limit()
                                (const void *)permute_place_kernel<plain_slots>,
                                (const void *)permute_meta_kernel<region_slots>,
                                (const void *)permute_count_kernel<region_slots>,
-                               (const void *)permute_place_kernel<region_slots>};
+                               (const void *)permute_place_kernel<region_slots>,
+                               (const void *)route_permute_kernel<1>,
+                               (const void *)route_permute_kernel<2>,
+                               (const void *)route_permute_kernel<4>,
+                               (const void *)route_permute_kernel<8>,
+                               (const void *)route_permute_kernel<16>};
             err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, d);
             for (int i = 0; i < (int)(sizeof(k) / sizeof(k[0])) && err == cudaSuccess; i++)
                 err = cudaFuncSetAttribute(k[i], cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -750,10 +816,10 @@ static moe_status_t check_regions(const moe_permute_regions_t *rg, int64_t num_t
     return MOE_STATUS_SUCCESS;
 }
 
-extern "C" moe_status_t moe_permute_launch(const moe_permute_args_t *a, void *stream)
+/* moe_permute_launch's argument checks; *smem: the metadata pass's dynamic shared memory. */
+static moe_status_t check_permute(const moe_permute_args_t *a, size_t *smem)
 {
     const int64_t n = a->num_tokens * a->top_k;
-    size_t smem;
 
     MOE_ARG_CHECK(a->num_tokens >= 0 && n <= INT32_MAX / 2, "permute: num_tokens = %lld",
                   (long long)a->num_tokens);
@@ -765,9 +831,17 @@ extern "C" moe_status_t moe_permute_launch(const moe_permute_args_t *a, void *st
     if (a->num_experts < 1 || a->num_experts > MOE_PERMUTE_MAX_EXPERTS)
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "permute: num_experts = %d (1..%d)",
                          a->num_experts, MOE_PERMUTE_MAX_EXPERTS);
-    smem = sizeof(int) * ((size_t)META_WARPS * a->num_experts + 2 * (size_t)a->num_experts + 2);
+    *smem = sizeof(int) * ((size_t)META_WARPS * a->num_experts + 2 * (size_t)a->num_experts + 2);
     MOE_CHECK(raise_smem_limit());
-    MOE_CHECK(check_regions(&a->regions, a->num_tokens));
+    return check_regions(&a->regions, a->num_tokens);
+}
+
+extern "C" moe_status_t moe_permute_launch(const moe_permute_args_t *a, void *stream)
+{
+    const int64_t n = a->num_tokens * a->top_k;
+    size_t smem;
+
+    MOE_CHECK(check_permute(a, &smem));
     return a->regions.counts ? launch_permute<region_slots>(a, n, smem, (cudaStream_t)stream)
                              : launch_permute<plain_slots>(a, n, smem, (cudaStream_t)stream);
 }
@@ -814,4 +888,50 @@ extern "C" moe_status_t moe_rows_launch(const moe_rows_args_t *r, void *stream)
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "rows: x dtype %s (F32 or BF16)",
                          moe_dtype_name(r->x_dtype));
     }
+}
+
+template <int NPL>
+static moe_status_t launch_route_permute(const moe_route_permute_args_t *a, size_t smem,
+                                         cudaStream_t s)
+{
+    MOE_CUDA_CHECK(moe_launch((route_permute_kernel<NPL>), dim3(1), dim3(META_THREADS), smem, s,
+                              a->route, a->slots, a->permute, route_kparams_of(&a->route.params)));
+    MOE_CUDA_CHECK_LAUNCH("route_permute_kernel");
+    return MOE_STATUS_SUCCESS;
+}
+
+extern "C" moe_status_t moe_route_permute_launch(const moe_route_permute_args_t *a, void *stream)
+{
+    const moe_route_args_t *r = &a->route;
+    const moe_permute_args_t *p = &a->permute;
+    const int E = r->params.num_experts;
+    const cudaStream_t s = (cudaStream_t)stream;
+    size_t smem;
+
+    MOE_CHECK(moe_route_check(r));
+    MOE_CHECK(check_permute(p, &smem));
+    MOE_ARG_CHECK(r->num_tokens <= MOE_ROUTE_PERMUTE_MAX_TOKENS,
+                  "route + permute: num_tokens = %lld (at most %d)", (long long)r->num_tokens,
+                  MOE_ROUTE_PERMUTE_MAX_TOKENS);
+    MOE_ARG_CHECK(a->slots.in == r->topk_ids && a->slots.out == p->topk_ids &&
+                      a->slots.n == r->num_tokens * r->params.top_k &&
+                      a->slots.top_k == r->params.top_k && p->num_tokens == r->num_tokens &&
+                      p->top_k == r->params.top_k && !p->regions.counts,
+                  "route + permute: slots (in %p, out %p, n %lld, top_k %d) and permute (ids %p, "
+                  "%lld tokens, top_k %d, regions %p) do not chain the route (ids %p, %lld tokens, "
+                  "top_k %d)",
+                  (const void *)a->slots.in, (void *)a->slots.out, (long long)a->slots.n,
+                  a->slots.top_k, (const void *)p->topk_ids, (long long)p->num_tokens, p->top_k,
+                  (const void *)p->regions.counts, (void *)r->topk_ids, (long long)r->num_tokens,
+                  r->params.top_k);
+    /* no tokens still launches: the metadata pass writes the empty layout */
+    if (E <= 32)
+        return launch_route_permute<1>(a, smem, s);
+    if (E <= 64)
+        return launch_route_permute<2>(a, smem, s);
+    if (E <= 128)
+        return launch_route_permute<4>(a, smem, s);
+    if (E <= 256)
+        return launch_route_permute<8>(a, smem, s);
+    return launch_route_permute<16>(a, smem, s);
 }

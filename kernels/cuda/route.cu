@@ -9,6 +9,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_cache.cuh"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/route_topk.cuh"
 #include "kernels/cuda/vec8.cuh"
 
 namespace
@@ -461,33 +462,7 @@ template <typename T> moe_status_t launch_logits(const moe_route_logits_args_t *
 
 constexpr int ROUTE_WARPS = 4;
 
-struct route_kparams {
-    int num_experts, top_k, scoring, use_bias, n_group, topk_group, renormalize;
-    float scaling;
-};
-
-/* The better of two (value, id) candidates: larger value, then lower id; id < 0 = none. */
-__device__ __forceinline__ void better(float &v, int &id, float v2, int id2)
-{
-    if (id2 < 0)
-        return;
-    if (id < 0 || v2 > v || (v2 == v && id2 < id)) {
-        v = v2;
-        id = id2;
-    }
-}
-
-__device__ __forceinline__ void warp_argmax(float &v, int &id)
-{
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float v2 = __shfl_xor_sync(0xffffffffu, v, o);
-        const int id2 = __shfl_xor_sync(0xffffffffu, id, o);
-        better(v, id, v2, id2);
-    }
-}
-
-/* NPL experts per lane: expert e = lane + 32 * i lives in register slot i of lane e % 32. */
+/* One warp per token (route_topk.cuh). */
 template <int NPL>
 __global__ void __launch_bounds__(ROUTE_WARPS * 32)
     route_topk_kernel(const float *__restrict__ logits, const float *__restrict__ bias,
@@ -500,144 +475,14 @@ __global__ void __launch_bounds__(ROUTE_WARPS * 32)
     const int t = blockIdx.x * ROUTE_WARPS + warp;
     if (t >= num_tokens)
         return;
-    const int E = p.num_experts, K = p.top_k;
-    const float *l = logits + (size_t)t * E;
-    float score[NPL], choice[NPL];
-    unsigned allowed = 0; /* bit i: expert lane + 32 i may still be chosen */
-
-#pragma unroll
-    for (int i = 0; i < NPL; i++) {
-        const int e = lane + 32 * i;
-        score[i] = e < E ? l[e] : -INFINITY;
-        if (e < E)
-            allowed |= 1u << i;
-    }
-    if (p.scoring == MOE_SCORING_SOFTMAX) {
-        float mx = -INFINITY, sum = 0.0f;
-#pragma unroll
-        for (int i = 0; i < NPL; i++)
-            mx = fmaxf(mx, score[i]);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-#pragma unroll
-        for (int i = 0; i < NPL; i++) {
-            score[i] = (allowed >> i) & 1u ? expf(score[i] - mx) : 0.0f;
-            sum += score[i];
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-            sum += __shfl_xor_sync(0xffffffffu, sum, o);
-#pragma unroll
-        for (int i = 0; i < NPL; i++)
-            score[i] = score[i] / sum;
-    } else {
-#pragma unroll
-        for (int i = 0; i < NPL; i++)
-            score[i] = 1.0f / (1.0f + expf(-score[i]));
-    }
-#pragma unroll
-    for (int i = 0; i < NPL; i++) {
-        const int e = lane + 32 * i;
-        choice[i] = score[i];
-        if (p.scoring == MOE_SCORING_SIGMOID && p.use_bias && bias && e < E)
-            choice[i] += bias[e];
-    }
-
-    if (p.n_group > 1) {
-        /* Lane g scores group g (contiguous experts) by its two best choice values. */
-        const int gsize = E / p.n_group;
-#pragma unroll
-        for (int i = 0; i < NPL; i++)
-            choice_sm[warp][lane + 32 * i] = choice[i];
-        __syncwarp();
-        float gscore = -INFINITY;
-        int gid = -1;
-        if (lane < p.n_group) {
-            float b1 = -INFINITY, b2 = -INFINITY;
-            for (int e = lane * gsize; e < (lane + 1) * gsize; e++) {
-                const float c = choice_sm[warp][e];
-                if (c > b1) {
-                    b2 = b1;
-                    b1 = c;
-                } else if (c > b2) {
-                    b2 = c;
-                }
-            }
-            gscore = gsize >= 2 ? b1 + b2 : b1;
-            gid = lane;
-        }
-        unsigned kept = 0;
-        for (int j = 0; j < p.topk_group; j++) {
-            float v = gscore;
-            int id = gid;
-            warp_argmax(v, id);
-            kept |= 1u << id;
-            if (lane == id)
-                gid = -1; /* taken */
-        }
-#pragma unroll
-        for (int i = 0; i < NPL; i++) {
-            const int e = lane + 32 * i;
-            if (e < E && !((kept >> (e / gsize)) & 1u))
-                allowed &= ~(1u << i);
-        }
-    }
-
-    int ids[MOE_ROUTE_MAX_TOP_K];
-    float w[MOE_ROUTE_MAX_TOP_K];
-    float wsum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < MOE_ROUTE_MAX_TOP_K; j++) {
-        ids[j] = -1;
-        w[j] = 0.0f;
-        if (j < K) {
-            float v = -INFINITY;
-            int id = -1;
-#pragma unroll
-            for (int i = 0; i < NPL; i++)
-                if ((allowed >> i) & 1u)
-                    better(v, id, choice[i], lane + 32 * i);
-            warp_argmax(v, id);
-            /* The owner lane clears the winner and broadcasts its unbiased score. */
-            float s = 0.0f;
-            if (id >= 0 && (id & 31) == lane) {
-#pragma unroll
-                for (int i = 0; i < NPL; i++)
-                    if (lane + 32 * i == id) {
-                        allowed &= ~(1u << i);
-                        s = score[i];
-                    }
-            }
-            s = __shfl_sync(0xffffffffu, s, id >= 0 ? (id & 31) : 0);
-            ids[j] = id;
-            w[j] = s;
-            wsum += s;
-        }
-    }
-    if (lane == 0) {
-        const float denom = p.scoring == MOE_SCORING_SIGMOID ? wsum + 1e-20f : wsum;
-        const int scale = p.scaling != 0.0f && p.scaling != 1.0f;
-#pragma unroll
-        for (int j = 0; j < MOE_ROUTE_MAX_TOP_K; j++) {
-            if (j < K) {
-                float v = w[j];
-                if (p.renormalize)
-                    v /= denom;
-                if (scale)
-                    v *= p.scaling;
-                topk_ids[(size_t)t * K + j] = ids[j];
-                topk_weights[(size_t)t * K + j] = v;
-            }
-        }
-    }
+    const size_t K = (size_t)p.top_k;
+    route_topk_token<NPL>(logits + (size_t)t * p.num_experts, bias, p, lane, choice_sm[warp],
+                          topk_ids + t * K, topk_weights + t * K, NULL);
 }
 
 template <int NPL> moe_status_t launch_topk(const moe_route_args_t *a, cudaStream_t s)
 {
-    const moe_route_params_t *q = &a->params;
-    route_kparams p = {q->num_experts, q->top_k,      (int)q->scoring, q->use_bias,
-                       q->n_group,     q->topk_group, q->renormalize,  q->scaling};
+    const route_kparams p = route_kparams_of(&a->params);
     const int nt = (int)a->num_tokens;
     MOE_CUDA_CHECK(moe_launch((route_topk_kernel<NPL>), dim3((nt + ROUTE_WARPS - 1) / ROUTE_WARPS),
                               dim3(ROUTE_WARPS * 32), 0, s, a->logits, a->bias, a->topk_ids,
@@ -743,10 +588,9 @@ extern "C" moe_status_t moe_route_prepare(void)
     return MOE_STATUS_SUCCESS;
 }
 
-extern "C" moe_status_t moe_route_launch(const moe_route_args_t *a, void *stream)
+extern "C" moe_status_t moe_route_check(const moe_route_args_t *a)
 {
     const moe_route_params_t *p = &a->params;
-    const cudaStream_t s = (cudaStream_t)stream;
     const int E = p->num_experts;
 
     MOE_ARG_CHECK(a->num_tokens >= 0 && a->num_tokens <= INT32_MAX, "route: num_tokens = %lld",
@@ -769,6 +613,15 @@ extern "C" moe_status_t moe_route_launch(const moe_route_args_t *a, void *stream
             return moe_error(MOE_STATUS_NOT_SUPPORTED, "route: n_group = %d (at most %d)",
                              p->n_group, MOE_ROUTE_MAX_GROUPS);
     }
+    return MOE_STATUS_SUCCESS;
+}
+
+extern "C" moe_status_t moe_route_launch(const moe_route_args_t *a, void *stream)
+{
+    const cudaStream_t s = (cudaStream_t)stream;
+    const int E = a->params.num_experts;
+
+    MOE_CHECK(moe_route_check(a));
     if (a->num_tokens == 0)
         return MOE_STATUS_SUCCESS;
     if (E <= 32)

@@ -18,6 +18,7 @@
 #include "kernels/expert_gemm_simple.h"
 #include "kernels/expert_gemm_table.h"
 #include "kernels/gpu.h"
+#include "kernels/permute.h"
 #include "kernels/prepare.h"
 #include "kernels/route.h"
 #include "runtime/cuda/ep.h"
@@ -234,6 +235,7 @@ static void init_shape(moe_layer_t *l, cuda_layer_t *s)
             s->first_local = i;
     s->deterministic = l->cfg.deterministic;
     s->scatter_rows = l->knobs.v[MOE_KNOB_SCATTER_ROWS] != 0;
+    s->route_permute = moe_env_int("MOE_ROUTE_PERMUTE", 1) != 0;
     s->skip_pad = l->knobs.v[MOE_KNOB_GEMM_SKIP_PAD] != 0;
     s->cap = l->cfg.max_tokens_per_rank;
     /* EP: the buffers hold one round (runtime/ep_rounds.h) */
@@ -514,9 +516,14 @@ static void cuda_explain(const moe_layer_t *l, int64_t T, char *text, size_t len
                               s->world > 1 && !s->shared_local ? (double)Tr * s->world : (double)Tr,
                               shared, sizeof(shared));
     moe_cuda_ep_explain(s, ep, sizeof(ep));
+    /* step.c, route_permutes (a caller's given routing still takes the three launches) */
+    const int one_launch = s->world == 1 && s->route_permute && T <= MOE_ROUTE_PERMUTE_MAX_TOKENS &&
+                           !moe_cuda_use_decode(s, T, NULL);
     snprintf(text, len,
-             "cuda backend (sm_%d): %lld tokens, %.3g rows/expert: routed GEMMs %s%s%s; %s",
-             s->arch, (long long)T, rpe, routed, s->ss > 0 ? "; shared GEMMs " : "", shared, ep);
+             "cuda backend (sm_%d): %lld tokens, %.3g rows/expert: %srouted GEMMs %s%s%s; %s",
+             s->arch, (long long)T, rpe,
+             one_launch ? "top-k, slot ids and permute in one launch (MOE_ROUTE_PERMUTE); " : "",
+             routed, s->ss > 0 ? "; shared GEMMs " : "", shared, ep);
 }
 
 const moe_backend_ops_t moe_backend_cuda = {"cuda",

@@ -104,11 +104,40 @@ moe_status_t moe_cuda_record(const cuda_layer_t *s, int ev, void *stream)
     return s->profile ? moe_gpu_event_record(s->ev[ev], stream) : MOE_STATUS_SUCCESS;
 }
 
-moe_status_t moe_cuda_route(moe_layer_t *l, const moe_forward_args_t *a, int32_t *ids, float *w,
-                            int32_t *flag)
+/* The router logits (launched unless the caller gave them) and the scoring + top-k's arguments
+ * over them. */
+static moe_status_t route_args(moe_layer_t *l, const moe_forward_args_t *a, int32_t *ids, float *w,
+                               moe_route_args_t *r)
 {
     cuda_layer_t *s = l->state;
     const float *logits = a->router_logits;
+    if (!logits) {
+        moe_route_logits_args_t g = {a->x,      a->dtype,      s->router,
+                                     s->logits, a->num_tokens, s->E_total,
+                                     s->H,      s->router3,    s->router_planes};
+        MOE_CHECK(moe_route_logits_launch(&g, a->stream));
+        logits = s->logits;
+    }
+    memset(r, 0, sizeof(*r));
+    r->params.num_experts = l->cfg.num_experts;
+    r->params.top_k = l->cfg.top_k;
+    r->params.scoring = l->cfg.scoring;
+    r->params.use_bias = l->cfg.use_score_bias;
+    r->params.n_group = l->cfg.n_group;
+    r->params.topk_group = l->cfg.topk_group;
+    r->params.renormalize = l->cfg.renormalize;
+    r->params.scaling = l->cfg.routed_scaling_factor;
+    r->logits = logits;
+    r->bias = l->cfg.use_score_bias ? s->bias : NULL;
+    r->topk_ids = ids;
+    r->topk_weights = w;
+    r->num_tokens = a->num_tokens;
+    return MOE_STATUS_SUCCESS;
+}
+
+moe_status_t moe_cuda_route(moe_layer_t *l, const moe_forward_args_t *a, int32_t *ids, float *w,
+                            int32_t *flag)
+{
     moe_route_args_t r;
 
     if (a->given_topk_ids) {
@@ -124,37 +153,24 @@ moe_status_t moe_cuda_route(moe_layer_t *l, const moe_forward_args_t *a, int32_t
                                     MOE_STATUS_NUMERIC_ERROR};
         return moe_route_given_launch(&g, a->stream);
     }
-    if (!logits) {
-        moe_route_logits_args_t g = {a->x,      a->dtype,      s->router,
-                                     s->logits, a->num_tokens, s->E_total,
-                                     s->H,      s->router3,    s->router_planes};
-        MOE_CHECK(moe_route_logits_launch(&g, a->stream));
-        logits = s->logits;
-    }
-    memset(&r, 0, sizeof(r));
-    r.params.num_experts = l->cfg.num_experts;
-    r.params.top_k = l->cfg.top_k;
-    r.params.scoring = l->cfg.scoring;
-    r.params.use_bias = l->cfg.use_score_bias;
-    r.params.n_group = l->cfg.n_group;
-    r.params.topk_group = l->cfg.topk_group;
-    r.params.renormalize = l->cfg.renormalize;
-    r.params.scaling = l->cfg.routed_scaling_factor;
-    r.logits = logits;
-    r.bias = l->cfg.use_score_bias ? s->bias : NULL;
-    r.topk_ids = ids;
-    r.topk_weights = w;
-    r.num_tokens = a->num_tokens;
+    MOE_CHECK(route_args(l, a, ids, w, &r));
     return moe_route_launch(&r, a->stream);
 }
 
-moe_status_t moe_cuda_slot_ids(moe_layer_t *l, const int32_t *ids, int64_t T, int64_t first_token,
-                               int32_t *out, void *stream)
+static moe_ep_slot_ids_args_t slot_ids_args(moe_layer_t *l, const int32_t *ids, int64_t T,
+                                            int64_t first_token, int32_t *out)
 {
     cuda_layer_t *s = l->state;
     const moe_ep_slot_ids_args_t r = {ids,         out,          T * s->k,         s->k,
                                       first_token, l->plan.rank, s->replica_begin, s->replica_slot,
                                       s->load};
+    return r;
+}
+
+moe_status_t moe_cuda_slot_ids(moe_layer_t *l, const int32_t *ids, int64_t T, int64_t first_token,
+                               int32_t *out, void *stream)
+{
+    const moe_ep_slot_ids_args_t r = slot_ids_args(l, ids, T, first_token, out);
     return moe_ep_slot_ids_launch(&r, stream);
 }
 
@@ -197,32 +213,45 @@ static moe_status_t routed_gemms(cuda_layer_t *s, const moe_gemm_variant_t *v, c
                          skip ? s->offsets : NULL, stream);
 }
 
-/* Token rows of `x` (T tokens) through their experts (ids, -1: not on this rank): permute,
- * gather, GEMM1 (act * up), GEMM2 into s->o. rows_per_expert picks the GEMM variant. */
-moe_status_t moe_cuda_routed_experts(cuda_layer_t *s, const void *x, moe_dtype_t x_dtype, int64_t T,
-                                     const int32_t *ids, const moe_permute_regions_t *regions,
-                                     double rows_per_expert, void *stream)
+/* The permute's arguments for T tokens of ids laid out for variant v; *mb: its blocks. */
+static moe_status_t permute_args(cuda_layer_t *s, const moe_gemm_variant_t *v, int64_t T,
+                                 const int32_t *ids, const moe_permute_regions_t *regions, int *mb,
+                                 moe_permute_args_t *out)
 {
-    const int64_t rows = T * s->k;
-    const moe_gemm_variant_t *v = moe_cuda_variant_for(s, rows_per_expert);
     const int br = v->block_rows;
-    const int mb = (int)moe_permute_max_blocks(rows, s->E, br);
-    moe_permute_args_t p = {ids,
-                            T,
-                            s->k,
-                            s->E,
-                            br,
-                            mb,
-                            s->counts,
-                            s->offsets,
-                            s->block_expert,
-                            s->num_blocks,
-                            s->row_of_slot,
-                            s->slot_of_row,
-                            s->perm_scratch,
-                            s->perm_scratch_count,
-                            s->perm_done,
-                            {0}};
+    *mb = (int)moe_permute_max_blocks(T * s->k, s->E, br);
+    const moe_permute_args_t p = {ids,
+                                  T,
+                                  s->k,
+                                  s->E,
+                                  br,
+                                  *mb,
+                                  s->counts,
+                                  s->offsets,
+                                  s->block_expert,
+                                  s->num_blocks,
+                                  s->row_of_slot,
+                                  s->slot_of_row,
+                                  s->perm_scratch,
+                                  s->perm_scratch_count,
+                                  s->perm_done,
+                                  {0}};
+    *out = p;
+    if (regions)
+        out->regions = *regions;
+    if (*mb > s->max_blocks)
+        return moe_error(MOE_STATUS_INTERNAL_ERROR, "variant %s needs %d blocks > planned %d",
+                         v->name, *mb, s->max_blocks);
+    return MOE_STATUS_SUCCESS;
+}
+
+/* After the permute: the gather (bf16; W8A8's GEMM 1 quantisation gathers itself) and the GEMMs. */
+static moe_status_t permuted_experts(cuda_layer_t *s, const moe_gemm_variant_t *v, const void *x,
+                                     moe_dtype_t x_dtype, int64_t T, int mb,
+                                     const moe_permute_regions_t *regions, double rows_per_expert,
+                                     void *stream)
+{
+    const int br = v->block_rows;
     /* the scatter form: each token row of x read once (padding rows of a left unwritten) */
     moe_gather_args_t g = {x,    x_dtype, s->H, s->k, s->slot_of_row, s->num_blocks, br, mb,
                            s->a, NULL,    0,    {0}};
@@ -230,19 +259,52 @@ moe_status_t moe_cuda_routed_experts(cuda_layer_t *s, const void *x, moe_dtype_t
         g.row_of_slot = s->row_of_slot;
         g.num_tokens = T;
     }
-    if (regions) {
-        p.regions = *regions;
+    if (regions)
         g.regions = *regions;
-    }
-
-    if (mb > s->max_blocks)
-        return moe_error(MOE_STATUS_INTERNAL_ERROR, "variant %s needs %d blocks > planned %d",
-                         v->name, mb, s->max_blocks);
-    MOE_CHECK(moe_permute_launch(&p, stream));
-    if (!s->f8) /* W8A8: GEMM 1's quantisation gathers the rows itself */
+    if (!s->f8)
         MOE_CHECK(moe_gather_launch(&g, stream));
     MOE_CHECK(moe_cuda_record(s, EV_PERMUTE, stream));
     return routed_gemms(s, v, s->f8 ? NULL : s->a, x, x_dtype, mb, rows_per_expert, stream);
+}
+
+/* Token rows of `x` (T tokens) through their experts (ids, -1: not on this rank): permute,
+ * gather, GEMM1 (act * up), GEMM2 into s->o. rows_per_expert picks the GEMM variant. */
+moe_status_t moe_cuda_routed_experts(cuda_layer_t *s, const void *x, moe_dtype_t x_dtype, int64_t T,
+                                     const int32_t *ids, const moe_permute_regions_t *regions,
+                                     double rows_per_expert, void *stream)
+{
+    const moe_gemm_variant_t *v = moe_cuda_variant_for(s, rows_per_expert);
+    moe_permute_args_t p;
+    int mb;
+    MOE_CHECK(permute_args(s, v, T, ids, regions, &mb, &p));
+    MOE_CHECK(moe_permute_launch(&p, stream));
+    return permuted_experts(s, v, x, x_dtype, T, mb, regions, rows_per_expert, stream);
+}
+
+/* One GPU, a small step (route_permutes): the router logits, then the top-k, the slot
+ * ids and the permute in one launch, then the gather and GEMMs. */
+static moe_status_t route_permuted_experts(moe_layer_t *l, const moe_forward_args_t *a,
+                                           int32_t *ids, float *w)
+{
+    cuda_layer_t *s = l->state;
+    const int64_t T = a->num_tokens;
+    const double rpe = (double)T * s->k / s->E;
+    const moe_gemm_variant_t *v = moe_cuda_variant_for(s, rpe);
+    moe_route_permute_args_t rp;
+    int mb;
+    MOE_CHECK(route_args(l, a, ids, w, &rp.route));
+    rp.slots = slot_ids_args(l, ids, T, 0, s->slot_ids);
+    MOE_CHECK(permute_args(s, v, T, s->slot_ids, NULL, &mb, &rp.permute));
+    MOE_CHECK(moe_route_permute_launch(&rp, a->stream));
+    MOE_CHECK(moe_cuda_record(s, EV_ROUTE, a->stream));
+    return permuted_experts(s, v, a->x, a->dtype, T, mb, NULL, rpe, a->stream);
+}
+
+/* Whether a one-GPU step takes route_permuted_experts. */
+static int route_permutes(const moe_layer_t *l, const moe_forward_args_t *a)
+{
+    const cuda_layer_t *s = l->state;
+    return s->route_permute && !a->given_topk_ids && a->num_tokens <= MOE_ROUTE_PERMUTE_MAX_TOKENS;
 }
 
 moe_status_t moe_cuda_experts_laid_out(cuda_layer_t *s, const moe_gemm_variant_t *v, const void *a,
@@ -429,11 +491,15 @@ moe_status_t moe_cuda_forward_one_gpu(moe_layer_t *l, const moe_forward_args_t *
 
     MOE_CHECK(moe_cuda_record(s, EV_START, a->stream));
     MOE_CHECK(moe_cuda_scan_inputs(l, a, s->sticky));
-    MOE_CHECK(moe_cuda_route(l, a, ids, w, s->sticky));
-    MOE_CHECK(moe_cuda_slot_ids(l, ids, a->num_tokens, 0, s->slot_ids, a->stream));
-    MOE_CHECK(moe_cuda_record(s, EV_ROUTE, a->stream));
-    MOE_CHECK(moe_cuda_routed_experts(s, a->x, a->dtype, a->num_tokens, s->slot_ids, NULL,
-                                      (double)a->num_tokens * s->k / s->E, a->stream));
+    if (route_permutes(l, a)) {
+        MOE_CHECK(route_permuted_experts(l, a, ids, w));
+    } else {
+        MOE_CHECK(moe_cuda_route(l, a, ids, w, s->sticky));
+        MOE_CHECK(moe_cuda_slot_ids(l, ids, a->num_tokens, 0, s->slot_ids, a->stream));
+        MOE_CHECK(moe_cuda_record(s, EV_ROUTE, a->stream));
+        MOE_CHECK(moe_cuda_routed_experts(s, a->x, a->dtype, a->num_tokens, s->slot_ids, NULL,
+                                          (double)a->num_tokens * s->k / s->E, a->stream));
+    }
     MOE_CHECK(moe_cuda_record(s, EV_EXPERT, a->stream));
     if (s->ss > 0) {
         MOE_CHECK(moe_cuda_shared_experts(s, a->x, a->dtype, a->num_tokens, a->stream));

@@ -4,6 +4,7 @@
 
 #include "kernels/cpu/moe_cpu.h"
 #include "base/numeric.h"
+#include "kernels/permute.h"
 #include "kernels/route.h"
 
 typedef struct route_case {
@@ -320,10 +321,138 @@ static void test_route_rejects(void **state)
     assert_int_equal(moe_route_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
 }
 
+/* The one-launch route + slot ids + permute of a small step against the three launches it
+ * replaces, every output bitwise (the same top-k code; the slots and layout by the same rule):
+ * every routing case, replicas of two experts taken in turn (rank 1, first token 3), the
+ * expert loads counted, token counts 0 .. MOE_ROUTE_PERMUTE_MAX_TOKENS, several block sizes. */
+enum { RP_OUT = 9 };
+static void route_permute_run(const route_case_t *c, int64_t T, int br, const float *d_logits,
+                              const float *d_bias, const int32_t *d_rb, const int32_t *d_rs,
+                              int slots, int fused, void *out[RP_OUT], const size_t bytes[RP_OUT])
+{
+    const int K = c->p.top_k;
+    const int mb = (int)moe_permute_max_blocks(T * K, slots, br);
+    for (int i = 0; i < RP_OUT; i++) {
+        out[i] = gt_dalloc(bytes[i]);
+        gt_poison(out[i], GT_POISON_INT, bytes[i]);
+    }
+    gt_ok(moe_gpu_memset(out[8], 0, bytes[8]), "zero loads");
+    moe_route_permute_args_t a;
+    memset(&a, 0, sizeof(a));
+    a.route = (moe_route_args_t){c->p, d_logits, d_bias, out[0], out[1], T};
+    a.slots = (moe_ep_slot_ids_args_t){out[0], out[2], T * K, K, 3, 1, d_rb, d_rs, out[8]};
+    a.permute = (moe_permute_args_t){out[2], T,      K,      slots,  br,     mb,
+                                     out[3], out[4], out[5], out[6], out[7], NULL};
+    /* slot_of_row comes last in the layout outputs: its own buffer */
+    a.permute.slot_of_row = (int32_t *)out[7] + bytes[7] / sizeof(int32_t) / 2;
+    a.permute.row_of_slot = out[7];
+    if (fused) {
+        gt_ok(moe_route_permute_launch(&a, NULL), c->name);
+    } else {
+        gt_ok(moe_route_launch(&a.route, NULL), c->name);
+        gt_ok(moe_ep_slot_ids_launch(&a.slots, NULL), c->name);
+        gt_ok(moe_permute_launch(&a.permute, NULL), c->name);
+    }
+    gt_ok(moe_gpu_device_synchronize(), c->name);
+}
+
+static void test_route_permute(void **state)
+{
+    static const int64_t counts[] = {0, 1, 2, 5, 8, 13, 31, MOE_ROUTE_PERMUTE_MAX_TOKENS};
+    static const int brs[] = {8, 16, 64, 128};
+    (void)state;
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        const int E = cases[c].p.num_experts, K = cases[c].p.top_k;
+        /* experts 0 and E - 1 get a second slot (the last slots) */
+        const int extra = E > 1 ? 2 : 0, slots = E + extra;
+        int32_t *rb = malloc(sizeof(int32_t) * (size_t)(E + 1)),
+                *rs = malloc(sizeof(int32_t) * (size_t)slots);
+        int n = 0;
+        for (int e = 0; e < E; e++) {
+            rb[e] = n;
+            rs[n++] = e;
+            if (extra && (e == 0 || e == E - 1))
+                rs[n++] = e == 0 ? E : E + 1;
+        }
+        rb[E] = n;
+        int32_t *d_rb = gt_dup(rb, sizeof(int32_t) * (size_t)(E + 1));
+        int32_t *d_rs = gt_dup(rs, sizeof(int32_t) * (size_t)slots);
+        float *bias = malloc(sizeof(float) * (size_t)E);
+        for (int e = 0; e < E; e++)
+            bias[e] = 0.5f * (float)gt_below(2);
+        float *d_bias = gt_dup(bias, sizeof(float) * (size_t)E);
+        for (size_t t = 0; t < sizeof(counts) / sizeof(counts[0]); t++) {
+            const int64_t T = counts[t];
+            const int br = brs[(c + t) % 4];
+            const size_t nk = (size_t)T * K;
+            const int mb = (int)moe_permute_max_blocks(T * K, slots, br);
+            float *logits = malloc(sizeof(float) * (size_t)(T * E + 1));
+            for (int64_t i = 0; i < T * E; i++)
+                logits[i] = (float)gt_below(257) / 32.0f - 4.0f;
+            float *d_logits = gt_dup(logits, sizeof(float) * (size_t)(T * E + 1));
+            const size_t bytes[RP_OUT] = {4 * (nk + 1),
+                                          4 * (nk + 1),
+                                          4 * (nk + 1),
+                                          4 * (size_t)slots,
+                                          4 * (size_t)(slots + 1),
+                                          4 * (size_t)mb,
+                                          4,
+                                          4 * 2 *
+                                              (nk + (size_t)mb * br > 0 ? nk + (size_t)mb * br : 1),
+                                          sizeof(unsigned long long) * (size_t)E};
+            void *sep[RP_OUT], *fus[RP_OUT];
+            route_permute_run(&cases[c], T, br, d_logits, d_bias, d_rb, d_rs, slots, 0, sep, bytes);
+            route_permute_run(&cases[c], T, br, d_logits, d_bias, d_rb, d_rs, slots, 1, fus, bytes);
+            for (int i = 0; i < RP_OUT; i++) {
+                uint8_t *x = malloc(bytes[i]), *y = malloc(bytes[i]);
+                gt_get(x, sep[i], bytes[i]);
+                gt_get(y, fus[i], bytes[i]);
+                if (memcmp(x, y, bytes[i])) {
+                    fprintf(stderr, "%s T=%lld br=%d: output %d differs\n", cases[c].name,
+                            (long long)T, br, i);
+                    fail();
+                }
+                free(x), free(y);
+                moe_gpu_free(sep[i]), moe_gpu_free(fus[i]);
+            }
+            free(logits);
+            moe_gpu_free(d_logits);
+        }
+        free(rb), free(rs), free(bias);
+        moe_gpu_free(d_rb), moe_gpu_free(d_rs), moe_gpu_free(d_bias);
+    }
+}
+
+/* Arguments that do not chain the three steps, or too many tokens, are refused by name. */
+static void test_route_permute_rejects(void **state)
+{
+    moe_route_permute_args_t a;
+    int32_t *d = gt_dalloc(4096);
+    (void)state;
+    memset(&a, 0, sizeof(a));
+    a.route.params = cases[1].p;
+    a.route.num_tokens = MOE_ROUTE_PERMUTE_MAX_TOKENS + 1;
+    a.route.topk_ids = d;
+    a.slots.in = d;
+    a.slots.out = d + 512;
+    a.slots.top_k = 8;
+    a.slots.n = a.route.num_tokens * 8;
+    a.permute = (moe_permute_args_t){d + 512, a.route.num_tokens, 8, 128, 16, 1024};
+    assert_int_equal(moe_route_permute_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
+    assert_non_null(strstr(moe_last_error(), "num_tokens = 65"));
+    a.route.num_tokens = a.permute.num_tokens = 8;
+    a.slots.n = 64;
+    a.slots.out = d + 1024; /* not the permute's ids */
+    assert_int_equal(moe_route_permute_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
+    assert_non_null(strstr(moe_last_error(), "do not chain"));
+    moe_gpu_free(d);
+}
+
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_route_random),  cmocka_unit_test(test_route_ties),
     cmocka_unit_test(test_route_logits),  cmocka_unit_test(test_route_logits_batch_invariant),
     cmocka_unit_test(test_route_rejects), cmocka_unit_test(test_route_logits_one_plane),
+    cmocka_unit_test(test_route_permute), cmocka_unit_test(test_route_permute_rejects),
 };
 
 GT_MAIN(tests)

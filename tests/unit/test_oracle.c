@@ -29,10 +29,10 @@ static const old_bucket_t old_sm90[] = {
     {119.7, "sm90_wgmma_tma_m128n256"}, {180.0, "sm90_wgmma_tma_m192n128"},
     {247.9, "sm90_wgmma_tma_m256n128"}, {1e300, "sm90_wgmma_tma_m128n256"}};
 static const old_bucket_t old_fp8[] = {
-    {11.3, "sm90_fp8_swapab_n8_pp"},  {22.6, "sm90_fp8_swapab_n16_pp"},
+    {11.3, "sm90_fp8_swapab_n8_pp"},     {22.6, "sm90_fp8_swapab_n16_pp"},
     {55.4, "sm90_fp8_swapab_n32_pp_p4"}, {119.7, "sm90_fp8_m128n128_p4"},
-    {207.4, "sm90_fp8_m192n128_p4"},  {286.2, "sm90_fp8_m128n128_p4"},
-    {320.0, "sm90_fp8_m192n128_p4"},  {1e300, "sm90_fp8_m128n128_p4"}};
+    {207.4, "sm90_fp8_m192n128_p4"},     {286.2, "sm90_fp8_m128n128_p4"},
+    {320.0, "sm90_fp8_m192n128_p4"},     {1e300, "sm90_fp8_m128n128_p4"}};
 static const old_bucket_t old_fp8b[] = {
     {16.0, "sm90_fp8_block_swapab_n16_pp"}, {32.0, "sm90_fp8_block_swapab_n32_pp"},
     {96.0, "sm90_fp8_block_m64n128"},       {135.8, "sm90_fp8_block_m128n128"},

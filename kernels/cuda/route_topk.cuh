@@ -1,0 +1,194 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* Scoring and top-k of one token by one warp (softmax or sigmoid, grouped selection with a
+ * bias, renormalisation, scaling): the route kernel's body, shared with the small-step
+ * route + permute kernel (permute.cu). */
+#ifndef MOE_ROUTE_TOPK_CUH
+#define MOE_ROUTE_TOPK_CUH
+
+#include <math.h>
+#include <stdint.h>
+#include "kernels/route.h"
+
+namespace
+{
+
+struct route_kparams {
+    int num_experts, top_k, scoring, use_bias, n_group, topk_group, renormalize;
+    float scaling;
+};
+
+static inline route_kparams route_kparams_of(const moe_route_params_t *q)
+{
+    const route_kparams p = {q->num_experts, q->top_k,      (int)q->scoring, q->use_bias,
+                             q->n_group,     q->topk_group, q->renormalize,  q->scaling};
+    return p;
+}
+
+/* The better of two (value, id) candidates: larger value, then lower id; id < 0 = none. */
+__device__ __forceinline__ void better(float &v, int &id, float v2, int id2)
+{
+    if (id2 < 0)
+        return;
+    if (id < 0 || v2 > v || (v2 == v && id2 < id)) {
+        v = v2;
+        id = id2;
+    }
+}
+
+__device__ __forceinline__ void warp_argmax(float &v, int &id)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float v2 = __shfl_xor_sync(0xffffffffu, v, o);
+        const int id2 = __shfl_xor_sync(0xffffffffu, id, o);
+        better(v, id, v2, id2);
+    }
+}
+
+/* NPL experts per lane: expert e = lane + 32 * i lives in register slot i of lane e % 32. One
+ * warp scores token row l (E logits) and selects its top-k; lane 0 stores the ids and weights
+ * (ids_out / w_out, and the ids into sm_ids when not NULL). choice_row: this warp's shared
+ * [NPL * 32] floats (the grouped selection). */
+template <int NPL>
+__device__ __forceinline__ void
+route_topk_token(const float *__restrict__ l, const float *__restrict__ bias,
+                 const route_kparams &p, int lane, float *choice_row, int32_t *ids_out,
+                 float *w_out, int *sm_ids)
+{
+    const int E = p.num_experts, K = p.top_k;
+    float score[NPL], choice[NPL];
+    unsigned allowed = 0; /* bit i: expert lane + 32 i may still be chosen */
+
+#pragma unroll
+    for (int i = 0; i < NPL; i++) {
+        const int e = lane + 32 * i;
+        score[i] = e < E ? l[e] : -INFINITY;
+        if (e < E)
+            allowed |= 1u << i;
+    }
+    if (p.scoring == MOE_SCORING_SOFTMAX) {
+        float mx = -INFINITY, sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NPL; i++)
+            mx = fmaxf(mx, score[i]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+#pragma unroll
+        for (int i = 0; i < NPL; i++) {
+            score[i] = (allowed >> i) & 1u ? expf(score[i] - mx) : 0.0f;
+            sum += score[i];
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+            sum += __shfl_xor_sync(0xffffffffu, sum, o);
+#pragma unroll
+        for (int i = 0; i < NPL; i++)
+            score[i] = score[i] / sum;
+    } else {
+#pragma unroll
+        for (int i = 0; i < NPL; i++)
+            score[i] = 1.0f / (1.0f + expf(-score[i]));
+    }
+#pragma unroll
+    for (int i = 0; i < NPL; i++) {
+        const int e = lane + 32 * i;
+        choice[i] = score[i];
+        if (p.scoring == MOE_SCORING_SIGMOID && p.use_bias && bias && e < E)
+            choice[i] += bias[e];
+    }
+
+    if (p.n_group > 1) {
+        /* Lane g scores group g (contiguous experts) by its two best choice values. */
+        const int gsize = E / p.n_group;
+#pragma unroll
+        for (int i = 0; i < NPL; i++)
+            choice_row[lane + 32 * i] = choice[i];
+        __syncwarp();
+        float gscore = -INFINITY;
+        int gid = -1;
+        if (lane < p.n_group) {
+            float b1 = -INFINITY, b2 = -INFINITY;
+            for (int e = lane * gsize; e < (lane + 1) * gsize; e++) {
+                const float c = choice_row[e];
+                if (c > b1) {
+                    b2 = b1;
+                    b1 = c;
+                } else if (c > b2) {
+                    b2 = c;
+                }
+            }
+            gscore = gsize >= 2 ? b1 + b2 : b1;
+            gid = lane;
+        }
+        unsigned kept = 0;
+        for (int j = 0; j < p.topk_group; j++) {
+            float v = gscore;
+            int id = gid;
+            warp_argmax(v, id);
+            kept |= 1u << id;
+            if (lane == id)
+                gid = -1; /* taken */
+        }
+#pragma unroll
+        for (int i = 0; i < NPL; i++) {
+            const int e = lane + 32 * i;
+            if (e < E && !((kept >> (e / gsize)) & 1u))
+                allowed &= ~(1u << i);
+        }
+    }
+
+    int ids[MOE_ROUTE_MAX_TOP_K];
+    float w[MOE_ROUTE_MAX_TOP_K];
+    float wsum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < MOE_ROUTE_MAX_TOP_K; j++) {
+        ids[j] = -1;
+        w[j] = 0.0f;
+        if (j < K) {
+            float v = -INFINITY;
+            int id = -1;
+#pragma unroll
+            for (int i = 0; i < NPL; i++)
+                if ((allowed >> i) & 1u)
+                    better(v, id, choice[i], lane + 32 * i);
+            warp_argmax(v, id);
+            /* The owner lane clears the winner and broadcasts its unbiased score. */
+            float s = 0.0f;
+            if (id >= 0 && (id & 31) == lane) {
+#pragma unroll
+                for (int i = 0; i < NPL; i++)
+                    if (lane + 32 * i == id) {
+                        allowed &= ~(1u << i);
+                        s = score[i];
+                    }
+            }
+            s = __shfl_sync(0xffffffffu, s, id >= 0 ? (id & 31) : 0);
+            ids[j] = id;
+            w[j] = s;
+            wsum += s;
+        }
+    }
+    if (lane == 0) {
+        const float denom = p.scoring == MOE_SCORING_SIGMOID ? wsum + 1e-20f : wsum;
+        const int scale = p.scaling != 0.0f && p.scaling != 1.0f;
+#pragma unroll
+        for (int j = 0; j < MOE_ROUTE_MAX_TOP_K; j++) {
+            if (j < K) {
+                float v = w[j];
+                if (p.renormalize)
+                    v /= denom;
+                if (scale)
+                    v *= p.scaling;
+                ids_out[j] = ids[j];
+                w_out[j] = v;
+                if (sm_ids)
+                    sm_ids[j] = ids[j];
+            }
+        }
+    }
+}
+
+} /* namespace */
+
+#endif /* MOE_ROUTE_TOPK_CUH */
