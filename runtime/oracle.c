@@ -54,7 +54,7 @@ static const moe_oracle_group_t defaults[] = {
      * 1-4% faster than n32_pp at 48 and 64 rows and 4-7% faster than m128n128_p4 at 48 (Qwen3
      * 17%), so it runs to 55.4. From moe-tune on the three shapes at 48..320 rows (the same
      * day, bench/RESULTS.md, "Tuning"), the smallest worst loss per point: m192n128_p4 also at 192
-     * (worst loss 1.6% against m128n128_p4's 7.7%) and 320 (4-5% faster on all three), m128n128_p4
+     * (worst loss 1.5% against m128n128_p4's 7.7%) and 320 (4-5% faster on all three), m128n128_p4
      * at 224 (8-26% faster) and 256 (worst loss 2.9% against 4.0%) (docs/KERNELS.md, "Promotion
      * interval") */
     BUILTIN(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, 8, {11.3, "sm90_fp8_swapab_n8_pp", 0, 0},
