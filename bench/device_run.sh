@@ -37,6 +37,11 @@
 #                    default 2): $VS_CASES, cases split by ';', each
 #                    "preset|moe-bench options|variant|tokens"; bench/ab_compare.py prints
 #                    forced / built-in per point (new = forced); JSON in $OUT/vs.tgz
+#   knob             an environment knob's values against each other, in turn ($KNOB_REPS
+#                    times, default 2): KNOB=NAME, KNOB_BASE / KNOB_NEW its two values (default
+#                    0 / 1), $KNOB_CASES split by ';', each "preset|moe-bench options|tokens"
+#                    (default: Qwen3 fp8 and bf16, Mixtral fp8 at 1,8,64); bench/ab_compare.py
+#                    prints new / base per point; JSON in $OUT/knob.tgz
 #   gemm-prof        Nsight Compute on the expert GEMMs of one step (DRAM / SM throughput,
 #                    the top warp stalls): fp8 per-tensor, fp8 block and bf16 at the DeepSeek-V3
 #                    shard M = 64 and Mixtral M = 8, fp8 at Mixtral M = 8192 ($PROF_CASES:
@@ -394,6 +399,30 @@ vs)
     done
     python3 bench/ab_compare.py $j | tee "$OUT/vs.txt"
     tar -czf "$OUT/vs.tgz" -C $j .
+    ;;
+knob)
+    [ -n "${KNOB:-}" ] || { echo "knob: set KNOB=NAME (e.g. MOE_ROUTE_PERMUTE)"; continue; }
+    j=/tmp/knobjson
+    rm -rf $j
+    mkdir -p $j
+    IFS=';' read -ra cases <<<"${KNOB_CASES:-qwen3-30b-a3b|--dtype fp8 --scales tensor|1,8,64;qwen3-30b-a3b||1,8,64;mixtral-8x7b|--dtype fp8 --scales tensor|1,8,64}"
+    for i in "${!cases[@]}"; do
+        IFS='|' read -r p opts toks <<<"${cases[$i]}"
+        for r in $(seq "${KNOB_REPS:-2}"); do
+            for side in base new; do
+                val=${KNOB_BASE:-0}
+                [ $side = new ] && val=${KNOB_NEW:-1}
+                # shellcheck disable=SC2086 # $opts: options
+                env "$KNOB=$val" timeout 120 $B/moe-bench --preset "$p" $opts --tokens "$toks" \
+                    --seconds "${KNOB_SECONDS:-0.1}" --explain \
+                    --json "$j/$side.$p.$i.$r.json" >"$j/$side.$p.$i.$r.txt" 2>&1 ||
+                    echo "knob: $side, $p, $opts, $KNOB=$val: failed ($(tail -1 "$j/$side.$p.$i.$r.txt"))"
+            done
+        done
+        echo "== case $i: $p $opts: $KNOB=${KNOB_NEW:-1} (new) against ${KNOB_BASE:-0} (base)"
+    done
+    python3 bench/ab_compare.py $j | tee "$OUT/knob.txt"
+    tar -czf "$OUT/knob.tgz" -C $j .
     ;;
 gemm-prof)
     command -v ncu >/dev/null || { echo "gemm-prof: no ncu on this machine"; continue; }
