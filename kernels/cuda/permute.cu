@@ -301,7 +301,8 @@ __global__ void __launch_bounds__(META_THREADS)
               num_blocks, row_of_slot, slot_of_row);
 }
 
-/* ---- a small step's route, slot ids and metadata in one CTA (moe_route_permute_launch) ---- */
+/* ---- a small step's route, slot ids and metadata in one CTA (moe_route_permute_launch) ----
+ * Built 2026-12-03 and not yet run on a GPU: the runtime takes it only with MOE_ROUTE_PERMUTE=1. */
 
 /* The slots the route + permute kernel walks: this CTA's shared slot ids. */
 struct shared_slots {

@@ -235,7 +235,8 @@ static void init_shape(moe_layer_t *l, cuda_layer_t *s)
             s->first_local = i;
     s->deterministic = l->cfg.deterministic;
     s->scatter_rows = l->knobs.v[MOE_KNOB_SCATTER_ROWS] != 0;
-    s->route_permute = moe_env_int("MOE_ROUTE_PERMUTE", 1) != 0;
+    /* off until measured on a GPU (docs/KERNELS.md, "Integration notes") */
+    s->route_permute = moe_env_int("MOE_ROUTE_PERMUTE", 0) != 0;
     s->skip_pad = l->knobs.v[MOE_KNOB_GEMM_SKIP_PAD] != 0;
     s->cap = l->cfg.max_tokens_per_rank;
     /* EP: the buffers hold one round (runtime/ep_rounds.h) */

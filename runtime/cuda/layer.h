@@ -99,7 +99,7 @@ typedef struct cuda_layer {
     int deterministic;
     int scatter_rows; /* MOE_SCATTER_ROWS (default 1): GEMM 1's rows by scatter, not gather */
     int skip_pad; /* MOE_GEMM_SKIP_PAD (default 1): GEMMs get the expert counts (few rows/expert) */
-    int route_permute;   /* MOE_ROUTE_PERMUTE (default 1): one GPU, at most
+    int route_permute;   /* MOE_ROUTE_PERMUTE=1 (default 0): one GPU, at most
                             MOE_ROUTE_PERMUTE_MAX_TOKENS tokens: top-k, slot ids and permute in one
                             launch */
     int shared_local;    /* the whole shared MLP here, run on this rank's tokens */
