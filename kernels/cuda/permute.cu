@@ -339,9 +339,8 @@ __global__ void __launch_bounds__(META_THREADS)
 
     if (warp < RP_TOPK_WARPS)
         for (int t = warp; t < T; t += RP_TOPK_WARPS)
-            route_topk_token<NPL>(r.logits + (size_t)t * p.num_experts, r.bias, p, lane,
-                                  choice_sm[warp], r.topk_ids + (size_t)t * K,
-                                  r.topk_weights + (size_t)t * K, sl + t * K);
+            route_topk_token<NPL>(r.logits, r.bias, r.topk_ids, r.topk_weights, t, p, lane,
+                                  choice_sm[warp], sl + t * K);
     __syncthreads();
     for (int i = threadIdx.x; i < n; i += META_THREADS) {
         const int e = sl[i];

@@ -475,9 +475,7 @@ __global__ void __launch_bounds__(ROUTE_WARPS * 32)
     const int t = blockIdx.x * ROUTE_WARPS + warp;
     if (t >= num_tokens)
         return;
-    const size_t K = (size_t)p.top_k;
-    route_topk_token<NPL>(logits + (size_t)t * p.num_experts, bias, p, lane, choice_sm[warp],
-                          topk_ids + t * K, topk_weights + t * K, NULL);
+    route_topk_token<NPL>(logits, bias, topk_ids, topk_weights, t, p, lane, choice_sm[warp], NULL);
 }
 
 template <int NPL> moe_status_t launch_topk(const moe_route_args_t *a, cudaStream_t s)

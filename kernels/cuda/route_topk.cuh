@@ -46,16 +46,17 @@ __device__ __forceinline__ void warp_argmax(float &v, int &id)
 }
 
 /* NPL experts per lane: expert e = lane + 32 * i lives in register slot i of lane e % 32. One
- * warp scores token row l (E logits) and selects its top-k; lane 0 stores the ids and weights
- * (ids_out / w_out, and the ids into sm_ids when not NULL). choice_row: this warp's shared
- * [NPL * 32] floats (the grouped selection). */
+ * warp scores token t (its E logits) and selects its top-k; lane 0 stores the ids and weights
+ * (and the ids into sm_ids[0 .. K) when not NULL). choice_row: this warp's shared [NPL * 32]
+ * floats (the grouped selection). */
 template <int NPL>
 __device__ __forceinline__ void
-route_topk_token(const float *__restrict__ l, const float *__restrict__ bias,
-                 const route_kparams &p, int lane, float *choice_row, int32_t *ids_out,
-                 float *w_out, int *sm_ids)
+route_topk_token(const float *__restrict__ logits, const float *__restrict__ bias,
+                 int32_t *__restrict__ topk_ids, float *__restrict__ topk_weights, int t,
+                 route_kparams p, int lane, float *choice_row, int *sm_ids)
 {
     const int E = p.num_experts, K = p.top_k;
+    const float *l = logits + (size_t)t * E;
     float score[NPL], choice[NPL];
     unsigned allowed = 0; /* bit i: expert lane + 32 i may still be chosen */
 
@@ -180,8 +181,8 @@ route_topk_token(const float *__restrict__ l, const float *__restrict__ bias,
                     v /= denom;
                 if (scale)
                     v *= p.scaling;
-                ids_out[j] = ids[j];
-                w_out[j] = v;
+                topk_ids[(size_t)t * K + j] = ids[j];
+                topk_weights[(size_t)t * K + j] = v;
                 if (sm_ids)
                     sm_ids[j] = ids[j];
             }
