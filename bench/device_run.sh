@@ -110,6 +110,30 @@ W="" # one GPU: NCCL between ranks that share it (bench/shared_gpu_rank.sh)
 B=build-gpu/launch
 presets="mixtral-8x7b qwen3-30b-a3b deepseek-v3-ep8"
 quiet() { grep -vE "dlopen|pmix|Perhaps"; }
+# One A/B case of vs and knob: moe-bench with VAR=BASE then VAR=NEW, REPS times in turn, JSON
+# and log as DIR/{base,new}.PRESET.I.R.*.
+# Usage: ab_case MODE DIR I REPS SECONDS VAR BASE NEW PRESET "OPTIONS" TOKENS [EXTRA...]
+ab_case() {
+    local mode=$1 dir=$2 i=$3 reps=$4 secs=$5 var=$6 base=$7 new=$8 p=$9 opts=${10} toks=${11}
+    shift 11
+    local r side val
+    for r in $(seq "$reps"); do
+        for side in base new; do
+            val=$base
+            [ $side = new ] && val=$new
+            # shellcheck disable=SC2086 # $opts: options
+            env "$var=$val" timeout 120 $B/moe-bench --preset "$p" $opts --tokens "$toks" \
+                --seconds "$secs" "$@" --json "$dir/$side.$p.$i.$r.json" \
+                >"$dir/$side.$p.$i.$r.txt" 2>&1 ||
+                echo "$mode: $side, $p, $opts, $var=$val: failed ($(tail -1 "$dir/$side.$p.$i.$r.txt"))"
+        done
+    done
+}
+# new / base per point of an ab_case directory, kept as $OUT/NAME.txt and NAME.tgz
+ab_finish() {
+    python3 bench/ab_compare.py "$1" | tee "$OUT/$2.txt"
+    tar -czf "$OUT/$2.tgz" -C "$1" .
+}
 for mode in $modes; do
 case $mode in
 build) ;; # the build above only
@@ -384,21 +408,11 @@ vs)
     IFS=';' read -ra cases <<<"${VS_CASES:-qwen3-30b-a3b|--dtype fp8 --scales tensor|sm90_fp8_swapab_n16_pp|1,8,64}"
     for i in "${!cases[@]}"; do
         IFS='|' read -r p opts v toks <<<"${cases[$i]}"
-        for r in $(seq "${VS_REPS:-2}"); do
-            for side in base new; do
-                force=""
-                [ $side = new ] && force=$v
-                # shellcheck disable=SC2086 # $opts: options
-                MOE_FORCE_VARIANT=$force timeout 120 $B/moe-bench --preset "$p" $opts \
-                    --tokens "$toks" --seconds "${VS_SECONDS:-0.1}" \
-                    --json "$j/$side.$p.$i.$r.json" >"$j/$side.$p.$i.$r.txt" 2>&1 ||
-                    echo "vs: $side, $p, $opts, ${force:-built-in}: failed ($(tail -1 "$j/$side.$p.$i.$r.txt"))"
-            done
-        done
+        ab_case vs $j "$i" "${VS_REPS:-2}" "${VS_SECONDS:-0.1}" MOE_FORCE_VARIANT "" "$v" "$p" \
+            "$opts" "$toks"
         echo "== case $i: $p $opts: $v (new) against the built-in choice (base)"
     done
-    python3 bench/ab_compare.py $j | tee "$OUT/vs.txt"
-    tar -czf "$OUT/vs.tgz" -C $j .
+    ab_finish $j vs
     ;;
 knob)
     [ -n "${KNOB:-}" ] || { echo "knob: set KNOB=NAME (e.g. MOE_ROUTE_PERMUTE)"; continue; }
@@ -408,21 +422,11 @@ knob)
     IFS=';' read -ra cases <<<"${KNOB_CASES:-qwen3-30b-a3b|--dtype fp8 --scales tensor|1,8,64;qwen3-30b-a3b||1,8,64;mixtral-8x7b|--dtype fp8 --scales tensor|1,8,64}"
     for i in "${!cases[@]}"; do
         IFS='|' read -r p opts toks <<<"${cases[$i]}"
-        for r in $(seq "${KNOB_REPS:-2}"); do
-            for side in base new; do
-                val=${KNOB_BASE:-0}
-                [ $side = new ] && val=${KNOB_NEW:-1}
-                # shellcheck disable=SC2086 # $opts: options
-                env "$KNOB=$val" timeout 120 $B/moe-bench --preset "$p" $opts --tokens "$toks" \
-                    --seconds "${KNOB_SECONDS:-0.1}" --explain \
-                    --json "$j/$side.$p.$i.$r.json" >"$j/$side.$p.$i.$r.txt" 2>&1 ||
-                    echo "knob: $side, $p, $opts, $KNOB=$val: failed ($(tail -1 "$j/$side.$p.$i.$r.txt"))"
-            done
-        done
+        ab_case knob $j "$i" "${KNOB_REPS:-2}" "${KNOB_SECONDS:-0.1}" "$KNOB" "${KNOB_BASE:-0}" \
+            "${KNOB_NEW:-1}" "$p" "$opts" "$toks" --explain
         echo "== case $i: $p $opts: $KNOB=${KNOB_NEW:-1} (new) against ${KNOB_BASE:-0} (base)"
     done
-    python3 bench/ab_compare.py $j | tee "$OUT/knob.txt"
-    tar -czf "$OUT/knob.tgz" -C $j .
+    ab_finish $j knob
     ;;
 gemm-prof)
     command -v ncu >/dev/null || { echo "gemm-prof: no ncu on this machine"; continue; }

@@ -925,13 +925,6 @@ extern "C" moe_status_t moe_route_permute_launch(const moe_route_permute_args_t 
                   (const void *)p->regions.counts, (void *)r->topk_ids, (long long)r->num_tokens,
                   r->params.top_k);
     /* no tokens still launches: the metadata pass writes the empty layout */
-    if (E <= 32)
-        return launch_route_permute<1>(a, smem, s);
-    if (E <= 64)
-        return launch_route_permute<2>(a, smem, s);
-    if (E <= 128)
-        return launch_route_permute<4>(a, smem, s);
-    if (E <= 256)
-        return launch_route_permute<8>(a, smem, s);
-    return launch_route_permute<16>(a, smem, s);
+    return route_with_npl(
+        E, [&](auto npl) { return launch_route_permute<decltype(npl)::value>(a, smem, s); });
 }

@@ -622,13 +622,5 @@ extern "C" moe_status_t moe_route_launch(const moe_route_args_t *a, void *stream
     MOE_CHECK(moe_route_check(a));
     if (a->num_tokens == 0)
         return MOE_STATUS_SUCCESS;
-    if (E <= 32)
-        return launch_topk<1>(a, s);
-    if (E <= 64)
-        return launch_topk<2>(a, s);
-    if (E <= 128)
-        return launch_topk<4>(a, s);
-    if (E <= 256)
-        return launch_topk<8>(a, s);
-    return launch_topk<16>(a, s);
+    return route_with_npl(E, [&](auto npl) { return launch_topk<decltype(npl)::value>(a, s); });
 }

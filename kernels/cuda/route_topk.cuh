@@ -7,6 +7,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <type_traits>
 #include "kernels/route.h"
 
 namespace
@@ -16,6 +17,21 @@ struct route_kparams {
     int num_experts, top_k, scoring, use_bias, n_group, topk_group, renormalize;
     float scaling;
 };
+
+/* f(std::integral_constant<int, NPL>) with NPL the experts per lane E needs (E <= 512): the
+ * one place that picks the top-k instantiation. */
+template <typename F> static inline auto route_with_npl(int E, F f)
+{
+    if (E <= 32)
+        return f(std::integral_constant<int, 1>{});
+    if (E <= 64)
+        return f(std::integral_constant<int, 2>{});
+    if (E <= 128)
+        return f(std::integral_constant<int, 4>{});
+    if (E <= 256)
+        return f(std::integral_constant<int, 8>{});
+    return f(std::integral_constant<int, 16>{});
+}
 
 static inline route_kparams route_kparams_of(const moe_route_params_t *q)
 {

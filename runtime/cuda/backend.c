@@ -18,7 +18,6 @@
 #include "kernels/expert_gemm_simple.h"
 #include "kernels/expert_gemm_table.h"
 #include "kernels/gpu.h"
-#include "kernels/permute.h"
 #include "kernels/prepare.h"
 #include "kernels/route.h"
 #include "runtime/cuda/ep.h"
@@ -517,9 +516,8 @@ static void cuda_explain(const moe_layer_t *l, int64_t T, char *text, size_t len
                               s->world > 1 && !s->shared_local ? (double)Tr * s->world : (double)Tr,
                               shared, sizeof(shared));
     moe_cuda_ep_explain(s, ep, sizeof(ep));
-    /* step.c, route_permutes (a caller's given routing still takes the three launches) */
-    const int one_launch = s->world == 1 && s->route_permute && T <= MOE_ROUTE_PERMUTE_MAX_TOKENS &&
-                           !moe_cuda_use_decode(s, T, NULL);
+    const int one_launch =
+        s->world == 1 && !moe_cuda_use_decode(s, T, NULL) && moe_cuda_route_permutes(s, T, 0);
     snprintf(text, len,
              "cuda backend (sm_%d): %lld tokens, %.3g rows/expert: %srouted GEMMs %s%s%s; %s",
              s->arch, (long long)T, rpe,

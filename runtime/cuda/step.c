@@ -281,7 +281,7 @@ moe_status_t moe_cuda_routed_experts(cuda_layer_t *s, const void *x, moe_dtype_t
     return permuted_experts(s, v, x, x_dtype, T, mb, regions, rows_per_expert, stream);
 }
 
-/* One GPU, a small step (route_permutes): the router logits, then the top-k, the slot
+/* One GPU, a small step (moe_cuda_route_permutes): the router logits, then the top-k, the slot
  * ids and the permute in one launch, then the gather and GEMMs. */
 static moe_status_t route_permuted_experts(moe_layer_t *l, const moe_forward_args_t *a,
                                            int32_t *ids, float *w)
@@ -300,11 +300,9 @@ static moe_status_t route_permuted_experts(moe_layer_t *l, const moe_forward_arg
     return permuted_experts(s, v, a->x, a->dtype, T, mb, NULL, rpe, a->stream);
 }
 
-/* Whether a one-GPU step takes route_permuted_experts. */
-static int route_permutes(const moe_layer_t *l, const moe_forward_args_t *a)
+int moe_cuda_route_permutes(const cuda_layer_t *s, int64_t T, int given_routing)
 {
-    const cuda_layer_t *s = l->state;
-    return s->route_permute && !a->given_topk_ids && a->num_tokens <= MOE_ROUTE_PERMUTE_MAX_TOKENS;
+    return s->route_permute && !given_routing && T <= MOE_ROUTE_PERMUTE_MAX_TOKENS;
 }
 
 moe_status_t moe_cuda_experts_laid_out(cuda_layer_t *s, const moe_gemm_variant_t *v, const void *a,
@@ -491,7 +489,7 @@ moe_status_t moe_cuda_forward_one_gpu(moe_layer_t *l, const moe_forward_args_t *
 
     MOE_CHECK(moe_cuda_record(s, EV_START, a->stream));
     MOE_CHECK(moe_cuda_scan_inputs(l, a, s->sticky));
-    if (route_permutes(l, a)) {
+    if (moe_cuda_route_permutes(s, a->num_tokens, a->given_topk_ids != NULL)) {
         MOE_CHECK(route_permuted_experts(l, a, ids, w));
     } else {
         MOE_CHECK(moe_cuda_route(l, a, ids, w, s->sticky));
