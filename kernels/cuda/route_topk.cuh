@@ -40,25 +40,24 @@ static inline route_kparams route_kparams_of(const moe_route_params_t *q)
     return p;
 }
 
-/* The better of two (value, id) candidates: larger value, then lower id; id < 0 = none. */
-__device__ __forceinline__ void better(float &v, int &id, float v2, int id2)
+/* A float as an unsigned key that orders as the value does, for the warp's max reduction
+ * (redux.sync): +0 and -0 alike, NaN below every number; 0 is no key (no candidate). */
+__device__ __forceinline__ uint32_t order_key(float v)
 {
-    if (id2 < 0)
-        return;
-    if (id < 0 || v2 > v || (v2 == v && id2 < id)) {
-        v = v2;
-        id = id2;
-    }
+    if (v != v)
+        return 1u;
+    const uint32_t u = __float_as_uint(v == 0.0f ? 0.0f : v);
+    return (u >> 31) ? ~u : u | 0x80000000u;
 }
 
-__device__ __forceinline__ void warp_argmax(float &v, int &id)
+/* The warp's best candidate: the lane's key (0: none) and id; the largest key, then the lowest
+ * id, in two redux.sync (every lane gets the id; -1 when no lane has a candidate). */
+__device__ __forceinline__ int warp_best(uint32_t key, int id)
 {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float v2 = __shfl_xor_sync(0xffffffffu, v, o);
-        const int id2 = __shfl_xor_sync(0xffffffffu, id, o);
-        better(v, id, v2, id2);
-    }
+    const uint32_t top = __reduce_max_sync(0xffffffffu, key);
+    const uint32_t mine = top != 0u && key == top ? (uint32_t)id : 0xffffffffu;
+    const uint32_t win = __reduce_min_sync(0xffffffffu, mine);
+    return top == 0u ? -1 : (int)win;
 }
 
 /* NPL experts per lane: expert e = lane + 32 * i lives in register slot i of lane e % 32. One
@@ -139,13 +138,12 @@ route_topk_token(const float *__restrict__ logits, const float *__restrict__ bia
             gid = lane;
         }
         unsigned kept = 0;
+        uint32_t gkey = gid >= 0 ? order_key(gscore) : 0u;
         for (int j = 0; j < p.topk_group; j++) {
-            float v = gscore;
-            int id = gid;
-            warp_argmax(v, id);
+            const int id = warp_best(gkey, gid);
             kept |= 1u << id;
             if (lane == id)
-                gid = -1; /* taken */
+                gkey = 0u; /* taken */
         }
 #pragma unroll
         for (int i = 0; i < NPL; i++) {
@@ -155,6 +153,13 @@ route_topk_token(const float *__restrict__ logits, const float *__restrict__ bia
         }
     }
 
+    /* each round: the lane's best allowed expert (ids grow with i: the first of equal keys is
+     * the lower id), the warp's best of those, and the owner lane clears it and broadcasts its
+     * unbiased score */
+    uint32_t key[NPL];
+#pragma unroll
+    for (int i = 0; i < NPL; i++)
+        key[i] = (allowed >> i) & 1u ? order_key(choice[i]) : 0u;
     int ids[MOE_ROUTE_MAX_TOP_K];
     float w[MOE_ROUTE_MAX_TOP_K];
     float wsum = 0.0f;
@@ -163,20 +168,21 @@ route_topk_token(const float *__restrict__ logits, const float *__restrict__ bia
         ids[j] = -1;
         w[j] = 0.0f;
         if (j < K) {
-            float v = -INFINITY;
-            int id = -1;
+            uint32_t bk = 0u;
+            int bi = 0;
 #pragma unroll
             for (int i = 0; i < NPL; i++)
-                if ((allowed >> i) & 1u)
-                    better(v, id, choice[i], lane + 32 * i);
-            warp_argmax(v, id);
-            /* The owner lane clears the winner and broadcasts its unbiased score. */
+                if (key[i] > bk) {
+                    bk = key[i];
+                    bi = i;
+                }
+            const int id = warp_best(bk, lane + 32 * bi);
             float s = 0.0f;
             if (id >= 0 && (id & 31) == lane) {
 #pragma unroll
                 for (int i = 0; i < NPL; i++)
                     if (lane + 32 * i == id) {
-                        allowed &= ~(1u << i);
+                        key[i] = 0u;
                         s = score[i];
                     }
             }

@@ -513,7 +513,9 @@ static void cuda_explain(const moe_layer_t *l, int64_t T, char *text, size_t len
         moe_cuda_explain_gemm(s, rpe, routed, sizeof(routed));
     if (s->ss > 0)
         moe_cuda_explain_gemm(s,
-                              s->world > 1 && !s->shared_local ? (double)Tr * s->world : (double)Tr,
+                              moe_cuda_use_decode(s, T, NULL)    ? moe_cuda_decode_shared_rows(s)
+                              : s->world > 1 && !s->shared_local ? (double)Tr * s->world
+                                                                 : (double)Tr,
                               shared, sizeof(shared));
     moe_cuda_ep_explain(s, ep, sizeof(ep));
     const int one_launch =

@@ -316,11 +316,10 @@ moe_status_t moe_cuda_experts_laid_out(cuda_layer_t *s, const moe_gemm_variant_t
     return routed_gemms(s, v, a, NULL, MOE_DTYPE_INVALID, max_blocks, rows_per_expert, stream);
 }
 
-/* The shared MLP (this rank's slice) on T tokens of x into s->so. */
-moe_status_t moe_cuda_shared_experts(cuda_layer_t *s, const void *x, moe_dtype_t x_dtype, int64_t T,
-                                     void *stream)
+/* The shared MLP (this rank's slice) on T tokens of x into s->so, with variant v. */
+static moe_status_t shared_mlp(cuda_layer_t *s, const moe_gemm_variant_t *v, const void *x,
+                               moe_dtype_t x_dtype, int64_t T, void *stream)
 {
-    const moe_gemm_variant_t *v = moe_cuda_variant_for(s, (double)T);
     const int br = v->block_rows;
     const int mb = (int)((T + br - 1) / br);
     moe_rows_args_t r = {x, x_dtype, T, s->H, br, mb, s->sa, s->s_block_expert, s->s_num_blocks};
@@ -337,6 +336,12 @@ moe_status_t moe_cuda_shared_experts(cuda_layer_t *s, const void *x, moe_dtype_t
             1};
         return run_mlp_gemms(s, v, &m, s->s_block_expert, s->s_num_blocks, mb, NULL, NULL, stream);
     }
+}
+
+moe_status_t moe_cuda_shared_experts(cuda_layer_t *s, const void *x, moe_dtype_t x_dtype, int64_t T,
+                                     void *stream)
+{
+    return shared_mlp(s, moe_cuda_variant_for(s, (double)T), x, x_dtype, T, stream);
 }
 
 /* sigmoid input of Qwen2's shared-expert gate for this rank's tokens. */
@@ -424,6 +429,15 @@ int moe_cuda_use_decode(const cuda_layer_t *s, int64_t T, const void *x)
            (!x || ((uintptr_t)x & 15) == 0);
 }
 
+/* The rows the fused decode step picks its shared MLP's variant for: its bound, so one variant
+ * runs at every batch it takes (fp8 tiles differ in where they promote the tensor cores' sums,
+ * every 128 or 512 of k, which would make the shared rows, and so a token's output, depend on
+ * the batch). */
+double moe_cuda_decode_shared_rows(const cuda_layer_t *s)
+{
+    return (double)s->dec_max;
+}
+
 /* The fused decode step: route, the shared MLP (grouped path), then one kernel for GEMM 1, the
  * activation, GEMM 2 and the weighted sum with the shared rows. Profiled, the expert phase
  * holds the shared MLP and the sum. */
@@ -439,7 +453,8 @@ static moe_status_t decode_forward(moe_layer_t *l, const moe_forward_args_t *a, 
     MOE_CHECK(moe_cuda_record(s, EV_ROUTE, a->stream));
     MOE_CHECK(moe_cuda_record(s, EV_PERMUTE, a->stream));
     if (s->ss > 0) {
-        MOE_CHECK(moe_cuda_shared_experts(s, a->x, a->dtype, a->num_tokens, a->stream));
+        MOE_CHECK(shared_mlp(s, moe_cuda_variant_for(s, moe_cuda_decode_shared_rows(s)), a->x,
+                             a->dtype, a->num_tokens, a->stream));
         MOE_CHECK(moe_cuda_shared_gate(l, a));
     }
     memset(&d, 0, sizeof(d));
