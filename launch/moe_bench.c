@@ -26,6 +26,7 @@
 #include "tool_check.h"
 #include "moe/moe.h"
 #include "moe/moe_mpi.h"
+#include "moe_commit.h"
 
 /* H200 datasheet figures the score is measured against. */
 #define HBM_BYTES_PER_S 4.8e12
@@ -619,7 +620,8 @@ static void run_point(const bench_t *b, const options_t *o, moe_forward_args_t a
 }
 
 /* The commit the tool was built from: MOE_BENCH_COMMIT in the environment (a build without
- * .git, as on a copied tree), else the configure-time one, else "unknown". */
+ * .git, as on a copied tree), else the one read at build time (moe_commit.h, "-dirty" when the
+ * tree differed from it), else "unknown". */
 static const char *bench_commit(void)
 {
     const char *e = getenv("MOE_BENCH_COMMIT");

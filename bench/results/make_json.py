@@ -24,10 +24,10 @@ def num(c):
     try: return float(c) if '.' in c else int(c)
     except ValueError: return c
 META=[
- dict(topic='layer_step_bf16',date='2026-12-01',commit='32fcdd3',unit='us',command='mpirun -np 1 build-gpu/launch/moe-bench --preset P --dtype bf16 --tokens 1,8,64,512,1024,2048,4096,8192 --seconds 0.1'),
- dict(topic='layer_step_bf16_remeasured',date='2026-12-02',commit='555aca0 / 6bef0eb (per row)',unit='us',command='moe-bench --preset P --tokens ... (three interleaved runs, range)'),
+ dict(topic='layer_step_bf16',date='2026-12-03',commit='5188aae',unit='us (score)',command='moe-bench --preset P --tokens 1,8,64,512,2048,8192 --seconds 0.2 --json FILE (BF16_PEERS=0 bash bench/device_run.sh bf16)'),
+ dict(topic='topk_redux_ab',date='2026-12-03',commit='5188aae against f7d7838',unit='new / base (two interleaved runs)',command='moe-bench --preset P [--dtype fp8 --scales S] --tokens 1,8,64 --seconds 0.1, each tree\'s build in turn'),
  dict(topic='kernels_qwen3_bf16',date='2026-12-01',commit='2626905',unit='us',command='KERNEL_TOKENS="1 8192" bash bench/device_run.sh kernels (Nsight Compute, caches flushed)'),
- dict(topic='layer_step_fp8_tensor_and_block',date='2026-12-03',commit='tensor: the tree of 1bdfffb with the first form of its table (built from 97c0bfb); block: 48571a1',commit_tensor='1bdfffb (first table form; built from 97c0bfb)',commit_block='48571a1',unit='us (score)',command='FP8_PRESETS="mixtral-8x7b qwen3-30b-a3b deepseek-v3-ep8" FP8_SECONDS=0.1 bash bench/device_run.sh fp8 (moe-bench --preset P --dtype fp8 --scales tensor|block --tokens 1,8,64,512,2048,8192 --seconds 0.1)'),
+ dict(topic='layer_step_fp8_tensor_and_block',date='2026-12-03',commit='5188aae',commit_tensor='5188aae',commit_block='5188aae',unit='us (score)',command='FP8_PRESETS="mixtral-8x7b qwen3-30b-a3b deepseek-v3-ep8" FP8_SECONDS=0.1 bash bench/device_run.sh fp8 (moe-bench --preset P --dtype fp8 --scales tensor|block --tokens 1,8,64,512,2048,8192 --seconds 0.1)'),
  dict(topic='fp8_promotion_interval_and_n8_ab',date='2026-12-03',commit='97c0bfb (m192n128_p4: 1bdfffb)',unit='new / base, two runs',command='VS_CASES="P|--dtype fp8 --scales tensor|VARIANT|M,..." VS_REPS=2 bash bench/device_run.sh vs (moe-bench with and without MOE_FORCE_VARIANT)'),
  dict(topic='fp8_swapab_pingpong_ab',date='2026-12-03',commit='82d1616 (its table change aside)',unit='us, two runs each',command='VS_CASES="P|--dtype fp8 --scales S|sm90_fp8_swapab_n16_pp|1,8,64;..." bash bench/device_run.sh vs (moe-bench --preset P --dtype fp8 --scales S --tokens 1,8,64 --seconds 0.1, with and without MOE_FORCE_VARIANT)'),
  dict(topic='fp8_promotion_ab',date='2026-12-02',commit='62c873a -> 75a1636 (one run)',unit='us, before -> after',command='moe-bench --preset P --dtype fp8 --scales tensor|block --tokens 1,8,64,512,2048,8192 --seconds 0.1 --json FILE, each build in turn'),
@@ -42,6 +42,7 @@ META=[
  dict(topic='tuning_bf16_qwen3_dsv3',date='2026-12-01',commit='f7ac806',unit='us / loss',command='mpirun -np 1 moe-tune --preset P --out bench/tune-h200.json --iters 10'),
  dict(topic='tuning_mixtral_bf16_and_fp8',date='2026-12-02',commit='1814ad6',unit='built-in pick, loss',command='mpirun -np 1 moe-tune --preset P [--dtype fp8 --scales tensor] --iters 10'),
  dict(topic='tuning_fp8_p4',date='2026-12-03',commit='97c0bfb with 1bdfffb\'s m192n128_p4 and the first form of its table',unit='fastest variant us; the current built-in pick\'s loss',command='mpirun -np 1 moe-tune --preset P --dtype fp8 --scales tensor --rows 48,64,96,128,160,192,224,256,320 --no-decode --no-transport --iters 10'),
+ dict(topic='tuning_fp8_qwen3_margin',date='2026-12-03',commit='5188aae',unit='fastest variant us; the built-in pick\'s loss; what the file keeps',command='TUNE_PRESETS=qwen3-30b-a3b TUNE_DTYPES=fp8 bash bench/device_run.sh tune (mpirun -np 1 moe-tune --preset qwen3-30b-a3b --dtype fp8 --scales tensor --iters 10)'),
  dict(topic='fused_decode',date='2026-12-02',commit='770e5ce',unit='us (score); TB/s',command='bash bench/decode_run.sh decode bench (moe-bench --preset P [--dtype fp8 --scales tensor] --tokens 1,4,8,16,64 --seconds 0.2, MOE_FUSED_DECODE=0 vs MOE_FORCE_VARIANT=sm90_fused_decode)'),
  dict(topic='fused_decode_k1_split',date='2026-12-03',commit='83979d1',unit='us at M = 1 / 8 / 64',command='PRESETS="qwen3-30b-a3b deepseek-v3-ep8 mixtral-8x7b" VARIANTS="grouped fused fused-k1" TOKENS=1,8,64 SECONDS_PER_POINT=0.1 bash bench/decode_run.sh bench; MOE_DECODE_K1_SPLIT=2|4|8 MOE_FORCE_VARIANT=sm90_fused_decode moe-bench --preset qwen3-30b-a3b [--dtype fp8 --scales tensor] --tokens 1,8 --seconds 0.1'),
  dict(topic='kernels_qwen3_fp8_decode',date='2026-12-03',commit='97c0bfb with 1bdfffb\'s fp8 table',unit='us per kernel (Nsight Compute, no cache flush, clocks free)',command='ncu --cache-control none --clock-control none --metrics gpu__time_duration.sum --launch-skip 60 --launch-count 24 moe-bench --preset qwen3-30b-a3b --dtype fp8 --scales tensor --tokens T --graph-max 0'),
@@ -88,7 +89,7 @@ for f in sorted(glob.glob('bench/results/moe-bench/*.json')):
 # full precision) are kept from the file as it was
 made={r['topic'] for r in out['runs']}
 # (topics whose tables were replaced by newer measurements are dropped, not kept)
-retired={'layer_step_fp8_per_tensor','layer_step_fp8_block'}
+retired={'layer_step_fp8_per_tensor','layer_step_fp8_block','layer_step_bf16_remeasured'}
 try: kept=[r for r in json.load(open('bench/results/h200.json'))['runs'] if r.get('topic') not in made|retired]
 except (OSError,ValueError,KeyError): kept=[]
 out['runs']+=kept
