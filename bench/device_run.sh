@@ -37,11 +37,13 @@
 #                    default 2): $VS_CASES, cases split by ';', each
 #                    "preset|moe-bench options|variant|tokens"; bench/ab_compare.py prints
 #                    forced / built-in per point (new = forced); JSON in $OUT/vs.tgz
-#   knob             an environment knob's values against each other, in turn ($KNOB_REPS
+#   knob             environment knobs' values against each other, in turn ($KNOB_REPS
 #                    times, default 2): KNOB=NAME, KNOB_BASE / KNOB_NEW its two values (default
-#                    0 / 1), $KNOB_CASES split by ';', each "preset|moe-bench options|tokens"
+#                    0 / 1), or KNOBS="NAME=BASE:NEW ..." for several: per case and rep one run
+#                    with every knob at BASE, one with each knob alone at NEW, and one with all
+#                    at NEW; $KNOB_CASES split by ';', each "preset|moe-bench options|tokens"
 #                    (default: Qwen3 fp8 and bf16, Mixtral fp8 at 1,8,64); bench/ab_compare.py
-#                    prints new / base per point; JSON in $OUT/knob.tgz
+#                    prints new / base per point, per knob (and all); JSON in $OUT/knob.tgz
 #   gemm-prof        Nsight Compute on the expert GEMMs of one step (DRAM / SM throughput,
 #                    the top warp stalls): fp8 per-tensor, fp8 block and bf16 at the DeepSeek-V3
 #                    shard M = 64 and Mixtral M = 8, fp8 at Mixtral M = 8192 ($PROF_CASES:
@@ -128,6 +130,17 @@ ab_case() {
                 echo "$mode: $side, $p, $opts, $var=$val: failed ($(tail -1 "$dir/$side.$p.$i.$r.txt"))"
         done
     done
+}
+# One moe-bench run of the knob mode with the given environment (NAME=VALUE ...), JSON and log
+# as DIR/TAG.PRESET.SUFFIX.*. Usage: knob_run DIR TAG PRESET "OPTIONS" TOKENS SUFFIX [ENV...]
+knob_run() {
+    local dir=$1 tag=$2 p=$3 opts=$4 toks=$5 sfx=$6
+    shift 6
+    # shellcheck disable=SC2086 # $opts: options
+    env "$@" timeout 120 $B/moe-bench --preset "$p" $opts --tokens "$toks" \
+        --seconds "${KNOB_SECONDS:-0.1}" --explain --json "$dir/$tag.$p.$sfx.json" \
+        >"$dir/$tag.$p.$sfx.txt" 2>&1 ||
+        echo "knob: $tag, $p, $opts, $*: failed ($(tail -1 "$dir/$tag.$p.$sfx.txt"))"
 }
 # new / base per point of an ab_case directory, kept as $OUT/NAME.txt and NAME.tgz
 ab_finish() {
@@ -415,18 +428,48 @@ vs)
     ab_finish $j vs
     ;;
 knob)
-    [ -n "${KNOB:-}" ] || { echo "knob: set KNOB=NAME (e.g. MOE_ROUTE_PERMUTE)"; continue; }
+    # shellcheck disable=SC2206 # KNOBS: NAME=BASE:NEW specs split on spaces
+    specs=(${KNOBS:-})
+    [ ${#specs[@]} -gt 0 ] || [ -z "${KNOB:-}" ] || specs=("$KNOB=${KNOB_BASE:-0}:${KNOB_NEW:-1}")
+    [ ${#specs[@]} -gt 0 ] ||
+        { echo "knob: set KNOB=NAME (KNOB_BASE / KNOB_NEW) or KNOBS='NAME=BASE:NEW ...'"; continue; }
     j=/tmp/knobjson
     rm -rf $j
     mkdir -p $j
-    IFS=';' read -ra cases <<<"${KNOB_CASES:-qwen3-30b-a3b|--dtype fp8 --scales tensor|1,8,64;qwen3-30b-a3b||1,8,64;mixtral-8x7b|--dtype fp8 --scales tensor|1,8,64}"
-    for i in "${!cases[@]}"; do
-        IFS='|' read -r p opts toks <<<"${cases[$i]}"
-        ab_case knob $j "$i" "${KNOB_REPS:-2}" "${KNOB_SECONDS:-0.1}" "$KNOB" "${KNOB_BASE:-0}" \
-            "${KNOB_NEW:-1}" "$p" "$opts" "$toks" --explain
-        echo "== case $i: $p $opts: $KNOB=${KNOB_NEW:-1} (new) against ${KNOB_BASE:-0} (base)"
+    base_env=() new_env=()
+    for sp in "${specs[@]}"; do
+        v=${sp#*=}
+        base_env+=("${sp%%=*}=${v%%:*}")
+        new_env+=("${sp%%=*}=${v#*:}")
     done
-    ab_finish $j knob
+    IFS=';' read -ra cases <<<"${KNOB_CASES:-qwen3-30b-a3b|--dtype fp8 --scales tensor|1,8,64;qwen3-30b-a3b||1,8,64;mixtral-8x7b|--dtype fp8 --scales tensor|1,8,64}"
+    for r in $(seq "${KNOB_REPS:-2}"); do
+        for i in "${!cases[@]}"; do
+            IFS='|' read -r p opts toks <<<"${cases[$i]}"
+            knob_run $j base "$p" "$opts" "$toks" "$i.$r" "${base_env[@]}"
+            for k in "${!specs[@]}"; do
+                one=("${base_env[@]}")
+                one[k]=${new_env[k]}
+                knob_run $j "k$k" "$p" "$opts" "$toks" "$i.$r" "${one[@]}"
+            done
+            [ ${#specs[@]} -lt 2 ] || knob_run $j all "$p" "$opts" "$toks" "$i.$r" "${new_env[@]}"
+        done
+    done
+    tags=$(for k in "${!specs[@]}"; do echo "k$k"; done)
+    [ ${#specs[@]} -lt 2 ] || tags="$tags all"
+    for tag in $tags; do
+        d=$j/$tag.ab
+        mkdir -p "$d"
+        for f in "$j"/base.*.json; do cp "$f" "$d/"; done
+        for f in "$j/$tag".*.json; do
+            b=${f##*/}
+            cp "$f" "$d/new.${b#"$tag".}"
+        done
+        if [ "$tag" = all ]; then echo "== ${new_env[*]} (new) against ${base_env[*]} (base)"; else
+            echo "== ${new_env[${tag#k}]} (new) against ${base_env[*]} (base)"; fi
+        python3 bench/ab_compare.py "$d"
+    done | tee "$OUT/knob.txt"
+    tar -czf "$OUT/knob.tgz" -C $j .
     ;;
 gemm-prof)
     command -v ncu >/dev/null || { echo "gemm-prof: no ncu on this machine"; continue; }
