@@ -36,14 +36,8 @@ __global__ void slot_ids_kernel(const int32_t *__restrict__ in, int32_t *__restr
     const int64_t i = (int64_t)blockIdx.x * EP_THREADS + threadIdx.x;
     if (i >= n)
         return;
-    const int32_t e = in[i];
-    if (e < 0) {
-        out[i] = -1;
-        return;
-    }
-    out[i] = moe_replica_slot(e, first_token + i / top_k + rank, replica_begin, replica_slot);
-    if (load)
-        atomicAdd(load + e, 1ULL);
+    out[i] =
+        moe_pair_slot(in[i], first_token + i / top_k + rank, replica_begin, replica_slot, load);
 }
 
 __global__ void flag_set_kernel(int32_t *flag, int32_t value, uint32_t *seq,

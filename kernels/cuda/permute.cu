@@ -350,14 +350,8 @@ __global__ void __launch_bounds__(META_THREADS)
                               sl + t * K);
     __syncthreads();
     for (int i = threadIdx.x; i < n; i += META_THREADS) {
-        const int e = sl[i];
-        int out = -1;
-        if (e >= 0) {
-            out = moe_replica_slot(e, sa.first_token + i / K + sa.rank, sa.replica_begin,
-                                   sa.replica_slot);
-            if (sa.load)
-                atomicAdd(sa.load + e, 1ULL);
-        }
+        const int out = moe_pair_slot(sl[i], sa.first_token + i / K + sa.rank, sa.replica_begin,
+                                      sa.replica_slot, sa.load);
         sl[i] = out;
         sa.out[i] = out;
     }
