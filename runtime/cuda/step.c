@@ -284,11 +284,10 @@ moe_status_t moe_cuda_routed_experts(cuda_layer_t *s, const void *x, moe_dtype_t
 /* One GPU, a small step (moe_cuda_route_permutes): the router logits, then the top-k, the slot
  * ids and the permute in one launch, then the gather and GEMMs. */
 static moe_status_t route_permuted_experts(moe_layer_t *l, const moe_forward_args_t *a,
-                                           int32_t *ids, float *w)
+                                           int32_t *ids, float *w, double rpe)
 {
     cuda_layer_t *s = l->state;
     const int64_t T = a->num_tokens;
-    const double rpe = (double)T * s->k / s->E;
     const moe_gemm_variant_t *v = moe_cuda_variant_for(s, rpe);
     moe_route_permute_args_t rp;
     int mb;
@@ -498,6 +497,7 @@ moe_status_t moe_cuda_forward_one_gpu(moe_layer_t *l, const moe_forward_args_t *
     cuda_layer_t *s = l->state;
     int32_t *ids = a->topk_ids ? a->topk_ids : s->ids;
     float *w = a->topk_weights ? a->topk_weights : s->weights;
+    const double rpe = (double)a->num_tokens * s->k / s->E; /* picks the GEMM variant */
 
     if (moe_cuda_use_decode(s, a->num_tokens, a->x))
         return decode_forward(l, a, ids, w);
@@ -505,13 +505,13 @@ moe_status_t moe_cuda_forward_one_gpu(moe_layer_t *l, const moe_forward_args_t *
     MOE_CHECK(moe_cuda_record(s, EV_START, a->stream));
     MOE_CHECK(moe_cuda_scan_inputs(l, a, s->sticky));
     if (moe_cuda_route_permutes(s, a->num_tokens, a->given_topk_ids != NULL)) {
-        MOE_CHECK(route_permuted_experts(l, a, ids, w));
+        MOE_CHECK(route_permuted_experts(l, a, ids, w, rpe));
     } else {
         MOE_CHECK(moe_cuda_route(l, a, ids, w, s->sticky));
         MOE_CHECK(moe_cuda_slot_ids(l, ids, a->num_tokens, 0, s->slot_ids, a->stream));
         MOE_CHECK(moe_cuda_record(s, EV_ROUTE, a->stream));
-        MOE_CHECK(moe_cuda_routed_experts(s, a->x, a->dtype, a->num_tokens, s->slot_ids, NULL,
-                                          (double)a->num_tokens * s->k / s->E, a->stream));
+        MOE_CHECK(moe_cuda_routed_experts(s, a->x, a->dtype, a->num_tokens, s->slot_ids, NULL, rpe,
+                                          a->stream));
     }
     MOE_CHECK(moe_cuda_record(s, EV_EXPERT, a->stream));
     if (s->ss > 0) {
