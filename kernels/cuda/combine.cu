@@ -31,8 +31,15 @@ __device__ __forceinline__ void store1(__nv_bfloat16 *y, float v)
     *y = __float2bfloat16_rn(v);
 }
 
+/* A token's slots handled SLOTS at a time: their rows' ids and weights, then the rows
+ * themselves, loaded as one batch each (two round trips to the L2 for up to SLOTS slots, where
+ * a loop slot by slot, SLOTS = 1, waits for each id, then for its row: at one decode token that
+ * chain is most of the kernel), then added in slot order (the same sums at any SLOTS).
+ * MOE_COMBINE_BATCH=0 takes SLOTS = 1 (default 8; to be decided by an A/B on the H200). */
+constexpr int SLOTS_BATCH = 8;
+
 /* One thread per 8 columns of a token (VEC), or per column. */
-template <typename TY, typename TO, bool VEC>
+template <typename TY, typename TO, bool VEC, int SLOTS>
 __global__ void __launch_bounds__(COMBINE_THREADS)
     combine_kernel(const TO *__restrict__ out, const int32_t *__restrict__ row_of_slot,
                    const float *__restrict__ topk_weights, const __nv_bfloat16 *__restrict__ shared,
@@ -50,20 +57,31 @@ __global__ void __launch_bounds__(COMBINE_THREADS)
 #pragma unroll
     for (int i = 0; i < V; i++)
         acc[i] = 0.0f;
-    for (int j = 0; j < top_k; j++) {
-        const int row = row_of_slot[(size_t)t * top_k + j];
-        if (row < 0)
-            continue;
-        const float w = topk_weights[(size_t)t * top_k + j];
-        const TO *src = out + (size_t)row * hidden + c;
-        float v[V];
-        if (VEC)
-            moe_load8(src, v);
-        else
-            v[0] = load1(src);
+    for (int j0 = 0; j0 < top_k; j0 += SLOTS) {
+        int row[SLOTS];
+        float w[SLOTS], v[SLOTS][V];
 #pragma unroll
-        for (int i = 0; i < V; i++)
-            acc[i] += w * v[i];
+        for (int u = 0; u < SLOTS; u++) {
+            const bool in = j0 + u < top_k;
+            row[u] = in ? row_of_slot[(size_t)t * top_k + j0 + u] : -1;
+            w[u] = in ? topk_weights[(size_t)t * top_k + j0 + u] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < SLOTS; u++) {
+            if (row[u] < 0)
+                continue;
+            const TO *src = out + (size_t)row[u] * hidden + c;
+            if (VEC)
+                moe_load8(src, v[u]);
+            else
+                v[u][0] = load1(src);
+        }
+#pragma unroll
+        for (int u = 0; u < SLOTS; u++)
+            if (row[u] >= 0)
+#pragma unroll
+                for (int i = 0; i < V; i++)
+                    acc[i] += w[u] * v[u][i];
     }
     if (shared) {
         const float g = gate_logit ? 1.0f / (1.0f + expf(-gate_logit[t])) : 1.0f;
@@ -83,7 +101,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS)
         store1(y + (size_t)t * hidden + c, acc[0]);
 }
 
-template <typename TY, typename TO>
+template <typename TY, typename TO, int SLOTS>
 moe_status_t launch(const moe_combine_args_t *a, bool vec, cudaStream_t s)
 {
     const int64_t threads = a->num_tokens * (vec ? a->hidden / 8 : a->hidden);
@@ -91,12 +109,12 @@ moe_status_t launch(const moe_combine_args_t *a, bool vec, cudaStream_t s)
     const TO *out = (const TO *)a->expert_out;
     const __nv_bfloat16 *sh = (const __nv_bfloat16 *)a->shared_out;
     if (vec)
-        MOE_CUDA_CHECK(moe_launch((combine_kernel<TY, TO, true>), dim3(grid), dim3(COMBINE_THREADS),
-                                  0, s, out, a->row_of_slot, a->topk_weights, sh,
-                                  a->shared_gate_logit, (TY *)a->y, (int)a->num_tokens, a->hidden,
-                                  a->top_k));
+        MOE_CUDA_CHECK(moe_launch((combine_kernel<TY, TO, true, SLOTS>), dim3(grid),
+                                  dim3(COMBINE_THREADS), 0, s, out, a->row_of_slot, a->topk_weights,
+                                  sh, a->shared_gate_logit, (TY *)a->y, (int)a->num_tokens,
+                                  a->hidden, a->top_k));
     else
-        MOE_CUDA_CHECK(moe_launch((combine_kernel<TY, TO, false>), dim3(grid),
+        MOE_CUDA_CHECK(moe_launch((combine_kernel<TY, TO, false, SLOTS>), dim3(grid),
                                   dim3(COMBINE_THREADS), 0, s, out, a->row_of_slot, a->topk_weights,
                                   sh, a->shared_gate_logit, (TY *)a->y, (int)a->num_tokens,
                                   a->hidden, a->top_k));
@@ -104,18 +122,29 @@ moe_status_t launch(const moe_combine_args_t *a, bool vec, cudaStream_t s)
     return MOE_STATUS_SUCCESS;
 }
 
+template <typename TY, typename TO>
+moe_status_t launch_slots(const moe_combine_args_t *a, bool vec, cudaStream_t s)
+{
+    static int env = -1;
+    return moe_env_once(&env, "MOE_COMBINE_BATCH", 1) ? launch<TY, TO, SLOTS_BATCH>(a, vec, s)
+                                                      : launch<TY, TO, 1>(a, vec, s);
+}
+
 template <typename TY>
 moe_status_t launch_out(const moe_combine_args_t *a, bool vec, cudaStream_t s)
 {
-    return a->expert_out_f32 ? launch<TY, float>(a, vec, s) : launch<TY, __nv_bfloat16>(a, vec, s);
+    return a->expert_out_f32 ? launch_slots<TY, float>(a, vec, s)
+                             : launch_slots<TY, __nv_bfloat16>(a, vec, s);
 }
 
 } /* namespace */
 
 template <typename TY, typename TO> moe_status_t prepare_combine()
 {
-    MOE_CUDA_PREPARE((combine_kernel<TY, TO, true>));
-    MOE_CUDA_PREPARE((combine_kernel<TY, TO, false>));
+    MOE_CUDA_PREPARE((combine_kernel<TY, TO, true, SLOTS_BATCH>));
+    MOE_CUDA_PREPARE((combine_kernel<TY, TO, false, SLOTS_BATCH>));
+    MOE_CUDA_PREPARE((combine_kernel<TY, TO, true, 1>));
+    MOE_CUDA_PREPARE((combine_kernel<TY, TO, false, 1>));
     return MOE_STATUS_SUCCESS;
 }
 

@@ -410,7 +410,8 @@ static void test_rows(void **state)
     }
 }
 
-/* combine: weighted sum in slot order plus the (gated) shared row, f32 or bf16 y. */
+/* combine: weighted sum in slot order plus the (gated) shared row, f32 or bf16 y; 1..16 slots a
+ * token. */
 static void check_combine(int64_t T, int k, int H, int shared, int gate, moe_dtype_t yt)
 {
     const int64_t rows = T * k + 7;
@@ -488,6 +489,9 @@ static void test_combine(void **state)
         check_combine(T, 8, 256, 0, 0, MOE_DTYPE_F32);
         check_combine(T, 2, 136, 1, 1, MOE_DTYPE_BF16);
         check_combine(T, 4, 33, 1, 0, MOE_DTYPE_F32); /* scalar path */
+        /* past one batch of slots (kernels/cuda/combine.cu: 8), a partial second one */
+        check_combine(T, 11, 64, 1, 1, MOE_DTYPE_BF16);
+        check_combine(T, 16, 40, 0, 0, MOE_DTYPE_F32);
     }
 }
 
