@@ -141,15 +141,20 @@ __device__ __forceinline__ void warp_count(const Slots &ids, int begin, int end,
     }
 }
 
-/* Exclusive prefix over the CTA's warps per expert, in place; tot[e] = the CTA's count. */
+/* Exclusive prefix over the CTA's warps per expert, in place; tot[e] = the CTA's count. The
+ * 32 counts of an expert are loaded before any is overwritten: all in flight at once, not one
+ * dependent shared-memory round trip per warp. */
 __device__ __forceinline__ void warps_prefix(int *wcnt, int *tot, int E)
 {
     for (int e = threadIdx.x; e < E; e += META_THREADS) {
-        int run = 0;
+        int c[META_WARPS], run = 0;
+#pragma unroll
+        for (int v = 0; v < META_WARPS; v++)
+            c[v] = wcnt[v * E + e];
+#pragma unroll
         for (int v = 0; v < META_WARPS; v++) {
-            const int c = wcnt[v * E + e];
             wcnt[v * E + e] = run;
-            run += c;
+            run += c[v];
         }
         tot[e] = run;
     }
