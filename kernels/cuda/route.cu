@@ -295,8 +295,7 @@ __device__ __forceinline__ constexpr int term_w(int xp, int wp, int i)
 template <typename XT, int MT, int NT, int WP>
 __global__ void __launch_bounds__(TC_WARPS * 32)
     logits_tc_kernel(const XT *__restrict__ x, const uint16_t *__restrict__ w3,
-                     float *__restrict__ logits, int num_tokens, int num_rows, int hidden,
-                     int prefetch)
+                     float *__restrict__ logits, int num_tokens, int num_rows, int hidden)
 {
     moe_pdl_wait();
     constexpr int XP = x_planes<XT>::n, TERMS = n_terms(XP, WP);
@@ -304,7 +303,12 @@ __global__ void __launch_bounds__(TC_WARPS * 32)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int t0 = blockIdx.x * MT * 16, r0 = blockIdx.y * NT * 8;
     const size_t plane = (size_t)num_rows * hidden;
-    if (prefetch) /* the warp's whole share of the weights asked of the L2 at once (below) */
+    /* The small tiles (MT x NT <= 2: decode steps): the warp's whole share of the
+     * weights asked of the L2 first, so the k loop's loads, two chunks in flight at a time, wait
+     * for the L2 rather than one DRAM round trip per pair of chunks (hidden / 1024 of them: 7
+     * for DeepSeek-V3). The same values and sums; measured in bench/RESULTS.md, "Fused decode
+     * (one kernel), one H200". */
+    if (MT * NT <= 2)
         for (int k0 = warp * TC_KC; k0 < hidden; k0 += TC_WARPS * TC_KC) {
             const int k = k0 + 16 * c;
 #pragma unroll
@@ -392,24 +396,13 @@ __global__ void __launch_bounds__(TC_WARPS * 32)
     }
 }
 
-/* MOE_LOGITS_PREFETCH=1 (default 0; to be decided by an A/B on the H200): the small tiles (MT x
- * NT <= 2, decode steps) first ask the L2 for every weight their warps will load, so the k loop's
- * loads, two chunks in flight at a time, wait for the L2 rather than one DRAM round trip per
- * pair of chunks (hidden / 1024 of them: 7 for DeepSeek-V3). The same values and sums. */
-static int logits_prefetch()
-{
-    static int env = -1;
-    return moe_env_once(&env, "MOE_LOGITS_PREFETCH", 0);
-}
-
 template <typename XT, int MT, int NT, int WP>
 cudaError_t launch_tc(const moe_route_logits_args_t *a, cudaStream_t s)
 {
     const int nt = (int)a->num_tokens;
     dim3 grid((nt + MT * 16 - 1) / (MT * 16), (a->num_rows + NT * 8 - 1) / (NT * 8));
     return moe_launch((logits_tc_kernel<XT, MT, NT, WP>), grid, dim3(TC_WARPS * 32), 0, s,
-                      (const XT *)a->x, a->w_split, a->logits, nt, a->num_rows, a->hidden,
-                      MT * NT <= 2 && logits_prefetch() ? 1 : 0);
+                      (const XT *)a->x, a->w_split, a->logits, nt, a->num_rows, a->hidden);
 }
 
 /* The largest tile that still gives a wave of blocks (more rows and tokens per block: less L2
