@@ -174,9 +174,9 @@ struct sm90_cfg {
     /* PING (normal bf16 with TOK = 64, or swap-AB): two consumer warpgroups take alternate
      * items, so one's epilogue runs while the other's wgmmas do */
     static constexpr int NWG = PING ? 2 : SWAP ? 1 : TOK / 64;
-    /* normal bf16 layout: the epilogue writes bf16 rows through shared memory and TMA stores
-     * (TS_BYTES per consumer warpgroup: 64 rows x 128 output columns, two 64-column boxes) */
-    static constexpr bool TS = !SWAP && !F8 && (WR == 128 || WR == 64);
+    /* normal layout: the epilogue writes bf16 rows through shared memory and TMA stores
+     * (TS_BYTES per consumer warpgroup: 64 rows x WR output columns, 64-column boxes) */
+    static constexpr bool TS = !SWAP && (WR == 128 || WR == 64);
     static constexpr int TS_BYTES = 64 * WR * 2;
     static constexpr int THREADS = (NWG + 1) * 128;
     static constexpr int WN = SWAP ? TOK : WR; /* wgmma N */
@@ -224,6 +224,15 @@ static __device__ __forceinline__ void sm90_item(int t, int nb, int n_tiles, int
     int gsize = min(group, nb - g * group);
     *jt = rem / gsize;
     *b = g * group + rem % gsize;
+}
+
+/* A read-only global load that stays where it is written (asm volatile: not moved across the
+ * kernel's other asm statements, where __ldg may be hoisted into a loop and hold registers). */
+__device__ __forceinline__ float ldg_at(const float *ptr)
+{
+    float v;
+    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(ptr));
+    return v;
 }
 
 /* FP8 (F8 = 1): e4m3 A and B, f32 accumulation; the epilogue multiplies each output by the
@@ -410,6 +419,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
      * without it. */
     constexpr bool PRO = F8 == 1 || F8 == 2; /* promotion (F8 = 3: the tensor cores sum all k) */
     constexpr bool PRI = F8 == 4;            /* promotion every F8_PI slices */
+    constexpr bool ERS = !SWAP && f8_row_scales(F8); /* per-row scales in the epilogue, below */
     float part[f8_promoted(F8) ? C::NACC : 1][f8_promoted(F8) ? C::ACC : 1];
     using acc_t = float(&)[C::NACC][C::ACC];
     const int kbn = (p.k + 127) / 128; /* 128-wide k slices (block scales) */
@@ -524,6 +534,53 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 continue;
             }
         }
+        /* FP8 per-row scales, normal layout: each accumulator is multiplied by its A row's and
+         * weight row's scale once the main loop is done (acc *= (s_a x s_b), then the epilogue
+         * as bf16's). A thread's 2 A rows and the weight rows of its output columns (column
+         * 8 g + 2 (lane % 4) + u of set h's WR: fb[h][g][u]) are loaded before the main loop
+         * where the registers allow (two consumer warpgroups, 32 scales a thread: the loop hides
+         * their latency); else (m192's 128 registers a thread, the fast tiles' 64 scales) their
+         * lines are asked into L1 here and read after the loop, four columns at a time. Loaded
+         * per output between the epilogue's stores (which may alias them), each waited in turn:
+         * Nsight Compute had Qwen3's GEMM 2 at M = 8192 stalled on them half its cycles. */
+        constexpr int NG = ERS ? C::ACC / 4 : 1;
+        constexpr bool EARLY = C::NWG <= 2 && NG <= 8;
+        const int64_t frow = row0 + wg * 64 + 16 * warp + (lane >> 2); /* rows frow, frow + 8 */
+        auto fcol = [&](int h, int g, int u) {
+            const int wc = 8 * g + 2 * (lane & 3) + u;
+            return EPI == MOE_GEMM_EPI_STORE ? jt * HALVES * WR + h * WR + wc : jt * WR + wc;
+        };
+        auto fptr = [&](int h,
+                        int col) { /* the weight row of output column col, set h */
+                                   return p.b_scale + (int64_t)e * p.n +
+                                          (EPI == MOE_GEMM_EPI_STORE ? col : h * (p.n / 2) + col);
+        };
+        float fa[2] = {1.0f, 1.0f}, fb[EARLY ? C::NACC : 1][EARLY ? NG : 1][2];
+        if (ERS && EARLY) {
+            fa[0] = ldg_at(p.a_scale + frow);
+            fa[1] = ldg_at(p.a_scale + frow + 8);
+#pragma unroll
+            for (int h = 0; h < C::NACC; h++)
+#pragma unroll
+                for (int g = 0; g < NG; g++)
+#pragma unroll
+                    for (int u = 0; u < 2; u++) {
+                        const int col = fcol(h, g, u);
+                        fb[h][g][u] = col < p.n_out ? ldg_at(fptr(h, col)) : 0.0f;
+                    }
+        } else if (ERS) {
+            /* 32 scales a 128-byte line: the set's WR columns, the warpgroup's 64 rows */
+            constexpr int LINES = WR / 32;
+            if (tid < C::NACC * LINES) {
+                const int h = tid / LINES,
+                          col = (EPI == MOE_GEMM_EPI_STORE ? jt * HALVES * WR + h * WR : jt * WR) +
+                                32 * (tid % LINES);
+                if (col < p.n_out)
+                    asm volatile("prefetch.global.L1 [%0];" ::"l"(fptr(h, col)));
+            } else if (tid >= 64 && tid < 66)
+                asm volatile(
+                    "prefetch.global.L1 [%0];" ::"l"(p.a_scale + row0 + wg * 64 + 32 * (tid - 64)));
+        }
         int s_prev = -1;
         for (int kt = 0; kt < kt_count; kt += KB) {
             mbar_wait(&full[s], ph);
@@ -594,6 +651,29 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 reg_fence(acc[h][i]);
         if (s_prev >= 0 && lane == 0)
             mbar_arrive(&empty[s_prev]);
+        if (ERS) {
+            if (!EARLY) {
+                fa[0] = ldg_at(p.a_scale + frow);
+                fa[1] = ldg_at(p.a_scale + frow + 8);
+            }
+#pragma unroll
+            for (int h = 0; h < C::NACC; h++)
+#pragma unroll
+                for (int g = 0; g < NG; g++) {
+                    float b[2];
+#pragma unroll
+                    for (int u = 0; u < 2; u++) {
+                        const int col = fcol(h, g, u);
+                        b[u] = EARLY           ? fb[EARLY ? h : 0][EARLY ? g : 0][u]
+                               : col < p.n_out ? ldg_at(fptr(h, col))
+                                               : 0.0f;
+                    }
+#pragma unroll
+                    for (int v = 0; v < 4;
+                         v++) /* element 4 g + v: row 8 (v / 2), column u = v % 2 */
+                        acc[h][4 * g + v] *= fa[v >> 1] * b[v & 1];
+                }
+        }
 
         /* Epilogue. Accumulator i of a thread: wgmma row 16*warp + lane/4 + 8*((i%4)/2),
          * column 8*(i/4) + 2*(lane%4) + i%2. (row0: the item's first A row, above.) */
@@ -688,31 +768,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
             for (int i = 0; i < C::ACC; i += 2) {
                 const int q = (i & 3) >> 1;
                 const int wc = 8 * (i >> 2) + 2 * (lane & 3);
-                if (f8_row_scales(F8)) { /* F8 = 2: the block scales are in acc already */
-                    if (EPI == MOE_GEMM_EPI_STORE) {
-#pragma unroll
-                        for (int h = 0; h < HALVES; h++) {
-                            const int col = jt * HALVES * WR + h * WR + wc;
-                            if (col >= p.n_out)
-                                continue;
-                            moe_gemm_put2(p, row + 8 * q, col,
-                                          acc[h][i] * sm90_f8_scale(p, row + 8 * q, e, col) * sc[q],
-                                          acc[h][i + 1] *
-                                              sm90_f8_scale(p, row + 8 * q, e, col + 1) * sc[q]);
-                        }
-                    } else {
-                        const int col = jt * WR + wc, up = p.n / 2 + col;
-                        if (col >= p.n_out)
-                            continue;
-                        const float g0 = acc[0][i] * sm90_f8_scale(p, row + 8 * q, e, col);
-                        const float g1 = acc[0][i + 1] * sm90_f8_scale(p, row + 8 * q, e, col + 1);
-                        const float u0 = acc[C::NACC - 1][i] * sm90_f8_scale(p, row + 8 * q, e, up);
-                        const float u1 =
-                            acc[C::NACC - 1][i + 1] * sm90_f8_scale(p, row + 8 * q, e, up + 1);
-                        moe_gemm_put2(p, row + 8 * q, col, moe_gemm_act_mul<EPI>(g0, u0) * sc[q],
-                                      moe_gemm_act_mul<EPI>(g1, u1) * sc[q]);
-                    }
-                } else if (EPI == MOE_GEMM_EPI_STORE) {
+                if (EPI == MOE_GEMM_EPI_STORE) {
 #pragma unroll
                     for (int h = 0; h < HALVES; h++)
                         moe_gemm_put2(p, row + 8 * q, jt * HALVES * WR + h * WR + wc,
