@@ -94,6 +94,12 @@ source .device/env.sh
 export LIBRARY_PATH=/opt/dep/usr/lib/x86_64-linux-gnu:${LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+# the commit moe-bench --json records: the carried tree's, as bench/device_commit.sh wrote it
+# here before the call (this machine's copy of .git may be another checkout's)
+if [ -s .device/commit ]; then
+    MOE_BENCH_COMMIT=$(cat .device/commit)
+    export MOE_BENCH_COMMIT
+fi
 modes=${*:-tests}
 nvidia-smi -L
 ngpu=$(nvidia-smi -L | wc -l)

@@ -34,12 +34,16 @@ __device__ __forceinline__ void store1(__nv_bfloat16 *y, float v)
 /* A token's slots handled SLOTS at a time: their rows' ids and weights, then the rows
  * themselves, loaded as one batch each (two round trips to the L2 for up to SLOTS slots, where
  * a loop slot by slot waits for each id, then for its row: at one decode token that chain is
- * most of the kernel), then added in slot order (the same sums as slot by slot). Measured
- * against slot by slot: bench/RESULTS.md, "Fused decode (one kernel), one H200". */
-constexpr int SLOTS = 8;
+ * most of the kernel), then added in slot order (the same sums at any SLOTS). Steps of up to
+ * BATCH_TOKENS tokens take SLOTS_BATCH (1-2 % off Qwen3's steps at 1-64 tokens); larger ones
+ * slot by slot: there the batch's registers cost more than the chain (the combine of a
+ * DeepSeek-V3 shard step of 8192 tokens 275 -> 575 µs). bench/RESULTS.md, "Fused decode (one
+ * kernel), one H200". */
+constexpr int SLOTS_BATCH = 8;
+constexpr int64_t BATCH_TOKENS = 64;
 
 /* One thread per 8 columns of a token (VEC), or per column. */
-template <typename TY, typename TO, bool VEC>
+template <typename TY, typename TO, bool VEC, int SLOTS>
 __global__ void __launch_bounds__(COMBINE_THREADS)
     combine_kernel(const TO *__restrict__ out, const int32_t *__restrict__ row_of_slot,
                    const float *__restrict__ topk_weights, const __nv_bfloat16 *__restrict__ shared,
@@ -101,7 +105,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS)
         store1(y + (size_t)t * hidden + c, acc[0]);
 }
 
-template <typename TY, typename TO>
+template <typename TY, typename TO, int SLOTS>
 moe_status_t launch(const moe_combine_args_t *a, bool vec, cudaStream_t s)
 {
     const int64_t threads = a->num_tokens * (vec ? a->hidden / 8 : a->hidden);
@@ -109,12 +113,12 @@ moe_status_t launch(const moe_combine_args_t *a, bool vec, cudaStream_t s)
     const TO *out = (const TO *)a->expert_out;
     const __nv_bfloat16 *sh = (const __nv_bfloat16 *)a->shared_out;
     if (vec)
-        MOE_CUDA_CHECK(moe_launch((combine_kernel<TY, TO, true>), dim3(grid), dim3(COMBINE_THREADS),
-                                  0, s, out, a->row_of_slot, a->topk_weights, sh,
-                                  a->shared_gate_logit, (TY *)a->y, (int)a->num_tokens, a->hidden,
-                                  a->top_k));
+        MOE_CUDA_CHECK(moe_launch((combine_kernel<TY, TO, true, SLOTS>), dim3(grid),
+                                  dim3(COMBINE_THREADS), 0, s, out, a->row_of_slot, a->topk_weights,
+                                  sh, a->shared_gate_logit, (TY *)a->y, (int)a->num_tokens,
+                                  a->hidden, a->top_k));
     else
-        MOE_CUDA_CHECK(moe_launch((combine_kernel<TY, TO, false>), dim3(grid),
+        MOE_CUDA_CHECK(moe_launch((combine_kernel<TY, TO, false, SLOTS>), dim3(grid),
                                   dim3(COMBINE_THREADS), 0, s, out, a->row_of_slot, a->topk_weights,
                                   sh, a->shared_gate_logit, (TY *)a->y, (int)a->num_tokens,
                                   a->hidden, a->top_k));
@@ -122,18 +126,28 @@ moe_status_t launch(const moe_combine_args_t *a, bool vec, cudaStream_t s)
     return MOE_STATUS_SUCCESS;
 }
 
+template <typename TY, typename TO>
+moe_status_t launch_slots(const moe_combine_args_t *a, bool vec, cudaStream_t s)
+{
+    return a->num_tokens <= BATCH_TOKENS ? launch<TY, TO, SLOTS_BATCH>(a, vec, s)
+                                         : launch<TY, TO, 1>(a, vec, s);
+}
+
 template <typename TY>
 moe_status_t launch_out(const moe_combine_args_t *a, bool vec, cudaStream_t s)
 {
-    return a->expert_out_f32 ? launch<TY, float>(a, vec, s) : launch<TY, __nv_bfloat16>(a, vec, s);
+    return a->expert_out_f32 ? launch_slots<TY, float>(a, vec, s)
+                             : launch_slots<TY, __nv_bfloat16>(a, vec, s);
 }
 
 } /* namespace */
 
 template <typename TY, typename TO> moe_status_t prepare_combine()
 {
-    MOE_CUDA_PREPARE((combine_kernel<TY, TO, true>));
-    MOE_CUDA_PREPARE((combine_kernel<TY, TO, false>));
+    MOE_CUDA_PREPARE((combine_kernel<TY, TO, true, SLOTS_BATCH>));
+    MOE_CUDA_PREPARE((combine_kernel<TY, TO, false, SLOTS_BATCH>));
+    MOE_CUDA_PREPARE((combine_kernel<TY, TO, true, 1>));
+    MOE_CUDA_PREPARE((combine_kernel<TY, TO, false, 1>));
     return MOE_STATUS_SUCCESS;
 }
 

@@ -839,8 +839,8 @@ static int pdl_enabled(void)
     return moe_env_once(&cached, "MOE_GEMM_PDL", 1) != 0;
 }
 
-/* MOE_GEMM_TMA_STORE=0 makes the normal-layout bf16 epilogue store from registers instead of
- * through shared memory and TMA. */
+/* MOE_GEMM_TMA_STORE=0 makes the normal-layout epilogue (bf16 and fp8) store from registers
+ * instead of through shared memory and TMA. */
 static int tma_store_enabled(void)
 {
     static int cached = -1;

@@ -303,12 +303,13 @@ __global__ void __launch_bounds__(TC_WARPS * 32)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
     const int t0 = blockIdx.x * MT * 16, r0 = blockIdx.y * NT * 8;
     const size_t plane = (size_t)num_rows * hidden;
-    /* The small tiles (MT x NT <= 2: decode steps): the warp's whole share of the
-     * weights asked of the L2 first, so the k loop's loads, two chunks in flight at a time, wait
-     * for the L2 rather than one DRAM round trip per pair of chunks (hidden / 1024 of them: 7
-     * for DeepSeek-V3). The same values and sums; measured in bench/RESULTS.md, "Fused decode
-     * (one kernel), one H200". */
-    if (MT * NT <= 2)
+    /* The small tiles (MT x NT <= 2) of a step with one token tile (decode: up to 16 tokens,
+     * few CTAs): the warp's whole share of the weights asked of the L2 first, so the k loop's
+     * loads, two chunks in flight at a time, wait for the L2 rather than one DRAM round trip per
+     * pair of chunks (hidden / 1024 of them: 7 for DeepSeek-V3). With more token tiles every
+     * one would ask for the same weights, and other CTAs hide the chain. The same values and
+     * sums; measured in bench/RESULTS.md, "Fused decode (one kernel), one H200". */
+    if (MT * NT <= 2 && gridDim.x == 1)
         for (int k0 = warp * TC_KC; k0 < hidden; k0 += TC_WARPS * TC_KC) {
             const int k = k0 + 16 * c;
 #pragma unroll

@@ -489,7 +489,8 @@ static void test_combine(void **state)
         check_combine(T, 8, 256, 0, 0, MOE_DTYPE_F32);
         check_combine(T, 2, 136, 1, 1, MOE_DTYPE_BF16);
         check_combine(T, 4, 33, 1, 0, MOE_DTYPE_F32); /* scalar path */
-        /* past one batch of slots (kernels/cuda/combine.cu: 8), a partial second one */
+        /* past one batch of slots (kernels/cuda/combine.cu: 8 at up to 64 tokens, one at a time
+         * above), a partial second one */
         check_combine(T, 11, 64, 1, 1, MOE_DTYPE_BF16);
         check_combine(T, 16, 40, 0, 0, MOE_DTYPE_F32);
     }
