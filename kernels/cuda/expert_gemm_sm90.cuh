@@ -226,8 +226,9 @@ static __device__ __forceinline__ void sm90_item(int t, int nb, int n_tiles, int
     *b = g * group + rem % gsize;
 }
 
-/* A read-only global load that stays where it is written (asm volatile: not moved across the
- * kernel's other asm statements, where __ldg may be hoisted into a loop and hold registers). */
+/* A read-only global load kept in the order written among the kernel's asm statements (asm
+ * volatile): the scale loads stay where their loop puts them (before the main loop, or after
+ * it, a pair of columns at a time). */
 __device__ __forceinline__ float ldg_at(const float *ptr)
 {
     float v;
@@ -540,7 +541,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
          * 8 g + 2 (lane % 4) + u of set h's WR: fb[h][g][u]) are loaded before the main loop
          * where the registers allow (two consumer warpgroups, 32 scales a thread: the loop hides
          * their latency); else (m192's 128 registers a thread, the fast tiles' 64 scales) their
-         * lines are asked into L1 here and read after the loop, four columns at a time. Loaded
+         * lines are asked into L1 here and read after the loop, two columns at a time. Loaded
          * per output between the epilogue's stores (which may alias them), each waited in turn:
          * Nsight Compute had Qwen3's GEMM 2 at M = 8192 stalled on them half its cycles. */
         constexpr int NG = ERS ? C::ACC / 4 : 1;
@@ -550,10 +551,10 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
             const int wc = 8 * g + 2 * (lane & 3) + u;
             return EPI == MOE_GEMM_EPI_STORE ? jt * HALVES * WR + h * WR + wc : jt * WR + wc;
         };
-        auto fptr = [&](int h,
-                        int col) { /* the weight row of output column col, set h */
-                                   return p.b_scale + (int64_t)e * p.n +
-                                          (EPI == MOE_GEMM_EPI_STORE ? col : h * (p.n / 2) + col);
+        /* the weight row of output column col, set h */
+        auto fptr = [&](int h, int col) {
+            return p.b_scale + (int64_t)e * p.n +
+                   (EPI == MOE_GEMM_EPI_STORE ? col : h * (p.n / 2) + col);
         };
         float fa[2] = {1.0f, 1.0f}, fb[EARLY ? C::NACC : 1][EARLY ? NG : 1][2];
         if (ERS && EARLY) {
@@ -668,9 +669,9 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                                : col < p.n_out ? ldg_at(fptr(h, col))
                                                : 0.0f;
                     }
+                    /* element 4 g + v: row 8 (v / 2), column u = v % 2 */
 #pragma unroll
-                    for (int v = 0; v < 4;
-                         v++) /* element 4 g + v: row 8 (v / 2), column u = v % 2 */
+                    for (int v = 0; v < 4; v++)
                         acc[h][4 * g + v] *= fa[v >> 1] * b[v & 1];
                 }
         }
