@@ -24,7 +24,8 @@ struct moe_gemm_kparams {
     const float *b_scale; /* FP8: [num_experts][n] per weight row (block: [..][ceil(k/128)]) */
     int tma_store;        /* sm_90a normal layout: bf16 c through shared memory and TMA */
     const int32_t *expert_counts, *expert_offsets; /* optional: see moe_gemm_args_t */
-    int group; /* sm_90a: row blocks swept together over the weight tiles (0: by the step) */
+    int group;     /* sm_90a: row blocks swept together over the weight tiles (0: by the step) */
+    int swap_fold; /* sm_90a swap-AB, per-row fp8 scales: multiplied in after the main loop */
 };
 
 /* The fields every variant takes straight from the launch arguments (n_out and n_tiles are
@@ -45,6 +46,7 @@ static inline moe_gemm_kparams moe_gemm_base_params(const moe_gemm_args_t *a)
     p.n_tiles = 0;
     p.tma_store = 0;
     p.group = 0;
+    p.swap_fold = 0;
     p.expert_counts = a->expert_counts; /* both or neither: moe_gemm_check_common */
     p.expert_offsets = a->expert_offsets;
     p.a_scale = a->a_scale;

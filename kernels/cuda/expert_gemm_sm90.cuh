@@ -421,6 +421,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
     constexpr bool PRO = F8 == 1 || F8 == 2; /* promotion (F8 = 3: the tensor cores sum all k) */
     constexpr bool PRI = F8 == 4;            /* promotion every F8_PI slices */
     constexpr bool ERS = !SWAP && f8_row_scales(F8); /* per-row scales in the epilogue, below */
+    constexpr bool SRS = SWAP && f8_row_scales(F8);  /* the same for swap-AB, p.swap_fold */
     float part[f8_promoted(F8) ? C::NACC : 1][f8_promoted(F8) ? C::ACC : 1];
     using acc_t = float(&)[C::NACC][C::ACC];
     const int kbn = (p.k + 127) / 128; /* 128-wide k slices (block scales) */
@@ -582,6 +583,32 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 asm volatile(
                     "prefetch.global.L1 [%0];" ::"l"(p.a_scale + row0 + wg * 64 + 32 * (tid - 64)));
         }
+        /* Swap-AB, per-row scales (p.swap_fold): a thread's accumulators lie on 2 weight rows a
+         * wgmma (sb[j][q]: row 64 j + 16 warp + lane / 4 + 8 q of the tile) and TOK / 4 tokens
+         * (sa[g][u]: token 8 g + 2 (lane % 4) + u), their scales loaded here and multiplied in
+         * after the main loop, so the epilogue's loop over the staged outputs loads none
+         * between its stores. */
+        constexpr int SG = SRS ? TOK / 8 : 1;
+        float sa[SG][2], sb[SRS ? C::WM : 1][2];
+        const bool sfold = SRS && p.swap_fold;
+        if (sfold) {
+#pragma unroll
+            for (int g = 0; g < SG; g++)
+#pragma unroll
+                for (int u = 0; u < 2; u++)
+                    sa[g][u] = ldg_at(p.a_scale + row0 + 8 * g + 2 * (lane & 3) + u);
+            constexpr int OC = 64 * C::WM / HALVES; /* output columns of the item */
+#pragma unroll
+            for (int j = 0; j < (SRS ? C::WM : 1); j++)
+#pragma unroll
+                for (int q = 0; q < 2; q++) {
+                    const int r = 64 * j + 16 * warp + (lane >> 2) + 8 * q; /* staging row */
+                    const int half = r / OC, col = jt * OC + r % OC;
+                    sb[j][q] = col < p.n_out
+                                   ? ldg_at(p.b_scale + (int64_t)e * p.n + half * (p.n / 2) + col)
+                                   : 0.0f;
+                }
+        }
         int s_prev = -1;
         for (int kt = 0; kt < kt_count; kt += KB) {
             mbar_wait(&full[s], ph);
@@ -652,6 +679,13 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 reg_fence(acc[h][i]);
         if (s_prev >= 0 && lane == 0)
             mbar_arrive(&empty[s_prev]);
+        if (sfold) {
+#pragma unroll
+            for (int j = 0; j < (SRS ? C::WM : 1); j++)
+#pragma unroll
+                for (int i = 0; i < C::ACC; i++) /* row 8 ((i % 4) / 2), token 8 (i / 4) + i % 2 */
+                    acc[j][i] *= sa[i >> 2][i & 1] * sb[j][(i & 3) >> 1];
+        }
         if (ERS) {
             if (!EARLY) {
                 fa[0] = ldg_at(p.a_scale + frow);
@@ -700,11 +734,11 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 float v = se[oc * C::EPI_LD + tk];
                 if (F8 && col >= p.n_out)
                     continue;
-                if (f8_row_scales(F8))
+                if (f8_row_scales(F8) && !sfold)
                     v *= sm90_f8_scale(p, row0 + tk, e, col);
                 if (EPI != MOE_GEMM_EPI_STORE) {
                     float u = se[(OC + oc) * C::EPI_LD + tk];
-                    if (f8_row_scales(F8))
+                    if (f8_row_scales(F8) && !sfold)
                         u *= sm90_f8_scale(p, row0 + tk, e, p.n / 2 + col);
                     v = moe_gemm_act_mul<EPI>(v, u);
                 }
@@ -848,6 +882,14 @@ static int tma_store_enabled(void)
     return moe_env_once(&cached, "MOE_GEMM_TMA_STORE", 1) != 0;
 }
 
+/* MOE_GEMM_SWAP_FOLD=0 makes the swap-AB fp8 tiles (per-row scales) load each output's two
+ * scales in the epilogue instead of multiplying them in after the main loop (an A/B knob). */
+static int swap_fold_enabled(void)
+{
+    static int cached = -1;
+    return moe_env_once(&cached, "MOE_GEMM_SWAP_FOLD", 1) != 0;
+}
+
 /* MOE_GEMM_GROUP=N sweeps N row blocks at a time over the weight tiles; 0 or unset: the
  * kernel's rule (by blocks per expert). */
 static int sweep_group(void)
@@ -900,6 +942,7 @@ static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, co
     if (a->max_ctas > 0 && grid > a->max_ctas)
         grid = a->max_ctas;
     p.group = sweep_group();
+    p.swap_fold = SWAP && f8_row_scales(F8) && swap_fold_enabled();
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];
     cfg.gridDim = dim3(grid);
