@@ -205,6 +205,7 @@ struct sm90_cfg {
     static constexpr int SMEM =
         STAGES * STAGE_BYTES + EPI_BYTES + SC_BYTES + (2 * STAGES + (PING ? 2 : 0)) * 8 + 1024;
     static_assert(!SWAP || HALVES * WR == 64 || HALVES * WR == 128, "swap-AB: 64 or 128 rows");
+    static_assert(SWAP || HALVES * WR <= 256, "normal: the halves in one wgmma, N <= 256");
     static_assert(TOK_BYTES % 1024 == 0 && W_BYTES % 1024 == 0, "1024 B aligned tiles");
     static_assert(SMEM <= 227 * 1024, "shared memory");
     static_assert(EPI_BYTES % 1024 == 0 || SWAP, "TMA store buffers: 1024 B aligned");
@@ -402,15 +403,19 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                         wgmma_bf16<C::WN>(d[j], da, db);
                 }
             } else {
-#pragma unroll
-                for (int h = 0; h < HALVES; h++) {
-                    const uint64_t da = sw128_desc(stk + wgi * 64 * ROW_BYTES + kk * 32);
-                    const uint64_t db = sw128_desc(sw + h * WR * ROW_BYTES + kk * 32);
-                    if (F8)
-                        wgmma_fp8<C::WN>(d[h], da, db, !(fresh && kk == 0));
-                    else
-                        wgmma_bf16<C::WN>(d[h], da, db);
-                }
+                /* The halves' weight rows lie one after the other in the stage (two TMA boxes
+                 * of WR rows, 128 B a row), so one wgmma of N = HALVES x WR reads them both: its
+                 * accumulator i < ACC is half 0's element i, i >= ACC half 1's element i - ACC
+                 * (column 8 (i / 4) + ...: the second half's columns start at WR), the layout
+                 * of d[HALVES][ACC]. One m64n128k32 (fp8) or m64n256k16 (bf16) instead of two
+                 * of half the N: half the wgmma issues and descriptors a slice, and the fp8
+                 * tiles' 32-cycle m64n64k32 become 64-cycle ones. */
+                const uint64_t da = sw128_desc(stk + wgi * 64 * ROW_BYTES + kk * 32);
+                const uint64_t db = sw128_desc(sw + kk * 32);
+                if (F8)
+                    wgmma_fp8<HALVES * WR>(&d[0][0], da, db, !(fresh && kk == 0));
+                else
+                    wgmma_bf16<HALVES * WR>(&d[0][0], da, db);
             }
         }
     };
