@@ -22,7 +22,6 @@ static const struct knob {
     {"MOE_GEMM_PDL", 0, 1},
     {"MOE_GEMM_TMA_STORE", 0, 1},
     {"MOE_GEMM_SWAP_FOLD", 0, 1},
-    {"MOE_GEMM_QUANT", 0, 1},
     {"MOE_SCATTER_ROWS", 0, 1},
     {"MOE_GEMM_SKIP_PAD", 0, 1},
     {"MOE_FUSED_DECODE", 0, 1},

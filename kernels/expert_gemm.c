@@ -16,9 +16,3 @@ moe_status_t moe_gemm_check_shape(const char *what, int n, int k, moe_gemm_epilo
                          n, mul ? "/2" : "", MOE_GEMM_ALIGN);
     return MOE_STATUS_SUCCESS;
 }
-
-int moe_gemm_quantises_c(const moe_gemm_variant_t *v, int n_out)
-{
-    return v && v->min_arch == 90 && v->swap_ab && v->ab_dtype == MOE_DTYPE_FP8_E4M3 && n_out > 0 &&
-           n_out % MOE_GEMM_ALIGN == 0 && n_out <= MOE_GEMM_QUANT_MAX_COLS;
-}

@@ -45,23 +45,7 @@ typedef struct moe_gemm_args {
      * one per SM). The EP micro-batches cap it so that the other micro-batch's waiting kernels
      * (one CTA each, spinning on a peer) can never keep a GEMM CTA from an SM. */
     int max_ctas;
-    /* optional (moe_gemm_quantises_c: the sm_90a fp8 swap-AB variants, *_MUL epilogues, bf16 c
-     * with n_out = n/2 <= MOE_GEMM_QUANT_MAX_COLS, a multiple of 8): c's rows also quantised to
-     * e4m3 with dynamic scales, as moe_quant_rows_launch would from c (the same bits: GEMM 2's
-     * input without a pass of its own). The CTA that finishes a row block's last item quantises
-     * the block's rows (q_done[b] counts its items; it starts and is left 0: device
-     * [max_blocks] int32, zeroed once, one array per stream that may run the GEMM at once).
-     * q_group: 0 one scale per row (q_scale [rows]), 128 one per 1 x 128 group (q_scale
-     * [rows][ceil(n_out / 128)]). NULL q: not quantised. */
-    uint8_t *q;
-    float *q_scale;
-    int32_t *q_done;
-    int q_group;
 } moe_gemm_args_t;
-
-/* Rows longer than this are not quantised in GEMM 1 (one warp holds a row: 8 values a lane, 8
- * times); moe_quant_rows_launch does them. */
-#define MOE_GEMM_QUANT_MAX_COLS 2048
 
 typedef struct moe_gemm_variant {
     const char *name; /* "sm90_wgmma_tma_m128n128", "sm90_swapab_n16", "sm80_mma_m64n128" */
@@ -84,10 +68,6 @@ typedef struct moe_gemm_variant {
  * (k % 8, TMA's stride unit), n % 8 and, for the gate|up epilogues, n/2 % 8. Tails past a tile
  * are handled inside the kernels (zero fill along k, masked stores along n). */
 #define MOE_GEMM_ALIGN 8
-
-/* 1 if v fills moe_gemm_args_t.q (the sm_90a fp8 swap-AB variants) for a *_MUL epilogue whose
- * n_out = n/2 is at most MOE_GEMM_QUANT_MAX_COLS (and bf16 c); else 0. */
-int moe_gemm_quantises_c(const moe_gemm_variant_t *v, int n_out);
 
 /* MOE_STATUS_SUCCESS if (n, k, epilogue) is in every variant's coverage, else
  * MOE_STATUS_NOT_SUPPORTED with a message naming `what` and the dimension. */

@@ -23,24 +23,10 @@ struct moe_gemm_kparams {
     const float *a_scale; /* FP8: [rows] per A row (block: [rows][ceil(k/128)]) */
     const float *b_scale; /* FP8: [num_experts][n] per weight row (block: [..][ceil(k/128)]) */
     int tma_store;        /* sm_90a normal layout: bf16 c through shared memory and TMA */
-    /* optional, the normal layout's: see moe_gemm_args_t; the sm_90a fp8 swap-AB tiles, which
-     * never read the counts, carry c's e4m3 copy and its scales there instead (moe_gemm_args_t.q,
-     * *_MUL; NULL: not quantised). Shared, not added: with 16 more bytes of parameters (past
-     * 128) ptxas spilled 20-110 more bytes in the m192 and fast fp8 tiles. */
-    union {
-        const int32_t *expert_counts;
-        uint8_t *q;
-    };
-    union {
-        const int32_t *expert_offsets;
-        float *q_scale;
-    };
-    int group;       /* sm_90a: row blocks swept together over the weight tiles (0: by the step) */
-    int swap_fold;   /* sm_90a swap-AB, per-row fp8 scales: multiplied in after the main loop */
-    int q_group;     /* with q: 0 one scale per row, 128 per 1 x 128 group */
-    int32_t *q_done; /* with q: the row blocks' item counters */
+    const int32_t *expert_counts, *expert_offsets; /* optional: see moe_gemm_args_t */
+    int group;     /* sm_90a: row blocks swept together over the weight tiles (0: by the step) */
+    int swap_fold; /* sm_90a swap-AB, per-row fp8 scales: multiplied in after the main loop */
 };
-static_assert(sizeof(moe_gemm_kparams) <= 128, "kernel parameters past 128 bytes: see q above");
 
 /* The fields every variant takes straight from the launch arguments (n_out and n_tiles are
  * the variant's to set). */
@@ -61,8 +47,6 @@ static inline moe_gemm_kparams moe_gemm_base_params(const moe_gemm_args_t *a)
     p.tma_store = 0;
     p.group = 0;
     p.swap_fold = 0;
-    p.q_done = NULL; /* the variants that quantise c set q, q_scale (for the counts), these */
-    p.q_group = 0;
     p.expert_counts = a->expert_counts; /* both or neither: moe_gemm_check_common */
     p.expert_offsets = a->expert_offsets;
     p.a_scale = a->a_scale;
@@ -128,28 +112,10 @@ __device__ __forceinline__ void moe_gemm_put2(const moe_gemm_kparams &p, int64_t
  * variants (e4m3 A and B, k a multiple of 16 for TMA's 16-byte rows), 1: per-row scales of
  * both, 2: 1 x 128 groups of A and 128 x 128 blocks of B, expanded per weight row. */
 static inline moe_status_t moe_gemm_check_common(const moe_gemm_args_t *a, const char *name,
-                                                 int f8 = 0, bool quantises = false)
+                                                 int f8 = 0)
 {
     if (!a)
         return moe_error(MOE_STATUS_INVALID_ARGUMENT, "%s: args is NULL", name);
-    if (a->q && !quantises)
-        return moe_error(MOE_STATUS_NOT_SUPPORTED,
-                         "%s: q set, but this variant does not quantise c (moe_gemm_quantises_c)",
-                         name);
-    if (a->q) {
-        const int n_out = a->n / 2;
-        if (a->epilogue == MOE_GEMM_EPI_STORE || a->c_f32 || n_out > MOE_GEMM_QUANT_MAX_COLS ||
-            n_out % MOE_GEMM_ALIGN)
-            return moe_error(MOE_STATUS_NOT_SUPPORTED,
-                             "%s: c quantised only for a *_MUL epilogue, bf16 c and n/2 a multiple "
-                             "of %d up to %d (epilogue %d, c_f32 %d, n/2 = %d)",
-                             name, MOE_GEMM_ALIGN, MOE_GEMM_QUANT_MAX_COLS, (int)a->epilogue,
-                             a->c_f32, n_out);
-        MOE_ARG_CHECK(a->q_scale && a->q_done && (a->q_group == 0 || a->q_group == 128),
-                      "%s: q needs q_scale (%p) and q_done (%p), q_group 0 or 128 (%d)", name,
-                      (const void *)a->q_scale, (const void *)a->q_done, a->q_group);
-        MOE_ARG_CHECK((uintptr_t)a->q % 16 == 0, "%s: q must be 16-byte aligned", name);
-    }
     if (!f8 && (a->ab_dtype != MOE_DTYPE_BF16 || a->scale_kind != MOE_SCALE_NONE))
         return moe_error(MOE_STATUS_NOT_SUPPORTED,
                          "%s: ab_dtype %d, scale_kind %d (this variant: bf16, no scales)", name,

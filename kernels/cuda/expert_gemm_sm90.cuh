@@ -15,7 +15,6 @@
 
 #include "kernels/cuda/expert_gemm_common.cuh"
 #include "kernels/cuda/expert_gemm_launch.h"
-#include "kernels/cuda/fp8_act.cuh"
 
 /* ---- device primitives -------------------------------------------------------------------- */
 
@@ -246,76 +245,6 @@ __device__ __forceinline__ float sm90_f8_scale(const moe_gemm_kparams &p, int64_
     return __ldg(p.a_scale + row) * __ldg(p.b_scale + (int64_t)e * p.n + wrow);
 }
 
-/* One consumer warpgroup (thread tid of 128) quantises rows [row0, row0 + rows) of c (bf16,
- * n_out columns: a multiple of 8, at most MOE_GEMM_QUANT_MAX_COLS) into p.q and p.q_scale as
- * moe_quant_rows_launch does from c (quant.cu: the same values in, the same arithmetic, so the
- * same bits): a warp a row, its values held in registers (8 a lane, up to 8 times), read from
- * L2 (`ld.global.cg`: other CTAs wrote most of them). p.q_group = 128: one scale per 1 x 128
- * group (16 lanes' vectors), else one per row. */
-__device__ __forceinline__ void sm90_quant_rows(const moe_gemm_kparams &p, int64_t row0, int rows,
-                                                int tid)
-{
-    constexpr int VPT = MOE_GEMM_QUANT_MAX_COLS / 256; /* 8-wide vectors a lane holds */
-    const int warp = tid / 32, lane = tid % 32, nvec = p.n_out / 8;
-    const int ng = (p.n_out + 127) / 128;
-    for (int r = warp; r < rows; r += 4) {
-        const int64_t row = row0 + r;
-        const __nv_bfloat16 *x = (const __nv_bfloat16 *)p.c + row * p.n_out;
-        uint8_t *q = p.q + row * p.n_out;
-        float v[VPT][8], m = 0.0f, mg[VPT];
-#pragma unroll
-        for (int i = 0; i < VPT; i++) {
-            const int vi = lane + 32 * i;
-            mg[i] = 0.0f;
-            if (vi < nvec) {
-                const uint4 u = __ldcg(reinterpret_cast<const uint4 *>(x + vi * 8));
-                const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const float2 f = __bfloat1622float2(h[j]);
-                    v[i][2 * j] = f.x;
-                    v[i][2 * j + 1] = f.y;
-                }
-#pragma unroll
-                for (int j = 0; j < 8; j++) /* fmaxf drops NaN: a NaN value stays NaN below */
-                    mg[i] = fmaxf(mg[i], fabsf(v[i][j]));
-            }
-            m = fmaxf(m, mg[i]);
-        }
-        if (p.q_group) {
-            /* vector vi's group: vi / 16, the 16 lanes of its half-warp in round i */
-#pragma unroll
-            for (int i = 0; i < VPT; i++) {
-                if (32 * i >= nvec)
-                    break; /* warp-uniform */
-#pragma unroll
-                for (int o = 8; o > 0; o >>= 1)
-                    mg[i] = fmaxf(mg[i], __shfl_xor_sync(0xffffffffu, mg[i], o));
-                const float sg = moe_fp8_act_scale(mg[i]);
-                const int vi = lane + 32 * i;
-                if (vi < nvec) {
-                    if (vi % 16 == 0)
-                        p.q_scale[row * ng + vi / 16] = sg;
-                    moe_store_e4m3x8(q + vi * 8, v[i], sg);
-                }
-            }
-        } else {
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1)
-                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-            const float sr = moe_fp8_act_scale(m);
-            if (lane == 0)
-                p.q_scale[row] = sr;
-#pragma unroll
-            for (int i = 0; i < VPT; i++) {
-                const int vi = lane + 32 * i;
-                if (vi < nvec)
-                    moe_store_e4m3x8(q + vi * 8, v[i], sr);
-            }
-        }
-    }
-}
-
 template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB, int F8, int PING>
 __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8, PING>::THREADS, 1)
     moe_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tm_tok,
@@ -498,7 +427,6 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
     constexpr bool PRI = F8 == 4;            /* promotion every F8_PI slices */
     constexpr bool ERS = !SWAP && f8_row_scales(F8); /* per-row scales in the epilogue, below */
     constexpr bool SRS = SWAP && f8_row_scales(F8);  /* the same for swap-AB, p.swap_fold */
-    constexpr bool QC = SWAP && F8 && EPI != MOE_GEMM_EPI_STORE; /* c quantised too: p.q */
     float part[f8_promoted(F8) ? C::NACC : 1][f8_promoted(F8) ? C::ACC : 1];
     using acc_t = float(&)[C::NACC][C::ACC];
     const int kbn = (p.k + 127) / 128; /* 128-wide k slices (block scales) */
@@ -821,25 +749,6 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 }
                 moe_gemm_put1(p, row0 + tk, col, v * sscale[tk]);
             }
-            if (QC && p.q) {
-                /* GEMM 2's input too: the warpgroup that stores a row block's last item quantises
-                 * the block's rows (c as written; q_done[b] counts the block's items and is left
-                 * 0). Each thread's stores are fenced before the count, as the permute's
-                 * last_chunk does; the last one fences again before it reads. */
-                __threadfence();
-                named_bar_sync(2 + wg, 128); /* every store of c, and every read of sscale */
-                if (tid == 0) {
-                    const bool last = atomicAdd(p.q_done + b, 1) == p.n_tiles - 1;
-                    if (last)
-                        p.q_done[b] = 0;
-                    sscale[0] = last ? 1.0f : 0.0f;
-                }
-                named_bar_sync(2 + wg, 128);
-                if (sscale[0] != 0.0f) {
-                    __threadfence();
-                    sm90_quant_rows(p, row0, TOK, tid);
-                }
-            }
         } else if (C::TS && p.tma_store) {
             /* bf16 rows through shared memory: each consumer warpgroup writes its 64 rows x 128
              * columns (a slice of STORE's 256, or *_MUL's 128 outputs) into two [64 x 64] boxes
@@ -1039,13 +948,6 @@ static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, co
         grid = a->max_ctas;
     p.group = sweep_group();
     p.swap_fold = SWAP && f8_row_scales(F8) && swap_fold_enabled();
-    if (SWAP) { /* q and q_scale share the counts' words (moe_gemm_kparams), unused here */
-        const bool qc = F8 && EPI != MOE_GEMM_EPI_STORE && a->q; /* moe_gemm_check_common */
-        p.q = qc ? a->q : NULL;
-        p.q_scale = qc ? a->q_scale : NULL;
-        p.q_done = qc ? a->q_done : NULL;
-        p.q_group = qc ? a->q_group : 0;
-    }
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];
     cfg.gridDim = dim3(grid);
@@ -1113,8 +1015,7 @@ static moe_status_t launch_swap(const moe_gemm_args_t *a, void *stream, const ch
     if ((int64_t)a->max_blocks * TOK >= ((int64_t)1 << 31))
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: max_blocks = %d too large", name,
                          a->max_blocks);
-    /* the fp8 tiles may quantise c (GEMM 1's h) for GEMM 2: moe_gemm_quantises_c */
-    MOE_CHECK(moe_gemm_check_common(a, name, f8_row_scales(F8) ? 1 : F8, F8 != 0));
+    MOE_CHECK(moe_gemm_check_common(a, name, f8_row_scales(F8) ? 1 : F8));
     cudaStream_t s = (cudaStream_t)stream;
     switch (a->epilogue) {
     case MOE_GEMM_EPI_STORE:

@@ -4,13 +4,35 @@
 #include "kernels/quant.h"
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include "kernels/cuda/cuda_check.h"
-#include "kernels/cuda/fp8_act.cuh"
 #include "kernels/cuda/vec8.cuh"
+#include "base/numeric.h"
 #include "kernels/prepare.h"
 
 namespace
 {
+
+// As moe_fp8_dynamic_scale: amax floored at MOE_FP8_ACT_AMAX_MIN, over 448.
+__device__ __forceinline__ float dynamic_scale(float amax)
+{
+    return __fdiv_rn(amax > MOE_FP8_ACT_AMAX_MIN ? amax : MOE_FP8_ACT_AMAX_MIN, MOE_FP8_E4M3_MAX);
+}
+
+// q[0..8) = e4m3(v[i] / s), rounded to nearest even and saturated (NaN stays NaN): 8 bytes.
+__device__ __forceinline__ void store_e4m3x8(uint8_t *q, const float *v, float s)
+{
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const uint32_t b = __nv_cvt_float_to_fp8(__fdiv_rn(v[i], s), __NV_SATFINITE, __NV_E4M3);
+        if (i < 4)
+            lo |= b << (8 * i);
+        else
+            hi |= b << (8 * (i - 4));
+    }
+    *reinterpret_cast<uint2 *>(q) = make_uint2(lo, hi);
+}
 
 // One CTA per row. Rows of up to Q_HELD_MIN_COLS values: 128 threads looping over the row
 // twice (max, then convert). Longer rows (HELD): the CTA sized to the row, Q_VPT 8-wide vectors
@@ -75,11 +97,11 @@ __global__ void __launch_bounds__(HELD ? Q_MAX_THREADS : Q_MIN_THREADS)
 #pragma unroll
             for (int o = 8; o > 0; o >>= 1) /* within the 16 lanes of the group */
                 m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-            const float sg = moe_fp8_act_scale(m);
+            const float sg = dynamic_scale(m);
             if (v < nvec) {
                 if (v % 16 == 0)
                     a.scale[row * ng + v / 16] = sg;
-                moe_store_e4m3x8(q + (int64_t)v * 8, vals, sg);
+                store_e4m3x8(q + (int64_t)v * 8, vals, sg);
             }
         }
         return;
@@ -131,7 +153,7 @@ __global__ void __launch_bounds__(HELD ? Q_MAX_THREADS : Q_MIN_THREADS)
         if (threadIdx.x == 0) {
             for (int w = 1; w < nt / 32; w++)
                 m = fmaxf(m, warp_max[w]);
-            row_scale = moe_fp8_act_scale(m);
+            row_scale = dynamic_scale(m);
         }
     }
     __syncthreads();
@@ -144,7 +166,7 @@ __global__ void __launch_bounds__(HELD ? Q_MAX_THREADS : Q_MIN_THREADS)
         for (int i = 0; i < VPT; i++) {
             const int v = threadIdx.x + i * nt;
             if (v < nvec)
-                moe_store_e4m3x8(q + (int64_t)v * 8, vals[i], s);
+                store_e4m3x8(q + (int64_t)v * 8, vals[i], s);
         }
         return;
     }
@@ -152,7 +174,7 @@ __global__ void __launch_bounds__(HELD ? Q_MAX_THREADS : Q_MIN_THREADS)
     for (int c = threadIdx.x * 8; c < a.cols; c += nt * 8) {
         float v[8];
         load_row8(x, c, round, v);
-        moe_store_e4m3x8(q + c, v, s);
+        store_e4m3x8(q + c, v, s);
     }
 }
 

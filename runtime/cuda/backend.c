@@ -83,7 +83,6 @@ static void cuda_fini(moe_layer_t *l)
     for (i = 0; i < EV_COUNT; i++)
         moe_gpu_event_destroy(s->ev[i]);
     moe_gpu_free(s->wmem);
-    moe_gpu_free(s->q_done);
     moe_gpu_host_free(s->sticky);
     moe_cuda_ep_fini(s);
     moe_oracle_free(&s->oracle);
@@ -238,8 +237,6 @@ static void init_shape(moe_layer_t *l, cuda_layer_t *s)
     /* off until measured on a GPU (docs/KERNELS.md, "Integration notes") */
     s->route_permute = moe_env_int("MOE_ROUTE_PERMUTE", 0) != 0;
     s->skip_pad = l->knobs.v[MOE_KNOB_GEMM_SKIP_PAD] != 0;
-    /* the same bits either way (a rank-local choice): docs/KERNELS.md, "FP8 W8A8 (sm_90a)" */
-    s->gemm_quant = moe_env_int("MOE_GEMM_QUANT", 1) != 0;
     s->cap = l->cfg.max_tokens_per_rank;
     /* EP: the buffers hold one round (runtime/ep_rounds.h) */
     s->tm = s->world > 1 ? moe_ep_round_tokens(s->cap, s->world, l->cfg.ep_round_tokens) : s->cap;
@@ -379,11 +376,6 @@ static moe_status_t cuda_init(moe_layer_t *l)
     c.off = 0;
     plan_workspace(s, &c);
     s->ws_bytes = c.off; /* one lane's; micro-batches take a second one after it */
-    if (s->f8) {         /* caps known now (plan_workspace); two lanes' */
-        const size_t qd = sizeof(int32_t) * 2 * (size_t)(s->max_blocks + s->s_max_blocks);
-        MOE_CHECK_GOTO(moe_gpu_malloc((void **)&s->q_done, qd), st, fail);
-        MOE_CHECK_GOTO(moe_gpu_memset(s->q_done, 0, qd), st, fail);
-    }
     l->workspace_bytes = c.off * (size_t)(s->lanes > 1 ? s->lanes : 1);
     MOE_CHECK_GOTO(reserve_workspace(l->rt, l->workspace_bytes), st, fail);
     bind_workspace(l, s);

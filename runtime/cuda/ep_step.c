@@ -163,8 +163,8 @@ static moe_status_t run_round(moe_layer_t *l, cuda_layer_t *v, const moe_forward
 }
 
 /* Lane 1's view of the layer (micro-batches): lane 0's state on the workspace's second half,
- * with lane 1's IPC arrays, control words, sequence number, dispatch scratch, permute counter
- * and GEMM 1 counters, no profile and no side stream. */
+ * with lane 1's IPC arrays, control words, sequence number, dispatch scratch and permute
+ * counter, no profile and no side stream. */
 static void lane_view(const moe_layer_t *l, const cuda_layer_t *s, cuda_layer_t *t)
 {
     carve_t c = {NULL, 0};
@@ -179,8 +179,6 @@ static void lane_view(const moe_layer_t *l, const cuda_layer_t *s, cuda_layer_t 
     t->a2a_chain = s->a2a_chain + MOE_A2A_MAX_CTAS * MOE_A2A_MAX_WORLD;
     t->a2a_done = s->a2a_done + 2;
     t->perm_done = s->perm_done + 1;
-    if (s->q_done)
-        t->q_done = s->q_done + s->max_blocks + s->s_max_blocks;
     moe_cuda_ep_sym_layout(t, s->sym_end);
 }
 

@@ -82,11 +82,7 @@ typedef struct cuda_layer {
     int32_t *slot_of_row;               /* [max_rows] */
     int32_t *perm_scratch;              /* the multi-CTA permute's [chunks][E] */
     int64_t perm_scratch_count;
-    int32_t *perm_done; /* persistent [2], a lane's each: its counter, 0 */
-    /* W8A8: GEMM 1's row-block counters where it quantises h itself (moe_gemm_args_t.q_done):
-     * persistent, zeroed at create and left zeroed by each GEMM; a lane's each, the routed
-     * experts' [max_blocks] then the shared MLP's [s_max_blocks] */
-    int32_t *q_done;
+    int32_t *perm_done;           /* persistent [2], a lane's each: its counter, 0 */
     void *a, *h, *o;              /* bf16 [max_rows][H], [max_rows][is], [max_rows][H] */
     void *sa, *sh, *so;           /* bf16 [s_rows][H], [s_rows][ss], [s_rows][H] */
     uint8_t *a8, *h8, *sa8, *sh8; /* W8A8: e4m3 copies of a, h, sa, sh */
@@ -103,7 +99,6 @@ typedef struct cuda_layer {
     int deterministic;
     int scatter_rows; /* MOE_SCATTER_ROWS (default 1): GEMM 1's rows by scatter, not gather */
     int skip_pad; /* MOE_GEMM_SKIP_PAD (default 1): GEMMs get the expert counts (few rows/expert) */
-    int gemm_quant;      /* MOE_GEMM_QUANT (default 1): W8A8, GEMM 1 quantises h where it can */
     int route_permute;   /* MOE_ROUTE_PERMUTE=1 (default 0): one GPU, at most
                             MOE_ROUTE_PERMUTE_MAX_TOKENS tokens: top-k, slot ids and permute in one
                             launch */

@@ -37,7 +37,6 @@ typedef struct mlp_io {
     const float *in13, *in2;
     int64_t inter;
     int num_experts;
-    int32_t *q_done; /* W8A8: GEMM 1's row-block counters (layer.h), where it quantises h */
 } mlp_io_t;
 
 static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_t *v,
@@ -80,21 +79,7 @@ static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_
         g.scale_kind = f8_scale_kind(s);
     }
     g.max_ctas = s->gemm_max_ctas;
-    /* W8A8 without static scales for h: GEMM 1 quantises h for GEMM 2 where its variant can
-     * (the fp8 swap-AB tiles, rows up to MOE_GEMM_QUANT_MAX_COLS), no pass of its own; the same
-     * bits as moe_quant_rows_launch's */
-    const int fused_quant =
-        s->f8 && !m->in2 && m->q_done && s->gemm_quant && moe_gemm_quantises_c(v, (int)m->inter);
-    if (fused_quant) {
-        g.q = m->h8;
-        g.q_scale = m->hs;
-        g.q_done = m->q_done;
-        g.q_group = s->f8 == 2 ? 128 : 0;
-    }
     MOE_CHECK(v->launch(&g, stream));
-    g.q = NULL; /* GEMM 2 writes o only */
-    g.q_scale = NULL;
-    g.q_done = NULL;
     g.a = m->h;
     g.b = m->w2;
     g.c = m->o;
@@ -106,8 +91,7 @@ static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_
             m->h,   MOE_DTYPE_BF16, rows,  num_blocks, v->block_rows,        (int)m->inter,
             m->in2, block_expert,   m->h8, m->hs,      s->f8 == 2 ? 128 : 0, NULL,
             0};
-        if (!fused_quant)
-            MOE_CHECK(moe_quant_rows_launch(&q, stream));
+        MOE_CHECK(moe_quant_rows_launch(&q, stream));
         g.a = m->h8;
         g.a_scale = m->hs;
         g.b_scale = m->w2s;
@@ -213,8 +197,8 @@ static moe_status_t routed_gemms(cuda_layer_t *s, const moe_gemm_variant_t *v, c
 {
     const float *in13 = s->has_in[0] ? s->in13 : NULL, *in2 = s->has_in[1] ? s->in2 : NULL;
     mlp_io_t m = {
-        a,      NULL,  MOE_DTYPE_INVALID, NULL,   0,    s->h, s->o,  s->a8, s->h8,    s->as, s->hs,
-        s->w13, s->w2, s->w13s,           s->w2s, in13, in2,  s->is, s->E,  s->q_done};
+        a,      NULL,  MOE_DTYPE_INVALID, NULL,   0,    s->h, s->o,  s->a8, s->h8, s->as, s->hs,
+        s->w13, s->w2, s->w13s,           s->w2s, in13, in2,  s->is, s->E};
     if (!a) {
         m.x = x;
         m.x_dtype = x_dtype;
@@ -345,26 +329,10 @@ static moe_status_t shared_mlp(cuda_layer_t *s, const moe_gemm_variant_t *v, con
     MOE_CHECK(moe_rows_launch(&r, stream));
     {
         const float *in13 = s->has_in[2] ? s->sin13 : NULL, *in2 = s->has_in[3] ? s->sin2 : NULL;
-        const mlp_io_t m = {s->sa,
-                            NULL,
-                            MOE_DTYPE_INVALID,
-                            NULL,
-                            0,
-                            s->sh,
-                            s->so,
-                            s->sa8,
-                            s->sh8,
-                            s->sas,
-                            s->shs,
-                            s->sw13,
-                            s->sw2,
-                            s->sw13s,
-                            s->sw2s,
-                            in13,
-                            in2,
-                            s->ss,
-                            1,
-                            s->q_done ? s->q_done + s->max_blocks : NULL};
+        const mlp_io_t m = {
+            s->sa,  NULL,   MOE_DTYPE_INVALID, NULL,   0,        s->sh,   s->so, s->sa8, s->sh8,
+            s->sas, s->shs, s->sw13,           s->sw2, s->sw13s, s->sw2s, in13,  in2,    s->ss,
+            1};
         return run_mlp_gemms(s, v, &m, s->s_block_expert, s->s_num_blocks, mb, NULL, NULL, stream);
     }
 }

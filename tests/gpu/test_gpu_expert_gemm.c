@@ -13,7 +13,6 @@
 #include <string.h>
 
 #include "kernels/expert_gemm_table.h"
-#include "kernels/quant.h"
 #include "runtime/oracle.h"
 #include "gpu_skip.h"
 #include "base/diag.h"
@@ -253,88 +252,6 @@ static void free_inputs(inputs_t *in)
 
 static int failures, checks;
 
-/* The fp8 swap-AB tiles that quantise c for GEMM 2 (moe_gemm_quantises_c), SiLU epilogue with
- * row_scale and the permute's counts given (which those tiles must ignore): c's rows of every
- * used block as moe_quant_rows_launch gives them from that c, byte for byte and scale for
- * scale, per row and per 1 x 128 group; two launches in a row with q poisoned between (the
- * counters left 0 by the first), and the counters 0 after. */
-static void check_quantised_c(const moe_gemm_variant_t *v, moe_gemm_args_t args, int br,
-                              int num_blocks, const int *be, int32_t *d_nb)
-{
-    const int n_out = args.n / 2, ng = (n_out + 127) / 128;
-    const size_t prow = (size_t)args.max_blocks * br;
-    for (int grp = 0; grp <= 128; grp += 128) {
-        const size_t ns = prow * (grp ? (size_t)ng : 1);
-        uint8_t *d_q, *d_q2;
-        float *d_qs, *d_qs2;
-        int32_t *d_done;
-        CUDA_OK(cudaMalloc((void **)&d_q, prow * n_out));
-        CUDA_OK(cudaMalloc((void **)&d_q2, prow * n_out));
-        CUDA_OK(cudaMalloc((void **)&d_qs, ns * 4));
-        CUDA_OK(cudaMalloc((void **)&d_qs2, ns * 4));
-        CUDA_OK(cudaMalloc((void **)&d_done, (size_t)args.max_blocks * 4));
-        CUDA_OK(cudaMemset(d_done, 0, (size_t)args.max_blocks * 4));
-        args.epilogue = MOE_GEMM_EPI_SILU_MUL;
-        args.c_f32 = 0;
-        args.q = d_q;
-        args.q_scale = d_qs;
-        args.q_done = d_done;
-        args.q_group = grp;
-        moe_status_t st = MOE_STATUS_SUCCESS;
-        for (int rep = 0; rep < 2 && st == MOE_STATUS_SUCCESS; rep++) {
-            CUDA_OK(cudaMemset(d_q, 0x7f, prow * n_out)); /* e4m3 NaN */
-            CUDA_OK(cudaMemset(d_qs, 0xff, ns * 4));
-            st = v->launch(&args, NULL);
-            CUDA_OK(cudaDeviceSynchronize());
-        }
-        const moe_quant_rows_args_t qa = {args.c, MOE_DTYPE_BF16, (int64_t)prow, d_nb,  br,  n_out,
-                                          NULL,   NULL,           d_q2,          d_qs2, grp, NULL,
-                                          0};
-        CUDA_OK(cudaMemset(d_q2, 0, prow * n_out));
-        moe_status_t st2 = moe_quant_rows_launch(&qa, NULL);
-        CUDA_OK(cudaDeviceSynchronize());
-        uint8_t *q = malloc(prow * n_out), *q2 = malloc(prow * n_out);
-        uint32_t *qs = malloc(ns * 4), *qs2 = malloc(ns * 4);
-        int32_t *done = malloc((size_t)args.max_blocks * 4);
-        CUDA_OK(cudaMemcpy(q, d_q, prow * n_out, cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(q2, d_q2, prow * n_out, cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(qs, d_qs, ns * 4, cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(qs2, d_qs2, ns * 4, cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(done, d_done, (size_t)args.max_blocks * 4, cudaMemcpyDeviceToHost));
-        long bad_q = 0, bad_s = 0, bad_done = 0, rows = 0;
-        for (int b = 0; b < num_blocks; b++) {
-            if (be[b] < 0)
-                continue;
-            for (int r = 0; r < br; r++, rows++) {
-                const size_t row = (size_t)b * br + r;
-                bad_q += memcmp(q + row * n_out, q2 + row * n_out, (size_t)n_out) != 0;
-                const size_t s0 = row * (grp ? (size_t)ng : 1);
-                bad_s += memcmp(qs + s0, qs2 + s0, 4 * (grp ? (size_t)ng : 1)) != 0;
-            }
-        }
-        for (int b = 0; b < args.max_blocks; b++)
-            bad_done += done[b] != 0;
-        const int ok = st == MOE_STATUS_SUCCESS && st2 == MOE_STATUS_SUCCESS && rows > 0 &&
-                       bad_q == 0 && bad_s == 0 && bad_done == 0;
-        checks++;
-        failures += !ok;
-        printf("%-26s n_out %-5d quantised c, %s: rows %ld, rows differing %ld, scales %ld, "
-               "counters left %ld %s%s%s\n",
-               v->name, n_out, grp ? "1x128 groups" : "per row", rows, bad_q, bad_s, bad_done,
-               ok ? "ok" : "FAIL", st ? " " : "", st ? moe_last_error() : "");
-        free(q);
-        free(q2);
-        free(qs);
-        free(qs2);
-        free(done);
-        cudaFree(d_q);
-        cudaFree(d_q2);
-        cudaFree(d_qs);
-        cudaFree(d_qs2);
-        cudaFree(d_done);
-    }
-}
-
 /* Runs one variant on one shape with every epilogue x output dtype x row_scale. */
 static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
 {
@@ -487,27 +404,6 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
                        f32 ? "f32" : "bf16", use_scale ? "scale" : "-", rel, bad_nan, bad_written,
                        ok ? "ok" : "FAIL", st ? " " : "", st ? moe_last_error() : "");
             }
-    if (moe_gemm_quantises_c(v, n / 2)) {
-        moe_gemm_args_t args;
-        memset(&args, 0, sizeof(args));
-        args.a = d_a;
-        args.b = blk ? in->d_b8b : in->d_b8;
-        args.c = d_c;
-        args.a_scale = d_as;
-        args.b_scale = blk ? in->d_bsb : in->d_bs;
-        args.row_scale = d_scale;
-        args.block_expert = d_be;
-        args.num_blocks = d_nb;
-        args.max_blocks = max_blocks;
-        args.num_experts = s->num_experts;
-        args.n = n;
-        args.k = k;
-        args.ab_dtype = v->ab_dtype;
-        args.scale_kind = v->scale_kind;
-        args.expert_counts = d_counts;
-        args.expert_offsets = d_offsets;
-        check_quantised_c(v, args, br, num_blocks, be, d_nb);
-    }
     free(c);
     free(a);
     free(a8);
@@ -570,15 +466,6 @@ static void check_rejects(const moe_gemm_variant_t *v, const inputs_t *in)
         expect(v->launch(&args, NULL) == MOE_STATUS_NOT_SUPPORTED, "fp8 k = 1032 rejected");
         args.k = 128;
     }
-    args.q = (uint8_t *)d; /* STORE: no variant quantises c */
-    args.q_scale = (float *)d;
-    args.q_done = (int32_t *)d;
-    expect(v->launch(&args, NULL) == MOE_STATUS_NOT_SUPPORTED &&
-               strstr(moe_last_error(), "quantis"),
-           "q with the STORE epilogue rejected");
-    args.q = NULL;
-    args.q_scale = NULL;
-    args.q_done = NULL;
     args.expert_counts = (const int32_t *)d; /* without expert_offsets */
     expect(v->launch(&args, NULL) == MOE_STATUS_INVALID_ARGUMENT &&
                strstr(moe_last_error(), "both or neither"),
