@@ -24,7 +24,7 @@ def num(c):
     try: return float(c) if '.' in c else int(c)
     except ValueError: return c
 META=[
- dict(topic='layer_step_bf16',date='2026-12-03',commit='5188aae',unit='us (score)',command='moe-bench --preset P --tokens 1,8,64,512,2048,8192 --seconds 0.2 --json FILE (BF16_PEERS=0 bash bench/device_run.sh bf16)'),
+ dict(topic='layer_step_bf16',date='2026-12-03',commit='8f01feb (its bf16 kernels: 2170197\'s but for the kernel parameters\' layout; its fp8 change reverted by f144a86)',unit='us (score)',command='moe-bench --preset P --tokens 1,8,64,512,2048,8192 --seconds 0.1 --json FILE'),
  dict(topic='topk_redux_ab',date='2026-12-03',commit='5188aae against f7d7838',unit='new / base (two interleaved runs)',command='moe-bench --preset P [--dtype fp8 --scales S] --tokens 1,8,64 --seconds 0.1, each tree\'s build in turn'),
  dict(topic='kernels_qwen3_bf16',date='2026-12-01',commit='2626905',unit='us',command='KERNEL_TOKENS="1 8192" bash bench/device_run.sh kernels (Nsight Compute, caches flushed)'),
  dict(topic='layer_step_fp8_tensor_and_block',date='2026-12-03',commit='2170197',commit_tensor='2170197',commit_block='2170197',unit='us (score)',command='FP8_PRESETS="mixtral-8x7b qwen3-30b-a3b deepseek-v3-ep8" FP8_SECONDS=0.1 bash bench/device_run.sh fp8 (moe-bench --preset P --dtype fp8 --scales tensor|block --tokens 1,8,64,512,2048,8192 --seconds 0.1)'),

@@ -27,6 +27,9 @@ struct moe_gemm_kparams {
     int group;     /* sm_90a: row blocks swept together over the weight tiles (0: by the step) */
     int swap_fold; /* sm_90a swap-AB, per-row fp8 scales: multiplied in after the main loop */
 };
+/* Past 128 bytes of parameters ptxas spilled 20-110 more bytes in the m192 and fast fp8 tiles,
+ * whose code had not changed (two more pointers, 2026-12-03: docs/KERNELS.md, "The variants"). */
+static_assert(sizeof(moe_gemm_kparams) <= 128, "moe_gemm_kparams past 128 bytes");
 
 /* The fields every variant takes straight from the launch arguments (n_out and n_tiles are
  * the variant's to set). */
