@@ -23,7 +23,7 @@
 #                    16, 64 for the three presets, bf16 and fp8, grouped path against the
 #                    kernel forced (bench/decode_run.sh; JSON in $OUT/json.tgz)
 #   bf16             moe-bench bf16 tables with phases (three presets, M = 1 .. 8192), JSON in
-#                    $OUT/<preset>.bf16.json, and the torch peers beside them (BF16_PEERS=0: none)
+#                    $OUT/bf16json.tgz, and the torch peers beside them (BF16_PEERS=0: none)
 #   fp8              moe-bench fp8 tables (three presets, per-tensor and block) + torch peers
 #                    ($FP8_PRESETS set: those presets, no peers); JSON in $OUT/fp8json.tgz
 #   ab               an A/B of this tree against .device/ab-base (bench/ab_base.sh REV writes it
@@ -354,13 +354,17 @@ decode)
         bash bench/decode_run.sh decode bench 2>&1 | grep -E "^== |graph|rc=|PASSED|FAIL"
     ;;
 bf16)
+    # the JSONs as one archive: the device tool brings back only so many files a call
+    j=/tmp/bf16json
+    mkdir -p $j
     for p in $presets; do
         timeout 120 $B/moe-bench --preset "$p" --tokens 1,8,64,512,2048,8192 --seconds 0.2 \
-            --json "$OUT/$p.bf16.json" 2>&1 | quiet | grep -vE "^#  *(limit|time)" | head -20
+            --json "$j/$p.bf16.json" 2>&1 | quiet | grep -vE "^#  *(limit|time)" | head -20
     done
+    tar -czf "$OUT/bf16json.tgz" -C $j .
     # the torch peers beside them (per-expert loop, torch._grouped_mm), as the fp8 mode does
     [ "${BF16_PEERS:-1}" != 0 ] &&
-        timeout 200 python3 bench/torch_peers.py --moe-json "$OUT"/*.bf16.json \
+        timeout 200 python3 bench/torch_peers.py --moe-json $j/*.bf16.json \
             --markdown "$OUT/peers_bf16.md" 2>&1 | grep -v "^#   ("
     ;;
 fp8)
