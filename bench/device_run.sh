@@ -356,6 +356,7 @@ decode)
 bf16)
     # the JSONs as one archive: the device tool brings back only so many files a call
     j=/tmp/bf16json
+    rm -rf $j # a warm machine keeps the last call's files: only this run's go in the archive
     mkdir -p $j
     for p in $presets; do
         timeout 120 $B/moe-bench --preset "$p" --tokens 1,8,64,512,2048,8192 --seconds 0.2 \
@@ -369,6 +370,7 @@ bf16)
     ;;
 fp8)
     j=/tmp/fp8json
+    rm -rf $j # as bf16's: no other call's presets in the archive or the peers' inputs
     mkdir -p $j
     for p in ${FP8_PRESETS:-$presets}; do
         for s in ${FP8_SCALES:-tensor block}; do
