@@ -429,6 +429,88 @@ static void expect(int cond, const char *what)
     }
 }
 
+/* batch_invariant = 1: a row's output does not depend on where it sits in its tile (the fp8
+ * cooperative tiles' warpgroups promote at the same slices then). One expert, 128 rows (and
+ * the last block's padding) made of 64 distinct rows repeated: every row must equal bitwise
+ * the copy in rows 0..63, the other warpgroup's or the other item's. */
+static void check_row_invariant(const moe_gemm_variant_t *v, const inputs_t *in)
+{
+    const shape_t *s = in->s;
+    const int br = v->block_rows, k = s->k, n = s->n;
+    const int f8 = v->ab_dtype == MOE_DTYPE_FP8_E4M3;
+    const int blk = f8 && v->scale_kind == MOE_SCALE_BLOCK_128;
+    const size_t kbn = blk ? ((size_t)k + 127) / 128 : 1;
+    const int nblk = (128 + br - 1) / br;
+    const size_t prow = (size_t)nblk * br, esz = f8 ? 1 : 2;
+    uint8_t *a = malloc(prow * (size_t)k * esz);
+    float *as = malloc(sizeof(float) * prow * kbn), *c = malloc(sizeof(float) * prow * n);
+    int32_t be[64] = {0};
+    for (size_t i = 0; i < 64 * (size_t)k; i++) {
+        const uint8_t q = rnd_e4m3();
+        if (f8)
+            a[i] = q;
+        else
+            ((uint16_t *)a)[i] = f2bf(e4m3_value(q));
+    }
+    for (size_t r = 64; r < prow; r++)
+        memcpy(a + r * k * esz, a + (r % 64) * k * esz, (size_t)k * esz);
+    for (size_t i = 0; i < prow * kbn; i++)
+        as[i] = 1.0f;
+    void *d_a, *d_c;
+    float *d_as;
+    int32_t *d_be, *d_nb;
+    CUDA_OK(cudaMalloc(&d_a, prow * k * esz));
+    CUDA_OK(cudaMemcpy(d_a, a, prow * k * esz, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMalloc((void **)&d_as, sizeof(float) * prow * kbn));
+    CUDA_OK(cudaMemcpy(d_as, as, sizeof(float) * prow * kbn, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMalloc(&d_c, sizeof(float) * prow * n));
+    CUDA_OK(cudaMalloc((void **)&d_be, sizeof(be)));
+    CUDA_OK(cudaMemcpy(d_be, be, sizeof(be), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMalloc((void **)&d_nb, 4));
+    CUDA_OK(cudaMemcpy(d_nb, &nblk, 4, cudaMemcpyHostToDevice));
+    moe_gemm_args_t args;
+    memset(&args, 0, sizeof(args));
+    args.a = d_a;
+    args.b = blk ? in->d_b8b : f8 ? in->d_b8 : in->d_b;
+    args.c = d_c;
+    args.a_scale = f8 ? d_as : NULL;
+    args.b_scale = blk ? in->d_bsb : f8 ? in->d_bs : NULL;
+    args.block_expert = d_be;
+    args.num_blocks = d_nb;
+    args.max_blocks = nblk;
+    args.num_experts = 1;
+    args.n = n;
+    args.k = k;
+    args.epilogue = MOE_GEMM_EPI_STORE;
+    args.c_f32 = 1;
+    args.ab_dtype = v->ab_dtype;
+    args.scale_kind = v->scale_kind;
+    args.batch_invariant = 1;
+    CUDA_OK(cudaMemset(d_c, 0xff, sizeof(float) * prow * n));
+    const moe_status_t st = v->launch(&args, NULL);
+    CUDA_OK(cudaDeviceSynchronize());
+    CUDA_OK(cudaMemcpy(c, d_c, sizeof(float) * prow * n, cudaMemcpyDeviceToHost));
+    long differ = 0, nans = 0;
+    for (size_t r = 0; r < prow; r++)
+        for (int j = 0; j < n; j++) {
+            nans += isnan(c[r * n + j]);
+            differ += memcmp(&c[r * n + j], &c[(r % 64) * n + j], 4) != 0;
+        }
+    const int ok = st == MOE_STATUS_SUCCESS && nans == 0 && differ == 0;
+    checks++;
+    failures += !ok;
+    printf("%-26s %-12s row-invariant (%zu rows of 64 repeated): nan %ld differ %ld %s\n", v->name,
+           s->name, prow, nans, differ, ok ? "ok" : "FAIL");
+    free(a);
+    free(as);
+    free(c);
+    cudaFree(d_a);
+    cudaFree(d_as);
+    cudaFree(d_c);
+    cudaFree(d_be);
+    cudaFree(d_nb);
+}
+
 /* Bad arguments give a status and a message, never a launch. */
 static void check_rejects(const moe_gemm_variant_t *v, const inputs_t *in)
 {
@@ -525,6 +607,8 @@ int main(int argc, char **argv)
             if (vs[i].ab_dtype == MOE_DTYPE_FP8_E4M3 && shapes[si].k % 16)
                 continue; /* e4m3 rows need k % 16 (rejected: check_rejects) */
             run_variant(&vs[i], &in);
+            if (!strcmp(shapes[si].name, "qwen3_w13")) /* k 2048: 16 slices of 128 */
+                check_row_invariant(&vs[i], &in);
         }
         free_inputs(&in);
     }
