@@ -45,10 +45,6 @@ typedef struct moe_gemm_args {
      * one per SM). The EP micro-batches cap it so that the other micro-batch's waiting kernels
      * (one CTA each, spinning on a peer) can never keep a GEMM CTA from an SM. */
     int max_ctas;
-    /* 1: each row's sums in the same order wherever the row sits in its tile (deterministic
-     * mode: a token's output must not depend on the rows around it). 0 lets the sm_90a fp8
-     * cooperative tiles' warpgroups promote at staggered slices. */
-    int batch_invariant;
 } moe_gemm_args_t;
 
 typedef struct moe_gemm_variant {

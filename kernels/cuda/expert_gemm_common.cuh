@@ -27,7 +27,6 @@ struct moe_gemm_kparams {
     int group;     /* sm_90a: row blocks swept together over the weight tiles (0: by the step) */
     int swap_fold; /* sm_90a swap-AB, per-row fp8 scales: multiplied in after the main loop */
     int promo_pi;  /* sm_90a fp8 per-row scales (F8 = 4): 128-k slices a promotion sums */
-    int promo_stagger; /* ... the cooperative tiles' warpgroups promote at different slices */
 };
 /* Past 128 bytes of parameters ptxas spilled 20-110 more bytes in the m192 and fast fp8 tiles,
  * whose code had not changed (two more pointers, 2026-12-03: docs/KERNELS.md, "The variants"). */
@@ -53,7 +52,6 @@ static inline moe_gemm_kparams moe_gemm_base_params(const moe_gemm_args_t *a)
     p.group = 0;
     p.swap_fold = 0;
     p.promo_pi = 1;
-    p.promo_stagger = 0;
     p.expert_counts = a->expert_counts; /* both or neither: moe_gemm_check_common */
     p.expert_offsets = a->expert_offsets;
     p.a_scale = a->a_scale;

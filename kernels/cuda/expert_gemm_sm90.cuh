@@ -615,11 +615,10 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 }
         }
         int s_prev = -1;
-        /* PRI: slices summed in the partial since its last promotion. Warpgroup w of a
-         * cooperative tile starts w / NWG of an interval in (p.promo_stagger), so the
-         * warpgroups drain their wgmmas for the promotion at different stages and the tensor
-         * cores keep the other's work; each interval is still at most p.promo_pi slices. */
-        int pcnt = PRI && !PING && C::NWG > 1 && p.promo_stagger ? wg * p.promo_pi / C::NWG : 0;
+        /* PRI: slices summed in the partial since its last promotion (every p.promo_pi; the
+         * cooperative tiles' warpgroups staggered by a fraction of an interval measured level:
+         * bench/RESULTS.md, "Tried and rejected") */
+        int pcnt = 0;
         bool pfresh = true; /* the partial's next slice overwrites it */
         for (int kt = 0; kt < kt_count; kt += KB) {
             mbar_wait(&full[s], ph);
@@ -905,24 +904,14 @@ static int swap_fold_enabled(void)
     return moe_env_once(&cached, "MOE_GEMM_SWAP_FOLD", 1) != 0;
 }
 
-/* MOE_GEMM_PROMO_SLICES=N (1..64): the slices of 128 k a promotion of the F8 = 4 tiles sums
- * (default F8_PI; the swap-AB tiles promote at whole stages, so at least their KB). An A/B
- * knob: more slices, fewer drains of the wgmma pipeline and fewer bits kept (docs/KERNELS.md,
- * "Promotion interval"). */
+/* MOE_GEMM_PROMO_SLICES=N: the slices of 128 k a promotion of the F8 = 4 tiles sums (default
+ * F8_PI; the swap-AB tiles promote at whole stages, so at least their KB). An A/B knob: more
+ * slices, fewer drains of the wgmma pipeline and fewer bits kept (docs/KERNELS.md, "Promotion
+ * interval"). */
 static int promo_slices(void)
 {
     static int cached = -1;
-    const int v = moe_env_once(&cached, "MOE_GEMM_PROMO_SLICES", F8_PI);
-    return v < 1 ? 1 : v > 64 ? 64 : v;
-}
-
-/* MOE_GEMM_PROMO_STAGGER=0 makes the cooperative F8 = 4 tiles' warpgroups promote at the same
- * slices (an A/B knob; batch-invariant launches always do: a row's sums would otherwise depend
- * on the warpgroup that holds it). */
-static int promo_stagger_enabled(void)
-{
-    static int cached = -1;
-    return moe_env_once(&cached, "MOE_GEMM_PROMO_STAGGER", 1) != 0;
+    return moe_env_once(&cached, "MOE_GEMM_PROMO_SLICES", F8_PI); /* 1..64: base/env.c */
 }
 
 /* MOE_GEMM_GROUP=N sweeps N row blocks at a time over the weight tiles; 0 or unset: the
@@ -979,7 +968,6 @@ static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, co
     p.group = sweep_group();
     p.swap_fold = SWAP && f8_row_scales(F8) && swap_fold_enabled();
     p.promo_pi = F8 == 4 ? promo_slices() : F8_PI;
-    p.promo_stagger = F8 == 4 && !a->batch_invariant && promo_stagger_enabled();
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[1];
     cfg.gridDim = dim3(grid);

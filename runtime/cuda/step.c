@@ -79,7 +79,6 @@ static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_
         g.scale_kind = f8_scale_kind(s);
     }
     g.max_ctas = s->gemm_max_ctas;
-    g.batch_invariant = s->deterministic;
     MOE_CHECK(v->launch(&g, stream));
     g.a = m->h;
     g.b = m->w2;

@@ -429,10 +429,10 @@ static void expect(int cond, const char *what)
     }
 }
 
-/* batch_invariant = 1: a row's output does not depend on where it sits in its tile (the fp8
- * cooperative tiles' warpgroups promote at the same slices then). One expert, 128 rows (and
- * the last block's padding) made of 64 distinct rows repeated: every row must equal bitwise
- * the copy in rows 0..63, the other warpgroup's or the other item's. */
+/* A row's output does not depend on where it sits in its tile or block (deterministic mode's
+ * batch invariance rests on it: a token's rows move with the batch around them). One expert,
+ * 128 rows (and the last block's padding) made of 64 distinct rows repeated: every row must
+ * equal bitwise its copy in rows 0..63, another warpgroup's or another item's. */
 static void check_row_invariant(const moe_gemm_variant_t *v, const inputs_t *in)
 {
     const shape_t *s = in->s;
@@ -485,7 +485,6 @@ static void check_row_invariant(const moe_gemm_variant_t *v, const inputs_t *in)
     args.c_f32 = 1;
     args.ab_dtype = v->ab_dtype;
     args.scale_kind = v->scale_kind;
-    args.batch_invariant = 1;
     CUDA_OK(cudaMemset(d_c, 0xff, sizeof(float) * prow * n));
     const moe_status_t st = v->launch(&args, NULL);
     CUDA_OK(cudaDeviceSynchronize());
