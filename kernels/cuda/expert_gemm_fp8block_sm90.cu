@@ -18,6 +18,12 @@ moe_status_t moe_gemm_sm90_fp8b_m64_launch(const moe_gemm_args_t *a, void *strea
 {
     return launch_normal<64, 2>(a, stream, "sm90_fp8_block_m64n128");
 }
+/* Two consumer warpgroups on alternate 64-row items: one's per-slice promotions run while the
+ * other's wgmmas do. */
+moe_status_t moe_gemm_sm90_fp8b_m64pp_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<64, 2, 128, 1>(a, stream, "sm90_fp8_block_m64n128_pp");
+}
 moe_status_t moe_gemm_sm90_fp8b_swap16_launch(const moe_gemm_args_t *a, void *stream)
 {
     return launch_swap<16, 4, 1, 2>(a, stream, "sm90_fp8_block_swapab_n16");

@@ -171,7 +171,7 @@ constexpr int GROUP_BLOCKS = 16; /* at most this many row blocks a sweep (L2 reu
 
 template <int SWAP, int TOK, int WR, int HALVES, int STAGES, int KB, int F8, int PING = 0>
 struct sm90_cfg {
-    /* PING (normal bf16 with TOK = 64, or swap-AB): two consumer warpgroups take alternate
+    /* PING (normal with TOK = 64, or swap-AB): two consumer warpgroups take alternate
      * items, so one's epilogue runs while the other's wgmmas do */
     static constexpr int NWG = PING ? 2 : SWAP ? 1 : TOK / 64;
     /* normal layout: the epilogue writes bf16 rows through shared memory and TMA stores
@@ -209,7 +209,7 @@ struct sm90_cfg {
     static_assert(TOK_BYTES % 1024 == 0 && W_BYTES % 1024 == 0, "1024 B aligned tiles");
     static_assert(SMEM <= 227 * 1024, "shared memory");
     static_assert(EPI_BYTES % 1024 == 0 || SWAP, "TMA store buffers: 1024 B aligned");
-    static_assert(!PING || SWAP || (!F8 && TOK == 64), "ping-pong: swap-AB, or bf16 64 rows");
+    static_assert(!PING || SWAP || TOK == 64, "ping-pong: swap-AB, or 64-row normal items");
     static_assert(F8 != 3 || !SWAP, "fast accumulation: normal layout");
     static_assert(F8 != 4 || F8_PI % KB == 0, "promotion interval: whole stages");
 };
@@ -471,8 +471,9 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
             if (C::SSC) /* swap-AB: the item's tokens, from the stage's copy */
                 sa[j] = kin ? sc[8 * (j >> 1) + 2 * (lane & 3) + (j & 1)] : 0.0f;
             else {
-                const int64_t arow = SWAP ? row0 + 8 * (j >> 1) + 2 * (lane & 3) + (j & 1)
-                                          : row0 + wg * 64 + 16 * warp + (lane >> 2) + 8 * j;
+                const int64_t arow =
+                    SWAP ? row0 + 8 * (j >> 1) + 2 * (lane & 3) + (j & 1)
+                         : row0 + (PING ? 0 : wg * 64) + 16 * warp + (lane >> 2) + 8 * j;
                 sa[j] = kin ? __ldg(p.a_scale + arow * kbn + ks) : 0.0f;
             }
         }
@@ -552,7 +553,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
          * Nsight Compute had Qwen3's GEMM 2 at M = 8192 stalled on them half its cycles. */
         constexpr int NG = ERS ? C::ACC / 4 : 1;
         constexpr bool EARLY = C::NWG <= 2 && NG <= 8;
-        const int64_t frow = row0 + wg * 64 + 16 * warp + (lane >> 2); /* rows frow, frow + 8 */
+        const int64_t frow = row0 + (PING ? 0 : wg * 64) + 16 * warp + (lane >> 2); /* +0, +8 */
         auto fcol = [&](int h, int g, int u) {
             const int wc = 8 * g + 2 * (lane & 3) + u;
             return EPI == MOE_GEMM_EPI_STORE ? jt * HALVES * WR + h * WR + wc : jt * WR + wc;
@@ -585,8 +586,8 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 if (col < p.n_out)
                     asm volatile("prefetch.global.L1 [%0];" ::"l"(fptr(h, col)));
             } else if (tid >= 64 && tid < 66)
-                asm volatile(
-                    "prefetch.global.L1 [%0];" ::"l"(p.a_scale + row0 + wg * 64 + 32 * (tid - 64)));
+                asm volatile("prefetch.global.L1 [%0];" ::"l"(
+                    p.a_scale + row0 + (PING ? 0 : wg * 64) + 32 * (tid - 64)));
         }
         /* Swap-AB, per-row scales (p.swap_fold): a thread's accumulators lie on 2 weight rows a
          * wgmma (sb[j][q]: row 64 j + 16 warp + lane / 4 + 8 q of the tile) and TOK / 4 tokens
