@@ -21,9 +21,14 @@
 #define BUILTIN(arch, dtype, scale, n, ...)                                                        \
     {                                                                                              \
         MOE_ORACLE_GEMM, arch, {0, 0, 0, 0}, dtype, scale, 0, 0, MOE_ORACLE_ANY, n,                \
-        {                                                                                          \
-            __VA_ARGS__                                                                            \
-        }                                                                                          \
+            {__VA_ARGS__}, 0                                                                       \
+    }
+/* The same for layers whose hidden (GEMM 1's k) is at most h; placed before the table for any
+ * shape, which answers the rest. */
+#define BUILTIN_SHORT_K(h, arch, dtype, scale, n, ...)                                             \
+    {                                                                                              \
+        MOE_ORACLE_GEMM, arch, {0, 0, 0, 0}, dtype, scale, 0, 0, MOE_ORACLE_ANY, n, {__VA_ARGS__}, \
+            h                                                                                      \
     }
 #define OPEN HUGE_VAL
 
@@ -57,6 +62,25 @@ static const moe_oracle_group_t defaults[] = {
      * (worst loss 1.5% against m128n128_p4's 7.7%) and 320 (4-5% faster on all three), m128n128_p4
      * at 224 (8-26% faster) and 256 (worst loss 2.9% against 4.0%) (docs/KERNELS.md, "Promotion
      * interval") */
+    /* FP8, hidden <= 2048 (GEMM 1's k 16 slices of 128, GEMM 2's the intermediate): the ping-pong
+     * m64n128 tiles (two consumer warpgroups on alternate 64-row items: one's promotions and
+     * epilogue under the other's wgmmas) against the tables below, forced at 16..512 rows per
+     * expert on Qwen3-30B-A3B (I 768), Qwen2-MoE (I 1408, 60 experts, top 4) and Qwen3 with
+     * I 1536 (2026-12-03, bench/RESULTS.md, "Ping-pong fp8 tiles"): per-row scales 0.87-0.97 at
+     * 32..68 rows, at 128..136 0.88 / 0.91 (Qwen3, I 1536) and 1.04 (Qwen2), 0.92 at 192
+     * (Qwen3), 0.98-1.03 at 256..273, 1.03-1.09 at 512, 1.13 at 16; block scales 0.67-0.90 at
+     * 16..68, 0.95 / 1.13 at 128..136, 1.05-1.11 at 512. With hidden 4096 (Mixtral, I 2048) or
+     * 7168 (the DeepSeek-V3 shard, I 768 / 1024 / 2048) they were 1-17 % slower at every point
+     * from 16 rows, hence the bound. */
+    BUILTIN_SHORT_K(2048, 90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, 6,
+                    {11.3, "sm90_fp8_swapab_n8_pp", 0, 0}, {22.6, "sm90_fp8_swapab_n16_pp", 0, 0},
+                    {221.7, "sm90_fp8_m64n128_pp_p4", 0, 0}, {286.2, "sm90_fp8_m128n128_p4", 0, 0},
+                    {320.0, "sm90_fp8_m192n128_p4", 0, 0}, {OPEN, "sm90_fp8_m128n128_p4", 0, 0}),
+    BUILTIN_SHORT_K(
+        2048, 90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128, 5,
+        {11.3, "sm90_fp8_block_swapab_n16_pp", 0, 0}, {90.5, "sm90_fp8_block_m64n128_pp", 0, 0},
+        {135.8, "sm90_fp8_block_m128n128", 0, 0}, {183.8, "sm90_fp8_block_m192n128", 0, 0},
+        {OPEN, "sm90_fp8_block_m128n128", 0, 0}),
     BUILTIN(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, 8, {11.3, "sm90_fp8_swapab_n8_pp", 0, 0},
             {22.6, "sm90_fp8_swapab_n16_pp", 0, 0}, {55.4, "sm90_fp8_swapab_n32_pp_p4", 0, 0},
             {119.7, "sm90_fp8_m128n128_p4", 0, 0}, {207.4, "sm90_fp8_m192n128_p4", 0, 0},
@@ -162,6 +186,8 @@ static int key_fits(const moe_oracle_group_t *g, const moe_oracle_query_t *q, in
     if (g->kind == MOE_ORACLE_GEMM && g->transport != MOE_ORACLE_ANY &&
         g->transport != q->transport)
         return 0;
+    if (g->max_hidden > 0 && (q->hidden <= 0 || q->hidden > g->max_hidden))
+        return 0;
     return (!g->ep_size || g->ep_size == q->ep_size) && (!g->tp_size || g->tp_size == q->tp_size);
 }
 
@@ -236,7 +262,8 @@ static int push_bucket(moe_oracle_group_t *g, double max, const char *name, doub
  * it has none. */
 static int push_builtin(moe_oracle_group_t *g, double lo, double hi, const char *fallback)
 {
-    moe_oracle_query_t q = {g->arch, g->dtype, g->scale, g->ep_size, g->tp_size, g->transport, 0};
+    moe_oracle_query_t q = {g->arch,    g->dtype,     g->scale, g->ep_size,
+                            g->tp_size, g->transport, 0,        g->shape.hidden};
     const double end = isinf(hi) ? HUGE_VAL : nextafter(hi, 0.0);
     double x = lo;
     while (x < end) {
@@ -922,7 +949,7 @@ moe_status_t moe_oracle_write(const char *path, const moe_oracle_table_t *t)
 static int pick_default(int arch, moe_dtype_t dtype, moe_scale_kind_t scale, double rows,
                         moe_oracle_choice_t *c)
 {
-    const moe_oracle_query_t q = {arch, dtype, scale, 1, 1, MOE_ORACLE_ANY, rows};
+    const moe_oracle_query_t q = {arch, dtype, scale, 1, 1, MOE_ORACLE_ANY, rows, 0};
     return moe_oracle_pick_gemm(NULL, &q, c);
 }
 

@@ -80,6 +80,7 @@ typedef struct moe_oracle_group {
     int transport;          /* GEMM: MOE_ORACLE_ANY or the transport it was measured with */
     int num_buckets;
     moe_oracle_bucket_t bucket[MOE_ORACLE_MAX_BUCKETS];
+    int max_hidden; /* built-in GEMM tables: only layers whose hidden is at most this (0: any) */
 } moe_oracle_group_t;
 
 /* What a tune file holds (moe_oracle_write / moe_oracle_parse). */
@@ -111,6 +112,8 @@ typedef struct moe_oracle_query {
     moe_scale_kind_t scale;
     int ep_size, tp_size, transport; /* one GPU: 1, 1, MOE_ORACLE_ANY */
     double value;                    /* rows per expert (GEMM), max tokens per rank (transport) */
+    int hidden; /* the layer's hidden, GEMM 1's k (0: not known): built-in GEMM tables may be
+                 * for short k only (max_hidden) */
 } moe_oracle_query_t;
 
 typedef struct moe_oracle_choice {

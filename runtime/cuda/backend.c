@@ -205,6 +205,7 @@ static void load_oracle(const moe_layer_t *l, cuda_layer_t *s)
     s->oq.ep_size = l->plan.ep_size;
     s->oq.tp_size = l->plan.tp_size;
     s->oq.transport = MOE_ORACLE_ANY;
+    s->oq.hidden = l->cfg.hidden;
     moe_oracle_init(&s->oracle);
     if (!moe_env_str("MOE_TUNE_FILE", NULL))
         return;

@@ -298,7 +298,7 @@ static void test_decode_graph_explain_refusals(void **state)
     const size_t n = (size_t)T * (size_t)c->H;
     const uint64_t seed = tu_seed("gpu_decode_graph");
     const moe_oracle_query_t q = {
-        90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, 1, 1, MOE_ORACLE_ANY, 1.0};
+        90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, 1, 1, MOE_ORACLE_ANY, 1.0, 0};
     float *x = malloc(4 * n), *y1 = malloc(4 * n), *y2 = malloc(4 * n);
     void *stream = NULL, *graph = NULL, *exec = NULL, *dx, *dy;
     moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;

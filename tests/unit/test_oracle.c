@@ -115,7 +115,7 @@ static void test_defaults_match_old_table(void **state)
                 const char *want = old_select(arch, kinds[k].d, kinds[k].s, r);
                 const moe_gemm_variant_t *v = moe_gemm_select(arch, kinds[k].d, kinds[k].s, r);
                 const moe_oracle_query_t q = {arch, kinds[k].d,     kinds[k].s, 4,
-                                              2,    MOE_ORACLE_LSA, r};
+                                              2,    MOE_ORACLE_LSA, r,          0};
                 moe_oracle_choice_t c;
                 assert_same_name(v ? v->name : NULL, want, "moe_gemm_select", arch, r);
                 moe_oracle_pick_gemm(&o, &q, &c);
@@ -131,7 +131,8 @@ static void test_defaults_match_old_table(void **state)
             }
     /* no built-in transport table: the backend's own rule */
     {
-        const moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 8, 1, MOE_ORACLE_ANY, 64};
+        const moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 8, 1, MOE_ORACLE_ANY, 64,
+                                      0};
         moe_oracle_choice_t c;
         assert_int_equal(moe_oracle_pick_transport(&o, &q, &c), 0);
         assert_null(c.name);
@@ -211,7 +212,8 @@ static void assert_same_picks(const moe_oracle_t *a, const moe_oracle_t *b)
                                               layouts[l][0],
                                               layouts[l][1],
                                               layouts[l][2],
-                                              rows_list[i]};
+                                              rows_list[i],
+                                              0};
                 moe_oracle_choice_t ca, cb;
                 assert_int_equal(moe_oracle_pick_gemm(a, &q, &ca),
                                  moe_oracle_pick_gemm(b, &q, &cb));
@@ -254,6 +256,48 @@ static void test_defaults_never_fast_accum(void **state)
             if (bv)
                 assert_int_equal(bv->fast_accum, 0);
         }
+}
+
+/* The fp8 tables for hidden <= 2048 answer only layers whose hidden is known and that short;
+ * the rest get the tables for any shape. */
+static void test_defaults_short_k(void **state)
+{
+    static const struct {
+        moe_scale_kind_t s;
+        double rows;
+        int hidden;
+        const char *want;
+    } cases[] = {
+        {MOE_SCALE_PER_CHANNEL, 64, 2048, "sm90_fp8_m64n128_pp_p4"},
+        {MOE_SCALE_PER_CHANNEL, 200, 1024, "sm90_fp8_m64n128_pp_p4"},
+        {MOE_SCALE_PER_CHANNEL, 64, 2049, "sm90_fp8_m128n128_p4"},
+        {MOE_SCALE_PER_CHANNEL, 64, 0, "sm90_fp8_m128n128_p4"},
+        {MOE_SCALE_PER_CHANNEL, 8, 2048, "sm90_fp8_swapab_n8_pp"},
+        {MOE_SCALE_PER_CHANNEL, 512, 2048, "sm90_fp8_m128n128_p4"},
+        {MOE_SCALE_BLOCK_128, 64, 2048, "sm90_fp8_block_m64n128_pp"},
+        {MOE_SCALE_BLOCK_128, 64, 7168, "sm90_fp8_block_m64n128"},
+        {MOE_SCALE_BLOCK_128, 150, 2048, "sm90_fp8_block_m192n128"},
+    };
+    (void)state;
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        const moe_oracle_query_t q = {90, MOE_DTYPE_FP8_E4M3, cases[i].s,    1,
+                                      1,  MOE_ORACLE_ANY,     cases[i].rows, cases[i].hidden};
+        moe_oracle_choice_t c;
+        assert_int_equal(moe_oracle_pick_gemm(NULL, &q, &c), 1);
+        assert_same_name(c.name, cases[i].want, "short-k table", 90, cases[i].rows);
+        assert_non_null(moe_gemm_variant_by_name(c.name));
+    }
+    /* bf16 has no such table: hidden changes nothing */
+    {
+        const moe_oracle_query_t a = {90,  MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 64,
+                                      2048},
+                                 b = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 64,
+                                      0};
+        moe_oracle_choice_t ca, cb;
+        assert_int_equal(moe_oracle_pick_gemm(NULL, &a, &ca), 1);
+        assert_int_equal(moe_oracle_pick_gemm(NULL, &b, &cb), 1);
+        assert_string_equal(ca.name, cb.name);
+    }
 }
 
 static void test_round_trip(void **state)
@@ -310,7 +354,7 @@ static void test_round_trip(void **state)
     assert_same_picks(&direct, &from_file);
 
     { /* what the tuned tables say, and that the explanation names the file */
-        moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 8, 1, MOE_ORACLE_LSA, 3};
+        moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 8, 1, MOE_ORACLE_LSA, 3, 0};
         moe_oracle_choice_t c;
         char why[512];
         assert_int_equal(moe_oracle_pick_gemm(&from_file, &q, &c), 1);
@@ -346,7 +390,7 @@ static void test_round_trip(void **state)
     { /* the other shape's table is the one kept for it */
         moe_oracle_target_t ds = h200;
         moe_oracle_t o;
-        moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 500};
+        moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 500, 0};
         moe_oracle_choice_t c;
         ds.shape = (moe_oracle_shape_t){7168, 2048, 256, 8};
         moe_oracle_init(&o);
@@ -562,7 +606,7 @@ static void test_decode_table(void **state)
         "\"sm90_fused_decode\", \"at\": 8, \"time_us\": 120.5}, {\"path\": \"grouped\"}]}, "
         "{\"dtype\": \"fp8_e4m3\", \"scales\": \"per_channel\", \"buckets\": "
         "[{\"path\": \"sm90_fused_decode\"}]}]}";
-    moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 0};
+    moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 0, 0};
     moe_oracle_choice_t c;
     moe_oracle_table_t t;
     moe_oracle_t o, back;
@@ -723,7 +767,8 @@ static void test_forced(void **state)
                                           MOE_DTYPE_BF16, MOE_SCALE_NONE),
                  MOE_STATUS_NOT_SUPPORTED, "this layer: sm_80");
     {
-        const moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 1};
+        const moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 1,
+                                      0};
         assert_int_equal(moe_oracle_decode_tokens(NULL, &q, NULL), 0);
     }
     expect_error(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_nope", 90, MOE_DTYPE_BF16,
@@ -815,7 +860,8 @@ static void test_shipped_h200_file(void **state)
                                       1,
                                       1,
                                       MOE_ORACLE_ANY,
-                                      cases[i].rows};
+                                      cases[i].rows,
+                                      0};
         /* Qwen3: a bf16 and an fp8 GEMM table and an fp8 decode table; the others: bf16 */
         const int tables = cases[i].shape.experts == 128 ? 3 : 1;
         moe_oracle_init(&o);
@@ -889,6 +935,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_defaults_match_old_table),
+        cmocka_unit_test(test_defaults_short_k),
         cmocka_unit_test(test_round_trip),
         cmocka_unit_test(test_bad_tune_files),
         cmocka_unit_test(test_decode_table),
