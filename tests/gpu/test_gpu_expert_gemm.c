@@ -252,6 +252,32 @@ static void free_inputs(inputs_t *in)
 
 static int failures, checks;
 
+/* The arguments both checks below share: variant v's operands of `in` (bf16, e4m3 with per-row
+ * or block scales), d_a / d_as the A rows and their scales, max_blocks blocks of it. */
+static moe_gemm_args_t args_for(const moe_gemm_variant_t *v, const inputs_t *in, void *d_a,
+                                const float *d_as, void *d_c, const int32_t *d_be,
+                                const int32_t *d_nb, int max_blocks, int num_experts)
+{
+    const int f8 = v->ab_dtype == MOE_DTYPE_FP8_E4M3;
+    const int blk = f8 && v->scale_kind == MOE_SCALE_BLOCK_128;
+    moe_gemm_args_t args;
+    memset(&args, 0, sizeof(args));
+    args.a = d_a;
+    args.b = blk ? in->d_b8b : f8 ? in->d_b8 : in->d_b;
+    args.c = d_c;
+    args.a_scale = f8 ? d_as : NULL;
+    args.b_scale = blk ? in->d_bsb : f8 ? in->d_bs : NULL;
+    args.block_expert = d_be;
+    args.num_blocks = d_nb;
+    args.max_blocks = max_blocks;
+    args.num_experts = num_experts;
+    args.n = in->s->n;
+    args.k = in->s->k;
+    args.ab_dtype = v->ab_dtype;
+    args.scale_kind = v->scale_kind;
+    return args;
+}
+
 /* Runs one variant on one shape with every epilogue x output dtype x row_scale. */
 static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
 {
@@ -336,20 +362,9 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
         for (int f32 = 0; f32 < 2; f32++)
             for (int use_scale = 0; use_scale < 2; use_scale++) {
                 int n_out = epi == MOE_GEMM_EPI_STORE ? n : n / 2;
-                moe_gemm_args_t args;
-                memset(&args, 0, sizeof(args));
-                args.a = d_a;
-                args.b = blk ? in->d_b8b : f8 ? in->d_b8 : in->d_b;
-                args.c = d_c;
-                args.a_scale = f8 ? d_as : NULL;
-                args.b_scale = blk ? in->d_bsb : f8 ? in->d_bs : NULL;
+                moe_gemm_args_t args =
+                    args_for(v, in, d_a, d_as, d_c, d_be, d_nb, max_blocks, s->num_experts);
                 args.row_scale = use_scale ? d_scale : NULL;
-                args.block_expert = d_be;
-                args.num_blocks = d_nb;
-                args.max_blocks = max_blocks;
-                args.num_experts = s->num_experts;
-                args.n = n;
-                args.k = k;
                 args.epilogue = (moe_gemm_epilogue_t)epi;
                 args.c_f32 = f32;
                 args.ab_dtype = v->ab_dtype;
@@ -468,23 +483,9 @@ static void check_row_invariant(const moe_gemm_variant_t *v, const inputs_t *in)
     CUDA_OK(cudaMemcpy(d_be, be, sizeof(be), cudaMemcpyHostToDevice));
     CUDA_OK(cudaMalloc((void **)&d_nb, 4));
     CUDA_OK(cudaMemcpy(d_nb, &nblk, 4, cudaMemcpyHostToDevice));
-    moe_gemm_args_t args;
-    memset(&args, 0, sizeof(args));
-    args.a = d_a;
-    args.b = blk ? in->d_b8b : f8 ? in->d_b8 : in->d_b;
-    args.c = d_c;
-    args.a_scale = f8 ? d_as : NULL;
-    args.b_scale = blk ? in->d_bsb : f8 ? in->d_bs : NULL;
-    args.block_expert = d_be;
-    args.num_blocks = d_nb;
-    args.max_blocks = nblk;
-    args.num_experts = 1;
-    args.n = n;
-    args.k = k;
+    moe_gemm_args_t args = args_for(v, in, d_a, d_as, d_c, d_be, d_nb, nblk, 1);
     args.epilogue = MOE_GEMM_EPI_STORE;
     args.c_f32 = 1;
-    args.ab_dtype = v->ab_dtype;
-    args.scale_kind = v->scale_kind;
     CUDA_OK(cudaMemset(d_c, 0xff, sizeof(float) * prow * n));
     const moe_status_t st = v->launch(&args, NULL);
     CUDA_OK(cudaDeviceSynchronize());
