@@ -27,7 +27,7 @@ META=[
  dict(topic='layer_step_bf16',date='2026-12-03',commit='8f01feb (its bf16 kernels: 2170197\'s but for the kernel parameters\' layout; its fp8 change reverted by f144a86)',unit='us (score)',command='moe-bench --preset P --tokens 1,8,64,512,2048,8192 --seconds 0.1 --json FILE'),
  dict(topic='topk_redux_ab',date='2026-12-03',commit='5188aae against f7d7838',unit='new / base (two interleaved runs)',command='moe-bench --preset P [--dtype fp8 --scales S] --tokens 1,8,64 --seconds 0.1, each tree\'s build in turn'),
  dict(topic='kernels_qwen3_bf16',date='2026-12-01',commit='2626905',unit='us',command='KERNEL_TOKENS="1 8192" bash bench/device_run.sh kernels (Nsight Compute, caches flushed)'),
- dict(topic='layer_step_fp8_tensor_and_block',date='2026-12-03',commit='2170197',commit_tensor='2170197',commit_block='2170197',unit='us (score)',command='FP8_PRESETS="mixtral-8x7b qwen3-30b-a3b deepseek-v3-ep8" FP8_SECONDS=0.1 bash bench/device_run.sh fp8 (moe-bench --preset P --dtype fp8 --scales tensor|block --tokens 1,8,64,512,2048,8192 --seconds 0.1)'),
+ dict(topic='layer_step_fp8_tensor_and_block',date='2026-12-03',commit='2170197 (the Qwen3-30B-A3B column: 7501e09, the oracle\'s short-k tables)',commit_tensor='2170197',commit_block='2170197',**{'commit_qwen3-30b-a3b':'7501e09'},seconds_02=('qwen3-30b-a3b',),unit='us (score)',command='FP8_PRESETS="mixtral-8x7b qwen3-30b-a3b deepseek-v3-ep8" FP8_SECONDS=0.1 bash bench/device_run.sh fp8 (moe-bench --preset P --dtype fp8 --scales tensor|block --tokens 1,8,64,512,2048,8192 --seconds 0.1)'),
  dict(topic='wide_wgmma_and_swap_fold_ab',date='2026-12-03',commit='6f6c938 + 2170197 (with m192n128_p4 without its TMA store) against 2634ddd',unit='new / base',command='bash bench/ab_base.sh 2634ddd; AB_PRESETS="qwen3-30b-a3b mixtral-8x7b deepseek-v3-ep8" AB_ARGS="--dtype fp8 --scales tensor;--dtype fp8 --scales block;--dtype bf16" bash bench/device_run.sh ab'),
  dict(topic='fp8_normal_pingpong_vs_builtin',date='2026-12-03',commit='f71fdd7 (the built-in tables for any shape)',unit='forced / built-in at rows per expert, two runs',command='moe-bench --preset P [--intermediate I] --dtype fp8 --scales tensor|block --tokens ... --seconds 0.1 --explain, with and without MOE_FORCE_VARIANT=sm90_fp8_m64n128_pp_p4 | sm90_fp8_block_m64n128_pp'),
  dict(topic='fp8_epilogue_scales_ab',date='2026-12-03',commit='c1ea904 against cc18b5b',unit='new / base; two runs',command='bash bench/ab_base.sh cc18b5b; each moe-bench in turn: moe-bench --preset P --dtype fp8 --scales S --tokens 512,2048,8192 --seconds 0.1 (the second run at 512,2048, and with MOE_GEMM_TMA_STORE=0)'),
@@ -73,7 +73,7 @@ for t,m in zip(tables,META):
                 for sc,cell in (('tensor',r[1+2*i].split(' / ')[0]),('block',r[1+2*i].split(' / ')[1])):
                     v=num(cell)
                     out['runs'].append({'topic':'layer_step_fp8','preset':p,'dtype':'fp8','scales':sc,'tokens':M,'us':v['value'],'score':v['score'],
-                                        'date':m['date'],'commit':m.get('commit_'+sc,m['commit']),'command':'moe-bench --preset %s --dtype fp8 --scales %s --tokens 1,8,64,512,2048,8192 --seconds 0.1'%(p,sc)})
+                                        'date':m['date'],'commit':m.get('commit_'+p,m.get('commit_'+sc,m['commit'])),'command':'moe-bench --preset %s --dtype fp8 --scales %s --tokens 1,8,64,512,2048,8192 --seconds %s'%(p,sc,'0.2' if p in m.get('seconds_02',()) else '0.1')})
     if m['topic'] in ('layer_step_bf16',):
         for r in t['rows']:
             M=int(r[0])
