@@ -20,8 +20,8 @@
 /* A built-in GEMM table: any shape, any layout. */
 #define BUILTIN(arch, dtype, scale, n, ...)                                                        \
     {                                                                                              \
-        MOE_ORACLE_GEMM, arch, {0, 0, 0, 0}, dtype, scale, 0, 0, MOE_ORACLE_ANY, n,                \
-            {__VA_ARGS__}, 0                                                                       \
+        MOE_ORACLE_GEMM, arch, {0, 0, 0, 0}, dtype, scale, 0, 0, MOE_ORACLE_ANY, n, {__VA_ARGS__}, \
+            0                                                                                      \
     }
 /* The same for layers whose hidden (GEMM 1's k) is at most h; placed before the table for any
  * shape, which answers the rest. */
@@ -222,8 +222,10 @@ static int pick(const moe_oracle_t *o, moe_oracle_kind_t kind, const moe_oracle_
     }
     for (int i = 0; i < NUM_DEFAULTS; i++)
         if (defaults[i].kind == kind && key_fits(&defaults[i], q, 0) &&
-            pick_in(&defaults[i], q->value, c))
+            pick_in(&defaults[i], q->value, c)) {
+            c->max_hidden = defaults[i].max_hidden;
             return 1;
+        }
     c->name = NULL;
     return 0;
 }
@@ -320,6 +322,9 @@ void moe_oracle_describe(const moe_oracle_choice_t *c, const char *unit, double 
     }
     if (c->source == MOE_ORACLE_TUNED)
         snprintf(table, sizeof(table), "tuned from %s for sm_%d", c->origin, c->arch);
+    else if (c->max_hidden > 0)
+        snprintf(table, sizeof(table), "built-in table for sm_%d, hidden <= %d", c->arch,
+                 c->max_hidden);
     else
         snprintf(table, sizeof(table), "built-in table for sm_%d", c->arch);
     if (isinf(c->hi))

@@ -122,6 +122,7 @@ typedef struct moe_oracle_choice {
     double lo, hi;      /* the bucket: value in (lo, hi]; hi = HUGE_VAL for the last */
     const char *origin; /* TUNED: the file; FORCED: the variable; DEFAULT: NULL */
     int arch;           /* the device arch asked about */
+    int max_hidden;     /* DEFAULT: the table's bound on the layer's hidden (0: any shape) */
 } moe_oracle_choice_t;
 
 void moe_oracle_init(moe_oracle_t *o);

@@ -226,8 +226,8 @@ void moe_cuda_explain_gemm(const cuda_layer_t *s, double rows_per_expert, char *
         return;
     }
     if (s->forced) {
-        const moe_oracle_choice_t f = {s->forced->name, MOE_ORACLE_FORCED, 0, 0, s->forced_env,
-                                       s->arch};
+        const moe_oracle_choice_t f = {s->forced->name, MOE_ORACLE_FORCED, 0, 0,
+                                       s->forced_env,   s->arch,           0};
         moe_oracle_describe(&f, "rows/expert", rows_per_expert, text, len);
         return;
     }

@@ -286,6 +286,11 @@ static void test_defaults_short_k(void **state)
         assert_int_equal(moe_oracle_pick_gemm(NULL, &q, &c), 1);
         assert_same_name(c.name, cases[i].want, "short-k table", 90, cases[i].rows);
         assert_non_null(moe_gemm_variant_by_name(c.name));
+        if (cases[i].hidden > 0 && cases[i].hidden <= 2048) {
+            char why[256];
+            moe_oracle_describe(&c, "rows/expert", cases[i].rows, why, sizeof(why));
+            assert_non_null(strstr(why, "hidden <= 2048"));
+        }
     }
     /* bf16 has no such table: hidden changes nothing */
     {
@@ -801,7 +806,7 @@ static void test_forced(void **state)
 
     { /* a forced choice explains itself */
         moe_oracle_choice_t c = {
-            "sm90_swapab_n16", MOE_ORACLE_FORCED, 0, 0, "MOE_FORCE_VARIANT", 90};
+            "sm90_swapab_n16", MOE_ORACLE_FORCED, 0, 0, "MOE_FORCE_VARIANT", 90, 0};
         char why[256];
         moe_oracle_describe(&c, "rows/expert", 3, why, sizeof(why));
         assert_string_equal(why, "sm90_swapab_n16 (forced by MOE_FORCE_VARIANT)");
