@@ -151,7 +151,8 @@ constexpr int ROW_BYTES = BK * 2; /* 128 (e4m3: 128 elements) */
 /* F8, the kernels' element kind: 0 bf16; e4m3 with 1 per-row scales, each 128 of k promoted
  * (added to f32 accumulators on the CUDA cores); 2 128 x 128 block scales, promoted likewise;
  * 3 per-row scales, not promoted (the tensor cores sum all of k: "fast accumulation");
- * 4 per-row scales, promoted every F8_PI slices of 128 k, the wgmmas in flight between.
+ * 4 per-row scales, promoted every F8_PI slices of 128 k (p.promo_pi: MOE_GEMM_PROMO_SLICES
+ * can change it, whole stages at least), the wgmmas in flight between.
  * Elements of k per 128-byte stage row: 64 bf16 or 128 e4m3. */
 constexpr int F8_PI = 4;
 /* Kinds whose per-row scales the epilogue applies (1, 3, 4), and kinds that promote a partial
