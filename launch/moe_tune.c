@@ -582,8 +582,13 @@ static int write_file(options_t *o, const char *gpu, int arch, const moe_oracle_
     if (!t.group)
         return fprintf(stderr, "moe-tune: out of host memory\n"), 1;
     for (i = 0; i < n; i++)
-        if (g[i].num_buckets > 0)
-            t.group[t.num_groups++] = g[i];
+        if (g[i].num_buckets > 0) {
+            t.group[t.num_groups] = g[i];
+            if (g[i].kind == MOE_ORACLE_GEMM) /* what its picks were compared with */
+                snprintf(t.group[t.num_groups].builtin, sizeof(t.group[0].builtin), "%s",
+                         moe_oracle_builtin_id());
+            t.num_groups++;
+        }
     for (i = 0; i < o->keep.num_groups; i++) {
         for (j = 0; j < n && !same_key(&o->keep.group[i], &g[j]); j++)
             ;

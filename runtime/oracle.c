@@ -5,6 +5,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,14 +22,14 @@
 #define BUILTIN(arch, dtype, scale, n, ...)                                                        \
     {                                                                                              \
         MOE_ORACLE_GEMM, arch, {0, 0, 0, 0}, dtype, scale, 0, 0, MOE_ORACLE_ANY, n, {__VA_ARGS__}, \
-            0                                                                                      \
+            0, ""                                                                                  \
     }
 /* The same for layers whose hidden (GEMM 1's k) is at most h; placed before the table for any
  * shape, which answers the rest. */
 #define BUILTIN_SHORT_K(h, arch, dtype, scale, n, ...)                                             \
     {                                                                                              \
         MOE_ORACLE_GEMM, arch, {0, 0, 0, 0}, dtype, scale, 0, 0, MOE_ORACLE_ANY, n, {__VA_ARGS__}, \
-            h                                                                                      \
+            h, ""                                                                                  \
     }
 #define OPEN HUGE_VAL
 
@@ -105,6 +106,39 @@ const moe_oracle_group_t *moe_oracle_defaults(int *count)
 {
     *count = NUM_DEFAULTS;
     return defaults;
+}
+
+/* FNV-1a over the built-in tables' keys, bounds (as text: the same on every host) and names. */
+static void fnv(uint64_t *h, const char *text)
+{
+    for (; *text; text++)
+        *h = (*h ^ (unsigned char)*text) * 0x100000001b3ull;
+}
+
+static char builtin_id[17];
+
+static void builtin_id_init(void)
+{
+    uint64_t h = 0xcbf29ce484222325ull;
+    char item[128];
+    for (int i = 0; i < NUM_DEFAULTS; i++) {
+        const moe_oracle_group_t *g = &defaults[i];
+        snprintf(item, sizeof(item), "%d %d %d %d %d %d %d|", (int)g->kind, g->arch, (int)g->dtype,
+                 (int)g->scale, g->transport, g->max_hidden, g->num_buckets);
+        fnv(&h, item);
+        for (int j = 0; j < g->num_buckets; j++) {
+            snprintf(item, sizeof(item), "%.9g %s|", g->bucket[j].max, g->bucket[j].name);
+            fnv(&h, item);
+        }
+    }
+    snprintf(builtin_id, sizeof(builtin_id), "%016llx", (unsigned long long)h);
+}
+
+const char *moe_oracle_builtin_id(void)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, builtin_id_init);
+    return builtin_id;
 }
 
 /* ---- names ------------------------------------------------------------------------------ */
@@ -656,6 +690,17 @@ static int parse_group(pctx_t *p, const moe_json_t *g, moe_oracle_kind_t kind, i
         return -1;
     if (kind == MOE_ORACLE_DECODE)
         o->transport = MOE_ORACLE_ANY; /* one GPU: no transport */
+    if (kind == MOE_ORACLE_GEMM) {
+        const char *id = NULL;
+        const int r = get_str(p, g, where, "builtin", &id);
+        if (r < 0)
+            return -1;
+        if (r > 0) {
+            if (strlen(id) != 16 || strspn(id, "0123456789abcdef") != 16)
+                return bad(p, "%s\"builtin\" = \"%.40s\" is not 16 hex digits", where, id);
+            memcpy(o->builtin, id, 17);
+        }
+    }
     if (get_int(p, g, where, "ep_size", 1, 65536, &o->ep_size) < 0 ||
         get_int(p, g, where, "tp_size", 1, 65536, &o->tp_size) < 0)
         return -1;
@@ -806,6 +851,17 @@ int moe_oracle_load_text(moe_oracle_t *o, const char *text, size_t len, const ch
     t.num_groups = n;
     o->tuned = t;
     snprintf(o->file, sizeof(o->file), "%s", what);
+    for (int i = 0; i < n; i++) {
+        const char *id = t.group[i].builtin;
+        if (t.group[i].kind == MOE_ORACLE_GEMM && id[0] && strcmp(id, moe_oracle_builtin_id())) {
+            snprintf(o->warning, sizeof(o->warning),
+                     "%s: GEMM tables measured against other built-in tables (%s; this library's: "
+                     "%s): used, but the built-in choice may now be faster; run moe-tune again",
+                     what, id, moe_oracle_builtin_id());
+            warn_once(o->warning);
+            break;
+        }
+    }
     return n;
 }
 
@@ -884,6 +940,8 @@ static void put_group(out_t *w, const moe_oracle_group_t *g)
             moe_oracle_scale_name(g->scale));
     if (g->kind == MOE_ORACLE_GEMM)
         put(w, "\"transport\": \"%s\", ", moe_oracle_transport_name(g->transport));
+    if (g->kind == MOE_ORACLE_GEMM && g->builtin[0])
+        put(w, "\"builtin\": \"%s\", ", g->builtin);
     if (g->ep_size)
         put(w, "\"ep_size\": %d, ", g->ep_size);
     if (g->tp_size)

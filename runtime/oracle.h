@@ -81,6 +81,10 @@ typedef struct moe_oracle_group {
     int num_buckets;
     moe_oracle_bucket_t bucket[MOE_ORACLE_MAX_BUCKETS];
     int max_hidden; /* built-in GEMM tables: only layers whose hidden is at most this (0: any) */
+    /* tuned GEMM tables: moe_oracle_builtin_id() of the library that measured them ("": not
+     * recorded); another id at load gives a warning (the built-in choices they were compared
+     * with have changed since) */
+    char builtin[17];
 } moe_oracle_group_t;
 
 /* What a tune file holds (moe_oracle_write / moe_oracle_parse). */
@@ -96,7 +100,8 @@ typedef struct moe_oracle_table {
 typedef struct moe_oracle {
     moe_oracle_table_t tuned;
     char file[256];    /* where `tuned` came from ("" : no tune file) */
-    char warning[512]; /* why a tune file was ignored ("" : it was not) */
+    char warning[512]; /* why a tune file was ignored, or that its GEMM tables are older than
+                        * the built-in ones ("" : neither) */
 } moe_oracle_t;
 
 /* What the layer picking asks about. */
@@ -206,6 +211,9 @@ const char *moe_oracle_scale_name(moe_scale_kind_t scale); /* "none", "per_chann
 
 /* The built-in tables (the defaults), for moe-tune's buckets. */
 const moe_oracle_group_t *moe_oracle_defaults(int *count);
+/* 16 hex digits naming the built-in GEMM tables (a hash of their keys, bounds and variants):
+ * moe-tune records it with each GEMM table it writes. */
+const char *moe_oracle_builtin_id(void);
 
 /* One line on what moe_gemm_select picks at `rows_per_expert` on `arch` for bf16, and why
  * (the built-in table's bucket; moe_oracle_pick_gemm has the tuned and forced choices). */

@@ -305,6 +305,51 @@ static void test_defaults_short_k(void **state)
     }
 }
 
+/* A GEMM table records the built-in tables it was measured against; another id at load keeps
+ * the table and says so in the warning; a malformed id makes the file ignored. */
+static void test_builtin_id(void **state)
+{
+    const char *id = moe_oracle_builtin_id();
+    const char *other = strcmp(id, "0123456789abcdef") ? "0123456789abcdef" : "fedcba9876543210";
+    moe_oracle_table_t t;
+    moe_oracle_t o;
+    char *text;
+    size_t n;
+    (void)state;
+    assert_int_equal(strlen(id), 16);
+    assert_int_equal(strspn(id, "0123456789abcdef"), 16);
+    assert_ptr_equal(moe_oracle_builtin_id(), id);
+    fixture_table(&t);
+    for (int pass = 0; pass < 3; pass++) {
+        const char *mark = pass == 0 ? id : pass == 1 ? other : "not-hex-digits!!";
+        for (int i = 0; i < t.num_groups; i++)
+            if (t.group[i].kind == MOE_ORACLE_GEMM)
+                snprintf(t.group[i].builtin, sizeof(t.group[i].builtin), "%s", mark);
+        n = moe_oracle_format(&t, NULL, 0);
+        text = malloc(n + 1);
+        assert_non_null(text);
+        moe_oracle_format(&t, text, n + 1);
+        assert_non_null(strstr(text, "\"builtin\""));
+        moe_oracle_init(&o);
+        const int got = moe_oracle_load_text(&o, text, n, "fixture", &h200);
+        if (pass == 0) {
+            assert_int_equal(got, 4);
+            assert_string_equal(o.warning, "");
+        } else if (pass == 1) {
+            assert_int_equal(got, 4); /* still used */
+            assert_non_null(strstr(o.warning, "other built-in tables"));
+            assert_non_null(strstr(o.warning, other));
+        } else {
+            assert_int_equal(got, 0);
+            assert_non_null(strstr(o.warning, "ignored"));
+            assert_non_null(strstr(o.warning, "16 hex digits"));
+        }
+        moe_oracle_free(&o);
+        free(text);
+    }
+    moe_oracle_table_free(&t);
+}
+
 static void test_round_trip(void **state)
 {
     moe_oracle_table_t t, back;
@@ -932,6 +977,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_defaults_match_old_table),
         cmocka_unit_test(test_defaults_short_k),
+        cmocka_unit_test(test_builtin_id),
         cmocka_unit_test(test_round_trip),
         cmocka_unit_test(test_bad_tune_files),
         cmocka_unit_test(test_decode_table),
