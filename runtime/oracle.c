@@ -18,19 +18,14 @@
 /* ---- built-in tables: rows per expert at or below which each variant is the default,
  * measured on the H200 (docs/KERNELS.md, bench/RESULTS.md "Tuning"). ---------------------- */
 
-/* A built-in GEMM table: any shape, any layout. */
-#define BUILTIN(arch, dtype, scale, n, ...)                                                        \
-    {                                                                                              \
-        MOE_ORACLE_GEMM, arch, {0, 0, 0, 0}, dtype, scale, 0, 0, MOE_ORACLE_ANY, n, {__VA_ARGS__}, \
-            0, ""                                                                                  \
-    }
-/* The same for layers whose hidden (GEMM 1's k) is at most h; placed before the table for any
- * shape, which answers the rest. */
+/* A built-in GEMM table for layers whose hidden (GEMM 1's k) is at most h (0: any shape, any
+ * layout); a bounded table is placed before the one for any shape, which answers the rest. */
 #define BUILTIN_SHORT_K(h, arch, dtype, scale, n, ...)                                             \
     {                                                                                              \
         MOE_ORACLE_GEMM, arch, {0, 0, 0, 0}, dtype, scale, 0, 0, MOE_ORACLE_ANY, n, {__VA_ARGS__}, \
             h, ""                                                                                  \
     }
+#define BUILTIN(arch, dtype, scale, n, ...) BUILTIN_SHORT_K(0, arch, dtype, scale, n, __VA_ARGS__)
 #define OPEN HUGE_VAL
 
 static const moe_oracle_group_t defaults[] = {

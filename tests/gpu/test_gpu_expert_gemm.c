@@ -367,8 +367,6 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
                 args.row_scale = use_scale ? d_scale : NULL;
                 args.epilogue = (moe_gemm_epilogue_t)epi;
                 args.c_f32 = f32;
-                args.ab_dtype = v->ab_dtype;
-                args.scale_kind = v->scale_kind;
                 if (use_scale) { /* half the runs may skip all-padding rows (the layer's way) */
                     args.expert_counts = d_counts;
                     args.expert_offsets = d_offsets;

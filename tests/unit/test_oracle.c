@@ -154,6 +154,17 @@ static void add_bucket(moe_oracle_group_t *g, double max, const char *name, doub
 
 /* A table as moe-tune would write it: a bf16 table for one shape and layout, an FP8 table for
  * any shape, a bf16 table for another shape, a transport table. */
+/* t as a tune file's text (malloc'd; its length in *n). */
+static char *format_text(const moe_oracle_table_t *t, size_t *n)
+{
+    char *text;
+    *n = moe_oracle_format(t, NULL, 0);
+    text = malloc(*n + 1);
+    assert_non_null(text);
+    assert_int_equal(moe_oracle_format(t, text, *n + 1), *n);
+    return text;
+}
+
 static void fixture_table(moe_oracle_table_t *t)
 {
     moe_oracle_group_t *g;
@@ -325,10 +336,7 @@ static void test_builtin_id(void **state)
         for (int i = 0; i < t.num_groups; i++)
             if (t.group[i].kind == MOE_ORACLE_GEMM)
                 snprintf(t.group[i].builtin, sizeof(t.group[i].builtin), "%s", mark);
-        n = moe_oracle_format(&t, NULL, 0);
-        text = malloc(n + 1);
-        assert_non_null(text);
-        moe_oracle_format(&t, text, n + 1);
+        text = format_text(&t, &n);
         assert_non_null(strstr(text, "\"builtin\""));
         moe_oracle_init(&o);
         const int got = moe_oracle_load_text(&o, text, n, "fixture", &h200);
@@ -359,9 +367,7 @@ static void test_round_trip(void **state)
     (void)state;
 
     fixture_table(&t);
-    n = moe_oracle_format(&t, NULL, 0);
-    text = malloc(n + 1);
-    assert_int_equal(moe_oracle_format(&t, text, n + 1), n);
+    text = format_text(&t, &n);
 
     /* the whole file parses back to the same tables */
     TU_OK(moe_oracle_parse(text, n, "fixture", &back));
@@ -693,9 +699,7 @@ static void test_decode_table(void **state)
 
     /* written and read back: the same tables and crossover */
     TU_OK(moe_oracle_parse(text, strlen(text), "decode.json", &t));
-    n = moe_oracle_format(&t, NULL, 0);
-    out = malloc(n + 1);
-    assert_int_equal(moe_oracle_format(&t, out, n + 1), n);
+    out = format_text(&t, &n);
     assert_non_null(strstr(out, "\"decode\": ["));
     assert_non_null(strstr(out, "\"max_tokens_per_step\": 8"));
     /* one GPU: a decode table names no transport (the decode list comes last) */
