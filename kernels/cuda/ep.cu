@@ -34,14 +34,16 @@ constexpr int64_t PF_CTA_BYTES = (int64_t)PF_PIECE * EP_THREADS;
 
 // Asks L2 for `bytes` at p (16-byte aligned, a multiple of 16): the bulk-copy unit's prefetch on
 // sm_90, a 128-byte line at a time before.
-__device__ __forceinline__ void l2_prefetch(const char *p, int bytes)
+__device__ __forceinline__ void l2_prefetch(const char *p, int bytes, int lines)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#else
+    if (!lines) {
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+        return;
+    }
+#endif
     for (int i = 0; i < bytes; i += 128)
         asm volatile("prefetch.global.L2 [%0];" ::"l"(p + i));
-#endif
 }
 
 // CTA c (counted from the first prefetch CTA) of the prefetch: pair c % n, part c / n of its
@@ -50,7 +52,7 @@ __device__ void slot_prefetch(const int32_t *__restrict__ in, int64_t n, int top
                               int64_t first_token, int rank,
                               const int32_t *__restrict__ replica_begin,
                               const int32_t *__restrict__ replica_slot, const char *w13,
-                              const char *w2, int64_t bytes13, int64_t bytes2, int64_t c)
+                              const char *w2, int64_t bytes13, int64_t bytes2, int64_t c, int lines)
 {
     const int64_t pair = c % n, part = c / n;
     const int64_t parts13 = (bytes13 + PF_CTA_BYTES - 1) / PF_CTA_BYTES;
@@ -66,7 +68,7 @@ __device__ void slot_prefetch(const int32_t *__restrict__ in, int64_t n, int top
     if (off >= bytes)
         return;
     const char *base = up ? w13 + slot * bytes13 : w2 + slot * bytes2;
-    l2_prefetch(base + off, (int)min((int64_t)PF_PIECE, bytes - off));
+    l2_prefetch(base + off, (int)min((int64_t)PF_PIECE, bytes - off), lines);
 }
 
 __global__ void slot_ids_kernel(const int32_t *__restrict__ in, int32_t *__restrict__ out,
@@ -74,12 +76,12 @@ __global__ void slot_ids_kernel(const int32_t *__restrict__ in, int32_t *__restr
                                 const int32_t *__restrict__ replica_begin,
                                 const int32_t *__restrict__ replica_slot, unsigned long long *load,
                                 const char *w13, const char *w2, int64_t bytes13, int64_t bytes2,
-                                int map_ctas)
+                                int map_ctas, int lines)
 {
     moe_pdl_wait();
     if ((int)blockIdx.x >= map_ctas) {
         slot_prefetch(in, n, top_k, first_token, rank, replica_begin, replica_slot, w13, w2,
-                      bytes13, bytes2, blockIdx.x - map_ctas);
+                      bytes13, bytes2, blockIdx.x - map_ctas, lines);
         return;
     }
     const int64_t i = (int64_t)blockIdx.x * EP_THREADS + threadIdx.x;
@@ -172,7 +174,7 @@ extern "C" moe_status_t moe_ep_slot_ids_launch(const moe_ep_slot_ids_args_t *a, 
     MOE_CUDA_CHECK(moe_launch_pdl(pdl, (slot_ids_kernel), dim3((unsigned)grid), dim3(EP_THREADS), 0,
                                   st, a->in, a->out, a->n, a->top_k, a->first_token, a->rank,
                                   a->replica_begin, a->replica_slot, a->load, w13, w2, b13, b2,
-                                  (int)map_ctas));
+                                  (int)map_ctas, moe_env_int("MOE_L2_PREFETCH_LINES", 0)));
     MOE_CUDA_CHECK_LAUNCH("ep slot ids");
     return MOE_STATUS_SUCCESS;
 }
