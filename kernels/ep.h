@@ -45,13 +45,8 @@ typedef struct moe_ep_slot_ids_args {
     const int32_t *replica_begin; /* device [num_experts + 1] */
     const int32_t *replica_slot;  /* device [num_slots] */
     unsigned long long *load;     /* device [num_experts], or NULL */
-    /* Optional (one GPU, a small step): L2 is asked for each pair's slot's weights, bytes13 of
-     * w13 + slot * bytes13 and bytes2 of w2 + slot * bytes2 (0: none of that matrix; both
-     * multiples of 16, the matrices 16-byte aligned), while the kernels between this one and
-     * the GEMMs run (docs/KERNELS.md, "Integration notes"). Numbers are unchanged. */
-    const void *w13, *w2;
-    int64_t bytes13, bytes2;
-    int pdl; /* launched with programmatic dependent launch (the one-GPU step's kernels are) */
+    int pdl; /* launched with programmatic dependent launch (the one-GPU step's kernels are);
+              * 0: as the EP step's kernels (MOE_EP_PDL) */
 } moe_ep_slot_ids_args_t;
 
 moe_status_t moe_ep_slot_ids_launch(const moe_ep_slot_ids_args_t *args, void *stream);

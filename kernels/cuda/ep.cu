@@ -27,63 +27,12 @@ __global__ void local_ids_kernel(const int32_t *__restrict__ in, int32_t *__rest
     out[i] = bad < 0 && e >= first && e < first + count ? e - first : -1;
 }
 
-// The L2 prefetch of the slot ids launch: each CTA past the mapping's asks for PF_CTA_BYTES of
-// one pair's slot's w13 or w2, PF_PIECE bytes a thread.
-constexpr int PF_PIECE = 1024;
-constexpr int64_t PF_CTA_BYTES = (int64_t)PF_PIECE * EP_THREADS;
-
-// Asks L2 for `bytes` at p (16-byte aligned, a multiple of 16): the bulk-copy unit's prefetch on
-// sm_90, a 128-byte line at a time before.
-__device__ __forceinline__ void l2_prefetch(const char *p, int bytes, int lines)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (!lines) {
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-        return;
-    }
-#endif
-    for (int i = 0; i < bytes; i += 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + i));
-}
-
-// CTA c (counted from the first prefetch CTA) of the prefetch: pair c % n, part c / n of its
-// slot's w13 (parts13 of them) then w2.
-__device__ void slot_prefetch(const int32_t *__restrict__ in, int64_t n, int top_k,
-                              int64_t first_token, int rank,
-                              const int32_t *__restrict__ replica_begin,
-                              const int32_t *__restrict__ replica_slot, const char *w13,
-                              const char *w2, int64_t bytes13, int64_t bytes2, int64_t c, int lines)
-{
-    const int64_t pair = c % n, part = c / n;
-    const int64_t parts13 = (bytes13 + PF_CTA_BYTES - 1) / PF_CTA_BYTES;
-    const int32_t e = in[pair];
-    if (e < 0)
-        return;
-    const int32_t slot =
-        moe_replica_slot(e, first_token + pair / top_k + rank, replica_begin, replica_slot);
-    const bool up = part < parts13;
-    const int64_t bytes = up ? bytes13 : bytes2;
-    const int64_t off =
-        (up ? part : part - parts13) * PF_CTA_BYTES + (int64_t)threadIdx.x * PF_PIECE;
-    if (off >= bytes)
-        return;
-    const char *base = up ? w13 + slot * bytes13 : w2 + slot * bytes2;
-    l2_prefetch(base + off, (int)min((int64_t)PF_PIECE, bytes - off), lines);
-}
-
 __global__ void slot_ids_kernel(const int32_t *__restrict__ in, int32_t *__restrict__ out,
                                 int64_t n, int top_k, int64_t first_token, int rank,
                                 const int32_t *__restrict__ replica_begin,
-                                const int32_t *__restrict__ replica_slot, unsigned long long *load,
-                                const char *w13, const char *w2, int64_t bytes13, int64_t bytes2,
-                                int map_ctas, int lines)
+                                const int32_t *__restrict__ replica_slot, unsigned long long *load)
 {
     moe_pdl_wait();
-    if ((int)blockIdx.x >= map_ctas) {
-        slot_prefetch(in, n, top_k, first_token, rank, replica_begin, replica_slot, w13, w2,
-                      bytes13, bytes2, blockIdx.x - map_ctas, lines);
-        return;
-    }
     const int64_t i = (int64_t)blockIdx.x * EP_THREADS + threadIdx.x;
     if (i >= n)
         return;
@@ -154,27 +103,11 @@ extern "C" moe_status_t moe_ep_slot_ids_launch(const moe_ep_slot_ids_args_t *a, 
 {
     if (a->n <= 0)
         return MOE_STATUS_SUCCESS;
-    const int64_t map_ctas = (a->n + EP_THREADS - 1) / EP_THREADS;
-    const int64_t b13 = a->w13 ? a->bytes13 : 0, b2 = a->w2 ? a->bytes2 : 0;
-    if (b13 < 0 || b2 < 0 || b13 % 16 || b2 % 16 || ((uintptr_t)a->w13 | (uintptr_t)a->w2) % 16)
-        return moe_error(MOE_STATUS_INVALID_ARGUMENT,
-                         "ep slot ids: prefetch of %lld + %lld bytes a slot (multiples of 16 at "
-                         "16-byte aligned matrices expected)",
-                         (long long)a->bytes13, (long long)a->bytes2);
-    const int64_t parts =
-        (b13 + PF_CTA_BYTES - 1) / PF_CTA_BYTES + (b2 + PF_CTA_BYTES - 1) / PF_CTA_BYTES;
-    const int64_t grid = map_ctas + a->n * parts;
-    if (grid > INT32_MAX)
-        return moe_error(MOE_STATUS_INVALID_ARGUMENT,
-                         "ep slot ids: %lld pairs of %lld prefetch CTAs each is too many",
-                         (long long)a->n, (long long)parts);
-    const cudaStream_t st = (cudaStream_t)stream;
-    const char *w13 = (const char *)a->w13, *w2 = (const char *)a->w2;
     const bool pdl = a->pdl ? moe_pdl_enabled() : moe_ep_pdl_enabled();
-    MOE_CUDA_CHECK(moe_launch_pdl(pdl, (slot_ids_kernel), dim3((unsigned)grid), dim3(EP_THREADS), 0,
-                                  st, a->in, a->out, a->n, a->top_k, a->first_token, a->rank,
-                                  a->replica_begin, a->replica_slot, a->load, w13, w2, b13, b2,
-                                  (int)map_ctas, moe_env_int("MOE_L2_PREFETCH_LINES", 0)));
+    MOE_CUDA_CHECK(moe_launch_pdl(
+        pdl, (slot_ids_kernel), dim3((unsigned)((a->n + EP_THREADS - 1) / EP_THREADS)),
+        dim3(EP_THREADS), 0, (cudaStream_t)stream, a->in, a->out, a->n, a->top_k, a->first_token,
+        a->rank, a->replica_begin, a->replica_slot, a->load));
     MOE_CUDA_CHECK_LAUNCH("ep slot ids");
     return MOE_STATUS_SUCCESS;
 }

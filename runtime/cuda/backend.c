@@ -238,8 +238,6 @@ static void init_shape(moe_layer_t *l, cuda_layer_t *s)
     /* off until measured on a GPU (docs/KERNELS.md, "Integration notes") */
     s->route_permute = moe_env_int("MOE_ROUTE_PERMUTE", 0) != 0;
     s->skip_pad = l->knobs.v[MOE_KNOB_GEMM_SKIP_PAD] != 0;
-    /* measured default: docs/KERNELS.md, "Integration notes" */
-    s->l2_prefetch = (int64_t)moe_env_int("MOE_L2_PREFETCH_MB", 40) << 20;
     s->cap = l->cfg.max_tokens_per_rank;
     /* EP: the buffers hold one round (runtime/ep_rounds.h) */
     s->tm = s->world > 1 ? moe_ep_round_tokens(s->cap, s->world, l->cfg.ep_round_tokens) : s->cap;

@@ -102,8 +102,6 @@ typedef struct cuda_layer {
     int route_permute;   /* MOE_ROUTE_PERMUTE=1 (default 0): one GPU, at most
                             MOE_ROUTE_PERMUTE_MAX_TOKENS tokens: top-k, slot ids and permute in one
                             launch */
-    int64_t l2_prefetch; /* MOE_L2_PREFETCH_MB in bytes: one GPU, a step whose pairs' weights
-                            fit it has L2 ask for them at the slot ids (0: never) */
     int shared_local;    /* the whole shared MLP here, run on this rank's tokens */
     int64_t cap;         /* max_tokens_per_rank */
     int64_t tm;          /* EP: tokens per rank of one round (ep_round_tokens); one

@@ -161,38 +161,17 @@ static moe_ep_slot_ids_args_t slot_ids_args(moe_layer_t *l, const int32_t *ids, 
                                             int64_t first_token, int32_t *out)
 {
     cuda_layer_t *s = l->state;
-    const moe_ep_slot_ids_args_t r = {ids,         out,          T * s->k,         s->k,
-                                      first_token, l->plan.rank, s->replica_begin, s->replica_slot,
-                                      s->load};
+    const moe_ep_slot_ids_args_t r = {
+        ids,     out, T * s->k, s->k, first_token, l->plan.rank, s->replica_begin, s->replica_slot,
+        s->load, 0};
     return r;
 }
 
 moe_status_t moe_cuda_slot_ids(moe_layer_t *l, const int32_t *ids, int64_t T, int64_t first_token,
                                int32_t *out, void *stream)
 {
-    const moe_ep_slot_ids_args_t r = slot_ids_args(l, ids, T, first_token, out);
-    return moe_ep_slot_ids_launch(&r, stream);
-}
-
-/* One GPU: the slot ids, launched with PDL as the step's other kernels, and L2 asked for the
- * weights of every pair's slot where the pairs' bytes fit s->l2_prefetch (MOE_L2_PREFETCH_MB):
- * w13 and w2, else w2 alone (GEMM 2's, read last). The permute and quantisation kernels run while
- * HBM streams them (docs/KERNELS.md, "Integration notes"). */
-static moe_status_t one_gpu_slot_ids(moe_layer_t *l, const int32_t *ids, int64_t T, void *stream)
-{
-    cuda_layer_t *s = l->state;
-    moe_ep_slot_ids_args_t r = slot_ids_args(l, ids, T, 0, s->slot_ids);
-    const int64_t elem = s->f8 ? 1 : 2, pairs = T * s->k;
-    const int64_t b13 = 2 * s->is * s->H * elem, b2 = s->H * s->is * elem;
-    r.pdl = 1;
-    if (s->l2_prefetch > 0 && b13 % 16 == 0 && b2 % 16 == 0 && pairs * b2 <= s->l2_prefetch) {
-        r.w2 = s->w2;
-        r.bytes2 = b2;
-        if (pairs * (b13 + b2) <= s->l2_prefetch) {
-            r.w13 = s->w13;
-            r.bytes13 = b13;
-        }
-    }
+    moe_ep_slot_ids_args_t r = slot_ids_args(l, ids, T, first_token, out);
+    r.pdl = l->plan.world == 1; /* one GPU: with PDL, as the route and permute around it */
     return moe_ep_slot_ids_launch(&r, stream);
 }
 
@@ -530,7 +509,7 @@ moe_status_t moe_cuda_forward_one_gpu(moe_layer_t *l, const moe_forward_args_t *
         MOE_CHECK(route_permuted_experts(l, a, ids, w, rpe));
     } else {
         MOE_CHECK(moe_cuda_route(l, a, ids, w, s->sticky));
-        MOE_CHECK(one_gpu_slot_ids(l, ids, a->num_tokens, a->stream));
+        MOE_CHECK(moe_cuda_slot_ids(l, ids, a->num_tokens, 0, s->slot_ids, a->stream));
         MOE_CHECK(moe_cuda_record(s, EV_ROUTE, a->stream));
         MOE_CHECK(moe_cuda_routed_experts(s, a->x, a->dtype, a->num_tokens, s->slot_ids, NULL, rpe,
                                           a->stream));

@@ -326,10 +326,6 @@ static void test_route_rejects(void **state)
  * every routing case, replicas of two experts taken in turn (rank 1, first token 3), the
  * expert loads counted, token counts 0 .. MOE_ROUTE_PERMUTE_MAX_TOKENS, several block sizes. */
 enum { RP_OUT = 9 };
-/* The three-launch side asks L2 for these slot-major "weights" (the one-GPU step's prefetch) at
- * odd token counts, with PDL: no output may change. */
-static const void *pf_w13, *pf_w2;
-static const int64_t pf_b13 = 2 * 256 * 1024 + 48, pf_b2 = 4096;
 static void route_permute_run(const route_case_t *c, int64_t T, int br, const float *d_logits,
                               const float *d_bias, const int32_t *d_rb, const int32_t *d_rs,
                               int slots, int fused, void *out[RP_OUT], const size_t bytes[RP_OUT])
@@ -344,7 +340,7 @@ static void route_permute_run(const route_case_t *c, int64_t T, int br, const fl
     moe_route_permute_args_t a;
     memset(&a, 0, sizeof(a));
     a.route = (moe_route_args_t){c->p, d_logits, d_bias, out[0], out[1], T};
-    a.slots = (moe_ep_slot_ids_args_t){out[0], out[2], T * K, K, 3, 1, d_rb, d_rs, out[8]};
+    a.slots = (moe_ep_slot_ids_args_t){out[0], out[2], T * K, K, 3, 1, d_rb, d_rs, out[8], 0};
     a.permute = (moe_permute_args_t){out[2], T,      K,      slots,  br,     mb,
                                      out[3], out[4], out[5], out[6], out[7], NULL};
     /* slot_of_row comes last in the layout outputs: its own buffer */
@@ -354,13 +350,7 @@ static void route_permute_run(const route_case_t *c, int64_t T, int br, const fl
         gt_ok(moe_route_permute_launch(&a, NULL), c->name);
     } else {
         gt_ok(moe_route_launch(&a.route, NULL), c->name);
-        if (T % 2) {
-            a.slots.w13 = pf_w13;
-            a.slots.w2 = pf_w2;
-            a.slots.bytes13 = pf_b13;
-            a.slots.bytes2 = pf_b2;
-            a.slots.pdl = 1;
-        }
+        a.slots.pdl = (int)(T % 2); /* the one-GPU step's launch at odd token counts */
         gt_ok(moe_ep_slot_ids_launch(&a.slots, NULL), c->name);
         gt_ok(moe_permute_launch(&a.permute, NULL), c->name);
     }
@@ -371,13 +361,7 @@ static void test_route_permute(void **state)
 {
     static const int64_t counts[] = {0, 1, 2, 5, 8, 13, 31, MOE_ROUTE_PERMUTE_MAX_TOKENS};
     static const int brs[] = {8, 16, 64, 128};
-    int max_slots = 1;
     (void)state;
-    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++)
-        if (cases[c].p.num_experts + 2 > max_slots)
-            max_slots = cases[c].p.num_experts + 2;
-    pf_w13 = gt_dalloc((size_t)(pf_b13 * max_slots));
-    pf_w2 = gt_dalloc((size_t)(pf_b2 * max_slots));
     for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
         const int E = cases[c].p.num_experts, K = cases[c].p.top_k;
         /* experts 0 and E - 1 get a second slot (the last slots) */
@@ -438,16 +422,6 @@ static void test_route_permute(void **state)
         free(rb), free(rs), free(bias);
         moe_gpu_free(d_rb), moe_gpu_free(d_rs), moe_gpu_free(d_bias);
     }
-    { /* a prefetch the bulk copies cannot take is refused, naming its bytes */
-        int32_t *d = gt_dalloc(64);
-        moe_ep_slot_ids_args_t a = {d, d + 8, 1, 1, 0, 0, NULL, NULL, NULL};
-        a.w2 = pf_w2;
-        a.bytes2 = 40;
-        assert_int_equal(moe_ep_slot_ids_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
-        assert_non_null(strstr(moe_last_error(), "0 + 40 bytes"));
-        moe_gpu_free(d);
-    }
-    moe_gpu_free((void *)pf_w13), moe_gpu_free((void *)pf_w2);
 }
 
 /* Arguments that do not chain the three steps, or too many tokens, are refused by name. */
