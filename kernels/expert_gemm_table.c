@@ -92,6 +92,8 @@ static const moe_gemm_variant_t variants[] = {
      L(moe_gemm_sm90_fp8b_swap16pp_launch), 0},
     {"sm90_fp8_block_swapab_n32_pp", 90, 32, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
      L(moe_gemm_sm90_fp8b_swap32pp_launch), 0},
+    {"sm90_fp8_block_swapab_n8_pp", 90, 8, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
+     L(moe_gemm_sm90_fp8b_swap8pp_launch), 0},
     {"sm90_fp8_block_m64n128", 90, 64, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
      L(moe_gemm_sm90_fp8b_m64_launch), 0},
     {"sm90_fp8_block_m128n128", 90, 128, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,

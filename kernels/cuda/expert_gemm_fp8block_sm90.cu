@@ -40,4 +40,10 @@ moe_status_t moe_gemm_sm90_fp8b_swap32pp_launch(const moe_gemm_args_t *a, void *
 {
     return launch_swap<32, 2, 1, 2, 1>(a, stream, "sm90_fp8_block_swapab_n32_pp");
 }
+/* Eight token columns (m64n8k32 wgmmas), ping-pong: half the token tile and epilogue of n16_pp
+ * for steps of a few rows per expert, as the per-row tables' n8_pp */
+moe_status_t moe_gemm_sm90_fp8b_swap8pp_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<8, 4, 1, 2, 1>(a, stream, "sm90_fp8_block_swapab_n8_pp");
+}
 }

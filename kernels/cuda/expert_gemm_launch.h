@@ -42,6 +42,7 @@ moe_status_t moe_gemm_sm90_fp8b_m192_launch(const moe_gemm_args_t *args, void *s
 moe_status_t moe_gemm_sm90_fp8b_m64_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8b_swap16_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8b_swap16pp_launch(const moe_gemm_args_t *args, void *stream);
+moe_status_t moe_gemm_sm90_fp8b_swap8pp_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8b_swap32pp_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8b_swap32_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm80_m64_launch(const moe_gemm_args_t *args, void *stream);
