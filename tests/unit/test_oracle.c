@@ -34,9 +34,10 @@ static const old_bucket_t old_fp8[] = {
     {207.4, "sm90_fp8_m192n128_p4"},     {286.2, "sm90_fp8_m128n128_p4"},
     {320.0, "sm90_fp8_m192n128_p4"},     {1e300, "sm90_fp8_m128n128_p4"}};
 static const old_bucket_t old_fp8b[] = {
-    {16.0, "sm90_fp8_block_swapab_n16_pp"}, {32.0, "sm90_fp8_block_swapab_n32_pp"},
-    {96.0, "sm90_fp8_block_m64n128"},       {135.8, "sm90_fp8_block_m128n128"},
-    {183.8, "sm90_fp8_block_m192n128"},     {1e300, "sm90_fp8_block_m128n128"}};
+    {5.66, "sm90_fp8_block_swapab_n8_pp"},  {16.0, "sm90_fp8_block_swapab_n16_pp"},
+    {32.0, "sm90_fp8_block_swapab_n32_pp"}, {96.0, "sm90_fp8_block_m64n128"},
+    {135.8, "sm90_fp8_block_m128n128"},     {183.8, "sm90_fp8_block_m192n128"},
+    {1e300, "sm90_fp8_block_m128n128"}};
 static const old_bucket_t old_sm80[] = {{32.0, "sm80_mma_m32n128"}, {1e300, "sm80_mma_m64n128"}};
 #define OLD_N(b) ((int)(sizeof(b) / sizeof((b)[0])))
 
@@ -288,6 +289,9 @@ static void test_defaults_short_k(void **state)
         {MOE_SCALE_BLOCK_128, 64, 2048, "sm90_fp8_block_m64n128_pp"},
         {MOE_SCALE_BLOCK_128, 64, 7168, "sm90_fp8_block_m64n128"},
         {MOE_SCALE_BLOCK_128, 150, 2048, "sm90_fp8_block_m192n128"},
+        {MOE_SCALE_BLOCK_128, 4, 2048, "sm90_fp8_block_swapab_n8_pp"},
+        {MOE_SCALE_BLOCK_128, 8, 2048, "sm90_fp8_block_swapab_n16_pp"},
+        {MOE_SCALE_BLOCK_128, 4, 7168, "sm90_fp8_block_swapab_n8_pp"},
     };
     (void)state;
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
