@@ -82,26 +82,36 @@ __global__ void __launch_bounds__(HELD ? Q_MAX_THREADS : Q_MIN_THREADS)
     } else {
         x += row * a.cols;
     }
-    if (a.group) { /* 1 x 128 groups: 16 lanes (one half-warp) per group of 8-wide vectors */
+    if (a.group) { /* 1 x 128 groups: 16 lanes (one half-warp) per group of 8-wide vectors;
+                    * VPT vectors a thread loaded before the first is stored (HELD: the row's
+                    * loads in flight at once, not one round trip per nt vectors) */
         const int nvec = a.cols / 8, ng = (a.cols + 127) / 128;
         uint8_t *q = a.q + row * a.cols;
-        for (int v0 = 0; v0 < nvec; v0 += nt) {
-            const int v = v0 + threadIdx.x;
-            float vals[8], m = 0.0f;
-            if (v < nvec) {
-                load_row8(x, v * 8, round, vals);
+        for (int v0 = 0; v0 < nvec; v0 += nt * VPT) {
+            float vals[VPT][8];
 #pragma unroll
-                for (int i = 0; i < 8; i++)
-                    m = fmaxf(m, fabsf(vals[i]));
+            for (int i = 0; i < VPT; i++) {
+                const int v = v0 + i * nt + threadIdx.x;
+                if (v < nvec)
+                    load_row8(x, v * 8, round, vals[i]);
             }
 #pragma unroll
-            for (int o = 8; o > 0; o >>= 1) /* within the 16 lanes of the group */
-                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-            const float sg = dynamic_scale(m);
-            if (v < nvec) {
-                if (v % 16 == 0)
-                    a.scale[row * ng + v / 16] = sg;
-                store_e4m3x8(q + (int64_t)v * 8, vals, sg);
+            for (int i = 0; i < VPT; i++) {
+                const int v = v0 + i * nt + threadIdx.x;
+                float m = 0.0f;
+                if (v < nvec)
+#pragma unroll
+                    for (int j = 0; j < 8; j++)
+                        m = fmaxf(m, fabsf(vals[i][j]));
+#pragma unroll
+                for (int o = 8; o > 0; o >>= 1) /* within the 16 lanes of the group */
+                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+                const float sg = dynamic_scale(m);
+                if (v < nvec) {
+                    if (v % 16 == 0)
+                        a.scale[row * ng + v / 16] = sg;
+                    store_e4m3x8(q + (int64_t)v * 8, vals[i], sg);
+                }
             }
         }
         return;
@@ -203,7 +213,9 @@ extern "C" moe_status_t moe_quant_rows_launch(const moe_quant_rows_args_t *a, vo
     const unsigned grid = (unsigned)a->rows;
     /* long rows, per-row scales: enough threads for Q_VPT vectors each (whole warps), within
        [Q_MIN, Q_MAX]_THREADS */
-    const bool held = !a->group && a->cols > Q_HELD_MIN_COLS;
+    /* 1 x 128 groups: always (their amax needs no second pass over the row) */
+    const bool held =
+        a->group ? moe_env_int("MOE_QUANT_GROUP_HELD", 1) != 0 : a->cols > Q_HELD_MIN_COLS;
     const int64_t need = ((int64_t)a->cols / 8 + Q_VPT - 1) / Q_VPT;
     const int threads = !held || need <= Q_MIN_THREADS ? Q_MIN_THREADS
                         : need >= Q_MAX_THREADS        ? Q_MAX_THREADS

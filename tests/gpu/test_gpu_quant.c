@@ -130,6 +130,9 @@ static void test_quant_groups(void **state)
     check_quant(25, 384, 128, MOE_DTYPE_BF16, NULL, 0, -1, 16);
     check_quant(17, 200, 128, MOE_DTYPE_F32, NULL, 0, -1, 16); /* a partial last group */
     check_quant(48, 7168, 128, MOE_DTYPE_BF16, NULL, 0, 1, 16);
+    check_quant(9, 14336, 128, MOE_DTYPE_BF16, NULL, 0, -1, 16); /* 224 threads, 8 vectors each */
+    /* past 512 threads x 8 vectors (32768): a second round; a partial last group */
+    check_quant(5, 40000, 128, MOE_DTYPE_F32, NULL, 0, -1, 16);
 }
 
 /* A static scale small enough that most values saturate at +-448 (never NaN), NaN stays NaN. */
