@@ -38,6 +38,7 @@ static const struct knob {
     {"MOE_DECODE_K1_SPLIT", 0, 8},    /* fused decode's GEMM 1 k split; 0: by shape, 1: none */
     {"MOE_FP8_FAST_ACCUM", 0, 1},     /* moe-tune: try the FP8 tiles without promotion */
     {"MOE_GEMM_PROMO_SLICES", 1, 64}, /* the _p4 fp8 tiles' promotion interval (an A/B knob) */
+    {"MOE_QUANT_GROUP_HELD", 0, 1},   /* long rows' 1 x 128 group quantisation held (A/B knob) */
 };
 
 static void knob_range(const char *name, int64_t *min, int64_t *max)
