@@ -213,9 +213,10 @@ extern "C" moe_status_t moe_quant_rows_launch(const moe_quant_rows_args_t *a, vo
         return moe_error(MOE_STATUS_INVALID_ARGUMENT, "e4m3 rows: %lld rows", (long long)a->rows);
     const unsigned grid = (unsigned)a->rows;
     /* long rows (per row or, unless MOE_QUANT_GROUP_HELD=0, 1 x 128 groups): enough threads for
-       Q_VPT vectors each (whole warps), within [Q_MIN, Q_MAX]_THREADS. Every group row held
-       measured 1-6 % faster on Mixtral's block steps (h: 14336), 2-9 % slower on the DeepSeek-V3
-       shard's (7168, 2048) and Qwen3's (2048, 768): hence past Q_HELD_MIN_COLS only. */
+       Q_VPT vectors each (whole warps), within [Q_MIN, Q_MAX]_THREADS. Groups so: Mixtral's
+       block steps 2-8 % faster (h: 14336); every group row held made the DeepSeek-V3 shard's
+       (7168, 2048) and Qwen3's (2048, 768) 2-9 % slower (bench/RESULTS.md, "Layer step, FP8
+       W8A8"). */
     static int group_held = -1;
     const bool held = a->cols > Q_HELD_MIN_COLS &&
                       (!a->group || moe_env_once(&group_held, "MOE_QUANT_GROUP_HELD", 1) != 0);
