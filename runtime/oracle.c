@@ -87,7 +87,7 @@ static const moe_oracle_group_t defaults[] = {
      * as ping-pong, n16 0-5% faster, n32 6% on Qwen3 at 32 rows per expert and level on the other
      * two (2026-12-03, as above). n8_pp (this table and the short-k one) up to 5.66 rows, halfway
      * from its last measured point: 1-9 % faster than n16_pp at 0.06..4 rows per expert on the
-     * three shapes (2026-12-03, bench/RESULTS.md, "Layer step, FP8 W8A8"; 8 rows unmeasured) */
+     * three shapes (2026-12-04, bench/RESULTS.md, "Layer step, FP8 W8A8"; 8 rows unmeasured) */
     BUILTIN(
         90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128, 7, {5.66, "sm90_fp8_block_swapab_n8_pp", 0, 0},
         {16.0, "sm90_fp8_block_swapab_n16_pp", 0, 0}, {32.0, "sm90_fp8_block_swapab_n32_pp", 0, 0},
