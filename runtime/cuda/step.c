@@ -161,17 +161,24 @@ static moe_ep_slot_ids_args_t slot_ids_args(moe_layer_t *l, const int32_t *ids, 
                                             int64_t first_token, int32_t *out)
 {
     cuda_layer_t *s = l->state;
-    const moe_ep_slot_ids_args_t r = {
-        ids,     out, T * s->k, s->k, first_token, l->plan.rank, s->replica_begin, s->replica_slot,
-        s->load, 0};
+    /* one GPU: with PDL, as the route and permute around it */
+    const moe_ep_slot_ids_args_t r = {ids,
+                                      out,
+                                      T * s->k,
+                                      s->k,
+                                      first_token,
+                                      l->plan.rank,
+                                      s->replica_begin,
+                                      s->replica_slot,
+                                      s->load,
+                                      l->plan.world == 1};
     return r;
 }
 
 moe_status_t moe_cuda_slot_ids(moe_layer_t *l, const int32_t *ids, int64_t T, int64_t first_token,
                                int32_t *out, void *stream)
 {
-    moe_ep_slot_ids_args_t r = slot_ids_args(l, ids, T, first_token, out);
-    r.pdl = l->plan.world == 1; /* one GPU: with PDL, as the route and permute around it */
+    const moe_ep_slot_ids_args_t r = slot_ids_args(l, ids, T, first_token, out);
     return moe_ep_slot_ids_launch(&r, stream);
 }
 
