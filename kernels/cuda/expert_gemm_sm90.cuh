@@ -352,11 +352,16 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                         for (int i = tid; i < KB * C::SC_SLICE; i += 32) {
                             const int sub = i / SCS, j = i - sub * SCS;
                             const int ks = kt + sub;
-                            if (ks >= kbn || (j >= TOK && !win[j - TOK]))
+                            /* the half j - TOK without a run-time index into wrow / win (which
+                             * would put them in local memory) */
+                            static_assert(HALVES <= 2, "swap-AB: one or two halves");
+                            const bool h1 = HALVES > 1 && j > TOK;
+                            if (ks >= kbn || (j >= TOK && !(h1 ? win[HALVES - 1] : win[0])))
                                 continue;
+                            const int hrow = h1 ? wrow[HALVES - 1] : wrow[0];
                             const float *src = j < TOK
                                                    ? p.a_scale + ((int64_t)b * TOK + j) * kbn + ks
-                                                   : p.b_scale + (int64_t)wrow[j - TOK] * kbn + ks;
+                                                   : p.b_scale + (int64_t)hrow * kbn + ks;
                             cp_async_4(sc + i, src);
                         }
                         cp_async_arrive_noinc(&full[s]);
