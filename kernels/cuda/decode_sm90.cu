@@ -111,19 +111,24 @@ __device__ __forceinline__ float ld_cg_f32(const float *p)
     return v;
 }
 
-__device__ __forceinline__ int ld_acquire(const int32_t *p)
+__device__ __forceinline__ int ld_relaxed(const int32_t *p)
 {
     int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
 
-// lane 0 spins until *p >= target; the warp's later loads see what the signalling warps wrote
+// lane 0 spins until *p >= target; the warp's later loads see what the signalling warps wrote.
+// The polls are relaxed and one fence makes the last of them an acquire: ld.acquire compiles to
+// a strong load and an L1 invalidation (CCTL.IVALL) per poll, and a one-token step polled about
+// a million times (Nsight Compute, 2026-12-04: 17 % of the warps' stall samples there)
 __device__ __forceinline__ void warp_wait(const int32_t *p, int target)
 {
-    if ((threadIdx.x & 31) == 0)
-        while (ld_acquire(p) < target)
+    if ((threadIdx.x & 31) == 0) {
+        while (ld_relaxed(p) < target)
             __nanosleep(256); // hundreds of warps may poll one line: leave the L2 slice room
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    }
     __syncwarp();
 }
 
@@ -255,12 +260,18 @@ __device__ void build_table(const params &p, smem_t &s)
     __syncthreads();
 }
 
-// fp8: token t's row of x (as bf16) quantised with its dynamic scale, by one warp
+// fp8: token t's row of x (as bf16) quantised with its dynamic scale, by one warp. GEMM 1 waits
+// on this item, so its loads are issued in batches (8 vectors a lane for the maximum, then
+// XQ_CONVERT for the conversion, which reads x again from L2): 3 round trips for a row of 2048,
+// where one load a lane at a time made 16. More held for the conversion spilled registers in
+// the GEMM loops (ptxas: the division's slow path is a call).
+constexpr int XQ_CONVERT = 4;
 template <typename XT> __device__ void quantise_x(const params &p, int t)
 {
     const int lane = threadIdx.x & 31;
     const XT *x = static_cast<const XT *>(p.x) + (int64_t)t * p.H;
     float m = 0.0f;
+#pragma unroll 8
     for (int c = lane * 8; c < p.H; c += 256) {
         const uint4 v = load_x8(x, c);
         const uint32_t w[4] = {v.x, v.y, v.z, v.w};
@@ -272,11 +283,18 @@ template <typename XT> __device__ void quantise_x(const params &p, int t)
     for (int o = 16; o > 0; o >>= 1)
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     const float s = dynamic_scale(m);
-    for (int c = lane * 8; c < p.H; c += 256) {
-        const uint4 v = load_x8(x, c);
-        const uint2 q = make_uint2(e4m3x4(bf(v.x, 0), bf(v.x, 1), bf(v.y, 0), bf(v.y, 1), s),
-                                   e4m3x4(bf(v.z, 0), bf(v.z, 1), bf(v.w, 0), bf(v.w, 1), s));
-        *reinterpret_cast<uint2 *>(p.xq + (int64_t)t * p.H + c) = q;
+#pragma unroll 1
+    for (int c0 = lane * 8; c0 < p.H; c0 += 256 * XQ_CONVERT) {
+        uint4 v[XQ_CONVERT];
+#pragma unroll
+        for (int i = 0; i < XQ_CONVERT; i++)
+            v[i] = c0 + i * 256 < p.H ? load_x8(x, c0 + i * 256) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int i = 0; i < XQ_CONVERT; i++)
+            if (c0 + i * 256 < p.H)
+                *reinterpret_cast<uint2 *>(p.xq + (int64_t)t * p.H + c0 + i * 256) = make_uint2(
+                    e4m3x4(bf(v[i].x, 0), bf(v[i].x, 1), bf(v[i].y, 0), bf(v[i].y, 1), s),
+                    e4m3x4(bf(v[i].z, 0), bf(v[i].z, 1), bf(v[i].w, 0), bf(v[i].w, 1), s));
     }
     if (lane == 0)
         p.xs[t] = s;
@@ -581,7 +599,7 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
     const int t2 = (p.H + TILE2 - 1) / TILE2, n2 = nu * t2 * p.split;
     int32_t *col_done = p.sync + sync_col(p.E);
     for (int item = warp * gridDim.x + blockIdx.x; item < n0 + n1 + n2; item += nw) {
-        if (item < n0) {
+        if (F8 && item < n0) {
             quantise_x<XT>(p, item);
         } else if (item < n0 + n1) {
             const int i = item - n0; // (expert, column tile, k piece), the pieces adjacent
