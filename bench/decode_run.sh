@@ -9,8 +9,8 @@
 #           light, memory workload, warp states, occupancy, into $OUT/ncu_decode.txt
 #   bench   moe-bench at M = 1, 8, 64 (--explain) for the three presets, bf16 and fp8
 #           per-tensor: VARIANTS of grouped (MOE_FUSED_DECODE=0), fused (forced), fused-k1
-#           (forced, GEMM 1 split along k: MOE_DECODE_K1_SPLIT=0), fused-ring (forced,
-#           MOE_DECODE_RING=1), builtin (the built-in crossover)
+#           (forced, GEMM 1 split along k: MOE_DECODE_K1_SPLIT=0), builtin (the built-in
+#           crossover)
 # BUILD_DIR (default /tmp/b35) keeps the build between calls on a warm machine.
 set -uo pipefail
 # shellcheck source=/dev/null # written by shared/device/prepare.sh, not in the repository
@@ -72,8 +72,6 @@ bench)
                 fused) env="MOE_FORCE_VARIANT=sm90_fused_decode" ;;
                 fused-k1) # GEMM 1 split along k by the shape's rule
                     env="MOE_FORCE_VARIANT=sm90_fused_decode MOE_DECODE_K1_SPLIT=0" ;;
-                fused-ring) # the weights through the per-warp shared-memory ring
-                    env="MOE_FORCE_VARIANT=sm90_fused_decode MOE_DECODE_RING=1" ;;
                 grouped) env="MOE_FUSED_DECODE=0" ;; # the oracle's grouped variants, as before
                 esac
                 echo "== $p $dt $v"

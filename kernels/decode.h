@@ -60,8 +60,6 @@ typedef struct moe_decode_args {
     int split1;   /* GEMM 1's k split (1 .. MOE_DECODE_MAX_SPLIT; moe_decode_split1 gives one
                    * from the shape); 0 is taken as 1 */
     int max_ctas; /* at most this many CTAs (0: as many as fit on the GPU) */
-    int ring;     /* 1: the weights through a per-warp shared-memory ring (cp.async) at steps
-                   * of up to 16 tokens; 0: loaded straight into registers */
 } moe_decode_args_t;
 
 /* ints of the persistent sync array for a layer of these dimensions and GEMM 1 k split */

@@ -35,9 +35,6 @@ constexpr int THREADS = 256, WARPS = THREADS / 32;
 // 16-byte loads per row in flight per batch (two batches in turn), two CTAs an SM (8 with one
 // CTA an SM was 10-50 % slower: docs/KERNELS.md, "Fused decode")
 constexpr int U_WIDE = 4;
-// args.ring: the weights through a per-warp shared-memory ring of RING stages (cp.async, 16
-// bytes a lane as the loads above; RING - 1 batches in flight and no registers held for them)
-constexpr int RING = 3;
 constexpr int TILE1 = 8;  // GEMM 1: output columns of h per item (8 gate + 8 up rows)
 constexpr int TILE2 = 16; // GEMM 2: output columns of y per item
 constexpr int MAX_ROWS = MOE_DECODE_MAX_TOKENS * 16; // slots: tokens x top_k (top_k <= 16)
@@ -95,25 +92,6 @@ __device__ __forceinline__ uint4 ld_stream(const uint8_t *p)
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
     return v;
-}
-
-// 16 bytes into shared memory, asynchronously (zeros, no read, when !full)
-__device__ __forceinline__ void cp_async16(uint4 *dst, const uint8_t *src, bool full)
-{
-    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(d), "l"(src),
-                 "r"(full ? 16 : 0)
-                 : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit()
-{
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-template <int N> __device__ __forceinline__ void cp_async_wait()
-{
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
 // data written earlier in this launch by other SMs: L2, not a stale L1 line
@@ -323,74 +301,13 @@ template <typename XT> __device__ void quantise_x(const params &p, int t)
     warp_signal(p.sync + SYNC_XQ);
 }
 
-// dot_rows (below) with the weights through this warp's ring of R stages in shared memory: each
-// lane copies the same 16-byte pieces it would load and reads back only its own, so no lane
-// waits on another; a batch's stage is refilled R - 1 batches later, after this lane has read it.
-template <bool F8, int NG, int U, int R, typename B, typename W>
-__device__ __forceinline__ void dot_rows_ring(float (&acc)[NG][4], const uint8_t *ra,
-                                              const uint8_t *rb, int k0, int k1, int ncols, B bcol,
-                                              W wait)
-{
-    constexpr int EPT = F8 ? 16 : 8, CK = 4 * EPT, ES = F8 ? 1 : 2, KB = U * CK;
-    extern __shared__ uint4 ring_smem[];
-    const int lane = threadIdx.x & 31, t = lane & 3;
-    uint4 *ring = ring_smem + (threadIdx.x >> 5) * (R * 2 * U * 32) + lane;
-#pragma unroll
-    for (int g = 0; g < NG; g++)
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            acc[g][i] = 0.0f;
-    auto issue = [&](int kb, int st) { // batch at kb into stage st; an empty group past k1
-        uint4 *d = ring + st * 2 * U * 32;
-        if (kb < k1)
-#pragma unroll
-            for (int i = 0; i < U; i++) {
-                const int k = kb + i * CK + t * EPT;
-                const bool in = k < k1;
-                cp_async16(d + i * 32, in ? ra + (int64_t)k * ES : ra, in);
-                cp_async16(d + (U + i) * 32, in ? rb + (int64_t)k * ES : rb, in);
-            }
-        cp_async_commit();
-    };
-#pragma unroll
-    for (int j = 0; j < R - 1; j++)
-        issue(k0 + j * KB, j);
-    wait();
-    const int nb = k1 > k0 ? (k1 - k0 + KB - 1) / KB : 0;
-    for (int b = 0; b < nb; b++) {
-        cp_async_wait<R - 2>();
-        const uint4 *d = ring + b % R * 2 * U * 32;
-        uint4 ca[U], cb[U];
-#pragma unroll
-        for (int i = 0; i < U; i++)
-            ca[i] = d[i * 32], cb[i] = d[(U + i) * 32];
-        issue(k0 + (b + R - 1) * KB, (b + R - 1) % R);
-        const int kb = k0 + b * KB;
-#pragma unroll
-        for (int i = 0; i < U; i++) {
-            const int k = kb + i * CK + t * EPT;
-#pragma unroll
-            for (int g = 0; g < NG; g++)
-                if (g * 8 < ncols) {
-                    const uint4 bv = bcol(g, k);
-                    mma2<F8>(acc[g], ca[i], cb[i], bv);
-                }
-        }
-    }
-    cp_async_wait<0>();
-}
-
 // One weight-row pair's dot products with up to NG x 8 token columns over k in [k0, k1):
 // rows ra / rb (byte pointers at k = 0), B columns from bcol(ng, k) (16 bytes for this lane's
 // column, zero where the column or k is past its end). wait() runs after the first loads.
-template <bool F8, int NG, int U, int R, typename B, typename W>
+template <bool F8, int NG, int U, typename B, typename W>
 __device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra, const uint8_t *rb,
                                          int k0, int k1, int ncols, B bcol, W wait)
 {
-    if (R > 0) {
-        dot_rows_ring<F8, NG, U, R>(acc, ra, rb, k0, k1, ncols, bcol, wait);
-        return;
-    }
     constexpr int EPT = F8 ? 16 : 8; // k per 16-byte load
     constexpr int CK = 4 * EPT;      // k per load of the 4 lanes of a row
     constexpr int ES = F8 ? 1 : 2;   // bytes per weight
@@ -436,7 +353,7 @@ __device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra,
 
 // GEMM 1 item: expert e, h columns c0 .. c0 + 7 for the expert's n tokens, k piece q of
 // p.split1 (K1: split1 > 1; pieces of a multiple of 4 x 16 bytes of k)
-template <bool F8, int NG, int U, int R, typename XT, bool K1>
+template <bool F8, int NG, int U, typename XT, bool K1>
 __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -466,7 +383,7 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q)
     const int k0 = !K1 ? 0 : q * per < p.H ? q * per : p.H;
     const int k1 = !K1 ? p.H : k0 + per < p.H ? k0 + per : p.H;
     float acc[NG][4];
-    dot_rows<F8, NG, U, R>(acc, ra, rb, k0, k1, n, bcol, wait);
+    dot_rows<F8, NG, U>(acc, ra, rb, k0, k1, n, bcol, wait);
     // c0, c1: gate of column c0 + g for tokens 2t, 2t + 1 of the group; c2, c3: up
     const int col = c0 + g;
     if (K1) {
@@ -596,7 +513,7 @@ template <typename YT> __device__ void combine_tile(const params &p, int r)
 }
 
 // GEMM 2 item: expert e, rows r * 16 .. + 16 of hidden, k split q (K1: GEMM 1 split too)
-template <bool F8, int NG, int U, int R, bool K1>
+template <bool F8, int NG, int U, bool K1>
 __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int n1)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -638,7 +555,7 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
                           e4m3x4(bf(b.z, 0), bf(b.z, 1), bf(b.w, 0), bf(b.w, 1), sc));
     };
     float acc[NG][4];
-    dot_rows<F8, NG, U, R>(acc, ra, rb, k0, k1, n, bcol, wait);
+    dot_rows<F8, NG, U>(acc, ra, rb, k0, k1, n, bcol, wait);
     float s0 = 1.0f, s1 = 1.0f;
     if (F8)
         s0 = __ldg(p.w2s + (int64_t)e * p.H + row0), s1 = __ldg(p.w2s + (int64_t)e * p.H + row1);
@@ -666,7 +583,7 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
 
 // K1: GEMM 1 split along k (p.split1 > 1), a kernel of its own so that the others keep their
 // registers
-template <bool F8, int NG, int U, int R, typename XT, typename YT, bool K1>
+template <bool F8, int NG, int U, typename XT, typename YT, bool K1>
 __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
 {
     __shared__ smem_t s;
@@ -686,11 +603,11 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
             quantise_x<XT>(p, item);
         } else if (item < n0 + n1) {
             const int i = item - n0; // (expert, column tile, k piece), the pieces adjacent
-            gemm1<F8, NG, U, R, XT, K1>(p, s, s.uniq[i / (t1 * s1)], i / s1 % t1 * TILE1, i % s1);
+            gemm1<F8, NG, U, XT, K1>(p, s, s.uniq[i / (t1 * s1)], i / s1 % t1 * TILE1, i % s1);
         } else {
             const int i = item - n0 - n1;
             const int u = i / (t2 * p.split), r = i / p.split % t2, q = i % p.split;
-            gemm2<F8, NG, U, R, K1>(p, s, s.uniq[u], r, q, t1);
+            gemm2<F8, NG, U, K1>(p, s, s.uniq[u], r, q, t1);
             if (warp_signal(col_done + r * COL_STRIDE) == nu * p.split - 1) {
                 __threadfence();
                 combine_tile<YT>(p, r);
@@ -718,90 +635,75 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
     }
 }
 
-// dynamic shared memory of a kernel with a ring of R stages: every warp's
-template <int U, int R> constexpr int ring_bytes()
-{
-    return WARPS * R * 2 * U * 32 * (int)sizeof(uint4);
-}
-
-// CTAs that fit on the device at once (every one must be resident: items wait on others), after
-// raising the kernel's shared-memory limit for its ring
-template <bool F8, int NG, int U, int R, typename XT, typename YT, bool K1> int resident_ctas()
+// CTAs that fit on the device at once (every one must be resident: items wait on others)
+template <bool F8, int NG, int U, typename XT, typename YT, bool K1> int resident_ctas()
 {
     static int cached[MOE_MAX_DEVICES];
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess)
         return 0;
     return moe_device_cached(cached, dev, [](int d) {
-        const auto k = decode_kernel<F8, NG, U, R, XT, YT, K1>;
         int sms = 0, per = 0;
         if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d) != cudaSuccess ||
-            (R > 0 && cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           ring_bytes<U, R>()) != cudaSuccess) ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, k, THREADS, ring_bytes<U, R>()) !=
-                cudaSuccess)
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                &per, decode_kernel<F8, NG, U, XT, YT, K1>, THREADS, 0) != cudaSuccess)
             return 0;
         return sms * per;
     });
 }
 
-template <bool F8, int NG, int U, int R, typename XT, typename YT, bool K1>
+template <bool F8, int NG, int U, typename XT, typename YT, bool K1>
 moe_status_t launch_k1(const params &p, int max_ctas, cudaStream_t stream)
 {
-    int ctas = resident_ctas<F8, NG, U, R, XT, YT, K1>();
+    int ctas = resident_ctas<F8, NG, U, XT, YT, K1>();
     if (ctas <= 0)
         return moe_error(MOE_STATUS_CUDA_ERROR, "decode: no CTA fits on the device");
     if (max_ctas > 0 && max_ctas < ctas)
         ctas = max_ctas;
-    MOE_CUDA_CHECK(moe_launch(decode_kernel<F8, NG, U, R, XT, YT, K1>, dim3(ctas), dim3(THREADS),
-                              ring_bytes<U, R>(), stream, p));
+    MOE_CUDA_CHECK(
+        moe_launch(decode_kernel<F8, NG, U, XT, YT, K1>, dim3(ctas), dim3(THREADS), 0, stream, p));
     MOE_CUDA_CHECK_LAUNCH("decode_kernel");
     return MOE_STATUS_SUCCESS;
 }
 
-template <bool F8, int NG, int U, int R, typename XT, typename YT>
+template <bool F8, int NG, int U, typename XT, typename YT>
 moe_status_t launch(const params &p, int max_ctas, cudaStream_t stream)
 {
-    return p.split1 > 1 ? launch_k1<F8, NG, U, R, XT, YT, true>(p, max_ctas, stream)
-                        : launch_k1<F8, NG, U, R, XT, YT, false>(p, max_ctas, stream);
+    return p.split1 > 1 ? launch_k1<F8, NG, U, XT, YT, true>(p, max_ctas, stream)
+                        : launch_k1<F8, NG, U, XT, YT, false>(p, max_ctas, stream);
 }
 
-// the ring for steps of up to 16 tokens (NG <= 2), where it was measured (docs/KERNELS.md)
 template <bool F8, typename XT, typename YT>
-moe_status_t launch_ng(const params &p, int ring, int max_ctas, cudaStream_t stream)
+moe_status_t launch_ng(const params &p, int max_ctas, cudaStream_t stream)
 {
     if (p.T <= 8)
-        return ring ? launch<F8, 1, U_WIDE, RING, XT, YT>(p, max_ctas, stream)
-                    : launch<F8, 1, U_WIDE, 0, XT, YT>(p, max_ctas, stream);
+        return launch<F8, 1, U_WIDE, XT, YT>(p, max_ctas, stream);
     if (p.T <= 16)
-        return ring ? launch<F8, 2, U_WIDE, RING, XT, YT>(p, max_ctas, stream)
-                    : launch<F8, 2, U_WIDE, 0, XT, YT>(p, max_ctas, stream);
+        return launch<F8, 2, U_WIDE, XT, YT>(p, max_ctas, stream);
     if (p.T <= 32)
-        return launch<F8, 4, U_WIDE, 0, XT, YT>(p, max_ctas, stream);
-    return launch<F8, 8, U_WIDE, 0, XT, YT>(p, max_ctas, stream);
+        return launch<F8, 4, U_WIDE, XT, YT>(p, max_ctas, stream);
+    return launch<F8, 8, U_WIDE, XT, YT>(p, max_ctas, stream);
 }
 
 template <bool F8, typename XT>
-moe_status_t launch_y(const params &p, moe_dtype_t yt, int ring, int max_ctas, cudaStream_t stream)
+moe_status_t launch_y(const params &p, moe_dtype_t yt, int max_ctas, cudaStream_t stream)
 {
-    return yt == MOE_DTYPE_F32 ? launch_ng<F8, XT, float>(p, ring, max_ctas, stream)
-                               : launch_ng<F8, XT, __nv_bfloat16>(p, ring, max_ctas, stream);
+    return yt == MOE_DTYPE_F32 ? launch_ng<F8, XT, float>(p, max_ctas, stream)
+                               : launch_ng<F8, XT, __nv_bfloat16>(p, max_ctas, stream);
 }
 
 template <bool F8> moe_status_t prepare_f8()
 {
-#define MOE_DECODE_PREP(NG, R, K1)                                                                 \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U_WIDE, R, float, float, K1>));                        \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U_WIDE, R, float, __nv_bfloat16, K1>));                \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U_WIDE, R, __nv_bfloat16, float, K1>));                \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U_WIDE, R, __nv_bfloat16, __nv_bfloat16, K1>));
+#define MOE_DECODE_PREP(NG, U, K1)                                                                 \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, float, float, K1>));                                \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, float, __nv_bfloat16, K1>));                        \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, __nv_bfloat16, float, K1>));                        \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, __nv_bfloat16, __nv_bfloat16, K1>));
 #define MOE_DECODE_PREP_NG(K1)                                                                     \
-    MOE_DECODE_PREP(1, 0, K1)                                                                      \
-    MOE_DECODE_PREP(2, 0, K1)                                                                      \
-    MOE_DECODE_PREP(4, 0, K1)                                                                      \
-    MOE_DECODE_PREP(8, 0, K1)                                                                      \
-    MOE_DECODE_PREP(1, RING, K1)                                                                   \
-    MOE_DECODE_PREP(2, RING, K1)
+    MOE_DECODE_PREP(1, U_WIDE, K1)                                                                 \
+    MOE_DECODE_PREP(2, U_WIDE, K1)                                                                 \
+    MOE_DECODE_PREP(4, U_WIDE, K1)                                                                 \
+    MOE_DECODE_PREP(8, U_WIDE, K1)
     MOE_DECODE_PREP_NG(false)
     MOE_DECODE_PREP_NG(true)
 #undef MOE_DECODE_PREP_NG
@@ -869,7 +771,6 @@ extern "C" moe_status_t moe_decode_launch(const moe_decode_args_t *a, void *stre
                   a->split);
     MOE_ARG_CHECK(a->split1 >= 0 && a->split1 <= MOE_DECODE_MAX_SPLIT, "decode: split1 = %d",
                   a->split1);
-    MOE_ARG_CHECK(a->ring == 0 || a->ring == 1, "decode: ring = %d (0 or 1)", a->ring);
     MOE_ARG_CHECK(a->split1 <= 1 || a->o1, "decode: split1 = %d needs the o1 workspace", a->split1);
     MOE_ARG_CHECK(a->x_dtype == MOE_DTYPE_F32 || a->x_dtype == MOE_DTYPE_BF16,
                   "decode: x dtype %s (F32 or BF16)", moe_dtype_name(a->x_dtype));
@@ -912,11 +813,11 @@ extern "C" moe_status_t moe_decode_launch(const moe_decode_args_t *a, void *stre
     const cudaStream_t st = (cudaStream_t)stream;
     if (a->f8)
         return a->x_dtype == MOE_DTYPE_F32
-                   ? launch_y<true, float>(p, a->y_dtype, a->ring, a->max_ctas, st)
-                   : launch_y<true, __nv_bfloat16>(p, a->y_dtype, a->ring, a->max_ctas, st);
+                   ? launch_y<true, float>(p, a->y_dtype, a->max_ctas, st)
+                   : launch_y<true, __nv_bfloat16>(p, a->y_dtype, a->max_ctas, st);
     return a->x_dtype == MOE_DTYPE_F32
-               ? launch_y<false, float>(p, a->y_dtype, a->ring, a->max_ctas, st)
-               : launch_y<false, __nv_bfloat16>(p, a->y_dtype, a->ring, a->max_ctas, st);
+               ? launch_y<false, float>(p, a->y_dtype, a->max_ctas, st)
+               : launch_y<false, __nv_bfloat16>(p, a->y_dtype, a->max_ctas, st);
 }
 
 extern "C" moe_status_t moe_decode_prepare(void)

@@ -492,7 +492,6 @@ static moe_status_t decode_forward(moe_layer_t *l, const moe_forward_args_t *a, 
     d.gelu = s->act == MOE_ACTIVATION_GELU;
     d.split = s->dec_split;
     d.split1 = s->dec_split1;
-    d.ring = s->dec_ring;
     d.o1 = s->dec_o1;
     MOE_CHECK(moe_decode_launch(&d, a->stream));
     MOE_CHECK(moe_cuda_record(s, EV_EXPERT, a->stream));
