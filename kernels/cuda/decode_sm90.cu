@@ -599,6 +599,8 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
     const int t2 = (p.H + TILE2 - 1) / TILE2, n2 = nu * t2 * p.split;
     int32_t *col_done = p.sync + sync_col(p.E);
     for (int item = warp * gridDim.x + blockIdx.x; item < n0 + n1 + n2; item += nw) {
+        // F8 &&: n0 is 0 without it anyway, but so the bf16 kernels compile no quantisation
+        // (its registers held in the same function spilled their GEMM loops)
         if (F8 && item < n0) {
             quantise_x<XT>(p, item);
         } else if (item < n0 + n1) {
