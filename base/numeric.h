@@ -3,9 +3,16 @@
 #ifndef MOE_NUMERIC_H
 #define MOE_NUMERIC_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include "moe/moe.h"
+
+#ifdef __CUDACC__
+#define MOE_HOST_DEVICE __host__ __device__
+#else
+#define MOE_HOST_DEVICE
+#endif
 
 #ifdef __cplusplus
 extern "C" {
@@ -35,6 +42,19 @@ uint8_t moe_fp8e4m3_quantize(float v, float scale);
 
 /* The dynamic scale of a group whose largest |value| is `amax`: max(amax, 1e-10) / 448. */
 float moe_fp8_dynamic_scale(float amax);
+
+/* v / scale for an e4m3 quantisation, from recip = 1 / scale rounded to nearest: the quotient
+ * rounded by recip, then one FMA step on its exact remainder (Markstein's correction: the
+ * correctly rounded quotient wherever it is a normal f32), the sign of v kept for zeros. Three
+ * instructions on a GPU, where a division is a reciprocal, a refinement and a slow-path branch.
+ * Its e4m3 code equals moe_fp8e4m3_quantize(v, scale)'s for every bf16 v with |v| <= 448 * scale,
+ * scale >= 1e-10 / 448: tests/unit/test_numeric.c checks a grid of scales, and a run over every
+ * pair of bf16 values (1.07e9) found no difference. */
+static inline MOE_HOST_DEVICE float moe_fp8_quotient(float v, float scale, float recip)
+{
+    const float q = v * recip;
+    return copysignf(fmaf(fmaf(-q, scale, v), recip, q), v);
+}
 
 /* The static activation scale of one quantisation that feeds two products (gate_proj and
  * up_proj, as a fused gate_up kernel reads them) from their input_scale values: the larger when

@@ -172,12 +172,17 @@ __device__ __forceinline__ float dynamic_scale(float amax)
     return __fdiv_rn(amax > MOE_FP8_ACT_AMAX_MIN ? amax : MOE_FP8_ACT_AMAX_MIN, MOE_FP8_E4M3_MAX);
 }
 
-__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d, float s)
+// four values over scale s (r = 1 / s rounded) as e4m3: the code of the correctly rounded
+// quotient (moe_fp8_quotient), as the quantisation kernels' division gives it
+__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d, float s, float r)
 {
-    return (uint32_t)__nv_cvt_float_to_fp8(__fdiv_rn(a, s), __NV_SATFINITE, __NV_E4M3) |
-           (uint32_t)__nv_cvt_float_to_fp8(__fdiv_rn(b, s), __NV_SATFINITE, __NV_E4M3) << 8 |
-           (uint32_t)__nv_cvt_float_to_fp8(__fdiv_rn(c, s), __NV_SATFINITE, __NV_E4M3) << 16 |
-           (uint32_t)__nv_cvt_float_to_fp8(__fdiv_rn(d, s), __NV_SATFINITE, __NV_E4M3) << 24;
+    return (uint32_t)__nv_cvt_float_to_fp8(moe_fp8_quotient(a, s, r), __NV_SATFINITE, __NV_E4M3) |
+           (uint32_t)__nv_cvt_float_to_fp8(moe_fp8_quotient(b, s, r), __NV_SATFINITE, __NV_E4M3)
+               << 8 |
+           (uint32_t)__nv_cvt_float_to_fp8(moe_fp8_quotient(c, s, r), __NV_SATFINITE, __NV_E4M3)
+               << 16 |
+           (uint32_t)__nv_cvt_float_to_fp8(moe_fp8_quotient(d, s, r), __NV_SATFINITE, __NV_E4M3)
+               << 24;
 }
 
 __device__ __forceinline__ float bf(uint32_t w, int hi)
@@ -282,7 +287,7 @@ template <typename XT> __device__ void quantise_x(const params &p, int t)
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    const float s = dynamic_scale(m);
+    const float s = dynamic_scale(m), rs = __frcp_rn(s);
 #pragma unroll 1
     for (int c0 = lane * 8; c0 < p.H; c0 += 256 * XQ_CONVERT) {
         uint4 v[XQ_CONVERT];
@@ -293,24 +298,43 @@ template <typename XT> __device__ void quantise_x(const params &p, int t)
         for (int i = 0; i < XQ_CONVERT; i++)
             if (c0 + i * 256 < p.H)
                 *reinterpret_cast<uint2 *>(p.xq + (int64_t)t * p.H + c0 + i * 256) = make_uint2(
-                    e4m3x4(bf(v[i].x, 0), bf(v[i].x, 1), bf(v[i].y, 0), bf(v[i].y, 1), s),
-                    e4m3x4(bf(v[i].z, 0), bf(v[i].z, 1), bf(v[i].w, 0), bf(v[i].w, 1), s));
+                    e4m3x4(bf(v[i].x, 0), bf(v[i].x, 1), bf(v[i].y, 0), bf(v[i].y, 1), s, rs),
+                    e4m3x4(bf(v[i].z, 0), bf(v[i].z, 1), bf(v[i].w, 0), bf(v[i].w, 1), s, rs));
     }
     if (lane == 0)
         p.xs[t] = s;
     warp_signal(p.sync + SYNC_XQ);
 }
 
+// A token operand as loaded, before its conversion: 16 bytes, or 32 (TWO) where fp8 GEMM 2
+// quantises 16 values of h after the load
+struct raw_t {
+    uint4 a, b;
+};
+
+// Token operands (k step, column group) of a batch loaded before any of their mmas: with one
+// column group, 4 16-byte registers a lane (TWO: 32 bytes an operand, 2 of them); with more, one
+// (the registers of more spilled in the loops of 2 groups and up, at 128 a thread). The loads are
+// volatile asm and so are the mmas: loaded one at a time, each load waits for its own L2 round
+// trip after the previous mma (docs/KERNELS.md, "Fused decode")
+template <int NG, bool TWO> constexpr int fetch_pairs()
+{
+    return NG > 1 ? 1 : TWO ? 2 : 4;
+}
+
 // One weight-row pair's dot products with up to NG x 8 token columns over k in [k0, k1):
-// rows ra / rb (byte pointers at k = 0), B columns from bcol(ng, k) (16 bytes for this lane's
-// column, zero where the column or k is past its end). wait() runs after the first loads.
-template <bool F8, int NG, int U, typename B, typename W>
+// rows ra / rb (byte pointers at k = 0), B columns from make(ng, fetch(ng, k)) (16 bytes for this
+// lane's column, zero where the column or k is past its end: fetch loads, make converts).
+// wait() runs after the first loads.
+template <bool F8, int NG, int U, bool TWO, typename Fetch, typename Make, typename W>
 __device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra, const uint8_t *rb,
-                                         int k0, int k1, int ncols, B bcol, W wait)
+                                         int k0, int k1, int ncols, Fetch fetch, Make make, W wait)
 {
     constexpr int EPT = F8 ? 16 : 8; // k per 16-byte load
     constexpr int CK = 4 * EPT;      // k per load of the 4 lanes of a row
     constexpr int ES = F8 ? 1 : 2;   // bytes per weight
+    // token operands: NP pairs (k step i, column group g) = i * NG + g, FP of them a batch
+    constexpr int FP = fetch_pairs<NG, TWO>(), NP = U * NG;
     const int t = threadIdx.x & 3;
     uint4 ca[U], cb[U];
 #pragma unroll
@@ -336,14 +360,20 @@ __device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra,
         uint4 na[U], nb[U];
         load(kb + U * CK, na, nb);
 #pragma unroll
-        for (int i = 0; i < U; i++) {
-            const int k = kb + i * CK + t * EPT;
+        for (int p0 = 0; p0 < NP; p0 += FP) {
+            raw_t r[FP];
 #pragma unroll
-            for (int g = 0; g < NG; g++)
-                if (g * 8 < ncols) {
-                    const uint4 b = bcol(g, k);
-                    mma2<F8>(acc[g], ca[i], cb[i], b);
-                }
+            for (int j = 0; j < FP; j++) {
+                const int i = (p0 + j) / NG, g = (p0 + j) % NG;
+                if (p0 + j < NP && g * 8 < ncols)
+                    r[j] = fetch(g, kb + i * CK + t * EPT);
+            }
+#pragma unroll
+            for (int j = 0; j < FP; j++) {
+                const int i = (p0 + j) / NG, g = (p0 + j) % NG;
+                if (p0 + j < NP && g * 8 < ncols)
+                    mma2<F8>(acc[g], ca[i], cb[i], make(g, r[j]));
+            }
         }
 #pragma unroll
         for (int i = 0; i < U; i++)
@@ -366,13 +396,16 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q)
     for (int i = 0; i < NG; i++)
         tok[i] = i * 8 + g < n ? list[i * 8 + g] / p.k : -1;
     const XT *x = static_cast<const XT *>(p.x);
-    auto bcol = [&](int i, int k) -> uint4 {
-        if (tok[i] < 0 || k >= p.H)
-            return make_uint4(0, 0, 0, 0);
-        if (F8)
-            return ld_cg(p.xq + (int64_t)tok[i] * p.H + k);
-        return load_x8(x + (int64_t)tok[i] * p.H, k);
+    // x is the layer's input (plain loads: packed to bf16 as they arrive); xq was written in this
+    // launch (L2)
+    auto fetch = [&](int i, int k) -> raw_t {
+        raw_t r = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+        if (tok[i] >= 0 && k < p.H)
+            r.a = F8 ? ld_cg(p.xq + (int64_t)tok[i] * p.H + k)
+                     : load_x8(x + (int64_t)tok[i] * p.H, k);
+        return r;
     };
+    auto make = [&](int, const raw_t &r) -> uint4 { return r.a; };
     auto wait = [&]() {
         if (F8)
             warp_wait(p.sync + SYNC_XQ, p.T);
@@ -383,7 +416,7 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q)
     const int k0 = !K1 ? 0 : q * per < p.H ? q * per : p.H;
     const int k1 = !K1 ? p.H : k0 + per < p.H ? k0 + per : p.H;
     float acc[NG][4];
-    dot_rows<F8, NG, U>(acc, ra, rb, k0, k1, n, bcol, wait);
+    dot_rows<F8, NG, U, false>(acc, ra, rb, k0, k1, n, fetch, make, wait);
     // c0, c1: gate of column c0 + g for tokens 2t, 2t + 1 of the group; c2, c3: up
     const int col = c0 + g;
     if (K1) {
@@ -473,7 +506,10 @@ __device__ __forceinline__ float4 ld_cg_f4(const float *p)
 }
 
 // The last GEMM 2 item of row tile r: y[t][r * 16 .. + 16) for every token, 4 columns a lane;
-// slot order, as moe_combine_launch (the loads do not depend on the ids: all in flight at once)
+// slot order, as moe_combine_launch. The rows of CB slots are loaded before any is added (the
+// loads are volatile asm: one at a time, each would wait for its own L2 round trip), split
+// piece by piece; each slot's pieces are added in split order, then weighted in slot order
+constexpr int CB = 8;
 template <typename YT> __device__ void combine_tile(const params &p, int r)
 {
     const int lane = threadIdx.x & 31;
@@ -483,18 +519,30 @@ template <typename YT> __device__ void combine_tile(const params &p, int r)
         if (c >= p.H) /* hidden % 8 == 0: a group of 4 is whole or out */
             continue;
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll 8
-        for (int j = 0; j < p.k; j++) {
-            const int64_t slot = (int64_t)t * p.k + j;
-            float4 v = ld_cg_f4(p.o + slot * p.H + c);
+        for (int j0 = 0; j0 < p.k; j0 += CB) {
+            const int64_t slot0 = (int64_t)t * p.k + j0;
+            float4 v[CB];
+#pragma unroll
+            for (int j = 0; j < CB; j++)
+                v[j] = j0 + j < p.k ? ld_cg_f4(p.o + (slot0 + j) * p.H + c)
+                                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             for (int q = 1; q < p.split; q++) {
-                const float4 b = ld_cg_f4(p.o + (q * rows + slot) * p.H + c);
-                v.x += b.x, v.y += b.y, v.z += b.z, v.w += b.w;
+                float4 b[CB];
+#pragma unroll
+                for (int j = 0; j < CB; j++)
+                    b[j] = j0 + j < p.k ? ld_cg_f4(p.o + (q * rows + slot0 + j) * p.H + c)
+                                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+                for (int j = 0; j < CB; j++)
+                    v[j].x += b[j].x, v[j].y += b[j].y, v[j].z += b[j].z, v[j].w += b[j].w;
             }
-            if (p.ids[slot] >= 0) {
-                const float w = p.w[slot];
-                acc[0] += w * v.x, acc[1] += w * v.y, acc[2] += w * v.z, acc[3] += w * v.w;
-            }
+#pragma unroll
+            for (int j = 0; j < CB; j++)
+                if (j0 + j < p.k && p.ids[slot0 + j] >= 0) {
+                    const float w = p.w[slot0 + j];
+                    acc[0] += w * v[j].x, acc[1] += w * v[j].y;
+                    acc[2] += w * v[j].z, acc[3] += w * v[j].w;
+                }
         }
         if (p.shared) {
             const float gt = p.gate_logit ? 1.0f / (1.0f + expf(-p.gate_logit[t])) : 1.0f;
@@ -527,35 +575,43 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
     const float *hmax =
         reinterpret_cast<const float *>(p.sync + sync_hmax(p.E, p.H, p.I, K1 ? p.split1 : 1));
     int slot[NG];
-    float hs[NG];
+    float hs[NG], hr[NG]; // GEMM 2's scale of each column's h, and its reciprocal
 #pragma unroll
     for (int i = 0; i < NG; i++) {
         slot[i] = i * 8 + g < n ? list[i * 8 + g] : -1;
-        hs[i] = 1.0f;
+        hs[i] = hr[i] = 1.0f;
     }
     auto wait = [&]() {
         warp_wait(p.sync + SYNC_E1 + e * E1_STRIDE, n1);
         if (F8)
 #pragma unroll
             for (int i = 0; i < NG; i++)
-                if (slot[i] >= 0)
+                if (slot[i] >= 0) {
                     hs[i] = dynamic_scale(ld_cg_f32(hmax + slot[i]));
+                    hr[i] = __frcp_rn(hs[i]);
+                }
     };
-    auto bcol = [&](int i, int k) -> uint4 {
+    auto fetch = [&](int i, int k) -> raw_t {
+        raw_t r = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
         if (slot[i] < 0 || k >= k1)
-            return make_uint4(0, 0, 0, 0);
-        const __nv_bfloat16 *hr = p.h + (int64_t)slot[i] * p.I + k;
+            return r;
+        const __nv_bfloat16 *hp = p.h + (int64_t)slot[i] * p.I + k;
+        r.a = ld_cg(hp);
+        if (F8)
+            r.b = ld_cg(hp + 8);
+        return r;
+    };
+    auto make = [&](int i, const raw_t &r) -> uint4 {
         if (!F8)
-            return ld_cg(hr);
-        const uint4 a = ld_cg(hr), b = ld_cg(hr + 8);
-        const float sc = hs[i];
-        return make_uint4(e4m3x4(bf(a.x, 0), bf(a.x, 1), bf(a.y, 0), bf(a.y, 1), sc),
-                          e4m3x4(bf(a.z, 0), bf(a.z, 1), bf(a.w, 0), bf(a.w, 1), sc),
-                          e4m3x4(bf(b.x, 0), bf(b.x, 1), bf(b.y, 0), bf(b.y, 1), sc),
-                          e4m3x4(bf(b.z, 0), bf(b.z, 1), bf(b.w, 0), bf(b.w, 1), sc));
+            return r.a;
+        const float sc = hs[i], rc = hr[i];
+        return make_uint4(e4m3x4(bf(r.a.x, 0), bf(r.a.x, 1), bf(r.a.y, 0), bf(r.a.y, 1), sc, rc),
+                          e4m3x4(bf(r.a.z, 0), bf(r.a.z, 1), bf(r.a.w, 0), bf(r.a.w, 1), sc, rc),
+                          e4m3x4(bf(r.b.x, 0), bf(r.b.x, 1), bf(r.b.y, 0), bf(r.b.y, 1), sc, rc),
+                          e4m3x4(bf(r.b.z, 0), bf(r.b.z, 1), bf(r.b.w, 0), bf(r.b.w, 1), sc, rc));
     };
     float acc[NG][4];
-    dot_rows<F8, NG, U>(acc, ra, rb, k0, k1, n, bcol, wait);
+    dot_rows<F8, NG, U, F8>(acc, ra, rb, k0, k1, n, fetch, make, wait);
     float s0 = 1.0f, s1 = 1.0f;
     if (F8)
         s0 = __ldg(p.w2s + (int64_t)e * p.H + row0), s1 = __ldg(p.w2s + (int64_t)e * p.H + row1);
@@ -568,12 +624,11 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             const int m = i * 8 + 2 * t + j;
+            // slot m's h scale: lane (2t + j) * 4 took it in wait() (column g = 2t + j)
+            const float sc = F8 ? __shfl_sync(0xffffffffu, hs[i], (2 * t + j) * 4) : 1.0f;
             if (m >= n)
                 continue;
             const int sl = list[m];
-            float sc = 1.0f;
-            if (F8)
-                sc = dynamic_scale(ld_cg_f32(hmax + sl));
             o[(int64_t)sl * p.H + row0] = acc[i][j] * sc * s0;
             if (row0 + 8 < p.H)
                 o[(int64_t)sl * p.H + row0 + 8] = acc[i][2 + j] * sc * s1;
