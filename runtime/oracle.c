@@ -400,10 +400,17 @@ moe_status_t moe_oracle_forced_transport(const char **name, const char **env)
 
 /* The built-in bound is the largest token count at which the fused kernel beat the grouped path
  * on all three presets (moe-bench, graph-replayed, weights rotated past L2, one H200;
- * bench/RESULTS.md, "Fused decode (one kernel), one H200"). It won at none of 1, 4, 8, 16, 64
- * tokens in bf16 or fp8 per-tensor (5-53 % slower at 1 .. 16 tokens, 1.5-5.7 times at 64), so
- * the built-in table never picks it; a tune file (moe-tune's decode table) or
- * MOE_FORCE_VARIANT runs it. */
+ * bench/RESULTS.md, "Fused decode (one kernel), one H200"; 2026-12-04, 2e515b3, fused / grouped
+ * at 1 / 2 / 4 / 8 / 16 tokens, two runs each):
+ * - bf16: one token (Qwen3-30B-A3B 0.89, Mixtral-8x7B 0.96, the DeepSeek-V3 EP8 shard 0.95);
+ *   at two, Mixtral and the shard are 1.01-1.03 (Qwen3 wins up to four: a tune file's table);
+ * - fp8 per-tensor: never (Qwen3 0.95 at one token, Mixtral and the shard 1.15-1.18).
+ * One GPU only (the kernel does not run with EP or TP). */
+static const struct {
+    moe_dtype_t dtype;
+    int tokens;
+} decode_builtin[] = {{MOE_DTYPE_BF16, 1}};
+
 int moe_oracle_decode_tokens(const moe_oracle_t *o, const moe_oracle_query_t *q,
                              moe_oracle_choice_t *c)
 {
@@ -430,6 +437,15 @@ int moe_oracle_decode_tokens(const moe_oracle_t *o, const moe_oracle_query_t *q,
         }
         return bound >= (double)INT32_MAX ? INT32_MAX : (int)bound;
     }
+    if (q->arch != 90 || q->ep_size > 1 || q->tp_size > 1 ||
+        !moe_oracle_fused_decode_runs(q->arch, q->dtype, q->scale))
+        return 0;
+    for (size_t i = 0; i < sizeof(decode_builtin) / sizeof(decode_builtin[0]); i++)
+        if (decode_builtin[i].dtype == q->dtype) {
+            c->name = MOE_ORACLE_FUSED_DECODE;
+            c->hi = decode_builtin[i].tokens;
+            return decode_builtin[i].tokens;
+        }
     return 0;
 }
 

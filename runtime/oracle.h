@@ -197,8 +197,9 @@ int moe_oracle_fused_decode_runs(int arch, moe_dtype_t dtype, moe_scale_kind_t s
  * instead of the grouped path (route, permute, GEMM 1, GEMM 2, combine) for a layer of this
  * arch, dtype and scale kind (q->value unused): the first tuned decode table whose key fits
  * (the bound of its leading sm90_fused_decode buckets; INT32_MAX when all of them are), else
- * the built-in one; 0: never. c (may be NULL) gets the source (TUNED with the file, or
- * DEFAULT), the path below the crossover and the bucket (0, crossover]. o may be NULL. */
+ * the built-in one (sm_90, one GPU: bf16 at one token; fp8 never); 0: never. c (may be NULL) gets
+ * the source (TUNED with the file, or DEFAULT), the path below the crossover and the bucket (0,
+ * crossover]. o may be NULL. */
 int moe_oracle_decode_tokens(const moe_oracle_t *o, const moe_oracle_query_t *q,
                              moe_oracle_choice_t *c);
 

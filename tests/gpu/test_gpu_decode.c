@@ -289,7 +289,7 @@ static void test_decode_batch_invariant(void **state)
 
 /* Graph replays give bitwise the direct step's output (the kernel's counters reset themselves
  * at the end of each launch); forced, the kernel runs up to MOE_DECODE_MAX_TOKENS and not past
- * it; the built-in table (crossover 0 on the H200: runtime/oracle.c) keeps the grouped path; a
+ * it; the built-in table (fp8: crossover 0 on the H200, runtime/oracle.c) keeps the grouped path; a
  * layer the kernel cannot run refuses the forced name at create, naming it. */
 static void test_decode_graph_explain_refusals(void **state)
 {

@@ -209,6 +209,10 @@ static void test_graph(void **state)
     routing(&c, 0, n, ids, w);
     assert_int_equal(cudaMemcpy(di, ids, sizeof(ids), cudaMemcpyHostToDevice), cudaSuccess);
     assert_int_equal(cudaMemcpy(dw, w, sizeof(w), cudaMemcpyHostToDevice), cudaSuccess);
+    /* the copies and the poison below run on the legacy stream, the layer on a non-blocking one:
+     * only a device synchronisation orders them (unordered, this test failed once on one of two
+     * ranks sharing the H200 with the same inputs as the other, rel err 1.11: 2026-12-04) */
+    assert_int_equal(cudaDeviceSynchronize(), cudaSuccess);
     TU_OK(moe_gpu_stream_create(&stream));
     a.num_tokens = n;
     a.x = dx;
@@ -226,6 +230,7 @@ static void test_graph(void **state)
     assert_int_equal(cudaMemcpy(di, ids, sizeof(ids), cudaMemcpyHostToDevice), cudaSuccess);
     assert_int_equal(cudaMemcpy(dw, w, sizeof(w), cudaMemcpyHostToDevice), cudaSuccess);
     assert_int_equal(cudaMemset(dy, 0xff, sizeof(y)), cudaSuccess);
+    assert_int_equal(cudaDeviceSynchronize(), cudaSuccess);
     TU_OK(moe_gpu_graph_launch(exec, stream));
     TU_OK(moe_layer_synchronize(l, stream));
     assert_int_equal(cudaMemcpy(y, dy, sizeof(y), cudaMemcpyDeviceToHost), cudaSuccess);

@@ -698,8 +698,14 @@ static void test_decode_table(void **state)
     assert_int_equal(moe_oracle_decode_tokens(&o, &q, &c), 0);
     q.arch = 90, q.ep_size = 2; /* the bf16 table is for one GPU */
     assert_int_equal(moe_oracle_decode_tokens(&o, &q, &c), 0);
-    q.ep_size = 1;
+    q.ep_size = 1, q.tp_size = 2;
     assert_int_equal(moe_oracle_decode_tokens(NULL, &q, NULL), 0);
+    /* bf16 on one sm_90 GPU without a table: the built-in crossover, one token */
+    q.tp_size = 1;
+    assert_int_equal(moe_oracle_decode_tokens(NULL, &q, &c), 1);
+    assert_int_equal(c.source, MOE_ORACLE_DEFAULT);
+    assert_string_equal(c.name, MOE_ORACLE_FUSED_DECODE);
+    assert_true(c.hi == 1.0);
 
     /* written and read back: the same tables and crossover */
     TU_OK(moe_oracle_parse(text, strlen(text), "decode.json", &t));
@@ -813,7 +819,8 @@ static void test_forced(void **state)
                                    MOE_SCALE_NONE));
     TU_OK(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_fp8_block_m64n128", 90,
                                    MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128));
-    /* the fused decode kernel: sm_90, bf16 or per-row fp8; never by the built-in table */
+    /* the fused decode kernel: sm_90, bf16 or per-row fp8; by the built-in table for bf16 steps
+     * of one token only */
     TU_OK(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_fused_decode", 90, MOE_DTYPE_BF16,
                                    MOE_SCALE_NONE));
     TU_OK(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_fused_decode", 90, MOE_DTYPE_FP8_E4M3,
@@ -825,9 +832,11 @@ static void test_forced(void **state)
                                           MOE_DTYPE_BF16, MOE_SCALE_NONE),
                  MOE_STATUS_NOT_SUPPORTED, "this layer: sm_80");
     {
-        const moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 1,
-                                      0};
-        assert_int_equal(moe_oracle_decode_tokens(NULL, &q, NULL), 0);
+        const moe_oracle_query_t
+            q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 1, 0},
+            f8 = {90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_TENSOR, 1, 1, MOE_ORACLE_ANY, 1, 0};
+        assert_int_equal(moe_oracle_decode_tokens(NULL, &q, NULL), 1);
+        assert_int_equal(moe_oracle_decode_tokens(NULL, &f8, NULL), 0);
     }
     expect_error(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_nope", 90, MOE_DTYPE_BF16,
                                           MOE_SCALE_NONE),
