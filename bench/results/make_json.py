@@ -48,9 +48,9 @@ META=[
  dict(topic='tuning_mixtral_bf16_and_fp8',date='2026-12-02',commit='1814ad6',unit='built-in pick, loss',command='mpirun -np 1 moe-tune --preset P [--dtype fp8 --scales tensor] --iters 10'),
  dict(topic='tuning_fp8_p4',date='2026-12-03',commit='97c0bfb with 1bdfffb\'s m192n128_p4 and the first form of its table',unit='fastest variant us; the current built-in pick\'s loss',command='mpirun -np 1 moe-tune --preset P --dtype fp8 --scales tensor --rows 48,64,96,128,160,192,224,256,320 --no-decode --no-transport --iters 10'),
  dict(topic='tuning_fp8_qwen3_margin',date='2026-12-03',commit='5188aae',unit='fastest variant us; the built-in pick\'s loss; what the file keeps',command='TUNE_PRESETS=qwen3-30b-a3b TUNE_DTYPES=fp8 bash bench/device_run.sh tune (mpirun -np 1 moe-tune --preset qwen3-30b-a3b --dtype fp8 --scales tensor --iters 10)'),
- dict(topic='fused_decode',date='2026-12-02',commit='770e5ce',unit='us (score); TB/s',command='bash bench/decode_run.sh decode bench (moe-bench --preset P [--dtype fp8 --scales tensor] --tokens 1,4,8,16,64 --seconds 0.2, MOE_FUSED_DECODE=0 vs MOE_FORCE_VARIANT=sm90_fused_decode)'),
+ dict(topic='fused_decode',date='2026-12-04',commit='2e515b3 (the kernel as at HEAD; its built-in crossover 0, so the built-in choice is the grouped path)',unit='us at M = 1 / 2 / 4 / 8 / 16; fused / grouped, two runs; TB/s at M = 1',command='VS_CASES="P|--dtype bf16|sm90_fused_decode|1,2,4,8,16;P|--dtype fp8 --scales tensor|sm90_fused_decode|1,2,4,8,16" VS_REPS=2 bash bench/device_run.sh vs (moe-bench --preset P [--dtype fp8 --scales tensor] --tokens 1,2,4,8,16 --seconds 0.1, with and without MOE_FORCE_VARIANT=sm90_fused_decode)'),
+ dict(topic='fused_decode_operands_ab',date='2026-12-04',commit='2e515b3 against 4837200',unit='us at M = 1 / 8 / 16; new / base',command='bash bench/ab_base.sh 4837200; MOE_FORCE_VARIANT=sm90_fused_decode AB_PRESETS="qwen3-30b-a3b mixtral-8x7b deepseek-v3-ep8" AB_ARGS="--dtype fp8 --scales tensor;--dtype bf16" AB_TOKENS=1,8,16 AB_SECONDS=0.15 bash bench/device_run.sh ab'),
  dict(topic='fused_decode_k1_split',date='2026-12-03',commit='83979d1',unit='us at M = 1 / 8 / 64',command='PRESETS="qwen3-30b-a3b deepseek-v3-ep8 mixtral-8x7b" VARIANTS="grouped fused fused-k1" TOKENS=1,8,64 SECONDS_PER_POINT=0.1 bash bench/decode_run.sh bench; MOE_DECODE_K1_SPLIT=2|4|8 MOE_FORCE_VARIANT=sm90_fused_decode moe-bench --preset qwen3-30b-a3b [--dtype fp8 --scales tensor] --tokens 1,8 --seconds 0.1'),
- dict(topic='fused_decode_at_head',date='2026-12-04',commit='6364c76 (the tree; the JSON records another checkout\'s commit)',unit='us at M = 1 / 8 / 64',command='VARIANTS="grouped fused fused-k1" TOKENS=1,8,64 SECONDS_PER_POINT=0.1 bash bench/decode_run.sh decode bench'),
  dict(topic='kernels_qwen3_fp8_decode',date='2026-12-03',commit='97c0bfb with 1bdfffb\'s fp8 table',unit='us per kernel (Nsight Compute, no cache flush, clocks free)',command='ncu --cache-control none --clock-control none --metrics gpu__time_duration.sum --launch-skip 60 --launch-count 24 moe-bench --preset qwen3-30b-a3b --dtype fp8 --scales tensor --tokens T --graph-max 0'),
  dict(topic='decode_latency_knobs',date='2026-12-03',commit='0e52188 (the branch that carried the three changes)',unit='new / base, two runs',command='KNOBS="MOE_COMBINE_BATCH=0:1 MOE_LOGITS_PREFETCH=0:1 MOE_QUANT_PDL=0:1" KNOB_CASES="qwen3-30b-a3b|--dtype fp8 --scales tensor|1,8,64;deepseek-v3-ep8|--dtype fp8 --scales block|1,8;mixtral-8x7b|--dtype fp8 --scales tensor|1,8;qwen3-30b-a3b||1,8" bash bench/device_run.sh knob'),
  dict(topic='python_overhead',date='2026-12-02',commit='1d0bafc',unit='us',command='python3 bench/python_overhead.py --preset qwen3-30b-a3b --tokens 1,8; moe-bench --preset qwen3-30b-a3b --tokens 1,8 --rotate 1'),
@@ -91,12 +91,15 @@ for t,m in zip(tables,META):
 import glob,os
 for f in sorted(glob.glob('bench/results/moe-bench/*.json')):
     r=json.load(open(f)); r['topic']='moe_bench_json'; r['file']=os.path.relpath(f)
+    # the fused-decode comparison's files: which path ran (moe-bench does not record the
+    # environment; "fused" ran with MOE_FORCE_VARIANT=sm90_fused_decode)
+    if '-decode-' in f:
+        r['decode_path']='sm90_fused_decode (forced)' if '-fused-' in f else 'grouped (built-in choice)'
     out['runs'].append(r)
-# runs that come from raw moe-bench JSON rather than these tables (the fused-decode A/B, at
-# full precision) are kept from the file as it was
+# runs that come from neither (none at present) are kept from the file as it was
 made={r['topic'] for r in out['runs']}
 # (topics whose tables were replaced by newer measurements are dropped, not kept)
-retired={'layer_step_fp8_per_tensor','layer_step_fp8_block','layer_step_bf16_remeasured'}
+retired={'layer_step_fp8_per_tensor','layer_step_fp8_block','layer_step_bf16_remeasured','fused_decode'}
 try: kept=[r for r in json.load(open('bench/results/h200.json'))['runs'] if r.get('topic') not in made|retired]
 except (OSError,ValueError,KeyError): kept=[]
 out['runs']+=kept
