@@ -511,8 +511,9 @@ static void tune_transport(const bench_t *b, const options_t *o, moe_oracle_grou
 /* The fused decode kernel (MOE_FORCE_VARIANT=sm90_fused_decode) against the grouped path
  * (MOE_FUSED_DECODE=0) at each tokens-per-step point, one GPU. The crossover is the largest
  * point up to which the kernel won at every point (a point it loses ends it: the layer runs the
- * kernel up to one bound, and where it was not measured to win the built-in choice, the grouped
- * path, stays). */
+ * kernel up to one bound and the grouped path above it). The table replaces the built-in
+ * crossover for its key (bf16 on sm_90: one token), which is why the default points start at
+ * one token. */
 static void tune_decode(const bench_t *b, const options_t *o, moe_oracle_group_t *g, int rank)
 {
     static const char *const names[2] = {MOE_ORACLE_GROUPED_PATH, MOE_ORACLE_FUSED_DECODE};
