@@ -48,6 +48,10 @@
 #                    the top warp stalls): fp8 per-tensor, fp8 block and bf16 at the DeepSeek-V3
 #                    shard M = 64 and Mixtral M = 8, fp8 at Mixtral M = 8192 ($PROF_CASES:
 #                    preset:M:bf16|tensor|block[:decode], decode: the fused decode kernel)
+#   stalls           Nsight Compute's source counters on one launch per case ($STALL_CASES, as
+#                    PROF_CASES; default the fused decode kernel at one token: Qwen3 fp8, Mixtral
+#                    fp8 and bf16), summed per SASS instruction, opcode and loop by
+#                    bench/ncu_stalls.py; reports and CSV in $OUT/stalls.tgz
 #   tune             moe-tune bf16 + fp8 for the three presets or $TUNE_PRESETS, $TUNE_DTYPES
 #                    (EP = all GPUs when 2+; each run up to $TUNE_SECONDS, default 150 s:
 #                    split over calls; Mixtral bf16 needs more), into
@@ -506,6 +510,32 @@ gemm-prof)
     done
     (cd "$OUT" && tar -czf prof.tgz prof-*.txt) && rm -f "$OUT"/prof-*.txt
     ;;
+stalls)
+    # where the warps wait, per SASS instruction, opcode and loop (bench/ncu_stalls.py): ncu's
+    # source counters on one launch of the kernel of each case, as gemm-prof's PROF_CASES
+    # (default: the fused decode kernel at one token, Qwen3 and Mixtral, fp8 and bf16)
+    command -v ncu >/dev/null || { echo "stalls: no ncu on this machine"; continue; }
+    for c in ${STALL_CASES:-qwen3-30b-a3b:1:tensor:decode mixtral-8x7b:1:tensor:decode \
+        mixtral-8x7b:1:bf16:decode}; do
+        IFS=: read -r p t d f <<<"$c"
+        dt="--dtype fp8 --scales $d"
+        [ "$d" = bf16 ] && dt="--dtype bf16"
+        k=moe_gemm_sm90 force=""
+        [ "${f:-}" = decode ] && k=decode_kernel force=sm90_fused_decode
+        tag="$p-$t-$d${f:+-$f}"
+        echo "== $p M = $t $d: ${force:-the expert GEMMs}, warp-stall samples"
+        # shellcheck disable=SC2086 # $dt: options
+        MOE_FORCE_VARIANT=$force timeout 150 ncu --section SourceCounters --section WarpStateStats \
+            -k "regex:$k" --launch-skip 4 --launch-count 1 -f -o "$OUT/stalls-$tag" \
+            $B/moe-bench --preset "$p" $dt --tokens "$t" --graph-max 0 --rotate 1 \
+            --seconds 0.01 >"$OUT/stalls-$tag.log" 2>&1 ||
+            { echo "stalls: ncu failed ($(tail -1 "$OUT/stalls-$tag.log"))"; continue; }
+        ncu -i "$OUT/stalls-$tag.ncu-rep" --page source --csv --print-source sass \
+            >"$OUT/stalls-$tag.csv" 2>/dev/null
+        python3 bench/ncu_stalls.py "$OUT/stalls-$tag.csv" --top 20 | tee "$OUT/stalls-$tag.txt"
+    done
+    (cd "$OUT" && tar -czf stalls.tgz stalls-*) && rm -f "$OUT"/stalls-*
+    ;;
 tune)
     for p in ${TUNE_PRESETS:-$presets}; do
         for dt in ${TUNE_DTYPES:-bf16 fp8}; do
@@ -682,7 +712,7 @@ python)
         --dtype bf16 --new-tokens 16 2>&1 | tail -4
     ;;
 *)
-    echo "usage: $0 [tests|quick|ep|ep-cap|ep-layer|ep-wide|mps|decode|bf16|fp8|ab|fp8-fast|vs|gemm-prof|tune|first|kernels|rotate|faults|soak|sanitize|python]..." >&2
+    echo "usage: $0 [tests|quick|ep|ep-cap|ep-layer|ep-wide|mps|decode|bf16|fp8|ab|fp8-fast|vs|gemm-prof|stalls|tune|first|kernels|rotate|faults|soak|sanitize|python]..." >&2
     exit 2
     ;;
 esac
