@@ -18,6 +18,15 @@ extern "C" {
 #define MOE_DECODE_MAX_EXPERTS 512 /* local experts (the per-CTA expert table) */
 #define MOE_DECODE_MAX_SPLIT 8     /* GEMM 1's and GEMM 2's k splits */
 
+/* The bit of the sticky verdict word (kernels/a2a.h's word: (rank << 8) | status) that a launch
+ * sets, with MOE_STATUS_TIMEOUT when the word was 0, when one of its waits passed timeout_ns.
+ * Its work items wait on earlier items, which is safe only with every CTA resident at once; a
+ * kernel beside it that also waits on its own grid (a second layer's decode step on another
+ * stream, an MPS client holding SMs) can keep CTAs out. Then the wait gives up, every later wait
+ * of the launch returns at once, the launch ends (its counters left at zero, as always) and the
+ * step's output is not valid. */
+#define MOE_DECODE_STICKY_STALL (1 << 28)
+
 /* y[t] = sum_{j in order} w[t, j] * W2_e (act(W1_e x_t) * (W3_e x_t)) (+ g_t * shared[t]),
  * e = topk_ids[t, j], for T <= MOE_DECODE_MAX_TOKENS tokens on one GPU.
  *
@@ -54,12 +63,14 @@ typedef struct moe_decode_args {
                     * of each launch leaves them so; zero them once at create) */
     int64_t num_tokens;
     int top_k, num_experts, hidden, inter;
-    int f8;       /* 0: bf16 weights; 1: e4m3 weights with per-row scales */
-    int gelu;     /* 1: gelu (tanh) * up, else silu * up */
-    int split;    /* GEMM 2's k split, moe_decode_split (1 .. MOE_DECODE_MAX_SPLIT) */
-    int split1;   /* GEMM 1's k split (1 .. MOE_DECODE_MAX_SPLIT; moe_decode_split1 gives one
-                   * from the shape); 0 is taken as 1 */
-    int max_ctas; /* at most this many CTAs (0: as many as fit on the GPU) */
+    int f8;             /* 0: bf16 weights; 1: e4m3 weights with per-row scales */
+    int gelu;           /* 1: gelu (tanh) * up, else silu * up */
+    int split;          /* GEMM 2's k split, moe_decode_split (1 .. MOE_DECODE_MAX_SPLIT) */
+    int split1;         /* GEMM 1's k split (1 .. MOE_DECODE_MAX_SPLIT; moe_decode_split1 gives one
+                         * from the shape); 0 is taken as 1 */
+    int max_ctas;       /* at most this many CTAs (0: as many as fit on the GPU) */
+    int32_t *sticky;    /* optional: the step's sticky verdict word (MOE_DECODE_STICKY_STALL) */
+    int64_t timeout_ns; /* a wait's bound (0: none) */
 } moe_decode_args_t;
 
 /* ints of the persistent sync array for a layer of these dimensions and GEMM 1 k split */

@@ -43,7 +43,9 @@ constexpr int MAX_ROWS = MOE_DECODE_MAX_TOKENS * 16; // slots: tokens x top_k (t
 // 128-byte line each: many warps poll them), GEMM 2 items done per row tile (one 32-byte sector
 // each), GEMM 1 pieces done per (expert, column tile) with a k split (dense: never polled, each
 // left at zero by its last piece), then |h| max per slot (f8; float bits).
-constexpr int SYNC_DONE = 0, SYNC_XQ = 32, SYNC_E1 = 64, E1_STRIDE = 32, COL_STRIDE = 8;
+// SYNC_ABORT (between them, zeroed with the rest): a wait of this launch timed out.
+constexpr int SYNC_DONE = 0, SYNC_ABORT = 16, SYNC_XQ = 32, SYNC_E1 = 64, E1_STRIDE = 32,
+              COL_STRIDE = 8;
 __host__ __device__ __forceinline__ int sync_col(int E)
 {
     return SYNC_E1 + E * E1_STRIDE;
@@ -82,6 +84,8 @@ struct params {
     uint8_t *xq;
     float *xs;
     int32_t *sync;
+    int32_t *sticky;
+    int64_t timeout_ns;
     int T, k, E, H, I, split, split1, y_f32, gelu;
 };
 
@@ -118,15 +122,40 @@ __device__ __forceinline__ int ld_relaxed(const int32_t *p)
     return v;
 }
 
-// lane 0 spins until *p >= target; the warp's later loads see what the signalling warps wrote.
+__device__ __forceinline__ int64_t global_ns()
+{
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return (int64_t)t;
+}
+
+// lane 0 spins until *c >= target; the warp's later loads see what the signalling warps wrote.
 // The polls are relaxed and one fence makes the last of them an acquire: ld.acquire compiles to
 // a strong load and an L1 invalidation (CCTL.IVALL) per poll, and a one-token step polled about
-// a million times (Nsight Compute, 2026-12-04: 17 % of the warps' stall samples there)
-__device__ __forceinline__ void warp_wait(const int32_t *p, int target)
+// a million times (Nsight Compute, 2026-12-04: 17 % of the warps' stall samples there).
+// Bounded (kernels/decode.h, MOE_DECODE_STICKY_STALL): past p.timeout_ns the wait marks the
+// launch aborted and the step's sticky word, and returns; so does every wait after it.
+__device__ __forceinline__ void warp_wait(const params &p, const int32_t *c, int target)
 {
     if ((threadIdx.x & 31) == 0) {
-        while (ld_relaxed(p) < target)
-            __nanosleep(256); // hundreds of warps may poll one line: leave the L2 slice room
+        if (ld_relaxed(c) < target) {
+            const int64_t t0 = global_ns();
+            while (ld_relaxed(c) < target) {
+                const int64_t waited = global_ns() - t0;
+                // another wait gave up (read only in long waits: it is one more hot line)
+                if (waited > 100000 && ld_relaxed(p.sync + SYNC_ABORT) > 0)
+                    break;
+                if (p.timeout_ns > 0 && waited > p.timeout_ns) {
+                    atomicExch(p.sync + SYNC_ABORT, 1);
+                    if (p.sticky) {
+                        atomicCAS(p.sticky, 0, (int32_t)MOE_STATUS_TIMEOUT);
+                        atomicOr(p.sticky, MOE_DECODE_STICKY_STALL);
+                    }
+                    break;
+                }
+                __nanosleep(256); // hundreds of warps may poll one line: leave the L2 slice room
+            }
+        }
         asm volatile("fence.acq_rel.gpu;" ::: "memory");
     }
     __syncwarp();
@@ -408,7 +437,7 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q)
     auto make = [&](int, const raw_t &r) -> uint4 { return r.a; };
     auto wait = [&]() {
         if (F8)
-            warp_wait(p.sync + SYNC_XQ, p.T);
+            warp_wait(p, p.sync + SYNC_XQ, p.T);
     };
     constexpr int CK = F8 ? 64 : 32; // k per 16-byte load of the 4 lanes of a row
     const int s1 = K1 ? p.split1 : 1;
@@ -582,7 +611,7 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
         hs[i] = hr[i] = 1.0f;
     }
     auto wait = [&]() {
-        warp_wait(p.sync + SYNC_E1 + e * E1_STRIDE, n1);
+        warp_wait(p, p.sync + SYNC_E1 + e * E1_STRIDE, n1);
         if (F8)
 #pragma unroll
             for (int i = 0; i < NG; i++)
@@ -857,6 +886,8 @@ extern "C" moe_status_t moe_decode_launch(const moe_decode_args_t *a, void *stre
     p.xq = a->xq;
     p.xs = a->xs;
     p.sync = a->sync;
+    p.sticky = a->sticky;
+    p.timeout_ns = a->timeout_ns;
     p.T = (int)a->num_tokens;
     p.k = a->top_k;
     p.E = a->num_experts;

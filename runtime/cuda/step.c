@@ -493,6 +493,11 @@ static moe_status_t decode_forward(moe_layer_t *l, const moe_forward_args_t *a, 
     d.split = s->dec_split;
     d.split1 = s->dec_split1;
     d.o1 = s->dec_o1;
+    /* a wait past the runtime's timeout (at least a second: the kernel's own waits last
+     * microseconds, a time slice of another context milliseconds) ends the launch and marks the
+     * step: MOE_DECODE_STICKY_STALL */
+    d.sticky = s->sticky;
+    d.timeout_ns = (int64_t)(l->rt->timeout_ms > 1000 ? l->rt->timeout_ms : 1000) * 1000000;
     MOE_CHECK(moe_decode_launch(&d, a->stream));
     MOE_CHECK(moe_cuda_record(s, EV_EXPERT, a->stream));
     MOE_CHECK(moe_cuda_record(s, EV_SHARED, a->stream));

@@ -4,7 +4,7 @@
  * bias, silu and gelu, a gated and an ungated shared expert, f32 and bf16 tokens, odd shapes
  * (tails along k and n), 1 .. 64 tokens, outputs poisoned first; against the grouped path on the
  * same weights; a token's output bitwise the same in every batch; graph replays; the explain
- * text and the forced variant's refusals. */
+ * text and the forced variant's refusals; a stalled launch ends, bounded, and says so. */
 #define _POSIX_C_SOURCE 200809L /* setenv */
 #include "gpu_test.h"
 
@@ -426,11 +426,105 @@ static void test_decode_split_rules(void **state)
     assert_int_equal(moe_decode_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
 }
 
+/* Every wait of the kernel is bounded (kernels/decode.h, MOE_DECODE_STICKY_STALL): with its
+ * per-expert counters set so that no GEMM 2 item's wait can end (as when CTAs holding GEMM 1
+ * items never run), the launch still ends, within about its timeout, with MOE_STATUS_TIMEOUT and
+ * the stall bit in the sticky word; it leaves its counters ready, so the next launch computes
+ * bitwise what a launch before it did and reports nothing. */
+static void test_decode_stall_bounded(void **state)
+{
+    enum { E = 8, K = 2, H = 256, I = 128, T = 1 };
+    const int32_t ids[T * K] = {1, 5};
+    const float w[T * K] = {0.625f, 0.375f};
+    const size_t n13 = (size_t)E * 2 * I * H, n2 = (size_t)E * H * I;
+    const size_t nsync = moe_decode_sync_count(E, H, I, 1, T * K);
+    uint16_t *w13 = malloc(2 * n13), *w2 = malloc(2 * n2), x[T * H];
+    int32_t *poison = malloc(sizeof(int32_t) * nsync), *sticky = NULL;
+    float y0[T * H], y1[T * H];
+    moe_decode_args_t a;
+    struct timespec t0, t1;
+    double secs;
+    (void)state;
+    REQUIRE_SM90();
+    assert_non_null(w13);
+    assert_non_null(w2);
+    assert_non_null(poison);
+    gt_ok(moe_decode_prepare(), "moe_decode_prepare");
+    gt_fill_bf16(NULL, w13, n13, 0.05f);
+    gt_fill_bf16(NULL, w2, n2, 0.05f);
+    gt_fill_bf16(NULL, x, T * H, 1.0f);
+    gt_ok(moe_gpu_host_alloc((void **)&sticky, sizeof(int32_t)), "sticky word");
+    memset(&a, 0, sizeof(a));
+    a.x = gt_dup(x, sizeof(x));
+    a.x_dtype = MOE_DTYPE_BF16;
+    a.topk_ids = gt_dup(ids, sizeof(ids));
+    a.topk_weights = gt_dup(w, sizeof(w));
+    a.w13 = gt_dup(w13, 2 * n13);
+    a.w2 = gt_dup(w2, 2 * n2);
+    a.y = gt_dalloc(sizeof(y0));
+    a.y_dtype = MOE_DTYPE_F32;
+    a.h = gt_dalloc(2 * (size_t)T * K * I);
+    a.o = gt_dalloc(sizeof(float) * (size_t)T * K * H);
+    a.sync = gt_dalloc(sizeof(int32_t) * nsync);
+    a.num_tokens = T;
+    a.top_k = K;
+    a.num_experts = E;
+    a.hidden = H;
+    a.inter = I;
+    a.split = a.split1 = 1;
+    a.sticky = sticky;
+    a.timeout_ns = 50 * 1000000ll; /* 50 ms */
+    gt_poison(a.sync, 0, sizeof(int32_t) * nsync);
+
+    *sticky = 0; /* a launch as the layer makes it: nothing to report */
+    gt_poison(a.y, GT_POISON_FLOAT, sizeof(y0));
+    gt_ok(moe_decode_launch(&a, NULL), "decode launch");
+    gt_get(y0, a.y, sizeof(y0));
+    assert_int_equal(*sticky, 0);
+    assert_true(gt_all_finite(y0, T * H));
+
+    /* every counter but the launch's done count far below any target, so no wait ends (the
+     * launch's abort word among them: only a positive one aborts) */
+    for (size_t i = 0; i < nsync; i++)
+        poison[i] = i ? -1000000 : 0;
+    assert_int_equal(moe_gpu_memcpy_h2d(a.sync, poison, sizeof(int32_t) * nsync),
+                     MOE_STATUS_SUCCESS);
+    assert_int_equal(moe_gpu_device_synchronize(), MOE_STATUS_SUCCESS);
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    gt_ok(moe_decode_launch(&a, NULL), "decode launch, stalled");
+    assert_int_equal(moe_gpu_device_synchronize(), MOE_STATUS_SUCCESS);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    secs = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    print_message("  stalled launch ended after %.3f s (timeout 0.05 s a wait)\n", secs);
+    assert_true(secs < 10.0);
+    assert_int_equal(*sticky, MOE_DECODE_STICKY_STALL | (int32_t)MOE_STATUS_TIMEOUT);
+
+    *sticky = 0; /* the next launch: the counters were left ready */
+    gt_poison(a.y, GT_POISON_FLOAT, sizeof(y1));
+    gt_ok(moe_decode_launch(&a, NULL), "decode launch after the stall");
+    gt_get(y1, a.y, sizeof(y1));
+    assert_int_equal(*sticky, 0);
+    assert_memory_equal(y0, y1, sizeof(y0));
+
+    moe_gpu_free((void *)a.x);
+    moe_gpu_free((void *)a.topk_ids);
+    moe_gpu_free((void *)a.topk_weights);
+    moe_gpu_free((void *)a.w13);
+    moe_gpu_free((void *)a.w2);
+    moe_gpu_free(a.y);
+    moe_gpu_free(a.h);
+    moe_gpu_free(a.o);
+    moe_gpu_free(a.sync);
+    moe_gpu_host_free(sticky);
+    free(w13), free(w2), free(poison);
+}
+
 static const struct CMUnitTest host_tests[] = {
     cmocka_unit_test(test_decode_split_rules),
 };
 
 static const struct CMUnitTest tests[] = {
+    cmocka_unit_test(test_decode_stall_bounded),
     cmocka_unit_test(test_decode_graph_explain_refusals),
     cmocka_unit_test(test_decode_batch_invariant),
     cmocka_unit_test(test_decode_against_cpu),
