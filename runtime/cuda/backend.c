@@ -465,14 +465,13 @@ static moe_status_t cuda_synchronize(moe_layer_t *l, void *stream)
     rank = (v >> 8) & 0xffff;        /* the first failure's rank (the flag bits sit above it) */
     if (v & MOE_DECODE_STICKY_STALL) /* one GPU: the fused decode kernel's own items */
         return moe_error(MOE_STATUS_TIMEOUT,
-                         "the fused decode kernel (%s) waited %d ms (the runtime's timeout, at "
-                         "least 1000) for "
-                         "its own work items: its CTAs were not all resident at once (another "
-                         "kernel that waits on its own grid beside it, such as a second layer's "
-                         "decode step on another stream, or MPS clients holding SMs); the step's "
-                         "output is not valid (MOE_FUSED_DECODE=0 keeps the grouped path)",
-                         MOE_ORACLE_FUSED_DECODE,
-                         l->rt->timeout_ms > 1000 ? l->rt->timeout_ms : 1000);
+                         "the fused decode kernel (%s) waited %d ms (the runtime's timeout, "
+                         "within 1 .. 10 s) for its own work items: its CTAs were not all "
+                         "resident at once (another kernel that waits on its own grid beside it, "
+                         "such as a second layer's decode step on another stream, or MPS clients "
+                         "holding SMs); the step's output is not valid (MOE_FUSED_DECODE=0 keeps "
+                         "the grouped path)",
+                         MOE_ORACLE_FUSED_DECODE, moe_cuda_decode_timeout_ms(l));
     if (v & MOE_A2A_STICKY_TIMEOUT) { /* the timed-out rank, or one whose failure came first */
         moe_cuda_ep_timed_out(l, rank);
         return moe_error(MOE_STATUS_TIMEOUT,

@@ -71,6 +71,8 @@ moe_status_t moe_cuda_finish_profile(moe_layer_t *l, int accumulate, void *strea
 moe_status_t moe_cuda_scan_inputs(moe_layer_t *l, const moe_forward_args_t *a, int32_t *flag);
 /* Whether a step of T tokens (x: its tokens, or NULL) takes the fused decode kernel. */
 int moe_cuda_use_decode(const cuda_layer_t *s, int64_t T, const void *x);
+/* The fused decode kernel's wait bound, ms (runtime/cuda/step.c). */
+int moe_cuda_decode_timeout_ms(const moe_layer_t *l);
 /* The rows the fused decode step picks its shared MLP's variant for (the same at every batch). */
 double moe_cuda_decode_shared_rows(const cuda_layer_t *s);
 /* Whether a one-GPU step of T tokens (not the fused decode kernel's) runs the top-k, slot ids

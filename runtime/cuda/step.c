@@ -436,6 +436,17 @@ int moe_cuda_use_decode(const cuda_layer_t *s, int64_t T, const void *x)
            (!x || ((uintptr_t)x & 15) == 0);
 }
 
+/* The bound of the fused decode kernel's waits: the runtime's timeout, at least 1 s (its own
+ * waits last microseconds to a few milliseconds, a time slice of another context milliseconds)
+ * and at most 10 s (they wait on the same GPU, not on a peer: a stall there is a launch whose CTAs
+ * cannot all be resident, and a serving step should hear of it in seconds, not after the
+ * 300 s a slow peer may be given). */
+int moe_cuda_decode_timeout_ms(const moe_layer_t *l)
+{
+    const int ms = l->rt->timeout_ms;
+    return ms < 1000 ? 1000 : ms > 10000 ? 10000 : ms;
+}
+
 /* The rows the fused decode step picks its shared MLP's variant for: its bound, so one variant
  * runs at every batch it takes (fp8 tiles differ in where they promote the tensor cores' sums,
  * every 128 or 512 of k, which would make the shared rows, and so a token's output, depend on
@@ -493,11 +504,10 @@ static moe_status_t decode_forward(moe_layer_t *l, const moe_forward_args_t *a, 
     d.split = s->dec_split;
     d.split1 = s->dec_split1;
     d.o1 = s->dec_o1;
-    /* a wait past the runtime's timeout (at least a second: the kernel's own waits last
-     * microseconds, a time slice of another context milliseconds) ends the launch and marks the
-     * step: MOE_DECODE_STICKY_STALL */
+    /* a wait past moe_cuda_decode_timeout_ms ends the launch and marks the step:
+     * MOE_DECODE_STICKY_STALL */
     d.sticky = s->sticky;
-    d.timeout_ns = (int64_t)(l->rt->timeout_ms > 1000 ? l->rt->timeout_ms : 1000) * 1000000;
+    d.timeout_ns = (int64_t)moe_cuda_decode_timeout_ms(l) * 1000000;
     MOE_CHECK(moe_decode_launch(&d, a->stream));
     MOE_CHECK(moe_cuda_record(s, EV_EXPERT, a->stream));
     MOE_CHECK(moe_cuda_record(s, EV_SHARED, a->stream));
