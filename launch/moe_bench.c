@@ -48,6 +48,7 @@ typedef struct point {
     double time_us, min_us, flops, bytes, limit_us;
     double limit_exp_us;      /* the limit from the expected experts touched, E (1 - (1 - k/E)^M) */
     moe_layer_stats_t phases; /* one step run with MOE_PROFILE=1 */
+    char explain[2048];       /* moe_layer_explain at m: what ran (kernel, variants, tables) */
 } point_t;
 
 typedef struct options {
@@ -655,6 +656,20 @@ static void json_shape(FILE *f, const options_t *o)
                                                      : "per_tensor");
 }
 
+/* `text` as the characters of a JSON string (quotes, backslashes and control characters
+ * escaped). */
+static void json_string_body(FILE *f, const char *text)
+{
+    for (const unsigned char *c = (const unsigned char *)text; *c; c++) {
+        if (*c == '"' || *c == '\\')
+            fprintf(f, "\\%c", *c);
+        else if (*c < 0x20)
+            fprintf(f, "\\u%04x", *c);
+        else
+            fputc(*c, f);
+    }
+}
+
 /* Into the file opened at start; nonzero if a write failed. */
 static int write_json(const options_t *o, const bench_t *b, const char *gpu, double copy,
                       double blas, const point_t *p, int n)
@@ -668,18 +683,22 @@ static int write_json(const options_t *o, const bench_t *b, const char *gpu, dou
             "\"bf16_flops_per_s\": %.3g, \"points\": [",
             b->cuda ? "cuda" : "cpu", gpu, b->l2_bytes, b->rotate, copy, blas, HBM_BYTES_PER_S,
             BF16_FLOPS_PER_S);
-    for (i = 0; i < n; i++)
+    for (i = 0; i < n; i++) {
         fprintf(f,
                 "%s\n  {\"m\": %lld, \"distinct_experts\": %d, \"graph\": %d, \"iters\": %d, "
                 "\"time_us\": %.2f, \"min_us\": %.2f, \"tflops\": %.2f, \"weight_gbps\": %.1f, "
                 "\"limit_us\": %.2f, \"limit_expected_us\": %.2f, \"score\": %.3f, "
                 "\"phases_us\": {\"route\": %.1f, "
-                "\"permute\": %.1f, \"experts\": %.1f, \"shared\": %.1f, \"combine\": %.1f}}",
+                "\"permute\": %.1f, \"experts\": %.1f, \"shared\": %.1f, \"combine\": %.1f}, "
+                "\"explain\": \"",
                 i ? "," : "", (long long)p[i].m, p[i].distinct, p[i].graph, p[i].iters,
                 p[i].time_us, p[i].min_us, p[i].flops / p[i].time_us / 1e6,
                 p[i].bytes / p[i].time_us / 1e3, p[i].limit_us, p[i].limit_exp_us,
                 p[i].limit_us / p[i].time_us, p[i].phases.route_us, p[i].phases.dispatch_us,
                 p[i].phases.expert_us, p[i].phases.shared_us, p[i].phases.combine_us);
+        json_string_body(f, p[i].explain);
+        fprintf(f, "\"}");
+    }
     fprintf(f, "\n]}\n");
     return (ferror(f) != 0) | (fclose(f) != 0);
 }
@@ -999,6 +1018,7 @@ static void table(const options_t *o)
         point_t *p = &pts[i];
         a.num_tokens = o->tokens[i];
         run_point(&b, o, a, d_ids, p);
+        MOE_OK(moe_layer_explain(b.layers[0], p->m, p->explain, sizeof(p->explain)));
         printf("  %8lld %8d %6s %6d %10.1f %10.1f %9.1f %9.0f %10.1f %10.1f %7.3f\n",
                (long long)p->m, p->distinct,
                p->graph ? "graph"
@@ -1011,7 +1031,7 @@ static void table(const options_t *o)
                "", p->phases.route_us, p->phases.dispatch_us, p->phases.expert_us,
                p->phases.shared_us, p->phases.combine_us);
         if (o->explain)
-            print_explain(b.layers[0], p->m);
+            printf("  %8s explain: %s\n", "", p->explain);
         fflush(stdout);
         score_sum += p->limit_us / p->time_us;
     }

@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # moe-bench's table on the CPU backend, one rank and two: the header's rotation line (forced by
 # --rotate, else 1 copy: no GPU L2), a row and a phases line per token count, the JSON's rotate
-# and points; never the timings.
+# and points, each with the layer's explain text; never the timings.
 #   test_cli_bench_table.sh MOE_BENCH
 set -u
 moe_bench=$1
@@ -31,6 +31,9 @@ for run in "1 2 rotated over 2 copies (L2 0.0 MB): --rotate 2" \
         [ "$(grep -cE '^ +phases \(one profiled step, us\): route ' "$out")" -eq $((3 * np)) ]
     check "$name: JSON rotate" grep -q "\"backend\": \"cpu\", .*\"rotate\": ${rot/-/1}," "$json"
     check "$name: JSON of 3 points" [ "$(grep -o '"m": ' "$json" | wc -l)" -eq 3 ]
+    check "$name: each point says what ran" \
+        [ "$(grep -o '"explain": "cpu backend: reference kernels' "$json" | wc -l)" -eq 3 ]
+    check "$name: JSON parses" python3 -c 'import json, sys; json.load(open(sys.argv[1]))' "$json"
     [ $fail -eq 0 ] || cat "$out"
 done
 [ $fail -eq 0 ]
