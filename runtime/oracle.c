@@ -437,7 +437,7 @@ int moe_oracle_decode_tokens(const moe_oracle_t *o, const moe_oracle_query_t *q,
         }
         return bound >= (double)INT32_MAX ? INT32_MAX : (int)bound;
     }
-    if (q->arch != 90 || q->ep_size > 1 || q->tp_size > 1 ||
+    if (q->ep_size > 1 || q->tp_size > 1 ||
         !moe_oracle_fused_decode_runs(q->arch, q->dtype, q->scale))
         return 0;
     for (size_t i = 0; i < sizeof(decode_builtin) / sizeof(decode_builtin[0]); i++)

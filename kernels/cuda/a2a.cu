@@ -36,13 +36,6 @@ __device__ __forceinline__ void store_release_sys(int32_t *p, uint32_t v)
     asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-__device__ __forceinline__ int64_t global_ns()
-{
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return (int64_t)t;
-}
-
 // This step already timed out on some wait (the sticky word's timeout bit).
 __device__ __forceinline__ bool step_timed_out(const int32_t *sticky)
 {
@@ -67,22 +60,13 @@ __device__ __forceinline__ bool rank_silenced(const int32_t *dead, const uint32_
     return d != 0 && d != (int32_t)*seq;
 }
 
-// A failure because of rank s: its code when no failure came before, and `bit` always.
-__device__ __forceinline__ void sticky_mark(int32_t *sticky, int s, int32_t code, int32_t bit)
-{
-    if (!sticky)
-        return;
-    atomicCAS(sticky, 0, (s << 8) | code);
-    atomicOr(sticky, bit);
-}
-
-// Records a timeout waiting for rank s in step seq: the sticky word as above, and (once) the
-// step in the runtime-wide word.
+// Records a timeout waiting for rank s in step seq: the sticky word (moe_sticky_mark), and
+// (once) the step in the runtime-wide word.
 __device__ __forceinline__ void note_timeout(int32_t *sticky, int32_t *dead, uint32_t seq, int s)
 {
     if (dead)
         atomicCAS(dead, 0, seq ? (int32_t)seq : 1);
-    sticky_mark(sticky, s, MOE_STATUS_TIMEOUT, MOE_A2A_STICKY_TIMEOUT);
+    moe_sticky_mark(sticky, s, MOE_STATUS_TIMEOUT, MOE_A2A_STICKY_TIMEOUT);
 }
 
 // Spins until ctrl[word] reaches seq (wrap-safe), at most timeout_ns; false on a timeout, and
@@ -92,9 +76,9 @@ __device__ __forceinline__ void note_timeout(int32_t *sticky, int32_t *dead, uin
 __device__ bool wait_word(const int32_t *ctrl, uint32_t seq, int64_t timeout_ns,
                           const int32_t *sticky, const int32_t *dead)
 {
-    const int64_t t0 = global_ns();
+    const int64_t t0 = moe_global_ns();
     while ((int32_t)(load_acquire_sys(ctrl) - seq) < 0) {
-        if (global_ns() - t0 > timeout_ns || step_timed_out(sticky) || rank_dead(dead))
+        if (moe_global_ns() - t0 > timeout_ns || step_timed_out(sticky) || rank_dead(dead))
             return false;
         __nanosleep(64);
     }
@@ -340,7 +324,7 @@ __device__ void wait_one(const moe_a2a_wait_args_t &a, int s, int32_t *most, int
         const int32_t rows = ok ? ((volatile const int32_t *)c)[MOE_A2A_ROWS] : mine;
         /* out of step with this rank: use none of it */
         if (n < 0 || n > a.region_rows || rows != mine) {
-            sticky_mark(a.sticky, s, MOE_STATUS_INVALID_ARGUMENT, MOE_A2A_STICKY_ROWS);
+            moe_sticky_mark(a.sticky, s, MOE_STATUS_INVALID_ARGUMENT, MOE_A2A_STICKY_ROWS);
             status = MOE_STATUS_INVALID_ARGUMENT; /* no rank computes a row this step */
             n = 0;
         }
@@ -621,7 +605,7 @@ __device__ void ll_wait_counts(const moe_a2a_ll_args_t &a, uint32_t seq, int *go
         *go = 0;
     } else if (((volatile const int32_t *)c)[MOE_A2A_LL_BR] != a.block_rows) {
         /* the ranks picked different GEMM variants (different tune files, say) */
-        sticky_mark(a.sticky, s, MOE_STATUS_INVALID_ARGUMENT, MOE_A2A_STICKY_ROWS);
+        moe_sticky_mark(a.sticky, s, MOE_STATUS_INVALID_ARGUMENT, MOE_A2A_STICKY_ROWS);
         *go = 0;
     }
 }
@@ -648,7 +632,7 @@ __device__ void ll_layout_own(const moe_a2a_ll_args_t &a, int *cnt, int *off, un
             warp_padded_scan(cnt, a.first[warp], a.first[warp + 1], a.block_rows, off);
         if (lane == 0 && rows > a.rows_cap) {
             atomicOr(skip, 1u << warp);
-            sticky_mark(a.sticky, warp, MOE_STATUS_INVALID_ARGUMENT, MOE_A2A_STICKY_ROWS);
+            moe_sticky_mark(a.sticky, warp, MOE_STATUS_INVALID_ARGUMENT, MOE_A2A_STICKY_ROWS);
         }
     }
     __syncthreads();
@@ -855,7 +839,7 @@ __global__ void __launch_bounds__(A2A_THREADS) a2a_ll_layout_kernel(moe_a2a_ll_l
     if (threadIdx.x == 0 && !none &&
         (rows > a.rows_cap || rows > (int64_t)a.max_blocks * a.block_rows)) {
         none = 1;
-        sticky_mark(a.sticky, a.rank, MOE_STATUS_INVALID_ARGUMENT, MOE_A2A_STICKY_ROWS);
+        moe_sticky_mark(a.sticky, a.rank, MOE_STATUS_INVALID_ARGUMENT, MOE_A2A_STICKY_ROWS);
     }
     __syncthreads();
     const int nb = none ? 0 : (int)(rows / a.block_rows);

@@ -25,6 +25,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_cache.cuh"
 #include "kernels/cuda/pdl.cuh"
+#include "kernels/cuda/sticky.cuh"
 #include "base/numeric.h"
 #include "kernels/prepare.h"
 
@@ -122,13 +123,6 @@ __device__ __forceinline__ int ld_relaxed(const int32_t *p)
     return v;
 }
 
-__device__ __forceinline__ int64_t global_ns()
-{
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return (int64_t)t;
-}
-
 // lane 0 spins until *c >= target; the warp's later loads see what the signalling warps wrote.
 // The polls are relaxed and one fence makes the last of them an acquire: ld.acquire compiles to
 // a strong load and an L1 invalidation (CCTL.IVALL) per poll, and a one-token step polled about
@@ -139,18 +133,15 @@ __device__ __forceinline__ void warp_wait(const params &p, const int32_t *c, int
 {
     if ((threadIdx.x & 31) == 0) {
         if (ld_relaxed(c) < target) {
-            const int64_t t0 = global_ns();
+            const int64_t t0 = moe_global_ns();
             while (ld_relaxed(c) < target) {
-                const int64_t waited = global_ns() - t0;
+                const int64_t waited = moe_global_ns() - t0;
                 // another wait gave up (read only in long waits: it is one more hot line)
                 if (waited > 100000 && ld_relaxed(p.sync + SYNC_ABORT) > 0)
                     break;
                 if (p.timeout_ns > 0 && waited > p.timeout_ns) {
                     atomicExch(p.sync + SYNC_ABORT, 1);
-                    if (p.sticky) {
-                        atomicCAS(p.sticky, 0, (int32_t)MOE_STATUS_TIMEOUT);
-                        atomicOr(p.sticky, MOE_DECODE_STICKY_STALL);
-                    }
+                    moe_sticky_mark(p.sticky, 0, MOE_STATUS_TIMEOUT, MOE_DECODE_STICKY_STALL);
                     break;
                 }
                 __nanosleep(256); // hundreds of warps may poll one line: leave the L2 slice room

@@ -22,4 +22,22 @@ __device__ __forceinline__ int moe_first_failure(const int32_t *flags, int n, in
     return bad;
 }
 
+/* A failure of rank s: (s << 8) | code when no failure came before, and `bit` always (the flag
+ * bits above the rank: kernels/a2a.h, kernels/decode.h). sticky may be NULL. */
+__device__ __forceinline__ void moe_sticky_mark(int32_t *sticky, int s, int32_t code, int32_t bit)
+{
+    if (!sticky)
+        return;
+    atomicCAS(sticky, 0, (s << 8) | code);
+    atomicOr(sticky, bit);
+}
+
+/* The GPU's global timer, ns: the clock of the kernels' bounded waits. */
+__device__ __forceinline__ int64_t moe_global_ns()
+{
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return (int64_t)t;
+}
+
 #endif /* MOE_STICKY_CUH */
