@@ -8,7 +8,6 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#include "kernels/route.h"
 #include "moe/moe.h"
 
 #ifdef __cplusplus
@@ -18,8 +17,6 @@ extern "C" {
 #define MOE_DECODE_MAX_TOKENS 64   /* tokens per launch (an expert's tokens: 8 mma columns x 8) */
 #define MOE_DECODE_MAX_EXPERTS 512 /* local experts (the per-CTA expert table) */
 #define MOE_DECODE_MAX_SPLIT 8     /* GEMM 1's and GEMM 2's k splits */
-#define MOE_DECODE_ROUTE_MAX_EXPERTS 256 /* router rows when the launch routes (route != NULL) */
-#define MOE_DECODE_ROUTE_PARTS 8         /* router logits' k shares (router_part) */
 
 /* The bit of the sticky verdict word (kernels/a2a.h's word: (rank << 8) | status) that a launch
  * sets, with MOE_STATUS_TIMEOUT when the word was 0, when one of its waits passed timeout_ns.
@@ -74,25 +71,6 @@ typedef struct moe_decode_args {
     int max_ctas;       /* at most this many CTAs (0: as many as fit on the GPU) */
     int32_t *sticky;    /* optional: the step's sticky verdict word (MOE_DECODE_STICKY_STALL) */
     int64_t timeout_ns; /* a wait's bound (0: none) */
-    /* Optional: the routing in this launch (route != NULL; topk_ids and topk_weights are then
-     * not read). The router logits as moe_route_logits_launch computes them on tensor cores from
-     * router_w3 (the same bits), or the given router_logits; scoring and top-k as
-     * moe_route_launch; each pair's local slot as moe_ep_slot_ids_launch gives it on one GPU
-     * (position token + rank among the expert's replicas, the pair counted in load). The logical
-     * ids and the weights are written to route_ids and route_weights. It saves the three
-     * launches (and the waits between them) before the kernel. */
-    const moe_route_params_t *route; /* num_experts (router rows) <= MOE_DECODE_ROUTE_MAX_EXPERTS */
-    const uint16_t *router_w3;       /* bf16 [3][route->num_experts][hidden] (moe_split_bf16x3),
-                                      * 16-byte aligned; NULL with router_logits */
-    int router_planes;               /* 1: only the hi plane is non-zero, else 3 */
-    const float *router_logits;      /* optional device [T][route->num_experts]: given */
-    const float *router_bias;        /* device [route->num_experts] (sigmoid + use_bias) */
-    float *router_part; /* workspace f32 [MOE_DECODE_ROUTE_PARTS][T][route->num_experts] */
-    int32_t *route_ids; /* device [T][top_k]: the logical ids chosen */
-    float *route_weights;
-    const int32_t *replica_begin, *replica_slot; /* moe_ep_slot_ids_args_t's */
-    unsigned long long *load;                    /* optional */
-    int rank;
 } moe_decode_args_t;
 
 /* ints of the persistent sync array for a layer of these dimensions and GEMM 1 k split */

@@ -3,16 +3,14 @@
 // activation quantisation, GEMM 1 + activation, GEMM 2 and the weighted sum per token.
 //
 // Work items, one warp each, in one order that every warp walks with a stride of the warp
-// count (item i on warp i mod W). First [router logits: (8 router rows, 16 tokens, k share)]
-// (when the launch routes) and [x quantisation of each token (fp8)]; then every CTA scores and
-// picks the top-k of every token from the router's sums and builds its expert table; then
-// [GEMM 1: (expert, 8 output columns of h, k split)] [GEMM 2: (expert, 16 rows of hidden, k
-// split)]. An item waits only on items before it (the top-k on every router item, GEMM 1 on the
-// quantised x, GEMM 2 on every GEMM 1 item of its expert) and a warp takes its items in order,
-// so the lowest unfinished item can always run: no deadlock, with no grid-wide barrier. The last
-// GEMM 1 piece of a column tile sums the tile's pieces and applies the activation; the last GEMM 2
-// item of a row tile sums that tile for every token. A waiting item issues its first weight loads
-// before it waits.
+// count (item i on warp i mod W): [x quantisation of each token (fp8)] [GEMM 1: (expert,
+// 8 output columns of h, k split)] [GEMM 2: (expert, 16 rows of hidden, k split)]. An item waits
+// only on items before it (GEMM 1 on the quantised x, GEMM 2 on every GEMM 1 item of its expert)
+// and a warp takes its items in order, so the lowest unfinished item can always run: no
+// deadlock, with no grid-wide barrier. The last GEMM 1 piece of a column tile sums the tile's
+// pieces and applies the activation; the last GEMM 2 item of a row tile sums that tile for
+// every token.
+// A waiting item issues its first weight loads before it waits.
 //
 // Tensor cores through mma.sync with the weights as the M side (swap-AB): a warp's 16 weight
 // rows x 16 bytes of k per thread come straight from global memory into registers (no shared
@@ -22,15 +20,11 @@
 // 2 x 16 (64 k).
 #include "kernels/decode.h"
 
-#include <string.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_cache.cuh"
 #include "kernels/cuda/pdl.cuh"
-#include "kernels/cuda/route_logits.cuh"
-#include "kernels/cuda/route_topk.cuh"
-#include "kernels/cuda/slot.cuh"
 #include "kernels/cuda/sticky.cuh"
 #include "base/numeric.h"
 #include "kernels/prepare.h"
@@ -44,18 +38,15 @@ constexpr int THREADS = 256, WARPS = THREADS / 32;
 constexpr int U_WIDE = 4;
 constexpr int TILE1 = 8;  // GEMM 1: output columns of h per item (8 gate + 8 up rows)
 constexpr int TILE2 = 16; // GEMM 2: output columns of y per item
-constexpr int MAX_ROWS = MOE_DECODE_MAX_TOKENS * 16;         // slots: tokens x top_k (top_k <= 16)
-constexpr int ROUTE_NPL = MOE_DECODE_ROUTE_MAX_EXPERTS / 32; // route_topk_token's experts a lane
-static_assert(MOE_DECODE_ROUTE_PARTS == TC_WARPS, "the router's k shares are the logits kernel's");
+constexpr int MAX_ROWS = MOE_DECODE_MAX_TOKENS * 16; // slots: tokens x top_k (top_k <= 16)
 
 // sync[] layout: done counter, x quantised counter, GEMM 1 column tiles done per expert (one
 // 128-byte line each: many warps poll them), GEMM 2 items done per row tile (one 32-byte sector
 // each), GEMM 1 pieces done per (expert, column tile) with a k split (dense: never polled, each
 // left at zero by its last piece), then |h| max per slot (f8; float bits).
-// SYNC_ABORT (between them, zeroed with the rest): a wait of this launch timed out. SYNC_ROUTE:
-// router items done.
-constexpr int SYNC_DONE = 0, SYNC_ABORT = 16, SYNC_XQ = 32, SYNC_ROUTE = 48, SYNC_E1 = 64,
-              E1_STRIDE = 32, COL_STRIDE = 8;
+// SYNC_ABORT (between them, zeroed with the rest): a wait of this launch timed out.
+constexpr int SYNC_DONE = 0, SYNC_ABORT = 16, SYNC_XQ = 32, SYNC_E1 = 64, E1_STRIDE = 32,
+              COL_STRIDE = 8;
 __host__ __device__ __forceinline__ int sync_col(int E)
 {
     return SYNC_E1 + E * E1_STRIDE;
@@ -70,10 +61,6 @@ __host__ __device__ __forceinline__ int sync_hmax(int E, int H, int I, int split
 }
 
 struct smem_t {
-    int ids[MAX_ROWS];                   // each slot's local expert (< 0: none)
-    float wt[MAX_ROWS];                  // and routing weight
-    float logit[WARPS][ROUTE_NPL * 32];  // routing: a token's logits, by warp
-    float choice[WARPS][ROUTE_NPL * 32]; // route_topk_token's grouped selection
     int cnt[MOE_DECODE_MAX_EXPERTS];
     int off[MOE_DECODE_MAX_EXPERTS];
     int uniq[MOE_DECODE_MAX_EXPERTS];
@@ -101,17 +88,6 @@ struct params {
     int32_t *sticky;
     int64_t timeout_ns;
     int T, k, E, H, I, split, split1, y_f32, gelu;
-    // routing in the launch (kernels/decode.h; rk.num_experts > 0): the router rows, logits given
-    // or their k shares, the outputs, the slots
-    route_kparams rk;
-    const uint16_t *rw3;
-    const float *rlogits, *rbias;
-    float *rpart;
-    int32_t *rids;
-    float *rw;
-    const int32_t *rbegin, *rslot;
-    unsigned long long *rload;
-    int rwp, rrank;
 };
 
 __device__ __forceinline__ uint4 ld_stream(const uint8_t *p)
@@ -270,7 +246,7 @@ __device__ void build_table(const params &p, smem_t &s)
         s.cnt[e] = 0;
     __syncthreads();
     for (int i = threadIdx.x; i < rows; i += THREADS) {
-        const int e = s.ids[i];
+        const int e = p.ids[i];
         s.pos[i] = e >= 0 && e < p.E ? (short)atomicAdd(&s.cnt[e], 1) : (short)-1;
     }
     __syncthreads();
@@ -299,7 +275,7 @@ __device__ void build_table(const params &p, smem_t &s)
     }
     __syncthreads();
     for (int i = threadIdx.x; i < rows; i += THREADS) {
-        const int e = s.ids[i];
+        const int e = p.ids[i];
         if (s.pos[i] >= 0)
             s.slots[s.off[e] + s.pos[i]] = i;
     }
@@ -307,80 +283,6 @@ __device__ void build_table(const params &p, smem_t &s)
         for (int e = threadIdx.x; e < p.E; e += THREADS)
             p.counts[e] = s.cnt[e];
     __syncthreads();
-}
-
-// Router items: 8 router rows x 16 tokens x one k share of TC_WARPS, one warp each (the logits
-// kernel's warps, route_logits.cuh): the share's partial sums into p.rpart[share][t][row]
-__host__ __device__ __forceinline__ int route_items(int T, int rows)
-{
-    return (rows + 7) / 8 * ((T + 15) / 16) * TC_WARPS;
-}
-
-template <typename XT> __device__ void route_item(const params &p, int item)
-{
-    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const int rows = p.rk.num_experts, tt = (p.T + 15) / 16;
-    const int w = item % TC_WARPS, tile = item / TC_WARPS;
-    const int r0 = tile / tt * 8, t0 = tile % tt * 16;
-    const XT *x = static_cast<const XT *>(p.x);
-    float acc[1][1][4];
-    if (p.rwp == 1)
-        logits_tc_warp<XT, 1, 1, 1>(x, p.rw3, p.T, rows, p.H, t0, r0, w, true, acc);
-    else
-        logits_tc_warp<XT, 1, 1, 3>(x, p.rw3, p.T, rows, p.H, t0, r0, w, true, acc);
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-        const int t = t0 + g + 8 * (q >> 1), r = r0 + 2 * c + (q & 1);
-        if (t < p.T && r < rows)
-            p.rpart[((int64_t)w * p.T + t) * rows + r] = acc[0][0][q];
-    }
-    warp_signal(p.sync + SYNC_ROUTE);
-}
-
-// Every CTA: each token's logits (its k shares summed in share order from 0, as the logits
-// kernel sums its warps'), scores and top-k (route_topk_token, one warp a token) and each pair's
-// slot into s.ids / s.wt; CTA 0 also writes the logical ids and weights and counts the load.
-// Without routing in the launch, the given slots and weights.
-__device__ void route_tokens(const params &p, smem_t &s, int nr)
-{
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, K = p.k;
-    if (p.rk.num_experts <= 0) {
-        for (int i = threadIdx.x; i < p.T * K; i += THREADS)
-            s.ids[i] = p.ids[i], s.wt[i] = p.w[i];
-        return;
-    }
-    const int E = p.rk.num_experts;
-    if (nr > 0 && warp < p.T)
-        warp_wait(p, p.sync + SYNC_ROUTE, nr);
-    for (int t = warp; t < p.T; t += WARPS) {
-        float *row = s.logit[warp];
-        for (int e = lane; e < E; e += 32) {
-            float v;
-            if (p.rlogits) {
-                v = p.rlogits[(int64_t)t * E + e];
-            } else {
-                v = 0.0f;
-#pragma unroll
-                for (int w = 0; w < TC_WARPS; w++)
-                    v += ld_cg_f32(p.rpart + ((int64_t)w * p.T + t) * E + e);
-            }
-            row[e] = v;
-        }
-        __syncwarp();
-        route_topk_token<ROUTE_NPL>(row, p.rbias, s.ids + t * K, s.wt + t * K, 0, p.rk, lane,
-                                    s.choice[warp], NULL);
-        __syncwarp();
-        if (lane < K) {
-            const int i = t * K + lane, id = s.ids[i];
-            if (blockIdx.x == 0) {
-                p.rids[i] = id;
-                p.rw[i] = s.wt[i];
-            }
-            s.ids[i] = moe_pair_slot(id, (int64_t)t + p.rrank, p.rbegin, p.rslot,
-                                     blockIdx.x == 0 ? p.rload : nullptr);
-        }
-        __syncwarp();
-    }
 }
 
 // fp8: token t's row of x (as bf16) quantised with its dynamic scale, by one warp. GEMM 1 waits
@@ -628,7 +530,7 @@ __device__ __forceinline__ float4 ld_cg_f4(const float *p)
 // loads are volatile asm: one at a time, each would wait for its own L2 round trip), split
 // piece by piece; each slot's pieces are added in split order, then weighted in slot order
 constexpr int CB = 8;
-template <typename YT> __device__ void combine_tile(const params &p, const smem_t &s, int r)
+template <typename YT> __device__ void combine_tile(const params &p, int r)
 {
     const int lane = threadIdx.x & 31;
     const int64_t rows = (int64_t)p.T * p.k;
@@ -656,8 +558,8 @@ template <typename YT> __device__ void combine_tile(const params &p, const smem_
             }
 #pragma unroll
             for (int j = 0; j < CB; j++)
-                if (j0 + j < p.k && s.ids[slot0 + j] >= 0) {
-                    const float w = s.wt[slot0 + j];
+                if (j0 + j < p.k && p.ids[slot0 + j] >= 0) {
+                    const float w = p.w[slot0 + j];
                     acc[0] += w * v[j].x, acc[1] += w * v[j].y;
                     acc[2] += w * v[j].z, acc[3] += w * v[j].w;
                 }
@@ -761,36 +663,31 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
 {
     __shared__ smem_t s;
     moe_pdl_wait_only(); // no early launch of the next kernel: this grid waits on itself
+    build_table(p, s);
     // item i on warp i mod nw, warps numbered across the CTAs first: consecutive items (one
     // expert's tiles) spread over every SM
-    const int warp = threadIdx.x / 32, nw = gridDim.x * WARPS,
-              first = warp * gridDim.x + blockIdx.x;
-    const int nr = p.rk.num_experts > 0 && !p.rlogits ? route_items(p.T, p.rk.num_experts) : 0;
-    const int n0 = F8 ? p.T : 0;
-    for (int item = first; item < nr + n0; item += nw) {
-        if (item < nr)
-            route_item<XT>(p, item);
-        else if (F8) // so the bf16 kernels compile no quantisation (its registers spilled theirs)
-            quantise_x<XT>(p, item - nr);
-    }
-    route_tokens(p, s, nr);
-    build_table(p, s);
+    const int warp = threadIdx.x / 32, nw = gridDim.x * WARPS;
     const int nu = s.nuniq;
+    const int n0 = F8 ? p.T : 0;
     const int s1 = K1 ? p.split1 : 1;
     const int t1 = p.I / TILE1, n1 = nu * t1 * s1;
     const int t2 = (p.H + TILE2 - 1) / TILE2, n2 = nu * t2 * p.split;
     int32_t *col_done = p.sync + sync_col(p.E);
-    for (int item = first; item < n1 + n2; item += nw) {
-        if (item < n1) {
-            const int i = item; // (expert, column tile, k piece), the pieces adjacent
+    for (int item = warp * gridDim.x + blockIdx.x; item < n0 + n1 + n2; item += nw) {
+        // F8 &&: n0 is 0 without it anyway, but so the bf16 kernels compile no quantisation
+        // (its registers held in the same function spilled their GEMM loops)
+        if (F8 && item < n0) {
+            quantise_x<XT>(p, item);
+        } else if (item < n0 + n1) {
+            const int i = item - n0; // (expert, column tile, k piece), the pieces adjacent
             gemm1<F8, NG, U, XT, K1>(p, s, s.uniq[i / (t1 * s1)], i / s1 % t1 * TILE1, i % s1);
         } else {
-            const int i = item - n1;
+            const int i = item - n0 - n1;
             const int u = i / (t2 * p.split), r = i / p.split % t2, q = i % p.split;
             gemm2<F8, NG, U, K1>(p, s, s.uniq[u], r, q, t1);
             if (warp_signal(col_done + r * COL_STRIDE) == nu * p.split - 1) {
                 __threadfence();
-                combine_tile<YT>(p, s, r);
+                combine_tile<YT>(p, r);
             }
         }
     }
@@ -962,48 +859,8 @@ extern "C" moe_status_t moe_decode_launch(const moe_decode_args_t *a, void *stre
                   "decode: x, weights and workspace must be 16-byte aligned");
     MOE_ARG_CHECK(!a->f8 || (a->w13_scale && a->w2_scale && a->xq && a->xs),
                   "decode: fp8 needs the weight scales and the x workspace");
-    if (a->route) {
-        const moe_route_params_t *r = a->route;
-        MOE_ARG_CHECK(r->num_experts > 0 && r->num_experts <= MOE_DECODE_ROUTE_MAX_EXPERTS,
-                      "decode: routing in the launch with %d router rows (at most %d)",
-                      r->num_experts, MOE_DECODE_ROUTE_MAX_EXPERTS);
-        MOE_ARG_CHECK(r->top_k == a->top_k && r->top_k <= r->num_experts,
-                      "decode: route top_k = %d, launch top_k = %d, router rows %d", r->top_k,
-                      a->top_k, r->num_experts);
-        MOE_ARG_CHECK(r->n_group <= 1 ||
-                          (r->n_group <= MOE_ROUTE_MAX_GROUPS && r->num_experts % r->n_group == 0 &&
-                           r->topk_group >= 1 && r->topk_group <= r->n_group),
-                      "decode: route n_group = %d, topk_group = %d", r->n_group, r->topk_group);
-        MOE_ARG_CHECK(a->router_logits ||
-                          (a->router_w3 && ((uintptr_t)a->router_w3 & 15) == 0 && a->router_part &&
-                           (a->router_planes == 1 || a->router_planes == 3)),
-                      "decode: routing needs the given logits or the split router (16-byte "
-                      "aligned, 1 or 3 planes, router_planes = %d) and its workspace",
-                      a->router_planes);
-        MOE_ARG_CHECK(a->route_ids && a->route_weights && a->replica_begin && a->replica_slot,
-                      "decode: routing needs route_ids, route_weights and the replica table");
-        MOE_ARG_CHECK(r->scoring != MOE_SCORING_SIGMOID || !r->use_bias || a->router_bias,
-                      "decode: sigmoid routing with use_bias needs router_bias");
-    } else {
-        MOE_ARG_CHECK(a->topk_ids && a->topk_weights, "decode: no routing and no topk_ids");
-    }
     if (a->num_tokens == 0)
         return MOE_STATUS_SUCCESS;
-    memset(&p, 0, sizeof(p));
-    if (a->route) {
-        p.rk = route_kparams_of(a->route);
-        p.rw3 = a->router_w3;
-        p.rwp = a->router_planes;
-        p.rlogits = a->router_logits;
-        p.rbias = a->route->use_bias ? a->router_bias : NULL;
-        p.rpart = a->router_part;
-        p.rids = a->route_ids;
-        p.rw = a->route_weights;
-        p.rbegin = a->replica_begin;
-        p.rslot = a->replica_slot;
-        p.rload = a->load;
-        p.rrank = a->rank;
-    }
     p.x = a->x;
     p.ids = a->topk_ids;
     p.w = a->topk_weights;

@@ -187,7 +187,6 @@ typedef struct cuda_layer {
     int dec_ok, dec_max, dec_forced, dec_tuned, dec_tokens, dec_split, dec_split1;
     void *dec_h;
     float *dec_o, *dec_o1, *dec_xs;
-    float *dec_rpart; /* the router's k shares when the kernel routes (moe_cuda_decode_routes) */
     uint8_t *dec_xq;
     int32_t *dec_sync;
 

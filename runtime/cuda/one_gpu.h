@@ -73,10 +73,6 @@ moe_status_t moe_cuda_scan_inputs(moe_layer_t *l, const moe_forward_args_t *a, i
 int moe_cuda_use_decode(const cuda_layer_t *s, int64_t T, const void *x);
 /* The fused decode kernel's wait bound, ms (runtime/cuda/step.c). */
 int moe_cuda_decode_timeout_ms(const moe_layer_t *l);
-/* Whether the fused decode kernel routes a step itself (router, top-k and slots in its launch). */
-int moe_cuda_decode_routes(const moe_layer_t *l, const moe_forward_args_t *a);
-/* The layer's scoring and top-k parameters (moe_route_launch's, the fused decode kernel's). */
-void moe_cuda_route_params(const moe_layer_t *l, moe_route_params_t *p);
 /* The rows the fused decode step picks its shared MLP's variant for (the same at every batch). */
 double moe_cuda_decode_shared_rows(const cuda_layer_t *s);
 /* Whether a one-GPU step of T tokens (not the fused decode kernel's) runs the top-k, slot ids

@@ -176,9 +176,6 @@ void moe_cuda_plan_workspace(cuda_layer_t *s, carve_t *c)
             s->dec_xq = moe_cuda_take(c, (size_t)s->dec_tokens * (size_t)s->H);
             s->dec_xs = moe_cuda_take(c, sizeof(float) * (size_t)s->dec_tokens);
         }
-        if (s->E_total <= MOE_DECODE_ROUTE_MAX_EXPERTS)
-            s->dec_rpart = moe_cuda_take(c, sizeof(float) * MOE_DECODE_ROUTE_PARTS *
-                                                (size_t)s->dec_tokens * (size_t)s->E_total);
     }
 }
 

@@ -104,20 +104,6 @@ moe_status_t moe_cuda_record(const cuda_layer_t *s, int ev, void *stream)
     return s->profile ? moe_gpu_event_record(s->ev[ev], stream) : MOE_STATUS_SUCCESS;
 }
 
-/* The layer's scoring and top-k parameters */
-void moe_cuda_route_params(const moe_layer_t *l, moe_route_params_t *p)
-{
-    memset(p, 0, sizeof(*p));
-    p->num_experts = l->cfg.num_experts;
-    p->top_k = l->cfg.top_k;
-    p->scoring = l->cfg.scoring;
-    p->use_bias = l->cfg.use_score_bias;
-    p->n_group = l->cfg.n_group;
-    p->topk_group = l->cfg.topk_group;
-    p->renormalize = l->cfg.renormalize;
-    p->scaling = l->cfg.routed_scaling_factor;
-}
-
 /* The router logits (launched unless the caller gave them) and the scoring + top-k's arguments
  * over them. */
 static moe_status_t route_args(moe_layer_t *l, const moe_forward_args_t *a, int32_t *ids, float *w,
@@ -133,7 +119,14 @@ static moe_status_t route_args(moe_layer_t *l, const moe_forward_args_t *a, int3
         logits = s->logits;
     }
     memset(r, 0, sizeof(*r));
-    moe_cuda_route_params(l, &r->params);
+    r->params.num_experts = l->cfg.num_experts;
+    r->params.top_k = l->cfg.top_k;
+    r->params.scoring = l->cfg.scoring;
+    r->params.use_bias = l->cfg.use_score_bias;
+    r->params.n_group = l->cfg.n_group;
+    r->params.topk_group = l->cfg.topk_group;
+    r->params.renormalize = l->cfg.renormalize;
+    r->params.scaling = l->cfg.routed_scaling_factor;
     r->logits = logits;
     r->bias = l->cfg.use_score_bias ? s->bias : NULL;
     r->topk_ids = ids;
@@ -463,51 +456,18 @@ double moe_cuda_decode_shared_rows(const cuda_layer_t *s)
     return (double)s->dec_max;
 }
 
-/* Whether the fused decode kernel routes the step itself (router logits, top-k and slots in the
- * launch): the router on tensor cores as the logits kernel runs it (split planes, 16-byte
- * aligned), at most MOE_DECODE_ROUTE_MAX_EXPERTS rows, one GPU; not with the caller's routing
- * or with the phases profiled (the route phase would be empty). MOE_DECODE_ROUTE=0: never. */
-int moe_cuda_decode_routes(const moe_layer_t *l, const moe_forward_args_t *a)
-{
-    const cuda_layer_t *s = l->state;
-    const char *env = getenv("MOE_DECODE_ROUTE");
-    if ((env && env[0] == '0') || a->given_topk_ids || s->profile || !s->dec_rpart ||
-        l->plan.world != 1)
-        return 0;
-    return ((uintptr_t)s->router3 & 15) == 0 && ((uintptr_t)s->router & 15) == 0 && s->H % 8 == 0;
-}
-
-/* The fused decode step: route (in the kernel where moe_cuda_decode_routes), the shared MLP
- * (grouped path), then one kernel for GEMM 1, the activation, GEMM 2 and the weighted sum with
- * the shared rows. Profiled, the expert phase holds the shared MLP and the sum. */
+/* The fused decode step: route, the shared MLP (grouped path), then one kernel for GEMM 1, the
+ * activation, GEMM 2 and the weighted sum with the shared rows. Profiled, the expert phase
+ * holds the shared MLP and the sum. */
 static moe_status_t decode_forward(moe_layer_t *l, const moe_forward_args_t *a, int32_t *ids,
                                    float *w)
 {
     cuda_layer_t *s = l->state;
     moe_decode_args_t d;
-    moe_route_params_t rp;
-    const int routes = moe_cuda_decode_routes(l, a);
-    memset(&d, 0, sizeof(d));
     MOE_CHECK(moe_cuda_record(s, EV_START, a->stream));
     MOE_CHECK(moe_cuda_scan_inputs(l, a, s->sticky));
-    if (routes) {
-        moe_cuda_route_params(l, &rp);
-        d.route = &rp;
-        d.router_w3 = a->router_logits ? NULL : s->router3;
-        d.router_planes = s->router_planes == 1 ? 1 : 3;
-        d.router_logits = a->router_logits;
-        d.router_bias = l->cfg.use_score_bias ? s->bias : NULL;
-        d.router_part = s->dec_rpart;
-        d.route_ids = ids;
-        d.route_weights = w;
-        d.replica_begin = s->replica_begin;
-        d.replica_slot = s->replica_slot;
-        d.load = s->load;
-        d.rank = l->plan.rank;
-    } else {
-        MOE_CHECK(moe_cuda_route(l, a, ids, w, s->sticky));
-        MOE_CHECK(moe_cuda_slot_ids(l, ids, a->num_tokens, 0, s->slot_ids, a->stream));
-    }
+    MOE_CHECK(moe_cuda_route(l, a, ids, w, s->sticky));
+    MOE_CHECK(moe_cuda_slot_ids(l, ids, a->num_tokens, 0, s->slot_ids, a->stream));
     MOE_CHECK(moe_cuda_record(s, EV_ROUTE, a->stream));
     MOE_CHECK(moe_cuda_record(s, EV_PERMUTE, a->stream));
     if (s->ss > 0) {
@@ -515,6 +475,7 @@ static moe_status_t decode_forward(moe_layer_t *l, const moe_forward_args_t *a, 
                              a->dtype, a->num_tokens, a->stream));
         MOE_CHECK(moe_cuda_shared_gate(l, a));
     }
+    memset(&d, 0, sizeof(d));
     d.x = a->x;
     d.x_dtype = a->dtype;
     d.topk_ids = s->slot_ids; /* the local slots (weights per slot) */

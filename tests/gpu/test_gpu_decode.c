@@ -365,106 +365,6 @@ static void test_decode_graph_explain_refusals(void **state)
     free(x), free(y1), free(y2);
 }
 
-/* One step of n tokens (dx in c->xt; logits: given router logits or NULL) through l: y, the
- * ids and the weights (device outputs poisoned first) into y / ids / w on the host. */
-static void route_step(moe_layer_t *l, const dec_case_t *c, const void *dx, const float *logits,
-                       int64_t n, float *y, int32_t *ids, float *w)
-{
-    const size_t es = c->xt == MOE_DTYPE_BF16 ? 2 : 4, len = (size_t)n * (size_t)c->H;
-    const size_t nk = (size_t)n * (size_t)c->k;
-    void *dy = gt_dalloc(es * len), *tmp = malloc(es * len);
-    int32_t *dids = gt_dalloc(4 * nk);
-    float *dw = gt_dalloc(4 * nk);
-    moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
-    assert_non_null(tmp);
-    gt_poison(dy, GT_POISON_FLOAT, es * len);
-    gt_poison(dids, GT_POISON_INT, 4 * nk);
-    gt_poison(dw, GT_POISON_FLOAT, 4 * nk);
-    a.num_tokens = n;
-    a.dtype = c->xt;
-    a.x = dx;
-    a.y = dy;
-    a.router_logits = logits;
-    a.topk_ids = dids;
-    a.topk_weights = dw;
-    gt_ok(moe_layer_forward(l, &a), c->name);
-    gt_ok(moe_layer_synchronize(l, NULL), "synchronize");
-    gt_get(tmp, dy, es * len);
-    if (es == 2)
-        moe_convert_to_f32(MOE_DTYPE_BF16, tmp, y, len);
-    else
-        memcpy(y, tmp, 4 * len);
-    gt_get(ids, dids, 4 * nk);
-    gt_get(w, dw, 4 * nk);
-    moe_gpu_free(dy), moe_gpu_free(dids), moe_gpu_free(dw);
-    free(tmp);
-}
-
-/* The routing the kernel runs in its own launch (router logits on tensor cores, scoring, top-k,
- * slots) chooses bitwise the ids and weights the route kernels choose (the grouped layer), from
- * x and from given logits, at 1 .. 64 tokens; and the output is bitwise the one of the same
- * kernel with the route kernels before it (MOE_DECODE_ROUTE=0). */
-static void test_decode_routing_in_kernel(void **state)
-{
-    static const int64_t counts[] = {1, 5, 16, 64};
-    const uint64_t seed = tu_seed("gpu_decode_route");
-    (void)state;
-    REQUIRE_SM90();
-    for (int i = 0; i < NUM_CASES; i++) {
-        const dec_case_t *c = &cases[i];
-        moe_layer_t *fused, *grouped;
-        setenv("MOE_FORCE_VARIANT", grouped_of(c), 1);
-        grouped = make(rt_gpu, c, 64, seed);
-        setenv("MOE_FORCE_VARIANT", "sm90_fused_decode", 1);
-        fused = make(rt_gpu, c, 64, seed);
-        unsetenv("MOE_FORCE_VARIANT");
-        for (size_t j = 0; j < sizeof(counts) / sizeof(counts[0]); j++) {
-            const int64_t n = counts[j];
-            const size_t len = (size_t)n * (size_t)c->H, nk = (size_t)n * (size_t)c->k;
-            const size_t es = c->xt == MOE_DTYPE_BF16 ? 2 : 4;
-            float *x = malloc(4 * len), *y[3], *w[3], *lg = malloc(4 * (size_t)n * c->E);
-            int32_t *ids[3];
-            void *xt = malloc(es * len), *dx;
-            float *dlg;
-            assert_true(x && lg && xt);
-            for (int v = 0; v < 3; v++) {
-                y[v] = malloc(4 * len), w[v] = malloc(4 * nk), ids[v] = malloc(4 * nk);
-                assert_true(y[v] && w[v] && ids[v]);
-            }
-            moe_gen_tokens(seed, 77 * n, n, c->H, x);
-            moe_gen_tokens(seed, 78 * n, n, c->E, lg);
-            if (es == 2)
-                moe_convert_from_f32(MOE_DTYPE_BF16, x, xt, len);
-            else
-                memcpy(xt, x, 4 * len);
-            dx = gt_dup(xt, es * len);
-            dlg = gt_dup(lg, 4 * (size_t)n * c->E);
-            for (int given = 0; given < 2; given++) {
-                const float *l = given ? dlg : NULL;
-                route_step(grouped, c, dx, l, n, y[0], ids[0], w[0]);
-                route_step(fused, c, dx, l, n, y[1], ids[1], w[1]);
-                setenv("MOE_DECODE_ROUTE", "0", 1);
-                route_step(fused, c, dx, l, n, y[2], ids[2], w[2]);
-                unsetenv("MOE_DECODE_ROUTE");
-                fprintf(stderr, "  %-56s %2lld tok%s: routing in the kernel\n", c->name,
-                        (long long)n, given ? " (given logits)" : "");
-                assert_memory_equal(ids[1], ids[0], 4 * nk);
-                assert_memory_equal(w[1], w[0], 4 * nk);
-                assert_memory_equal(ids[2], ids[0], 4 * nk);
-                assert_memory_equal(w[2], w[0], 4 * nk);
-                assert_true(gt_all_finite(y[1], len));
-                assert_memory_equal(y[1], y[2], 4 * len);
-            }
-            moe_gpu_free(dx), moe_gpu_free(dlg);
-            for (int v = 0; v < 3; v++)
-                free(y[v]), free(w[v]), free(ids[v]);
-            free(x), free(lg), free(xt);
-        }
-        moe_layer_destroy(fused);
-        moe_layer_destroy(grouped);
-    }
-}
-
 static int setup(void **state)
 {
     moe_runtime_config_t rc = MOE_RUNTIME_CONFIG_INIT;
@@ -524,23 +424,6 @@ static void test_decode_split_rules(void **state)
     a.o1 = &o;
     a.split1 = -1;
     assert_int_equal(moe_decode_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
-    /* routing in the launch: too many router rows, no router, no routing at all */
-    a.split1 = 1;
-    {
-        moe_route_params_t r;
-        memset(&r, 0, sizeof(r));
-        r.num_experts = MOE_DECODE_ROUTE_MAX_EXPERTS + 1;
-        r.top_k = 2;
-        a.route = &r;
-        assert_int_equal(moe_decode_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
-        assert_non_null(strstr(moe_last_error(), "257 router rows"));
-        r.num_experts = 8;
-        assert_int_equal(moe_decode_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
-        assert_non_null(strstr(moe_last_error(), "split router"));
-        a.route = NULL;
-        assert_int_equal(moe_decode_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
-        assert_non_null(strstr(moe_last_error(), "no topk_ids"));
-    }
 }
 
 /* Every wait of the kernel is bounded (kernels/decode.h, MOE_DECODE_STICKY_STALL): with its
@@ -642,7 +525,6 @@ static const struct CMUnitTest host_tests[] = {
 
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_decode_stall_bounded),
-    cmocka_unit_test(test_decode_routing_in_kernel),
     cmocka_unit_test(test_decode_graph_explain_refusals),
     cmocka_unit_test(test_decode_batch_invariant),
     cmocka_unit_test(test_decode_against_cpu),
