@@ -17,7 +17,6 @@ extern "C" {
 #define MOE_DECODE_MAX_TOKENS 64   /* tokens per launch (an expert's tokens: 8 mma columns x 8) */
 #define MOE_DECODE_MAX_EXPERTS 512 /* local experts (the per-CTA expert table) */
 #define MOE_DECODE_MAX_SPLIT 8     /* GEMM 1's and GEMM 2's k splits */
-#define MOE_DECODE_MAX_PREFETCH 16 /* weight batches asked of the L2 ahead (prefetch) */
 
 /* The bit of the sticky verdict word (kernels/a2a.h's word: (rank << 8) | status) that a launch
  * sets, with MOE_STATUS_TIMEOUT when the word was 0, when one of its waits passed timeout_ns.
@@ -70,8 +69,6 @@ typedef struct moe_decode_args {
     int split1;         /* GEMM 1's k split (1 .. MOE_DECODE_MAX_SPLIT; moe_decode_split1 gives one
                          * from the shape); 0 is taken as 1 */
     int max_ctas;       /* at most this many CTAs (0: as many as fit on the GPU) */
-    int prefetch;       /* each warp asks the L2 for the weights this many batches (of 4 16-byte
-                         * loads a lane) ahead of its loads; 0: none. The same values. */
     int32_t *sticky;    /* optional: the step's sticky verdict word (MOE_DECODE_STICKY_STALL) */
     int64_t timeout_ns; /* a wait's bound (0: none) */
 } moe_decode_args_t;

@@ -88,7 +88,6 @@ struct params {
     int32_t *sticky;
     int64_t timeout_ns;
     int T, k, E, H, I, split, split1, y_f32, gelu;
-    int pf; // weight batches asked of the L2 ahead of the loads (kernels/decode.h, prefetch)
 };
 
 __device__ __forceinline__ uint4 ld_stream(const uint8_t *p)
@@ -346,13 +345,10 @@ template <int NG, bool TWO> constexpr int fetch_pairs()
 // One weight-row pair's dot products with up to NG x 8 token columns over k in [k0, k1):
 // rows ra / rb (byte pointers at k = 0), B columns from make(ng, fetch(ng, k)) (16 bytes for this
 // lane's column, zero where the column or k is past its end: fetch loads, make converts).
-// wait() runs after the first loads. pf: the weight batches pf ahead of the one being loaded
-// are asked of the L2 (prefetch.global.L2: no registers), so a batch's loads wait for the L2
-// rather than for DRAM; a waiting item asks for its first pf + 1 batches before it waits.
+// wait() runs after the first loads.
 template <bool F8, int NG, int U, bool TWO, typename Fetch, typename Make, typename W>
 __device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra, const uint8_t *rb,
-                                         int k0, int k1, int ncols, int pf, Fetch fetch, Make make,
-                                         W wait)
+                                         int k0, int k1, int ncols, Fetch fetch, Make make, W wait)
 {
     constexpr int EPT = F8 ? 16 : 8; // k per 16-byte load
     constexpr int CK = 4 * EPT;      // k per load of the 4 lanes of a row
@@ -378,24 +374,11 @@ __device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra,
             }
         }
     };
-    // a batch is U x 64 contiguous bytes of each row: the row's 4 lanes ask for 64 each
-    static_assert(U == 4, "a batch's prefetch: one 64-byte piece of each row a lane");
-    auto prefetch = [&](int kb) {
-        const int k = kb + t * CK;
-        if (k < k1) {
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(ra + (int64_t)k * ES));
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(rb + (int64_t)k * ES));
-        }
-    };
     load(k0, ca, cb);
-    for (int d = 1; d <= pf; d++)
-        prefetch(k0 + d * U * CK);
     wait();
     for (int kb = k0; kb < k1; kb += U * CK) {
         uint4 na[U], nb[U];
         load(kb + U * CK, na, nb);
-        if (pf > 0)
-            prefetch(kb + (pf + 1) * U * CK);
 #pragma unroll
         for (int p0 = 0; p0 < NP; p0 += FP) {
             raw_t r[FP];
@@ -453,7 +436,7 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q)
     const int k0 = !K1 ? 0 : q * per < p.H ? q * per : p.H;
     const int k1 = !K1 ? p.H : k0 + per < p.H ? k0 + per : p.H;
     float acc[NG][4];
-    dot_rows<F8, NG, U, false>(acc, ra, rb, k0, k1, n, p.pf, fetch, make, wait);
+    dot_rows<F8, NG, U, false>(acc, ra, rb, k0, k1, n, fetch, make, wait);
     // c0, c1: gate of column c0 + g for tokens 2t, 2t + 1 of the group; c2, c3: up
     const int col = c0 + g;
     if (K1) {
@@ -648,7 +631,7 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
                           e4m3x4(bf(r.b.z, 0), bf(r.b.z, 1), bf(r.b.w, 0), bf(r.b.w, 1), sc, rc));
     };
     float acc[NG][4];
-    dot_rows<F8, NG, U, F8>(acc, ra, rb, k0, k1, n, p.pf, fetch, make, wait);
+    dot_rows<F8, NG, U, F8>(acc, ra, rb, k0, k1, n, fetch, make, wait);
     float s0 = 1.0f, s1 = 1.0f;
     if (F8)
         s0 = __ldg(p.w2s + (int64_t)e * p.H + row0), s1 = __ldg(p.w2s + (int64_t)e * p.H + row1);
@@ -866,8 +849,6 @@ extern "C" moe_status_t moe_decode_launch(const moe_decode_args_t *a, void *stre
     MOE_ARG_CHECK(a->split1 >= 0 && a->split1 <= MOE_DECODE_MAX_SPLIT, "decode: split1 = %d",
                   a->split1);
     MOE_ARG_CHECK(a->split1 <= 1 || a->o1, "decode: split1 = %d needs the o1 workspace", a->split1);
-    MOE_ARG_CHECK(a->prefetch >= 0 && a->prefetch <= MOE_DECODE_MAX_PREFETCH,
-                  "decode: prefetch = %d (0 .. %d)", a->prefetch, MOE_DECODE_MAX_PREFETCH);
     MOE_ARG_CHECK(a->x_dtype == MOE_DTYPE_F32 || a->x_dtype == MOE_DTYPE_BF16,
                   "decode: x dtype %s (F32 or BF16)", moe_dtype_name(a->x_dtype));
     MOE_ARG_CHECK(a->y_dtype == MOE_DTYPE_F32 || a->y_dtype == MOE_DTYPE_BF16,
@@ -908,7 +889,6 @@ extern "C" moe_status_t moe_decode_launch(const moe_decode_args_t *a, void *stre
     p.o1 = a->o1;
     p.y_f32 = a->y_dtype == MOE_DTYPE_F32;
     p.gelu = a->gelu;
-    p.pf = a->prefetch;
     const cudaStream_t st = (cudaStream_t)stream;
     if (a->f8)
         return a->x_dtype == MOE_DTYPE_F32

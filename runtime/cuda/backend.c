@@ -298,13 +298,6 @@ static moe_status_t plan_decode(cuda_layer_t *s)
     s->dec_split1 = (int)moe_env_int("MOE_DECODE_K1_SPLIT", 1);
     if (s->dec_split1 == 0)
         s->dec_split1 = moe_decode_split1(s->E, s->k, s->H, (int)s->is, sms);
-    /* MOE_DECODE_PREFETCH: the kernel's L2 prefetch distance in weight batches (docs/KERNELS.md,
-     * "Fused decode"), held within 0 .. MOE_DECODE_MAX_PREFETCH */
-    s->dec_prefetch = (int)moe_env_int("MOE_DECODE_PREFETCH", 0);
-    if (s->dec_prefetch < 0)
-        s->dec_prefetch = 0;
-    if (s->dec_prefetch > MOE_DECODE_MAX_PREFETCH)
-        s->dec_prefetch = MOE_DECODE_MAX_PREFETCH;
     return MOE_STATUS_SUCCESS;
 }
 
