@@ -49,6 +49,8 @@ META=[
  dict(topic='tuning_fp8_p4',date='2026-12-03',commit='97c0bfb with 1bdfffb\'s m192n128_p4 and the first form of its table',unit='fastest variant us; the current built-in pick\'s loss',command='mpirun -np 1 moe-tune --preset P --dtype fp8 --scales tensor --rows 48,64,96,128,160,192,224,256,320 --no-decode --no-transport --iters 10'),
  dict(topic='tuning_fp8_qwen3_margin',date='2026-12-03',commit='5188aae',unit='fastest variant us; the built-in pick\'s loss; what the file keeps',command='TUNE_PRESETS=qwen3-30b-a3b TUNE_DTYPES=fp8 bash bench/device_run.sh tune (mpirun -np 1 moe-tune --preset qwen3-30b-a3b --dtype fp8 --scales tensor --iters 10)'),
  dict(topic='fused_decode',date='2026-12-04',commit='2e515b3 (the kernel as at HEAD; its built-in crossover 0, so the built-in choice is the grouped path)',unit='us at M = 1 / 2 / 4 / 8 / 16; fused / grouped, two runs; TB/s at M = 1',command='VS_CASES="P|--dtype bf16|sm90_fused_decode|1,2,4,8,16;P|--dtype fp8 --scales tensor|sm90_fused_decode|1,2,4,8,16" VS_REPS=2 bash bench/device_run.sh vs (moe-bench --preset P [--dtype fp8 --scales tensor] --tokens 1,2,4,8,16 --seconds 0.1, with and without MOE_FORCE_VARIANT=sm90_fused_decode)'),
+ dict(topic='fused_decode_capacity_8192',date='2026-12-04',commit='02e53d4 (the kernel as 2e515b3)',unit='us at M = 1 / 8; forced / built-in, one run',command='VS_REPS=1 VS_CASES="P|--dtype D --capacity 8192|sm90_fused_decode|1,8;..." bash bench/device_run.sh vs (moe-bench --preset P [--dtype fp8 --scales tensor] --capacity 8192 --tokens 1,8 --seconds 0.1, with and without MOE_FORCE_VARIANT=sm90_fused_decode)'),
+ dict(topic='kernels_fused_decode_one_token_bf16',date='2026-12-04',commit='02e53d4',unit='us per kernel, warm-up step / measured step (Nsight Compute, caches flushed)',command='KERNEL_PRESET=P KERNEL_TOKENS=1 bash bench/device_run.sh kernels (ncu --metrics gpu__time_duration.sum moe-run --backend cuda --x-dtype bf16 --preset P --tokens 1 --iters 1 --warmup 1)'),
  dict(topic='fused_decode_operands_ab',date='2026-12-04',commit='2e515b3 against 4837200',unit='us at M = 1 / 8 / 16; new / base',command='bash bench/ab_base.sh 4837200; MOE_FORCE_VARIANT=sm90_fused_decode AB_PRESETS="qwen3-30b-a3b mixtral-8x7b deepseek-v3-ep8" AB_ARGS="--dtype fp8 --scales tensor;--dtype bf16" AB_TOKENS=1,8,16 AB_SECONDS=0.15 bash bench/device_run.sh ab'),
  dict(topic='fused_decode_k1_split',date='2026-12-03',commit='83979d1',unit='us at M = 1 / 8 / 64',command='PRESETS="qwen3-30b-a3b deepseek-v3-ep8 mixtral-8x7b" VARIANTS="grouped fused fused-k1" TOKENS=1,8,64 SECONDS_PER_POINT=0.1 bash bench/decode_run.sh bench; MOE_DECODE_K1_SPLIT=2|4|8 MOE_FORCE_VARIANT=sm90_fused_decode moe-bench --preset qwen3-30b-a3b [--dtype fp8 --scales tensor] --tokens 1,8 --seconds 0.1'),
  dict(topic='kernels_qwen3_fp8_decode',date='2026-12-03',commit='97c0bfb with 1bdfffb\'s fp8 table',unit='us per kernel (Nsight Compute, no cache flush, clocks free)',command='ncu --cache-control none --clock-control none --metrics gpu__time_duration.sum --launch-skip 60 --launch-count 24 moe-bench --preset qwen3-30b-a3b --dtype fp8 --scales tensor --tokens T --graph-max 0'),
@@ -94,7 +96,10 @@ for f in sorted(glob.glob('bench/results/moe-bench/*.json')):
     # the fused-decode comparison's files: which path ran (moe-bench does not record the
     # environment; "fused" ran with MOE_FORCE_VARIANT=sm90_fused_decode)
     if '-decode-' in f:
-        r['decode_path']='sm90_fused_decode (forced)' if '-fused-' in f else 'grouped (built-in choice)'
+        r['decode_path']=('sm90_fused_decode (forced)' if '-fused-' in f else
+                          'the built-in choice (each point\'s explain names it)' if '-builtin-' in f
+                          else 'grouped (built-in choice)')
+        if '-cap8192-' in f: r['capacity']=8192
     out['runs'].append(r)
 # runs that come from neither (none at present) are kept from the file as it was
 made={r['topic'] for r in out['runs']}
