@@ -665,6 +665,18 @@ int moe_json_member_string(const moe_json_t *obj, const char *key, const char **
     return 1;
 }
 
+size_t moe_json_escape_byte(unsigned char c, char out[7])
+{
+    if (c == '"' || c == '\\') {
+        out[0] = '\\', out[1] = (char)c, out[2] = '\0';
+        return 2;
+    }
+    if (c < 0x20)
+        return (size_t)snprintf(out, 7, "\\u%04x", c);
+    out[0] = (char)c, out[1] = '\0';
+    return 1;
+}
+
 const char *moe_json_type_name(moe_json_type_t type)
 {
     static const char *const names[] = {"null", "boolean", "number", "string", "array", "object"};

@@ -79,6 +79,11 @@ int moe_json_member_string(const moe_json_t *obj, const char *key, const char **
 
 const char *moe_json_type_name(moe_json_type_t type);
 
+/* Byte c as the text it takes inside a JSON string (the writers' one rule: '"' and '\\'
+ * backslashed, control characters as \\u00XX, every other byte itself) into out, NUL-terminated;
+ * its length (1, 2 or 6). */
+size_t moe_json_escape_byte(unsigned char c, char out[7]);
+
 #ifdef __cplusplus
 }
 #endif

@@ -22,6 +22,7 @@
 #include "dispatch_bench.h"
 #include "eplb_bench.h"
 #include "layer_gen.h"
+#include "base/json.h"
 #include "runtime/formats/file.h"
 #include "tool_check.h"
 #include "moe/moe.h"
@@ -656,17 +657,13 @@ static void json_shape(FILE *f, const options_t *o)
                                                      : "per_tensor");
 }
 
-/* `text` as the characters of a JSON string (quotes, backslashes and control characters
- * escaped). */
+/* `text` as the characters of a JSON string (moe_json_escape_byte). */
 static void json_string_body(FILE *f, const char *text)
 {
-    for (const unsigned char *c = (const unsigned char *)text; *c; c++) {
-        if (*c == '"' || *c == '\\')
-            fprintf(f, "\\%c", *c);
-        else if (*c < 0x20)
-            fprintf(f, "\\u%04x", *c);
-        else
-            fputc(*c, f);
+    for (const char *c = text; *c; c++) {
+        char e[7];
+        moe_json_escape_byte((unsigned char)*c, e);
+        fputs(e, f);
     }
 }
 

@@ -928,13 +928,9 @@ static void put_str(out_t *w, const char *s)
 {
     put(w, "\"");
     for (; *s; s++) {
-        const unsigned char c = (unsigned char)*s;
-        if (c == '"' || c == '\\')
-            put(w, "\\%c", c);
-        else if (c < 0x20)
-            put(w, "\\u%04x", c);
-        else
-            put(w, "%c", c);
+        char e[7];
+        moe_json_escape_byte((unsigned char)*s, e);
+        put(w, "%s", e);
     }
     put(w, "\"");
 }

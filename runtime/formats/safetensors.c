@@ -597,18 +597,8 @@ static void sb_json_string(strbuf_t *b, const char *s)
 {
     sb_put(b, "\"", 1);
     for (; *s; s++) {
-        unsigned char c = (unsigned char)*s;
-        char esc[8];
-        if (c == '"' || c == '\\') {
-            esc[0] = '\\';
-            esc[1] = (char)c;
-            sb_put(b, esc, 2);
-        } else if (c < 0x20) {
-            snprintf(esc, sizeof(esc), "\\u%04x", c);
-            sb_put(b, esc, 6);
-        } else {
-            sb_put(b, (const char *)&c, 1);
-        }
+        char esc[7];
+        sb_put(b, esc, moe_json_escape_byte((unsigned char)*s, esc));
     }
     sb_put(b, "\"", 1);
 }

@@ -136,6 +136,33 @@ static void test_json_values(void **state)
     moe_json_free(doc);
 }
 
+/* The writers' escape rule: every ASCII byte, escaped and quoted, parses back to itself; the
+ * three kinds of output by length. */
+static void test_json_escape_byte(void **state)
+{
+    char e[7], text[16];
+    (void)state;
+    assert_int_equal(moe_json_escape_byte('a', e), 1);
+    assert_string_equal(e, "a");
+    assert_int_equal(moe_json_escape_byte('"', e), 2);
+    assert_string_equal(e, "\\\"");
+    assert_int_equal(moe_json_escape_byte('\\', e), 2);
+    assert_string_equal(e, "\\\\");
+    assert_int_equal(moe_json_escape_byte('\n', e), 6);
+    assert_string_equal(e, "\\u000a");
+    for (int c = 1; c < 0x80; c++) {
+        moe_json_doc_t *doc = NULL;
+        const size_t n = moe_json_escape_byte((unsigned char)c, e);
+        assert_int_equal(n, strlen(e));
+        snprintf(text, sizeof(text), "\"%s\"", e);
+        assert_int_equal(moe_json_parse(text, strlen(text), 0, "t", &doc), MOE_STATUS_SUCCESS);
+        assert_int_equal(moe_json_root(doc)->type, MOE_JSON_STRING);
+        assert_int_equal((unsigned char)moe_json_root(doc)->string[0], c);
+        assert_int_equal(moe_json_root(doc)->string[1], '\0');
+        moe_json_free(doc);
+    }
+}
+
 static void test_json_errors(void **state)
 {
     char deep[4096];
@@ -527,6 +554,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_json_values),
+        cmocka_unit_test(test_json_escape_byte),
         cmocka_unit_test(test_json_errors),
         cmocka_unit_test(test_json_many_keys_and_node_limit),
         cmocka_unit_test(test_write_read_roundtrip),
