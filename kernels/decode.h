@@ -27,6 +27,26 @@ extern "C" {
  * step's output is not valid. */
 #define MOE_DECODE_STICKY_STALL (1 << 28)
 
+/* args.trace (benchmarks: bench/decode_trace.c): a record of MOE_DECODE_TRACE_STRIDE int64 per
+ * warp of the launch (warp w of CTA b: record w * CTAs + b, the order the items go round),
+ * global-timer ns written by its lane 0: the kernel's entry, the expert table built, the item
+ * loop left, the number of events, then up to MOE_DECODE_TRACE_EVENTS events of 4: (kind << 32 |
+ * item), start, the wait over (0 where none), end. Zero the buffer before the launch: records
+ * left at zero are CTAs that did not run. Only bf16 x and y and up to 8 tokens are traced. */
+#define MOE_DECODE_TRACE_ENTRY 0
+#define MOE_DECODE_TRACE_TABLE 1
+#define MOE_DECODE_TRACE_EXIT 2
+#define MOE_DECODE_TRACE_COUNT 3
+#define MOE_DECODE_TRACE_HEAD 4
+#define MOE_DECODE_TRACE_EVENTS 8
+#define MOE_DECODE_TRACE_STRIDE (MOE_DECODE_TRACE_HEAD + 4 * MOE_DECODE_TRACE_EVENTS)
+enum {
+    MOE_DECODE_TRACE_XQ = 0,
+    MOE_DECODE_TRACE_GEMM1,
+    MOE_DECODE_TRACE_GEMM2,
+    MOE_DECODE_TRACE_COMBINE
+};
+
 /* y[t] = sum_{j in order} w[t, j] * W2_e (act(W1_e x_t) * (W3_e x_t)) (+ g_t * shared[t]),
  * e = topk_ids[t, j], for T <= MOE_DECODE_MAX_TOKENS tokens on one GPU.
  *
@@ -71,6 +91,8 @@ typedef struct moe_decode_args {
     int max_ctas;       /* at most this many CTAs (0: as many as fit on the GPU) */
     int32_t *sticky;    /* optional: the step's sticky verdict word (MOE_DECODE_STICKY_STALL) */
     int64_t timeout_ns; /* a wait's bound (0: none) */
+    int64_t *trace;     /* optional (benchmarks): the timeline, MOE_DECODE_TRACE_STRIDE int64 a
+                         * warp of the grid (see above); NULL in a layer's step */
 } moe_decode_args_t;
 
 /* ints of the persistent sync array for a layer of these dimensions and GEMM 1 k split */

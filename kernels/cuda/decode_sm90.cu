@@ -86,9 +86,18 @@ struct params {
     float *xs;
     int32_t *sync;
     int32_t *sticky;
+    int64_t *trace;
     int64_t timeout_ns;
     int T, k, E, H, I, split, split1, y_f32, gelu;
 };
+
+// TR (args.trace, a benchmark's timeline): lane 0 of each warp stamps the global timer into its
+// record (kernels/decode.h, MOE_DECODE_TRACE_*); ev: this item's event, NULL past the last one
+__device__ __forceinline__ void stamp(int64_t *at)
+{
+    if (at && (threadIdx.x & 31) == 0)
+        *at = moe_global_ns();
+}
 
 __device__ __forceinline__ uint4 ld_stream(const uint8_t *p)
 {
@@ -403,8 +412,8 @@ __device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra,
 
 // GEMM 1 item: expert e, h columns c0 .. c0 + 7 for the expert's n tokens, k piece q of
 // p.split1 (K1: split1 > 1; pieces of a multiple of 4 x 16 bytes of k)
-template <bool F8, int NG, int U, typename XT, bool K1>
-__device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q)
+template <bool F8, int NG, int U, typename XT, bool K1, bool TR>
+__device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, int64_t *tw)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n = s.cnt[e], *list = s.slots + s.off[e];
@@ -429,6 +438,8 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q)
     auto wait = [&]() {
         if (F8)
             warp_wait(p, p.sync + SYNC_XQ, p.T);
+        if (TR)
+            stamp(tw);
     };
     constexpr int CK = F8 ? 64 : 32; // k per 16-byte load of the 4 lanes of a row
     const int s1 = K1 ? p.split1 : 1;
@@ -581,8 +592,8 @@ template <typename YT> __device__ void combine_tile(const params &p, int r)
 }
 
 // GEMM 2 item: expert e, rows r * 16 .. + 16 of hidden, k split q (K1: GEMM 1 split too)
-template <bool F8, int NG, int U, bool K1>
-__device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int n1)
+template <bool F8, int NG, int U, bool K1, bool TR>
+__device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int n1, int64_t *tw)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n = s.cnt[e], *list = s.slots + s.off[e];
@@ -610,6 +621,8 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
                     hs[i] = dynamic_scale(ld_cg_f32(hmax + slot[i]));
                     hr[i] = __frcp_rn(hs[i]);
                 }
+        if (TR)
+            stamp(tw);
     };
     auto fetch = [&](int i, int k) -> raw_t {
         raw_t r = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
@@ -657,13 +670,32 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
 }
 
 // K1: GEMM 1 split along k (p.split1 > 1), a kernel of its own so that the others keep their
-// registers
-template <bool F8, int NG, int U, typename XT, typename YT, bool K1>
+// registers; TR: with the timeline (p.trace), a kernel of its own too
+template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR>
 __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
 {
     __shared__ smem_t s;
     moe_pdl_wait_only(); // no early launch of the next kernel: this grid waits on itself
+    int64_t *tr = nullptr;
+    int nev = 0;
+    if (TR) {
+        tr = p.trace +
+             (int64_t)(threadIdx.x / 32 * gridDim.x + blockIdx.x) * MOE_DECODE_TRACE_STRIDE;
+        stamp(tr + MOE_DECODE_TRACE_ENTRY);
+    }
+    // the next event record of this warp: kind and item, start, wait over, end
+    auto event = [&](int kind, int item) -> int64_t * {
+        if (!TR || nev >= MOE_DECODE_TRACE_EVENTS)
+            return nullptr;
+        int64_t *ev = tr + MOE_DECODE_TRACE_HEAD + 4 * nev++;
+        if ((threadIdx.x & 31) == 0)
+            ev[0] = (int64_t)kind << 32 | item, ev[2] = 0;
+        stamp(ev + 1);
+        return ev;
+    };
     build_table(p, s);
+    if (TR)
+        stamp(tr + MOE_DECODE_TRACE_TABLE);
     // item i on warp i mod nw, warps numbered across the CTAs first: consecutive items (one
     // expert's tiles) spread over every SM
     const int warp = threadIdx.x / 32, nw = gridDim.x * WARPS;
@@ -677,19 +709,37 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
         // F8 &&: n0 is 0 without it anyway, but so the bf16 kernels compile no quantisation
         // (its registers held in the same function spilled their GEMM loops)
         if (F8 && item < n0) {
+            int64_t *ev = event(MOE_DECODE_TRACE_XQ, item);
             quantise_x<XT>(p, item);
+            if (TR && ev)
+                stamp(ev + 3);
         } else if (item < n0 + n1) {
             const int i = item - n0; // (expert, column tile, k piece), the pieces adjacent
-            gemm1<F8, NG, U, XT, K1>(p, s, s.uniq[i / (t1 * s1)], i / s1 % t1 * TILE1, i % s1);
+            int64_t *ev = event(MOE_DECODE_TRACE_GEMM1, i);
+            gemm1<F8, NG, U, XT, K1, TR>(p, s, s.uniq[i / (t1 * s1)], i / s1 % t1 * TILE1, i % s1,
+                                         ev ? ev + 2 : nullptr);
+            if (TR && ev)
+                stamp(ev + 3);
         } else {
             const int i = item - n0 - n1;
             const int u = i / (t2 * p.split), r = i / p.split % t2, q = i % p.split;
-            gemm2<F8, NG, U, K1>(p, s, s.uniq[u], r, q, t1);
+            int64_t *ev = event(MOE_DECODE_TRACE_GEMM2, i);
+            gemm2<F8, NG, U, K1, TR>(p, s, s.uniq[u], r, q, t1, ev ? ev + 2 : nullptr);
+            if (TR && ev)
+                stamp(ev + 3);
             if (warp_signal(col_done + r * COL_STRIDE) == nu * p.split - 1) {
                 __threadfence();
+                ev = event(MOE_DECODE_TRACE_COMBINE, r);
                 combine_tile<YT>(p, r);
+                if (TR && ev)
+                    stamp(ev + 3);
             }
         }
+    }
+    if (TR) {
+        stamp(tr + MOE_DECODE_TRACE_EXIT);
+        if ((threadIdx.x & 31) == 0)
+            tr[MOE_DECODE_TRACE_COUNT] = nev;
     }
     // the last CTA leaves the counters at zero for the next launch
     __syncthreads();
@@ -713,7 +763,7 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
 }
 
 // CTAs that fit on the device at once (every one must be resident: items wait on others)
-template <bool F8, int NG, int U, typename XT, typename YT, bool K1> int resident_ctas()
+template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR> int resident_ctas()
 {
     static int cached[MOE_MAX_DEVICES];
     int dev = 0;
@@ -723,22 +773,22 @@ template <bool F8, int NG, int U, typename XT, typename YT, bool K1> int residen
         int sms = 0, per = 0;
         if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d) != cudaSuccess ||
             cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                &per, decode_kernel<F8, NG, U, XT, YT, K1>, THREADS, 0) != cudaSuccess)
+                &per, decode_kernel<F8, NG, U, XT, YT, K1, TR>, THREADS, 0) != cudaSuccess)
             return 0;
         return sms * per;
     });
 }
 
-template <bool F8, int NG, int U, typename XT, typename YT, bool K1>
+template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR = false>
 moe_status_t launch_k1(const params &p, int max_ctas, cudaStream_t stream)
 {
-    int ctas = resident_ctas<F8, NG, U, XT, YT, K1>();
+    int ctas = resident_ctas<F8, NG, U, XT, YT, K1, TR>();
     if (ctas <= 0)
         return moe_error(MOE_STATUS_CUDA_ERROR, "decode: no CTA fits on the device");
     if (max_ctas > 0 && max_ctas < ctas)
         ctas = max_ctas;
-    MOE_CUDA_CHECK(
-        moe_launch(decode_kernel<F8, NG, U, XT, YT, K1>, dim3(ctas), dim3(THREADS), 0, stream, p));
+    MOE_CUDA_CHECK(moe_launch(decode_kernel<F8, NG, U, XT, YT, K1, TR>, dim3(ctas), dim3(THREADS),
+                              0, stream, p));
     MOE_CUDA_CHECK_LAUNCH("decode_kernel");
     return MOE_STATUS_SUCCESS;
 }
@@ -750,9 +800,29 @@ moe_status_t launch(const params &p, int max_ctas, cudaStream_t stream)
                         : launch_k1<F8, NG, U, XT, YT, false>(p, max_ctas, stream);
 }
 
+// the timeline's kernels: bf16 x and y, up to 8 tokens (a benchmark's; the others not compiled)
+template <bool F8, typename XT, typename YT> struct traced {
+    static moe_status_t launch(const params &, int, cudaStream_t)
+    {
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "decode: a trace needs bf16 x and y");
+    }
+};
+template <bool F8> struct traced<F8, __nv_bfloat16, __nv_bfloat16> {
+    static moe_status_t launch(const params &p, int max_ctas, cudaStream_t stream)
+    {
+        using B = __nv_bfloat16;
+        return p.split1 > 1 ? launch_k1<F8, 1, U_WIDE, B, B, true, true>(p, max_ctas, stream)
+                            : launch_k1<F8, 1, U_WIDE, B, B, false, true>(p, max_ctas, stream);
+    }
+};
+
 template <bool F8, typename XT, typename YT>
 moe_status_t launch_ng(const params &p, int max_ctas, cudaStream_t stream)
 {
+    if (p.trace)
+        return p.T <= 8 ? traced<F8, XT, YT>::launch(p, max_ctas, stream)
+                        : moe_error(MOE_STATUS_NOT_SUPPORTED,
+                                    "decode: a trace needs at most 8 tokens, not %d", p.T);
     if (p.T <= 8)
         return launch<F8, 1, U_WIDE, XT, YT>(p, max_ctas, stream);
     if (p.T <= 16)
@@ -772,10 +842,10 @@ moe_status_t launch_y(const params &p, moe_dtype_t yt, int max_ctas, cudaStream_
 template <bool F8> moe_status_t prepare_f8()
 {
 #define MOE_DECODE_PREP(NG, U, K1)                                                                 \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, float, float, K1>));                                \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, float, __nv_bfloat16, K1>));                        \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, __nv_bfloat16, float, K1>));                        \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, __nv_bfloat16, __nv_bfloat16, K1>));
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, float, float, K1, false>));                         \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, float, __nv_bfloat16, K1, false>));                 \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, __nv_bfloat16, float, K1, false>));                 \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, __nv_bfloat16, __nv_bfloat16, K1, false>));
 #define MOE_DECODE_PREP_NG(K1)                                                                     \
     MOE_DECODE_PREP(1, U_WIDE, K1)                                                                 \
     MOE_DECODE_PREP(2, U_WIDE, K1)                                                                 \
@@ -879,6 +949,7 @@ extern "C" moe_status_t moe_decode_launch(const moe_decode_args_t *a, void *stre
     p.sync = a->sync;
     p.sticky = a->sticky;
     p.timeout_ns = a->timeout_ns;
+    p.trace = a->trace;
     p.T = (int)a->num_tokens;
     p.k = a->top_k;
     p.E = a->num_experts;
