@@ -6,7 +6,7 @@
  * and for each kind of item (x quantisation, GEMM 1, GEMM 2, combine) its count and the
  * min / median / max of its start, of its wait's end and of its end, then the loop's exit.
  * Usage: decode_trace [qwen3 | mixtral | dsv3_ep8] [tokens] [bf16 | fp8] [GEMM 1 k split]
- *        [launches] [ring: 0 | 1, args.ring] */
+ *        [launches] */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -114,7 +114,6 @@ int main(int argc, char **argv)
     const int f8 = argc > 3 && strcmp(argv[3], "fp8") == 0;
     const int split1 = argc > 4 ? atoi(argv[4]) : 1;
     int launches = argc > 5 ? atoi(argv[5]) : 20;
-    const int ring = argc > 6 ? atoi(argv[6]) : 0;
     const model_t *m = NULL;
     int sms = 0;
     for (size_t i = 0; i < sizeof(models) / sizeof(models[0]); i++)
@@ -123,7 +122,7 @@ int main(int argc, char **argv)
     if (!m || T < 1 || T > 8 || split1 < 1 || split1 > MOE_DECODE_MAX_SPLIT) {
         fprintf(stderr,
                 "usage: decode_trace [qwen3|mixtral|dsv3_ep8] [tokens 1..8] [bf16|fp8] "
-                "[GEMM 1 k split 1..%d] [launches] [ring 0|1]\n",
+                "[GEMM 1 k split 1..%d] [launches]\n",
                 MOE_DECODE_MAX_SPLIT);
         return 2;
     }
@@ -191,7 +190,6 @@ int main(int argc, char **argv)
     a.f8 = f8;
     a.split = split;
     a.split1 = split1;
-    a.ring = ring;
     a.timeout_ns = 1000000000ll;
     srand(12345);
     for (int l = -1; l < launches; l++) { /* launch -1: the first, not counted */
@@ -229,11 +227,9 @@ int main(int argc, char **argv)
     }
     qsort(kernel_us, (size_t)launches, sizeof(double), cmp_d);
     const double bytes = (double)(n13 + n2) * (double)es / E * (rows < E ? rows : E);
-    printf("%s %s, %d token(s), GEMM 1 k split %d, GEMM 2 k split %d, %s, %d SMs; median of %d "
+    printf("%s %s, %d token(s), GEMM 1 k split %d, GEMM 2 k split %d, %d SMs; median of %d "
            "launches, us from the first warp's entry\n",
-           m->name, f8 ? "fp8" : "bf16", T, split1, split,
-           ring ? "weights through the shared-memory ring" : "weights into registers", sms,
-           launches);
+           m->name, f8 ? "fp8" : "bf16", T, split1, split, sms, launches);
     printf("kernel (events) %.1f us; floor (at most %d experts' weights / 4.8 TB/s) %.1f us\n",
            kernel_us[launches / 2], rows < E ? rows : E, bytes / 4.8e12 * 1e6);
     printf("last warp's entry %.2f, expert table %.2f (mean a warp), last warp out of the loop "

@@ -91,8 +91,6 @@ typedef struct moe_decode_args {
     int max_ctas;       /* at most this many CTAs (0: as many as fit on the GPU) */
     int32_t *sticky;    /* optional: the step's sticky verdict word (MOE_DECODE_STICKY_STALL) */
     int64_t timeout_ns; /* a wait's bound (0: none) */
-    int ring;           /* 1: the weights through a per-warp shared-memory ring of bulk copies at
-                         * steps of up to 8 tokens; 0: loaded straight into registers */
     int64_t *trace;     /* optional (benchmarks): the timeline, MOE_DECODE_TRACE_STRIDE int64 a
                          * warp of the grid (see above); NULL in a layer's step */
 } moe_decode_args_t;

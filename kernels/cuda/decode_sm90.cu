@@ -36,12 +36,6 @@ constexpr int THREADS = 256, WARPS = THREADS / 32;
 // 16-byte loads per row in flight per batch (two batches in turn), two CTAs an SM (8 with one
 // CTA an SM was 10-50 % slower: docs/KERNELS.md, "Fused decode")
 constexpr int U_WIDE = 4;
-// args.ring (steps of up to 8 tokens): the weights through a per-warp ring of RING stages in
-// shared memory, each stage one batch (16 rows x 4 U_WIDE x 16 bytes) that 16 lanes ask of the
-// copy engine as one bulk copy a row (cp.async.bulk, completing on the stage's mbarrier): RING
-// batches in flight, no registers held for them, an item's first RING batches asked before it
-// waits, and no load unit's miss slots taken (docs/KERNELS.md, "Fused decode")
-constexpr int RING = 3;
 constexpr int TILE1 = 8;  // GEMM 1: output columns of h per item (8 gate + 8 up rows)
 constexpr int TILE2 = 16; // GEMM 2: output columns of y per item
 constexpr int MAX_ROWS = MOE_DECODE_MAX_TOKENS * 16; // slots: tokens x top_k (top_k <= 16)
@@ -95,7 +89,7 @@ struct params {
     int32_t *sticky;
     int64_t *trace;
     int64_t timeout_ns;
-    int T, k, E, H, I, split, split1, y_f32, gelu, ring;
+    int T, k, E, H, I, split, split1, y_f32, gelu;
 };
 
 // TR (args.trace, a benchmark's timeline): lane 0 of each warp stamps the global timer into its
@@ -113,82 +107,6 @@ __device__ __forceinline__ uint4 ld_stream(const uint8_t *p)
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
     return v;
-}
-
-__device__ __forceinline__ uint32_t smem_addr(const void *p)
-{
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-// bytes (a multiple of 16) of global memory into shared memory by the copy engine, completing
-// on bar's transaction count (sm_90; the sm_80 image never runs the kernel)
-__device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t bytes, uint64_t *bar)
-{
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
-                 "%2, [%3];" ::"r"(smem_addr(dst)),
-                 "l"(src), "r"(bytes), "r"(smem_addr(bar))
-                 : "memory");
-#else
-    __trap();
-#endif
-}
-
-__device__ __forceinline__ void mbar_expect(uint64_t *bar, uint32_t bytes)
-{
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
-                 "r"(bytes)
-                 : "memory");
-#endif
-}
-
-__device__ __forceinline__ void mbar_wait_parity(uint64_t *bar, uint32_t parity)
-{
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-    uint32_t done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done)
-                     : "r"(smem_addr(bar)), "r"(parity)
-                     : "memory");
-    } while (!done);
-#endif
-}
-
-// A warp's ring (R > 0): its stages and their barriers in dynamic shared memory, and the count of
-// batches it has asked for so far (batch j: stage j mod R, the barrier's phase j / R)
-struct ring_t {
-    uint8_t *stage;
-    uint64_t *bar;
-    uint32_t seq;
-};
-
-// dynamic shared memory of a kernel with a ring of R stages: every warp's barriers, then stages
-template <int U, int R> constexpr int ring_bytes()
-{
-    return R > 0 ? WARPS * R * (8 + 16 * U * 64) : 0;
-}
-
-template <int U, int R> __device__ __forceinline__ ring_t ring_init()
-{
-    extern __shared__ __align__(128) uint8_t dyn_smem[];
-    const int warp = threadIdx.x / 32;
-    ring_t r;
-    r.bar = reinterpret_cast<uint64_t *>(dyn_smem) + warp * R;
-    r.stage = dyn_smem + WARPS * R * 8 + warp * R * 16 * U * 64;
-    r.seq = 0;
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-    if (R > 0 && (threadIdx.x & 31) == 0) {
-#pragma unroll
-        for (int i = 0; i < R; i++)
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(r.bar + i)));
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-#endif
-    __syncwarp();
-    return r;
 }
 
 // data written earlier in this launch by other SMs: L2, not a stale L1 line
@@ -435,97 +353,14 @@ template <int NG, bool TWO> constexpr int fetch_pairs()
     return NG > 1 ? 1 : TWO ? 2 : 4;
 }
 
-// dot_rows (below) with the weights through the warp's ring: lane l < 16 asks for row l's piece
-// of each batch (rows 0 .. 7: the lanes' ra, 8 .. 15: their rb) as one bulk copy; every lane
-// then reads its own 16-byte pieces of rows g and g + 8 as it would have loaded them. A stage is
-// asked again, for the batch R later, once every lane's mmas have read it.
-template <bool F8, int NG, int U, int R, bool TWO, typename Fetch, typename Make, typename W>
-__device__ __forceinline__ void dot_rows_ring(float (&acc)[NG][4], const uint8_t *ra,
-                                              const uint8_t *rb, int k0, int k1, int ncols,
-                                              Fetch fetch, Make make, W wait, ring_t &rg)
-{
-    constexpr int EPT = F8 ? 16 : 8, CK = 4 * EPT, ES = F8 ? 1 : 2, KB = U * CK, SB = U * 64;
-    constexpr int FP = fetch_pairs<NG, TWO>(), NP = U * NG, RS = R > 0 ? R : 1;
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    // this lane's row to copy (lanes 16 .. 31: none)
-    const uint8_t *a_of = reinterpret_cast<const uint8_t *>(
-        __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(ra), (lane & 7) * 4));
-    const uint8_t *b_of = reinterpret_cast<const uint8_t *>(
-        __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(rb), (lane & 7) * 4));
-    const uint8_t *row = lane < 8 ? a_of : b_of;
-#pragma unroll
-    for (int gi = 0; gi < NG; gi++)
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            acc[gi][i] = 0.0f;
-    const int nb = k1 > k0 ? (k1 - k0 + KB - 1) / KB : 0;
-    auto ask = [&](int b) { // batch b of this item into its stage
-        const uint32_t j = rg.seq + b, st = j % RS;
-        const int kb = k0 + b * KB;
-        const uint32_t bytes = (uint32_t)((k1 - kb < KB ? k1 - kb : KB) * ES);
-        if (lane == 0)
-            mbar_expect(rg.bar + st, 16 * bytes);
-        __syncwarp();
-        if (lane < 16)
-            bulk_copy(rg.stage + st * 16 * SB + lane * SB, row + (int64_t)kb * ES, bytes,
-                      rg.bar + st);
-    };
-#pragma unroll
-    for (int b = 0; b < RS; b++)
-        if (b < nb)
-            ask(b);
-    wait();
-    for (int b = 0; b < nb; b++) {
-        const uint32_t j = rg.seq + b, st = j % RS;
-        const int kb = k0 + b * KB;
-        mbar_wait_parity(rg.bar + st, (j / RS) & 1);
-        const uint8_t *sa = rg.stage + st * 16 * SB + g * SB, *sb = sa + 8 * SB;
-        uint4 ca[U], cb[U];
-#pragma unroll
-        for (int i = 0; i < U; i++) {
-            const bool in = kb + i * CK + t * EPT < k1;
-            ca[i] = in ? *reinterpret_cast<const uint4 *>(sa + (i * 4 + t) * 16)
-                       : make_uint4(0, 0, 0, 0);
-            cb[i] = in ? *reinterpret_cast<const uint4 *>(sb + (i * 4 + t) * 16)
-                       : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int p0 = 0; p0 < NP; p0 += FP) {
-            raw_t r[FP];
-#pragma unroll
-            for (int q = 0; q < FP; q++) {
-                const int i = (p0 + q) / NG, gi = (p0 + q) % NG;
-                if (p0 + q < NP && gi * 8 < ncols)
-                    r[q] = fetch(gi, kb + i * CK + t * EPT);
-            }
-#pragma unroll
-            for (int q = 0; q < FP; q++) {
-                const int i = (p0 + q) / NG, gi = (p0 + q) % NG;
-                if (p0 + q < NP && gi * 8 < ncols)
-                    mma2<F8>(acc[gi], ca[i], cb[i], make(gi, r[q]));
-            }
-        }
-        __syncwarp(); // every lane's mmas have read the stage
-        if (b + RS < nb)
-            ask(b + RS);
-    }
-    rg.seq += nb;
-}
-
 // One weight-row pair's dot products with up to NG x 8 token columns over k in [k0, k1):
 // rows ra / rb (byte pointers at k = 0), B columns from make(ng, fetch(ng, k)) (16 bytes for this
 // lane's column, zero where the column or k is past its end: fetch loads, make converts).
 // wait() runs after the first loads.
-// R > 0: the weights through the warp's ring rg (RING, above) instead of registers.
-template <bool F8, int NG, int U, int R, bool TWO, typename Fetch, typename Make, typename W>
+template <bool F8, int NG, int U, bool TWO, typename Fetch, typename Make, typename W>
 __device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra, const uint8_t *rb,
-                                         int k0, int k1, int ncols, Fetch fetch, Make make, W wait,
-                                         ring_t &rg)
+                                         int k0, int k1, int ncols, Fetch fetch, Make make, W wait)
 {
-    if (R > 0) {
-        dot_rows_ring<F8, NG, U, R, TWO>(acc, ra, rb, k0, k1, ncols, fetch, make, wait, rg);
-        return;
-    }
     constexpr int EPT = F8 ? 16 : 8; // k per 16-byte load
     constexpr int CK = 4 * EPT;      // k per load of the 4 lanes of a row
     constexpr int ES = F8 ? 1 : 2;   // bytes per weight
@@ -579,9 +414,8 @@ __device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra,
 
 // GEMM 1 item: expert e, h columns c0 .. c0 + 7 for the expert's n tokens, k piece q of
 // p.split1 (K1: split1 > 1; pieces of a multiple of 4 x 16 bytes of k)
-template <bool F8, int NG, int U, int R, typename XT, bool K1, bool TR>
-__device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, int64_t *tw,
-                      ring_t &ring)
+template <bool F8, int NG, int U, typename XT, bool K1, bool TR>
+__device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, int64_t *tw)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n = s.cnt[e], *list = s.slots + s.off[e];
@@ -615,7 +449,7 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
     const int k0 = !K1 ? 0 : q * per < p.H ? q * per : p.H;
     const int k1 = !K1 ? p.H : k0 + per < p.H ? k0 + per : p.H;
     float acc[NG][4];
-    dot_rows<F8, NG, U, R, false>(acc, ra, rb, k0, k1, n, fetch, make, wait, ring);
+    dot_rows<F8, NG, U, false>(acc, ra, rb, k0, k1, n, fetch, make, wait);
     // c0, c1: gate of column c0 + g for tokens 2t, 2t + 1 of the group; c2, c3: up
     const int col = c0 + g;
     if (K1) {
@@ -760,9 +594,8 @@ template <typename YT> __device__ void combine_tile(const params &p, int r)
 }
 
 // GEMM 2 item: expert e, rows r * 16 .. + 16 of hidden, k split q (K1: GEMM 1 split too)
-template <bool F8, int NG, int U, int R, bool K1, bool TR>
-__device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int n1, int64_t *tw,
-                      ring_t &ring)
+template <bool F8, int NG, int U, bool K1, bool TR>
+__device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int n1, int64_t *tw)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n = s.cnt[e], *list = s.slots + s.off[e];
@@ -813,7 +646,7 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
                           e4m3x4(bf(r.b.z, 0), bf(r.b.z, 1), bf(r.b.w, 0), bf(r.b.w, 1), sc, rc));
     };
     float acc[NG][4];
-    dot_rows<F8, NG, U, R, F8>(acc, ra, rb, k0, k1, n, fetch, make, wait, ring);
+    dot_rows<F8, NG, U, F8>(acc, ra, rb, k0, k1, n, fetch, make, wait);
     float s0 = 1.0f, s1 = 1.0f;
     if (F8)
         s0 = __ldg(p.w2s + (int64_t)e * p.H + row0), s1 = __ldg(p.w2s + (int64_t)e * p.H + row1);
@@ -840,11 +673,10 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
 
 // K1: GEMM 1 split along k (p.split1 > 1), a kernel of its own so that the others keep their
 // registers; TR: with the timeline (p.trace), a kernel of its own too
-template <bool F8, int NG, int U, int R, typename XT, typename YT, bool K1, bool TR>
+template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR>
 __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
 {
     __shared__ smem_t s;
-    ring_t rg = ring_init<U, R>();
     moe_pdl_wait_only(); // no early launch of the next kernel: this grid waits on itself
     int64_t *tr = nullptr;
     int nev = 0;
@@ -886,15 +718,15 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
         if (item < n1) {
             const int i = item; // (expert, column tile, k piece), the pieces adjacent
             int64_t *ev = event(MOE_DECODE_TRACE_GEMM1, i);
-            gemm1<F8, NG, U, R, XT, K1, TR>(p, s, s.uniq[i / (t1 * s1)], i / s1 % t1 * TILE1,
-                                            i % s1, ev ? ev + 2 : nullptr, rg);
+            gemm1<F8, NG, U, XT, K1, TR>(p, s, s.uniq[i / (t1 * s1)], i / s1 % t1 * TILE1, i % s1,
+                                         ev ? ev + 2 : nullptr);
             if (TR && ev)
                 stamp(ev + 3);
         } else {
             const int i = item - n1;
             const int u = i / (t2 * p.split), r = i / p.split % t2, q = i % p.split;
             int64_t *ev = event(MOE_DECODE_TRACE_GEMM2, i);
-            gemm2<F8, NG, U, R, K1, TR>(p, s, s.uniq[u], r, q, t1, ev ? ev + 2 : nullptr, rg);
+            gemm2<F8, NG, U, K1, TR>(p, s, s.uniq[u], r, q, t1, ev ? ev + 2 : nullptr);
             if (TR && ev)
                 stamp(ev + 3);
             if (warp_signal(col_done + r * COL_STRIDE) == nu * p.split - 1) {
@@ -933,62 +765,56 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
 }
 
 // CTAs that fit on the device at once (every one must be resident: items wait on others)
-template <bool F8, int NG, int U, int R, typename XT, typename YT, bool K1, bool TR>
-int resident_ctas()
+template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR> int resident_ctas()
 {
     static int cached[MOE_MAX_DEVICES];
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess)
         return 0;
     return moe_device_cached(cached, dev, [](int d) {
-        const auto k = decode_kernel<F8, NG, U, R, XT, YT, K1, TR>;
         int sms = 0, per = 0;
         if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d) != cudaSuccess ||
-            (R > 0 && (cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            ring_bytes<U, R>()) != cudaSuccess ||
-                       cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                            cudaSharedmemCarveoutMaxShared) != cudaSuccess)) ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, k, THREADS, ring_bytes<U, R>()) !=
-                cudaSuccess)
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                &per, decode_kernel<F8, NG, U, XT, YT, K1, TR>, THREADS, 0) != cudaSuccess)
             return 0;
         return sms * per;
     });
 }
 
-template <bool F8, int NG, int U, int R, typename XT, typename YT, bool K1, bool TR = false>
+template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR = false>
 moe_status_t launch_k1(const params &p, int max_ctas, cudaStream_t stream)
 {
-    int ctas = resident_ctas<F8, NG, U, R, XT, YT, K1, TR>();
+    int ctas = resident_ctas<F8, NG, U, XT, YT, K1, TR>();
     if (ctas <= 0)
         return moe_error(MOE_STATUS_CUDA_ERROR, "decode: no CTA fits on the device");
     if (max_ctas > 0 && max_ctas < ctas)
         ctas = max_ctas;
-    MOE_CUDA_CHECK(moe_launch(decode_kernel<F8, NG, U, R, XT, YT, K1, TR>, dim3(ctas),
-                              dim3(THREADS), ring_bytes<U, R>(), stream, p));
+    MOE_CUDA_CHECK(moe_launch(decode_kernel<F8, NG, U, XT, YT, K1, TR>, dim3(ctas), dim3(THREADS),
+                              0, stream, p));
     MOE_CUDA_CHECK_LAUNCH("decode_kernel");
     return MOE_STATUS_SUCCESS;
 }
 
-template <bool F8, int NG, int U, int R, typename XT, typename YT, bool TR = false>
+template <bool F8, int NG, int U, typename XT, typename YT>
 moe_status_t launch(const params &p, int max_ctas, cudaStream_t stream)
 {
-    return p.split1 > 1 ? launch_k1<F8, NG, U, R, XT, YT, true, TR>(p, max_ctas, stream)
-                        : launch_k1<F8, NG, U, R, XT, YT, false, TR>(p, max_ctas, stream);
+    return p.split1 > 1 ? launch_k1<F8, NG, U, XT, YT, true>(p, max_ctas, stream)
+                        : launch_k1<F8, NG, U, XT, YT, false>(p, max_ctas, stream);
 }
 
 // the timeline's kernels: bf16 x and y, up to 8 tokens (a benchmark's; the others not compiled)
 template <bool F8, typename XT, typename YT> struct traced {
-    static moe_status_t run(const params &, int, cudaStream_t)
+    static moe_status_t launch(const params &, int, cudaStream_t)
     {
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "decode: a trace needs bf16 x and y");
     }
 };
 template <bool F8> struct traced<F8, __nv_bfloat16, __nv_bfloat16> {
-    static moe_status_t run(const params &p, int max_ctas, cudaStream_t stream)
+    static moe_status_t launch(const params &p, int max_ctas, cudaStream_t stream)
     {
         using B = __nv_bfloat16;
-        return p.ring ? launch<F8, 1, U_WIDE, RING, B, B, true>(p, max_ctas, stream)
-                      : launch<F8, 1, U_WIDE, 0, B, B, true>(p, max_ctas, stream);
+        return p.split1 > 1 ? launch_k1<F8, 1, U_WIDE, B, B, true, true>(p, max_ctas, stream)
+                            : launch_k1<F8, 1, U_WIDE, B, B, false, true>(p, max_ctas, stream);
     }
 };
 
@@ -996,17 +822,16 @@ template <bool F8, typename XT, typename YT>
 moe_status_t launch_ng(const params &p, int max_ctas, cudaStream_t stream)
 {
     if (p.trace)
-        return p.T <= 8 ? traced<F8, XT, YT>::run(p, max_ctas, stream)
+        return p.T <= 8 ? traced<F8, XT, YT>::launch(p, max_ctas, stream)
                         : moe_error(MOE_STATUS_NOT_SUPPORTED,
                                     "decode: a trace needs at most 8 tokens, not %d", p.T);
     if (p.T <= 8)
-        return p.ring ? launch<F8, 1, U_WIDE, RING, XT, YT>(p, max_ctas, stream)
-                      : launch<F8, 1, U_WIDE, 0, XT, YT>(p, max_ctas, stream);
+        return launch<F8, 1, U_WIDE, XT, YT>(p, max_ctas, stream);
     if (p.T <= 16)
-        return launch<F8, 2, U_WIDE, 0, XT, YT>(p, max_ctas, stream);
+        return launch<F8, 2, U_WIDE, XT, YT>(p, max_ctas, stream);
     if (p.T <= 32)
-        return launch<F8, 4, U_WIDE, 0, XT, YT>(p, max_ctas, stream);
-    return launch<F8, 8, U_WIDE, 0, XT, YT>(p, max_ctas, stream);
+        return launch<F8, 4, U_WIDE, XT, YT>(p, max_ctas, stream);
+    return launch<F8, 8, U_WIDE, XT, YT>(p, max_ctas, stream);
 }
 
 template <bool F8, typename XT>
@@ -1018,17 +843,16 @@ moe_status_t launch_y(const params &p, moe_dtype_t yt, int max_ctas, cudaStream_
 
 template <bool F8> moe_status_t prepare_f8()
 {
-#define MOE_DECODE_PREP(NG, R, K1)                                                                 \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U_WIDE, R, float, float, K1, false>));                 \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U_WIDE, R, float, __nv_bfloat16, K1, false>));         \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U_WIDE, R, __nv_bfloat16, float, K1, false>));         \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U_WIDE, R, __nv_bfloat16, __nv_bfloat16, K1, false>));
+#define MOE_DECODE_PREP(NG, U, K1)                                                                 \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, float, float, K1, false>));                         \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, float, __nv_bfloat16, K1, false>));                 \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, __nv_bfloat16, float, K1, false>));                 \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, __nv_bfloat16, __nv_bfloat16, K1, false>));
 #define MOE_DECODE_PREP_NG(K1)                                                                     \
-    MOE_DECODE_PREP(1, 0, K1)                                                                      \
-    MOE_DECODE_PREP(1, RING, K1)                                                                   \
-    MOE_DECODE_PREP(2, 0, K1)                                                                      \
-    MOE_DECODE_PREP(4, 0, K1)                                                                      \
-    MOE_DECODE_PREP(8, 0, K1)
+    MOE_DECODE_PREP(1, U_WIDE, K1)                                                                 \
+    MOE_DECODE_PREP(2, U_WIDE, K1)                                                                 \
+    MOE_DECODE_PREP(4, U_WIDE, K1)                                                                 \
+    MOE_DECODE_PREP(8, U_WIDE, K1)
     MOE_DECODE_PREP_NG(false)
     MOE_DECODE_PREP_NG(true)
 #undef MOE_DECODE_PREP_NG
@@ -1128,7 +952,6 @@ extern "C" moe_status_t moe_decode_launch(const moe_decode_args_t *a, void *stre
     p.sticky = a->sticky;
     p.timeout_ns = a->timeout_ns;
     p.trace = a->trace;
-    p.ring = a->ring;
     p.T = (int)a->num_tokens;
     p.k = a->top_k;
     p.E = a->num_experts;

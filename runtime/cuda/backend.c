@@ -298,9 +298,6 @@ static moe_status_t plan_decode(cuda_layer_t *s)
     s->dec_split1 = (int)moe_env_int("MOE_DECODE_K1_SPLIT", 1);
     if (s->dec_split1 == 0)
         s->dec_split1 = moe_decode_split1(s->E, s->k, s->H, (int)s->is, sms);
-    /* MOE_DECODE_RING: 1, the weights through a per-warp shared-memory ring of bulk copies at
-     * steps of up to 8 tokens; 0 (default): straight into registers (an A/B knob until measured) */
-    s->dec_ring = (int)moe_env_int("MOE_DECODE_RING", 0);
     return MOE_STATUS_SUCCESS;
 }
 
@@ -513,10 +510,9 @@ static void cuda_explain(const moe_layer_t *l, int64_t T, char *text, size_t len
     if (moe_cuda_use_decode(s, T, NULL))
         snprintf(routed, sizeof(routed),
                  "%s (one persistent kernel: GEMM 1, activation, GEMM 2 and the weighted sum%s; "
-                 "GEMM 1 k split %d, GEMM 2 k split %d%s) at up to %d tokens (%s%s)",
+                 "GEMM 1 k split %d, GEMM 2 k split %d) at up to %d tokens (%s%s)",
                  MOE_ORACLE_FUSED_DECODE, s->f8 ? ", x and h quantised inside" : "", s->dec_split1,
-                 s->dec_split, s->dec_ring ? ", weights through a shared-memory ring" : "",
-                 s->dec_max,
+                 s->dec_split, s->dec_max,
                  s->dec_forced > 0 ? "forced by "
                  : s->dec_tuned    ? "crossover tuned from "
                                    : "built-in crossover",

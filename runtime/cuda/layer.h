@@ -183,9 +183,8 @@ typedef struct cuda_layer {
      * MOE_FORCE_VARIANT=sm90_fused_decode, -1 another variant forced, 0 the oracle's crossover
      * (dec_tuned: from the tune file's decode table, else the built-in one).
      * Its workspace holds dec_tokens tokens; dec_sync is persistent (zero between steps).
-     * dec_split, dec_split1: GEMM 2's and GEMM 1's k splits (dec_o1: GEMM 1's pieces); dec_ring:
-     * MOE_DECODE_RING. */
-    int dec_ok, dec_max, dec_forced, dec_tuned, dec_tokens, dec_split, dec_split1, dec_ring;
+     * dec_split, dec_split1: GEMM 2's and GEMM 1's k splits (dec_o1: GEMM 1's pieces). */
+    int dec_ok, dec_max, dec_forced, dec_tuned, dec_tokens, dec_split, dec_split1;
     void *dec_h;
     float *dec_o, *dec_o1, *dec_xs;
     uint8_t *dec_xq;

@@ -503,7 +503,6 @@ static moe_status_t decode_forward(moe_layer_t *l, const moe_forward_args_t *a, 
     d.gelu = s->act == MOE_ACTIVATION_GELU;
     d.split = s->dec_split;
     d.split1 = s->dec_split1;
-    d.ring = s->dec_ring;
     d.o1 = s->dec_o1;
     /* a wait past moe_cuda_decode_timeout_ms ends the launch and marks the step:
      * MOE_DECODE_STICKY_STALL */

@@ -234,21 +234,14 @@ static void test_decode_against_cpu(void **state)
         ls.cpu = make(rt_cpu, c, 64, seed);
         setenv("MOE_FORCE_VARIANT", grouped_of(c), 1);
         ls.grouped = make(rt_gpu, c, 64, seed);
-        /* GEMM 1 whole, then split along k by the shape's rule (MOE_DECODE_K1_SPLIT=0); each
-         * with the weights into registers, then through the shared-memory ring (steps of up to
-         * 8 tokens) */
-        for (int v = 0; v < 4; v++) {
-            const int k1 = v & 1, ring = v >> 1;
+        /* GEMM 1 whole, then split along k by the shape's rule (MOE_DECODE_K1_SPLIT=0) */
+        for (int k1 = 0; k1 < 2; k1++) {
             setenv("MOE_FORCE_VARIANT", "sm90_fused_decode", 1);
             if (k1)
                 setenv("MOE_DECODE_K1_SPLIT", "0", 1);
-            setenv("MOE_DECODE_RING", ring ? "1" : "0", 1);
             ls.fused = make(rt_gpu, c, 64, seed);
             unsetenv("MOE_DECODE_K1_SPLIT");
-            unsetenv("MOE_DECODE_RING");
             assert_int_equal(k1_split_of(ls.fused), k1 ? k1_rule(c) : 1);
-            if (ring)
-                fprintf(stderr, "  %-56s weights through the shared-memory ring\n", c->name);
             for (size_t j = 0; j < sizeof(counts) / sizeof(counts[0]); j++)
                 fails += check_case(c, &ls, counts[j]);
             moe_layer_destroy(ls.fused);
@@ -273,17 +266,12 @@ static void test_decode_batch_invariant(void **state)
               *y1 = malloc(4 * H);
         moe_layer_t *l;
         moe_gen_tokens(seed, 0, 64, c->H, x);
-        /* GEMM 1 whole, then split by the shape's rule; the ring (steps of up to 8 tokens: the
-         * 1- and 7-token steps) must give the 64-token step's bits too */
-        for (int v = 0; v < 4; v++) {
-            const int k1 = v & 1, ring = v >> 1;
+        for (int k1 = 0; k1 < 2; k1++) { /* GEMM 1 whole, then split by the shape's rule */
             setenv("MOE_FORCE_VARIANT", "sm90_fused_decode", 1);
             if (k1)
                 setenv("MOE_DECODE_K1_SPLIT", "0", 1);
-            setenv("MOE_DECODE_RING", ring ? "1" : "0", 1);
             l = make(rt_gpu, c, 64, seed);
             unsetenv("MOE_DECODE_K1_SPLIT");
-            unsetenv("MOE_DECODE_RING");
             unsetenv("MOE_FORCE_VARIANT");
             run_steps(l, c, 1, x, 64, 1, y64);
             run_steps(l, c, 1, x + 20 * H, 7, 1, y7); /* tokens 20 .. 26 */
@@ -292,8 +280,8 @@ static void test_decode_batch_invariant(void **state)
             assert_int_equal(tu_count_nan(y64, (int64_t)(64 * H)), 0);
             assert_memory_equal(y7, y64 + 20 * H, 4 * 7 * H);
             assert_memory_equal(y1, y64 + 23 * H, 4 * H);
-            fprintf(stderr, "  %-56s batch-invariant (1 / 7 / 64 tokens), GEMM 1 k split %d%s\n",
-                    c->name, k1 ? k1_rule(c) : 1, ring ? ", ring" : "");
+            fprintf(stderr, "  %-56s batch-invariant (1 / 7 / 64 tokens), GEMM 1 k split %d\n",
+                    c->name, k1 ? k1_rule(c) : 1);
         }
         free(x), free(y64), free(y7), free(y1);
     }
