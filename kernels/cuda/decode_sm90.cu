@@ -39,6 +39,14 @@ constexpr int U_WIDE = 4;
 constexpr int TILE1 = 8;  // GEMM 1: output columns of h per item (8 gate + 8 up rows)
 constexpr int TILE2 = 16; // GEMM 2: output columns of y per item
 constexpr int MAX_ROWS = MOE_DECODE_MAX_TOKENS * 16; // slots: tokens x top_k (top_k <= 16)
+// fp8 steps of up to 8 tokens (one column group) whose quantised x fits XS_MAX bytes: every CTA
+// quantises the whole x into its own shared memory (no global copy, no wait on another CTA);
+// two CTAs an SM still fit (228 KB: 2 x (13 KB static + 96 KB + 1 KB reserved))
+constexpr int XS_TOKENS = 8, XS_MAX = 96 * 1024;
+template <bool F8, int NG> constexpr bool local_x()
+{
+    return F8 && NG == 1;
+}
 
 // sync[] layout: done counter, x quantised counter, GEMM 1 column tiles done per expert (one
 // 128-byte line each: many warps poll them), GEMM 2 items done per row tile (one 32-byte sector
@@ -66,7 +74,8 @@ struct smem_t {
     int uniq[MOE_DECODE_MAX_EXPERTS];
     int slots[MAX_ROWS];
     short pos[MAX_ROWS];
-    float amax[WARPS]; // fp8: the x quantisation's maximum per warp
+    float amax[WARPS][XS_TOKENS]; // fp8: the x quantisation's maxima per warp (and token)
+    float xs[XS_TOKENS];          // local_x: each token's scale
     int nuniq;
     int last;
 };
@@ -316,11 +325,11 @@ template <typename XT> __device__ void quantise_x(const params &p, smem_t &s, in
     for (int o = 16; o > 0; o >>= 1)
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     if (lane == 0)
-        s.amax[warp] = m;
+        s.amax[warp][0] = m;
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < WARPS; i++)
-        m = fmaxf(m, s.amax[i]);
+        m = fmaxf(m, s.amax[i][0]);
     const float sc = dynamic_scale(m), rs = __frcp_rn(sc);
 #pragma unroll 4
     for (int c = threadIdx.x * 8; c < p.H; c += THREADS * 8) {
@@ -335,6 +344,58 @@ template <typename XT> __device__ void quantise_x(const params &p, smem_t &s, in
         __threadfence();
         atomicAdd(p.sync + SYNC_XQ, 1);
     }
+}
+
+// local_x: every token's row of x quantised by this CTA into xq (its shared memory, [T][H]) with
+// the scales in s.xs: the same maxima, scales and codes as quantise_x
+template <typename XT> __device__ void quantise_x_local(const params &p, smem_t &s, uint8_t *xq)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+    float m[XS_TOKENS];
+#pragma unroll
+    for (int t = 0; t < XS_TOKENS; t++) {
+        m[t] = 0.0f;
+        if (t >= p.T)
+            continue;
+        const XT *x = static_cast<const XT *>(p.x) + (int64_t)t * p.H;
+#pragma unroll 4
+        for (int c = threadIdx.x * 8; c < p.H; c += THREADS * 8) {
+            const uint4 v = load_x8(x, c);
+            const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                m[t] = fmaxf(m[t], fmaxf(fabsf(bf(w[i], 0)), fabsf(bf(w[i], 1))));
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < XS_TOKENS; t++) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+            m[t] = fmaxf(m[t], __shfl_xor_sync(0xffffffffu, m[t], o));
+        if (lane == 0)
+            s.amax[warp][t] = m[t];
+    }
+    __syncthreads();
+    if (threadIdx.x < p.T) {
+        float mm = 0.0f;
+#pragma unroll
+        for (int i = 0; i < WARPS; i++)
+            mm = fmaxf(mm, s.amax[i][threadIdx.x]);
+        s.xs[threadIdx.x] = dynamic_scale(mm);
+    }
+    __syncthreads();
+    for (int t = 0; t < p.T; t++) {
+        const XT *x = static_cast<const XT *>(p.x) + (int64_t)t * p.H;
+        const float sc = s.xs[t], rs = __frcp_rn(sc);
+#pragma unroll 4
+        for (int c = threadIdx.x * 8; c < p.H; c += THREADS * 8) {
+            const uint4 v = load_x8(x, c);
+            *reinterpret_cast<uint2 *>(xq + (int64_t)t * p.H + c) =
+                make_uint2(e4m3x4(bf(v.x, 0), bf(v.x, 1), bf(v.y, 0), bf(v.y, 1), sc, rs),
+                           e4m3x4(bf(v.z, 0), bf(v.z, 1), bf(v.w, 0), bf(v.w, 1), sc, rs));
+        }
+    }
+    __syncthreads();
 }
 
 // A token operand as loaded, before its conversion: 16 bytes, or 32 (TWO) where fp8 GEMM 2
@@ -415,8 +476,10 @@ __device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra,
 // GEMM 1 item: expert e, h columns c0 .. c0 + 7 for the expert's n tokens, k piece q of
 // p.split1 (K1: split1 > 1; pieces of a multiple of 4 x 16 bytes of k)
 template <bool F8, int NG, int U, typename XT, bool K1, bool TR>
-__device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, int64_t *tw)
+__device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, int64_t *tw,
+                      const uint8_t *xql)
 {
+    constexpr bool XL = local_x<F8, NG>(); // the quantised x in this CTA's xql
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n = s.cnt[e], *list = s.slots + s.off[e];
     constexpr int ES = F8 ? 1 : 2;
@@ -432,13 +495,14 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
     auto fetch = [&](int i, int k) -> raw_t {
         raw_t r = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
         if (tok[i] >= 0 && k < p.H)
-            r.a = F8 ? ld_cg(p.xq + (int64_t)tok[i] * p.H + k)
-                     : load_x8(x + (int64_t)tok[i] * p.H, k);
+            r.a = XL   ? *reinterpret_cast<const uint4 *>(xql + tok[i] * p.H + k)
+                  : F8 ? ld_cg(p.xq + (int64_t)tok[i] * p.H + k)
+                       : load_x8(x + (int64_t)tok[i] * p.H, k);
         return r;
     };
     auto make = [&](int, const raw_t &r) -> uint4 { return r.a; };
     auto wait = [&]() {
-        if (F8)
+        if (F8 && !XL)
             warp_wait(p, p.sync + SYNC_XQ, p.T);
         if (TR)
             stamp(tw);
@@ -506,7 +570,7 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
                 continue;
             float gv = acc[i][j], uv = acc[i][2 + j];
             if (F8) {
-                const float xs = p.xs[slot[j] / p.k];
+                const float xs = XL ? s.xs[slot[j] / p.k] : p.xs[slot[j] / p.k];
                 gv = gv * xs * sg;
                 uv = uv * xs * su;
             }
@@ -706,20 +770,28 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
     const int t1 = p.I / TILE1, n1 = nu * t1 * s1;
     const int t2 = (p.H + TILE2 - 1) / TILE2, n2 = nu * t2 * p.split;
     int32_t *col_done = p.sync + sync_col(p.E);
-    // fp8: CTA b quantises tokens b, b + CTAs, ... before its items (it waits on nothing)
-    if (F8)
+    // fp8: every CTA quantises the whole x into its shared memory (local_x), or CTA b tokens b,
+    // b + CTAs, ... for every CTA (it waits on nothing)
+    extern __shared__ __align__(16) uint8_t xql[];
+    if (local_x<F8, NG>()) {
+        int64_t *ev = event(MOE_DECODE_TRACE_XQ, 0);
+        quantise_x_local<XT>(p, s, xql);
+        if (TR && ev)
+            stamp(ev + 3);
+    } else if (F8) {
         for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
             int64_t *ev = event(MOE_DECODE_TRACE_XQ, t);
             quantise_x<XT>(p, s, t);
             if (TR && ev)
                 stamp(ev + 3);
         }
+    }
     for (int item = warp * gridDim.x + blockIdx.x; item < n1 + n2; item += nw) {
         if (item < n1) {
             const int i = item; // (expert, column tile, k piece), the pieces adjacent
             int64_t *ev = event(MOE_DECODE_TRACE_GEMM1, i);
             gemm1<F8, NG, U, XT, K1, TR>(p, s, s.uniq[i / (t1 * s1)], i / s1 % t1 * TILE1, i % s1,
-                                         ev ? ev + 2 : nullptr);
+                                         ev ? ev + 2 : nullptr, xql);
             if (TR && ev)
                 stamp(ev + 3);
         } else {
@@ -764,33 +836,48 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
     }
 }
 
-// CTAs that fit on the device at once (every one must be resident: items wait on others)
-template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR> int resident_ctas()
+// CTAs that fit on the device at once (every one must be resident: items wait on others) with
+// dyn bytes of dynamic shared memory: cached for the kernels without (dyn = 0); the local_x
+// kernels' limit is raised to XS_MAX once and their count taken at each launch
+template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR>
+int resident_ctas(int dyn)
 {
     static int cached[MOE_MAX_DEVICES];
-    int dev = 0;
+    int dev = 0, per = 0;
     if (cudaGetDevice(&dev) != cudaSuccess)
         return 0;
-    return moe_device_cached(cached, dev, [](int d) {
-        int sms = 0, per = 0;
+    const int n = moe_device_cached(cached, dev, [](int d) {
+        const auto k = decode_kernel<F8, NG, U, XT, YT, K1, TR>;
+        int sms = 0, per0 = 0;
         if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d) != cudaSuccess ||
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                &per, decode_kernel<F8, NG, U, XT, YT, K1, TR>, THREADS, 0) != cudaSuccess)
+            (local_x<F8, NG>() &&
+             cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, XS_MAX) !=
+                 cudaSuccess) ||
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per0, k, THREADS, 0) != cudaSuccess)
             return 0;
-        return sms * per;
+        return sms * per0; // local_x: the SMs (per0 only checked)
     });
+    if (!local_x<F8, NG>() || n <= 0)
+        return n;
+    int sms = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &per, decode_kernel<F8, NG, U, XT, YT, K1, TR>, THREADS, dyn) != cudaSuccess)
+        return 0;
+    return sms * per;
 }
 
 template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR = false>
 moe_status_t launch_k1(const params &p, int max_ctas, cudaStream_t stream)
 {
-    int ctas = resident_ctas<F8, NG, U, XT, YT, K1, TR>();
+    const int dyn = local_x<F8, NG>() ? (p.T * p.H + 15) / 16 * 16 : 0;
+    int ctas = resident_ctas<F8, NG, U, XT, YT, K1, TR>(dyn);
     if (ctas <= 0)
         return moe_error(MOE_STATUS_CUDA_ERROR, "decode: no CTA fits on the device");
     if (max_ctas > 0 && max_ctas < ctas)
         ctas = max_ctas;
     MOE_CUDA_CHECK(moe_launch(decode_kernel<F8, NG, U, XT, YT, K1, TR>, dim3(ctas), dim3(THREADS),
-                              0, stream, p));
+                              dyn, stream, p));
     MOE_CUDA_CHECK_LAUNCH("decode_kernel");
     return MOE_STATUS_SUCCESS;
 }
@@ -822,10 +909,14 @@ template <bool F8, typename XT, typename YT>
 moe_status_t launch_ng(const params &p, int max_ctas, cudaStream_t stream)
 {
     if (p.trace)
-        return p.T <= 8 ? traced<F8, XT, YT>::launch(p, max_ctas, stream)
-                        : moe_error(MOE_STATUS_NOT_SUPPORTED,
-                                    "decode: a trace needs at most 8 tokens, not %d", p.T);
-    if (p.T <= 8)
+        return p.T <= 8 && (!F8 || p.T * p.H <= XS_MAX)
+                   ? traced<F8, XT, YT>::launch(p, max_ctas, stream)
+                   : moe_error(
+                         MOE_STATUS_NOT_SUPPORTED,
+                         "decode: a trace needs at most 8 tokens (fp8: %d bytes of x), not %d x %d",
+                         XS_MAX, p.T, p.H);
+    // (fp8 with x past XS_MAX: the 16-column kernel, x quantised once into global memory)
+    if (p.T <= 8 && (!F8 || p.T * p.H <= XS_MAX))
         return launch<F8, 1, U_WIDE, XT, YT>(p, max_ctas, stream);
     if (p.T <= 16)
         return launch<F8, 2, U_WIDE, XT, YT>(p, max_ctas, stream);
