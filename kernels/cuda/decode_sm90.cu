@@ -76,7 +76,6 @@ struct smem_t {
     short pos[MAX_ROWS];
     float amax[WARPS][XS_TOKENS]; // fp8: the x quantisation's maxima per warp (and token)
     float xs[XS_TOKENS];          // local_x: each token's scale
-    int amaxi[XS_TOKENS];         // local_x: each token's |x| maximum (float bits)
     int nuniq;
     int last;
 };
@@ -348,68 +347,52 @@ template <typename XT> __device__ void quantise_x(const params &p, smem_t &s, in
 }
 
 // local_x: every token's row of x quantised by this CTA into xq (its shared memory, [T][H]) with
-// the scales in s.xs: the same maxima, scales and codes as quantise_x. The rows' 8-value chunks
-// in one flat order, 8 loads a thread in flight (a loop per token waited a round trip per token
-// and pass: 9 us at 8 tokens, bench/decode_trace); each chunk's maximum to its token's by a warp
-// reduction where the warp's chunks share the token, else one atomicMax a lane (|x| >= 0: the
-// bits order as the values; fmaxf from 0 leaves no NaN)
-constexpr int XS_LOADS = 8;
+// the scales in s.xs: the same maxima, scales and codes as quantise_x
 template <typename XT> __device__ void quantise_x_local(const params &p, smem_t &s, uint8_t *xq)
 {
-    const int cpr = p.H / 8, chunks = p.T * cpr;
-    const XT *x = static_cast<const XT *>(p.x);
-    if (threadIdx.x < XS_TOKENS)
-        s.amaxi[threadIdx.x] = 0;
-    __syncthreads();
-    for (int j0 = threadIdx.x; j0 - (int)threadIdx.x < chunks; j0 += THREADS * XS_LOADS) {
-        uint4 v[XS_LOADS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+    float m[XS_TOKENS];
 #pragma unroll
-        for (int i = 0; i < XS_LOADS; i++) {
-            const int j = j0 + i * THREADS;
-            v[i] = j < chunks ? load_x8(x, (j / cpr) * p.H + j % cpr * 8) : make_uint4(0, 0, 0, 0);
-        }
+    for (int t = 0; t < XS_TOKENS; t++) {
+        m[t] = 0.0f;
+        if (t >= p.T)
+            continue;
+        const XT *x = static_cast<const XT *>(p.x) + (int64_t)t * p.H;
+#pragma unroll 4
+        for (int c = threadIdx.x * 8; c < p.H; c += THREADS * 8) {
+            const uint4 v = load_x8(x, c);
+            const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-        for (int i = 0; i < XS_LOADS; i++) {
-            const int j = j0 + i * THREADS;
-            const int t0 = __shfl_sync(0xffffffffu, j / cpr, 0);
-            const int t = j < chunks ? j / cpr : t0; // past the end: a zero of lane 0's token
-            const uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
-            float m = 0.0f;
-#pragma unroll
-            for (int q = 0; q < 4; q++)
-                m = fmaxf(m, fmaxf(fabsf(bf(w[q], 0)), fabsf(bf(w[q], 1))));
-            if (__all_sync(0xffffffffu, t == t0)) {
-#pragma unroll
-                for (int o = 16; o > 0; o >>= 1)
-                    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-                if ((threadIdx.x & 31) == 0 && t0 < p.T)
-                    atomicMax(s.amaxi + t0, __float_as_int(m));
-            } else if (t < p.T) {
-                atomicMax(s.amaxi + t, __float_as_int(m));
-            }
+            for (int i = 0; i < 4; i++)
+                m[t] = fmaxf(m[t], fmaxf(fabsf(bf(w[i], 0)), fabsf(bf(w[i], 1))));
         }
     }
-    __syncthreads();
-    if (threadIdx.x < p.T)
-        s.xs[threadIdx.x] = dynamic_scale(__int_as_float(s.amaxi[threadIdx.x]));
-    __syncthreads();
-    for (int j0 = threadIdx.x; j0 - (int)threadIdx.x < chunks; j0 += THREADS * XS_LOADS) {
-        uint4 v[XS_LOADS];
 #pragma unroll
-        for (int i = 0; i < XS_LOADS; i++) {
-            const int j = j0 + i * THREADS;
-            v[i] = j < chunks ? load_x8(x, (j / cpr) * p.H + j % cpr * 8) : make_uint4(0, 0, 0, 0);
-        }
+    for (int t = 0; t < XS_TOKENS; t++) {
 #pragma unroll
-        for (int i = 0; i < XS_LOADS; i++) {
-            const int j = j0 + i * THREADS;
-            if (j >= chunks)
-                continue;
-            const int t = j / cpr;
-            const float sc = s.xs[t], rs = __frcp_rn(sc);
-            *reinterpret_cast<uint2 *>(xq + t * p.H + j % cpr * 8) = make_uint2(
-                e4m3x4(bf(v[i].x, 0), bf(v[i].x, 1), bf(v[i].y, 0), bf(v[i].y, 1), sc, rs),
-                e4m3x4(bf(v[i].z, 0), bf(v[i].z, 1), bf(v[i].w, 0), bf(v[i].w, 1), sc, rs));
+        for (int o = 16; o > 0; o >>= 1)
+            m[t] = fmaxf(m[t], __shfl_xor_sync(0xffffffffu, m[t], o));
+        if (lane == 0)
+            s.amax[warp][t] = m[t];
+    }
+    __syncthreads();
+    if (threadIdx.x < p.T) {
+        float mm = 0.0f;
+#pragma unroll
+        for (int i = 0; i < WARPS; i++)
+            mm = fmaxf(mm, s.amax[i][threadIdx.x]);
+        s.xs[threadIdx.x] = dynamic_scale(mm);
+    }
+    __syncthreads();
+    for (int t = 0; t < p.T; t++) {
+        const XT *x = static_cast<const XT *>(p.x) + (int64_t)t * p.H;
+        const float sc = s.xs[t], rs = __frcp_rn(sc);
+#pragma unroll 4
+        for (int c = threadIdx.x * 8; c < p.H; c += THREADS * 8) {
+            const uint4 v = load_x8(x, c);
+            *reinterpret_cast<uint2 *>(xq + (int64_t)t * p.H + c) =
+                make_uint2(e4m3x4(bf(v.x, 0), bf(v.x, 1), bf(v.y, 0), bf(v.y, 1), sc, rs),
+                           e4m3x4(bf(v.z, 0), bf(v.z, 1), bf(v.w, 0), bf(v.w, 1), sc, rs));
         }
     }
     __syncthreads();
