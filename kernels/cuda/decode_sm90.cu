@@ -39,10 +39,13 @@ constexpr int U_WIDE = 4;
 constexpr int TILE1 = 8;  // GEMM 1: output columns of h per item (8 gate + 8 up rows)
 constexpr int TILE2 = 16; // GEMM 2: output columns of y per item
 constexpr int MAX_ROWS = MOE_DECODE_MAX_TOKENS * 16; // slots: tokens x top_k (top_k <= 16)
-// fp8 steps of up to 8 tokens (one column group) whose quantised x fits XS_MAX bytes: every CTA
-// quantises the whole x into its own shared memory (no global copy, no wait on another CTA);
-// two CTAs an SM still fit (228 KB: 2 x (13 KB static + 96 KB + 1 KB reserved))
-constexpr int XS_TOKENS = 8, XS_MAX = 96 * 1024;
+// fp8 steps of one token (XS_TOKENS) whose x fits XS_MAX bytes: every CTA quantises x into its
+// own shared memory, so GEMM 1 waits on no other CTA (the global copy's signal and polls took
+// ~3.5 us past the quantisation, bench/decode_trace) and reads its operand from shared memory.
+// One token: 0.95 / 0.99 / 0.96 of the global copy's step (Qwen3-30B-A3B / the DeepSeek-V3 shard
+// / Mixtral, fp8, 2026-12-04); at 2 .. 8 tokens a round trip per token and pass made it 0.98 ..
+// 1.04, so those keep the global copy (docs/KERNELS.md, "Fused decode")
+constexpr int XS_TOKENS = 1, XS_MAX = 96 * 1024;
 template <bool F8, int NG> constexpr bool local_x()
 {
     return F8 && NG == 1;
@@ -100,6 +103,12 @@ struct params {
     int64_t timeout_ns;
     int T, k, E, H, I, split, split1, y_f32, gelu;
 };
+
+// this launch quantises x in every CTA's shared memory (a local_x kernel, XS_TOKENS, XS_MAX)
+template <bool F8, int NG> __host__ __device__ __forceinline__ bool uses_local_x(const params &p)
+{
+    return local_x<F8, NG>() && p.T <= XS_TOKENS && p.T * p.H <= XS_MAX;
+}
 
 // TR (args.trace, a benchmark's timeline): lane 0 of each warp stamps the global timer into its
 // record (kernels/decode.h, MOE_DECODE_TRACE_*); ev: this item's event, NULL past the last one
@@ -479,7 +488,7 @@ template <bool F8, int NG, int U, typename XT, bool K1, bool TR>
 __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, int64_t *tw,
                       const uint8_t *xql)
 {
-    constexpr bool XL = local_x<F8, NG>(); // the quantised x in this CTA's xql
+    const bool XL = local_x<F8, NG>() && xql; // the quantised x in this CTA's xql
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n = s.cnt[e], *list = s.slots + s.off[e];
     constexpr int ES = F8 ? 1 : 2;
@@ -770,10 +779,11 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
     const int t1 = p.I / TILE1, n1 = nu * t1 * s1;
     const int t2 = (p.H + TILE2 - 1) / TILE2, n2 = nu * t2 * p.split;
     int32_t *col_done = p.sync + sync_col(p.E);
-    // fp8: every CTA quantises the whole x into its shared memory (local_x), or CTA b tokens b,
-    // b + CTAs, ... for every CTA (it waits on nothing)
+    // fp8: every CTA quantises the one token's x into its shared memory (uses_local_x), or CTA b
+    // tokens b, b + CTAs, ... into global memory (either waits on nothing)
     extern __shared__ __align__(16) uint8_t xql[];
-    if (local_x<F8, NG>()) {
+    const bool xl = uses_local_x<F8, NG>(p);
+    if (xl) {
         int64_t *ev = event(MOE_DECODE_TRACE_XQ, 0);
         quantise_x_local<XT>(p, s, xql);
         if (TR && ev)
@@ -791,7 +801,7 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
             const int i = item; // (expert, column tile, k piece), the pieces adjacent
             int64_t *ev = event(MOE_DECODE_TRACE_GEMM1, i);
             gemm1<F8, NG, U, XT, K1, TR>(p, s, s.uniq[i / (t1 * s1)], i / s1 % t1 * TILE1, i % s1,
-                                         ev ? ev + 2 : nullptr, xql);
+                                         ev ? ev + 2 : nullptr, xl ? xql : nullptr);
             if (TR && ev)
                 stamp(ev + 3);
         } else {
@@ -870,7 +880,7 @@ int resident_ctas(int dyn)
 template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR = false>
 moe_status_t launch_k1(const params &p, int max_ctas, cudaStream_t stream)
 {
-    const int dyn = local_x<F8, NG>() ? (p.T * p.H + 15) / 16 * 16 : 0;
+    const int dyn = uses_local_x<F8, NG>(p) ? (p.T * p.H + 15) / 16 * 16 : 0;
     int ctas = resident_ctas<F8, NG, U, XT, YT, K1, TR>(dyn);
     if (ctas <= 0)
         return moe_error(MOE_STATUS_CUDA_ERROR, "decode: no CTA fits on the device");
@@ -909,14 +919,10 @@ template <bool F8, typename XT, typename YT>
 moe_status_t launch_ng(const params &p, int max_ctas, cudaStream_t stream)
 {
     if (p.trace)
-        return p.T <= 8 && (!F8 || p.T * p.H <= XS_MAX)
-                   ? traced<F8, XT, YT>::launch(p, max_ctas, stream)
-                   : moe_error(
-                         MOE_STATUS_NOT_SUPPORTED,
-                         "decode: a trace needs at most 8 tokens (fp8: %d bytes of x), not %d x %d",
-                         XS_MAX, p.T, p.H);
-    // (fp8 with x past XS_MAX: the 16-column kernel, x quantised once into global memory)
-    if (p.T <= 8 && (!F8 || p.T * p.H <= XS_MAX))
+        return p.T <= 8 ? traced<F8, XT, YT>::launch(p, max_ctas, stream)
+                        : moe_error(MOE_STATUS_NOT_SUPPORTED,
+                                    "decode: a trace needs at most 8 tokens, not %d", p.T);
+    if (p.T <= 8)
         return launch<F8, 1, U_WIDE, XT, YT>(p, max_ctas, stream);
     if (p.T <= 16)
         return launch<F8, 2, U_WIDE, XT, YT>(p, max_ctas, stream);
