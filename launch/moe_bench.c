@@ -749,11 +749,16 @@ static void print_title(const options_t *o)
                                                     : "fp8 e4m3 W8A8 per-tensor");
 }
 
+static void print_explain_line(const char *why)
+{
+    printf("  %8s explain: %s\n", "", why);
+}
+
 static void print_explain(const moe_layer_t *layer, int64_t m)
 {
     char why[2048]; /* the variants, their tables (tune file paths) and the transport */
     MOE_OK(moe_layer_explain(layer, m, why, sizeof(why)));
-    printf("  %8s explain: %s\n", "", why);
+    print_explain_line(why);
 }
 
 /* ---- --first-call ---------------------------------------------------------------------------
@@ -1028,7 +1033,7 @@ static void table(const options_t *o)
                "", p->phases.route_us, p->phases.dispatch_us, p->phases.expert_us,
                p->phases.shared_us, p->phases.combine_us);
         if (o->explain)
-            printf("  %8s explain: %s\n", "", p->explain);
+            print_explain_line(p->explain);
         fflush(stdout);
         score_sum += p->limit_us / p->time_us;
     }
