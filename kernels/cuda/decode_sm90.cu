@@ -77,8 +77,8 @@ struct smem_t {
     int uniq[MOE_DECODE_MAX_EXPERTS];
     int slots[MAX_ROWS];
     short pos[MAX_ROWS];
-    float amax[WARPS][XS_TOKENS]; // fp8: the x quantisation's maxima per warp (and token)
-    float xs[XS_TOKENS];          // local_x: each token's scale
+    float amax[WARPS];   // fp8: the x quantisation's maximum per warp
+    float xs[XS_TOKENS]; // local_x: the token's scale
     int nuniq;
     int last;
 };
@@ -313,11 +313,13 @@ __device__ void build_table(const params &p, smem_t &s)
     __syncthreads();
 }
 
-// fp8: token t's row of x (as bf16) quantised with its dynamic scale by a whole CTA before its
-// items (GEMM 1 waits on it: one warp a row took 4.4 us at hidden 2048 and 9.6 at 7168,
-// bench/decode_trace, 2026-12-04): each thread 8 values of every 2048 of the row, the maximum
-// through shared memory, then the conversion from the same (L1) lines
-template <typename XT> __device__ void quantise_x(const params &p, smem_t &s, int t)
+// fp8: token t's row of x (as bf16) quantised with its dynamic scale by a whole CTA into dst (a
+// row of hidden bytes: global or shared memory), before the CTA's items (GEMM 1 waits on it: one
+// warp a row took 4.4 us at hidden 2048 and 9.6 at 7168, bench/decode_trace, 2026-12-04): each
+// thread 8 values of every 2048 of the row, the maximum through shared memory, then the
+// conversion from the same (L1) lines. Returns the scale; every thread's stores are done.
+template <typename XT>
+__device__ float quantise_row(const params &p, smem_t &s, int t, uint8_t *dst)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
     const XT *x = static_cast<const XT *>(p.x) + (int64_t)t * p.H;
@@ -334,20 +336,27 @@ template <typename XT> __device__ void quantise_x(const params &p, smem_t &s, in
     for (int o = 16; o > 0; o >>= 1)
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     if (lane == 0)
-        s.amax[warp][0] = m;
+        s.amax[warp] = m;
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < WARPS; i++)
-        m = fmaxf(m, s.amax[i][0]);
+        m = fmaxf(m, s.amax[i]);
     const float sc = dynamic_scale(m), rs = __frcp_rn(sc);
 #pragma unroll 4
     for (int c = threadIdx.x * 8; c < p.H; c += THREADS * 8) {
         const uint4 v = load_x8(x, c);
-        *reinterpret_cast<uint2 *>(p.xq + (int64_t)t * p.H + c) =
+        *reinterpret_cast<uint2 *>(dst + c) =
             make_uint2(e4m3x4(bf(v.x, 0), bf(v.x, 1), bf(v.y, 0), bf(v.y, 1), sc, rs),
                        e4m3x4(bf(v.z, 0), bf(v.z, 1), bf(v.w, 0), bf(v.w, 1), sc, rs));
     }
-    __syncthreads(); // every thread's stores (and reads of s.amax) before the one release
+    __syncthreads(); // every thread's stores (and reads of s.amax) before the caller's release
+    return sc;
+}
+
+// into global memory for every CTA: the codes, the scale, then one release of the count
+template <typename XT> __device__ void quantise_x(const params &p, smem_t &s, int t)
+{
+    const float sc = quantise_row<XT>(p, s, t, p.xq + (int64_t)t * p.H);
     if (threadIdx.x == 0) {
         p.xs[t] = sc;
         __threadfence();
@@ -355,55 +364,12 @@ template <typename XT> __device__ void quantise_x(const params &p, smem_t &s, in
     }
 }
 
-// local_x: every token's row of x quantised by this CTA into xq (its shared memory, [T][H]) with
-// the scales in s.xs: the same maxima, scales and codes as quantise_x
+// local_x: the one token's row into this CTA's shared memory xq, its scale in s.xs
 template <typename XT> __device__ void quantise_x_local(const params &p, smem_t &s, uint8_t *xq)
 {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-    float m[XS_TOKENS];
-#pragma unroll
-    for (int t = 0; t < XS_TOKENS; t++) {
-        m[t] = 0.0f;
-        if (t >= p.T)
-            continue;
-        const XT *x = static_cast<const XT *>(p.x) + (int64_t)t * p.H;
-#pragma unroll 4
-        for (int c = threadIdx.x * 8; c < p.H; c += THREADS * 8) {
-            const uint4 v = load_x8(x, c);
-            const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-                m[t] = fmaxf(m[t], fmaxf(fabsf(bf(w[i], 0)), fabsf(bf(w[i], 1))));
-        }
-    }
-#pragma unroll
-    for (int t = 0; t < XS_TOKENS; t++) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-            m[t] = fmaxf(m[t], __shfl_xor_sync(0xffffffffu, m[t], o));
-        if (lane == 0)
-            s.amax[warp][t] = m[t];
-    }
-    __syncthreads();
-    if (threadIdx.x < p.T) {
-        float mm = 0.0f;
-#pragma unroll
-        for (int i = 0; i < WARPS; i++)
-            mm = fmaxf(mm, s.amax[i][threadIdx.x]);
-        s.xs[threadIdx.x] = dynamic_scale(mm);
-    }
-    __syncthreads();
-    for (int t = 0; t < p.T; t++) {
-        const XT *x = static_cast<const XT *>(p.x) + (int64_t)t * p.H;
-        const float sc = s.xs[t], rs = __frcp_rn(sc);
-#pragma unroll 4
-        for (int c = threadIdx.x * 8; c < p.H; c += THREADS * 8) {
-            const uint4 v = load_x8(x, c);
-            *reinterpret_cast<uint2 *>(xq + (int64_t)t * p.H + c) =
-                make_uint2(e4m3x4(bf(v.x, 0), bf(v.x, 1), bf(v.y, 0), bf(v.y, 1), sc, rs),
-                           e4m3x4(bf(v.z, 0), bf(v.z, 1), bf(v.w, 0), bf(v.w, 1), sc, rs));
-        }
-    }
+    const float sc = quantise_row<XT>(p, s, 0, xq);
+    if (threadIdx.x == 0)
+        s.xs[0] = sc;
     __syncthreads();
 }
 
