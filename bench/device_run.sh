@@ -3,6 +3,7 @@
 # One call on the GPU machine (device tool, carry .device): build, then the MODEs in turn (each
 # alone fits a call's 10 minutes); logs under $OUT. Usage: bash bench/device_run.sh [MODE...]
 # (BUILD_TARGETS: build those targets only, e.g. "moe-bench test_gpu_expert_gemm")
+# (PREBUILT=1: no build; the binaries bench/device_pack.sh packed here into .device/prebuilt.txz)
 #   build            the build alone
 #   tests (default)  the GPU tests (one GPU, and mpirun -np <GPUs>; with one GPU the ranks
 #                    share it: MOE_TEST_SHARED_GPU=1, NCCL between them over loopback sockets,
@@ -48,6 +49,9 @@
 #                    the top warp stalls): fp8 per-tensor, fp8 block and bf16 at the DeepSeek-V3
 #                    shard M = 64 and Mixtral M = 8, fp8 at Mixtral M = 8192 ($PROF_CASES:
 #                    preset:M:bf16|tensor|block[:decode], decode: the fused decode kernel)
+#   trace            the fused decode kernel's timeline (bench/decode_trace): $TRACE_CASES split by
+#                    ';', each "model tokens dtype split1" (default Qwen3 bf16 and fp8 at 1 and 8
+#                    tokens, the DeepSeek-V3 shard fp8 and Mixtral bf16 at 1), 20 launches each
 #   stalls           Nsight Compute's source counters on one launch per case ($STALL_CASES, as
 #                    PROF_CASES; default the fused decode kernel at one token: Qwen3 fp8, Mixtral
 #                    fp8 and bf16), summed per SASS instruction, opcode and loop by
@@ -108,13 +112,20 @@ modes=${*:-tests}
 nvidia-smi -L
 ngpu=$(nvidia-smi -L | wc -l)
 np=$((ngpu >= 2 ? ngpu : 2))
-cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOE_TEST_GPU_NP="$np" \
-    >"$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
-start=$(date +%s)
-# shellcheck disable=SC2086 # $BUILD_TARGETS: target names
-cmake --build build-gpu -j"$(nproc)" --target ${BUILD_TARGETS:-all} >"$OUT/build.log" 2>&1 ||
-    { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
-echo "build: $(($(date +%s) - start)) s"
+if [ "${PREBUILT:-0}" = 1 ]; then
+    # binaries built on the development machine (bench/device_pack.sh), no build here
+    [ -s .device/prebuilt.txz ] || { echo "PREBUILT=1: no .device/prebuilt.txz"; exit 1; }
+    mkdir -p build-gpu && tar xJf .device/prebuilt.txz -C build-gpu
+    echo "prebuilt: $(tar tJf .device/prebuilt.txz | grep -v '/$' | tr '\n' ' ')"
+else
+    cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOE_TEST_GPU_NP="$np" \
+        >"$OUT/cmake.log" 2>&1 || { tail -30 "$OUT/cmake.log"; exit 1; }
+    start=$(date +%s)
+    # shellcheck disable=SC2086 # $BUILD_TARGETS: target names
+    cmake --build build-gpu -j"$(nproc)" --target ${BUILD_TARGETS:-all} >"$OUT/build.log" 2>&1 ||
+        { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
+    echo "build: $(($(date +%s) - start)) s"
+fi
 export MOE_REQUIRE_GPU=1 MOE_TIMEOUT_MS=20000
 [ "$ngpu" -ge 2 ] || export MOE_TEST_SHARED_GPU=1
 W="" # one GPU: NCCL between ranks that share it (bench/shared_gpu_rank.sh)
@@ -509,6 +520,17 @@ gemm-prof)
             cut -c1-150 | head -30
     done
     (cd "$OUT" && tar -czf prof.tgz prof-*.txt) && rm -f "$OUT"/prof-*.txt
+    ;;
+trace)
+    # the fused decode kernel's timeline: phases per item kind, 20 launches, caches flushed
+    T=build-gpu/bench/decode_trace
+    [ -x $T ] || { echo "trace: no $T (BUILD_TARGETS or device_pack.sh: decode_trace)"; continue; }
+    IFS=';' read -ra tcases <<<"${TRACE_CASES:-qwen3 1 bf16 1;qwen3 1 fp8 1;qwen3 8 bf16 1;qwen3 8 fp8 1;dsv3_ep8 1 fp8 1;mixtral 1 bf16 1}"
+    for c in "${tcases[@]}"; do
+        echo "== $c"
+        # shellcheck disable=SC2086 # $c: the program's arguments
+        timeout 60 $T $c 20 | tail -n +2 | tee -a "$OUT/trace.txt"
+    done
     ;;
 stalls)
     # where the warps wait, per SASS instruction, opcode and loop (bench/ncu_stalls.py): ncu's
