@@ -831,7 +831,7 @@ int resident_ctas(int dyn)
                  cudaSuccess) ||
             cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per0, k, THREADS, 0) != cudaSuccess)
             return 0;
-        return sms * per0; // local_x: the SMs (per0 only checked)
+        return sms * per0; // (local_x kernels: recounted below with their dynamic bytes)
     });
     if (!local_x<F8, NG>() || n <= 0)
         return n;
