@@ -2,7 +2,8 @@
 // The fused small-batch decode step (kernels/decode.h): one persistent launch runs the fp8
 // activation quantisation, GEMM 1 + activation, GEMM 2 and the weighted sum per token.
 //
-// fp8: CTA b first quantises x's token rows b, b + CTAs, ... (waiting on nothing). Then work
+// fp8: CTA b first quantises x's token rows b, b + CTAs, ... (waiting on nothing; at one token
+// every CTA quantises the row into its own shared memory, XS_TOKENS). Then work
 // items, one warp each, in one order that every warp walks with a stride of the warp count
 // (item i on warp i mod W): [GEMM 1: (expert, 8 output columns of h, k split)] [GEMM 2: (expert,
 // 16 rows of hidden, k split)]. An item waits only on the quantised x (fp8 GEMM 1) and on items
