@@ -7,7 +7,6 @@
  * min / median / max of its start, of its wait's end and of its end, then the loop's exit.
  * Usage: decode_trace [qwen3 | mixtral | dsv3_ep8] [tokens] [bf16 | fp8] [GEMM 1 k split]
  *        [launches] */
-#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>

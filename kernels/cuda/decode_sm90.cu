@@ -814,8 +814,8 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
 }
 
 // CTAs that fit on the device at once (every one must be resident: items wait on others) with
-// dyn bytes of dynamic shared memory: cached for the kernels without (dyn = 0); the local_x
-// kernels' limit is raised to XS_MAX once and their count taken at each launch
+// dyn bytes of dynamic shared memory: cached for dyn = 0; the local_x kernels' limit is raised
+// to XS_MAX once, and a launch with dynamic bytes (one fp8 token) takes its count afresh
 template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR>
 int resident_ctas(int dyn)
 {
@@ -832,9 +832,9 @@ int resident_ctas(int dyn)
                  cudaSuccess) ||
             cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per0, k, THREADS, 0) != cudaSuccess)
             return 0;
-        return sms * per0; // (local_x kernels: recounted below with their dynamic bytes)
+        return sms * per0;
     });
-    if (!local_x<F8, NG>() || n <= 0)
+    if (dyn == 0 || n <= 0)
         return n;
     int sms = 0;
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
@@ -859,26 +859,24 @@ moe_status_t launch_k1(const params &p, int max_ctas, cudaStream_t stream)
     return MOE_STATUS_SUCCESS;
 }
 
-template <bool F8, int NG, int U, typename XT, typename YT>
+template <bool F8, int NG, int U, typename XT, typename YT, bool TR = false>
 moe_status_t launch(const params &p, int max_ctas, cudaStream_t stream)
 {
-    return p.split1 > 1 ? launch_k1<F8, NG, U, XT, YT, true>(p, max_ctas, stream)
-                        : launch_k1<F8, NG, U, XT, YT, false>(p, max_ctas, stream);
+    return p.split1 > 1 ? launch_k1<F8, NG, U, XT, YT, true, TR>(p, max_ctas, stream)
+                        : launch_k1<F8, NG, U, XT, YT, false, TR>(p, max_ctas, stream);
 }
 
 // the timeline's kernels: bf16 x and y, up to 8 tokens (a benchmark's; the others not compiled)
 template <bool F8, typename XT, typename YT> struct traced {
-    static moe_status_t launch(const params &, int, cudaStream_t)
+    static moe_status_t run(const params &, int, cudaStream_t)
     {
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "decode: a trace needs bf16 x and y");
     }
 };
 template <bool F8> struct traced<F8, __nv_bfloat16, __nv_bfloat16> {
-    static moe_status_t launch(const params &p, int max_ctas, cudaStream_t stream)
+    static moe_status_t run(const params &p, int max_ctas, cudaStream_t stream)
     {
-        using B = __nv_bfloat16;
-        return p.split1 > 1 ? launch_k1<F8, 1, U_WIDE, B, B, true, true>(p, max_ctas, stream)
-                            : launch_k1<F8, 1, U_WIDE, B, B, false, true>(p, max_ctas, stream);
+        return launch<F8, 1, U_WIDE, __nv_bfloat16, __nv_bfloat16, true>(p, max_ctas, stream);
     }
 };
 
@@ -886,7 +884,7 @@ template <bool F8, typename XT, typename YT>
 moe_status_t launch_ng(const params &p, int max_ctas, cudaStream_t stream)
 {
     if (p.trace)
-        return p.T <= 8 ? traced<F8, XT, YT>::launch(p, max_ctas, stream)
+        return p.T <= 8 ? traced<F8, XT, YT>::run(p, max_ctas, stream)
                         : moe_error(MOE_STATUS_NOT_SUPPORTED,
                                     "decode: a trace needs at most 8 tokens, not %d", p.T);
     if (p.T <= 8)
