@@ -52,6 +52,8 @@
 #   trace            the fused decode kernel's timeline (bench/decode_trace): $TRACE_CASES split by
 #                    ';', each "model tokens dtype split1" (default Qwen3 bf16 and fp8 at 1 and 8
 #                    tokens, the DeepSeek-V3 shard fp8 and Mixtral bf16 at 1), 20 launches each
+#   stream           what HBM reads reach (bench/stream_bench): the fused decode kernel's weight
+#                    pattern by shape against the best case (contiguous loads, bulk copies)
 #   stalls           Nsight Compute's source counters on one launch per case ($STALL_CASES, as
 #                    PROF_CASES; default the fused decode kernel at one token: Qwen3 fp8, Mixtral
 #                    fp8 and bf16), summed per SASS instruction, opcode and loop by
@@ -531,6 +533,12 @@ trace)
         # shellcheck disable=SC2086 # $c: the program's arguments
         timeout 60 $T $c 20 | tail -n +2 | tee -a "$OUT/trace.txt"
     done
+    ;;
+stream)
+    # HBM read rates: the decode kernel's weight pattern against contiguous loads and bulk copies
+    S=build-gpu/bench/stream_bench
+    [ -x $S ] || { echo "stream: no $S (BUILD_TARGETS or device_pack.sh: stream_bench)"; continue; }
+    timeout 120 $S 9 | tee "$OUT/stream.txt"
     ;;
 stalls)
     # where the warps wait, per SASS instruction, opcode and loop (bench/ncu_stalls.py): ncu's
