@@ -18,7 +18,9 @@
 // memory), the tokens of the expert are the 8 mma columns. The k order inside a 16-byte load
 // is permuted the same way for weights and tokens, so the sum is a dot product in another
 // order: bf16 m16n8k16 takes 2 x 8 values of each row per 16-byte load (32 k), e4m3 m16n8k32
-// 2 x 16 (64 k).
+// 2 x 16 (64 k). At one fp8 token GEMM 1 takes x as f16 from shared memory (the codes' values,
+// exact) and unpacks only the weights, in the four f16 m16n8k16 that ptxas makes of the two e4m3
+// ones (mma2 of raw_t): the same sums, bitwise.
 #include "kernels/decode.h"
 
 #include <cuda_bf16.h>
@@ -40,12 +42,14 @@ constexpr int U_WIDE = 4;
 constexpr int TILE1 = 8;  // GEMM 1: output columns of h per item (8 gate + 8 up rows)
 constexpr int TILE2 = 16; // GEMM 2: output columns of y per item
 constexpr int MAX_ROWS = MOE_DECODE_MAX_TOKENS * 16; // slots: tokens x top_k (top_k <= 16)
-// fp8 steps of one token (XS_TOKENS) whose x fits XS_MAX bytes: every CTA quantises x into its
-// own shared memory, so GEMM 1 waits on no other CTA (the global copy's signal and polls took
-// ~3.5 us past the quantisation, bench/decode_trace) and reads its operand from shared memory.
-// One token: 0.95 / 0.99 / 0.96 of the global copy's step (Qwen3-30B-A3B / the DeepSeek-V3 shard
-// / Mixtral, fp8, 2026-12-04); at 2 .. 8 tokens a round trip per token and pass made it 0.98 ..
-// 1.04, so those keep the global copy (docs/KERNELS.md, "Fused decode")
+// fp8 steps of one token (XS_TOKENS) whose x fits XS_MAX bytes as f16: every CTA quantises x
+// into its own shared memory, so GEMM 1 waits on no other CTA (the global copy's signal and polls
+// took ~3.5 us past the quantisation, bench/decode_trace) and reads its operand from shared
+// memory. One token: 0.95 / 0.99 / 0.96 of the global copy's step (Qwen3-30B-A3B / the
+// DeepSeek-V3 shard / Mixtral, fp8, 2026-12-04), and with x stored as f16 (no unpacking of x's
+// codes for every weight load) 0.93 / 0.98 / 0.96-0.98 of that; at 2 .. 8 tokens a round trip
+// per token and pass made it 0.98 .. 1.04, so those keep the global copy (docs/KERNELS.md,
+// "Fused decode")
 constexpr int XS_TOKENS = 1, XS_MAX = 96 * 1024;
 template <bool F8, int NG> constexpr bool local_x()
 {
@@ -108,7 +112,7 @@ struct params {
 // this launch quantises x in every CTA's shared memory (a local_x kernel, XS_TOKENS, XS_MAX)
 template <bool F8, int NG> __host__ __device__ __forceinline__ bool uses_local_x(const params &p)
 {
-    return local_x<F8, NG>() && p.T <= XS_TOKENS && p.T * p.H <= XS_MAX;
+    return local_x<F8, NG>() && p.T <= XS_TOKENS && 2 * p.T * p.H <= XS_MAX;
 }
 
 // TR (args.trace, a benchmark's timeline): lane 0 of each warp stamps the global timer into its
@@ -216,6 +220,60 @@ template <bool F8> __device__ __forceinline__ void mma2(float *c, uint4 ra, uint
     mma<F8>(c, ra.z, rb.z, ra.w, rb.w, b.z, b.w);
 }
 
+// two e4m3 codes (the low 16 bits of v) as an f16 pair: exact
+__device__ __forceinline__ uint32_t f16x2_of_e4m3x2(uint32_t v)
+{
+    uint32_t r;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"((unsigned short)(v & 0xffffu)));
+    return r;
+}
+
+__device__ __forceinline__ void mma_f16(float *c, uint32_t a0, uint32_t a1, uint32_t a2,
+                                        uint32_t a3, uint32_t b0, uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// A token operand as loaded, before its conversion: 16 bytes, or 32 (TWO) where fp8 GEMM 2
+// quantises 16 values of h after the load, or fp8 GEMM 1 holds 16 codes of x as f16
+struct raw_t {
+    uint4 a, b;
+};
+
+// fp8 GEMM 1 at one token: rows g and g + 8 (16 e4m3 weights each, ra / rb) times 16 values of x
+// already f16 (b): four f16 m16n8k16 mmas with the weights unpacked here. The same instructions
+// on the same registers in the same order as ptxas's two for each e4m3 m16n8k32 (cuobjdump, CUDA
+// 13.0: the low code pair of each fragment register, then the high one), so the sums are bitwise
+// those of mma2<true> (test_gpu_decode's batch invariance: one token against 7 and 64), without
+// unpacking x's codes for every weight load
+__device__ __forceinline__ void mma2(float *c, uint4 ra, uint4 rb, const raw_t &b)
+{
+    const uint32_t x[8] = {b.a.x, b.a.y, b.a.z, b.a.w, b.b.x, b.b.y, b.b.z, b.b.w};
+    auto two = [&](uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, int o) {
+        mma_f16(c, f16x2_of_e4m3x2(a0), f16x2_of_e4m3x2(a1), f16x2_of_e4m3x2(a2),
+                f16x2_of_e4m3x2(a3), x[o], x[o + 2]);
+        mma_f16(c, f16x2_of_e4m3x2(a0 >> 16), f16x2_of_e4m3x2(a1 >> 16), f16x2_of_e4m3x2(a2 >> 16),
+                f16x2_of_e4m3x2(a3 >> 16), x[o + 1], x[o + 3]);
+    };
+    two(ra.x, rb.x, ra.y, rb.y, 0);
+    two(ra.z, rb.z, ra.w, rb.w, 4);
+}
+
+// one weight load pair's mmas with its token operand: 16 bytes of codes (bf16, or e4m3 for
+// GEMM 2), or 16 values of x as f16 (fp8 GEMM 1)
+template <bool F8> __device__ __forceinline__ void mma_op(float *c, uint4 ra, uint4 rb, uint4 b)
+{
+    mma2<F8>(c, ra, rb, b);
+}
+template <bool F8>
+__device__ __forceinline__ void mma_op(float *c, uint4 ra, uint4 rb, const raw_t &b)
+{
+    mma2(c, ra, rb, b);
+}
+
 __device__ __forceinline__ float dynamic_scale(float amax)
 {
     return __fdiv_rn(amax > MOE_FP8_ACT_AMAX_MIN ? amax : MOE_FP8_ACT_AMAX_MIN, MOE_FP8_E4M3_MAX);
@@ -319,7 +377,7 @@ __device__ void build_table(const params &p, smem_t &s)
 // warp a row took 4.4 us at hidden 2048 and 9.6 at 7168, bench/decode_trace, 2026-12-04): each
 // thread 8 values of every 2048 of the row, the maximum through shared memory, then the
 // conversion from the same (L1) lines. Returns the scale; every thread's stores are done.
-template <typename XT>
+template <typename XT, bool HALF = false>
 __device__ float quantise_row(const params &p, smem_t &s, int t, uint8_t *dst)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
@@ -346,9 +404,14 @@ __device__ float quantise_row(const params &p, smem_t &s, int t, uint8_t *dst)
 #pragma unroll 4
     for (int c = threadIdx.x * 8; c < p.H; c += THREADS * 8) {
         const uint4 v = load_x8(x, c);
-        *reinterpret_cast<uint2 *>(dst + c) =
-            make_uint2(e4m3x4(bf(v.x, 0), bf(v.x, 1), bf(v.y, 0), bf(v.y, 1), sc, rs),
-                       e4m3x4(bf(v.z, 0), bf(v.z, 1), bf(v.w, 0), bf(v.w, 1), sc, rs));
+        const uint32_t lo = e4m3x4(bf(v.x, 0), bf(v.x, 1), bf(v.y, 0), bf(v.y, 1), sc, rs),
+                       hi = e4m3x4(bf(v.z, 0), bf(v.z, 1), bf(v.w, 0), bf(v.w, 1), sc, rs);
+        if (HALF) // the codes' values as f16, 2 bytes each
+            *reinterpret_cast<uint4 *>(dst + 2 * c) =
+                make_uint4(f16x2_of_e4m3x2(lo), f16x2_of_e4m3x2(lo >> 16), f16x2_of_e4m3x2(hi),
+                           f16x2_of_e4m3x2(hi >> 16));
+        else
+            *reinterpret_cast<uint2 *>(dst + c) = make_uint2(lo, hi);
     }
     __syncthreads(); // every thread's stores (and reads of s.amax) before the caller's release
     return sc;
@@ -365,20 +428,15 @@ template <typename XT> __device__ void quantise_x(const params &p, smem_t &s, in
     }
 }
 
-// local_x: the one token's row into this CTA's shared memory xq, its scale in s.xs
+// local_x: the one token's row into this CTA's shared memory xq (the codes' values as f16, as
+// GEMM 1's mmas take them), its scale in s.xs
 template <typename XT> __device__ void quantise_x_local(const params &p, smem_t &s, uint8_t *xq)
 {
-    const float sc = quantise_row<XT>(p, s, 0, xq);
+    const float sc = quantise_row<XT, true>(p, s, 0, xq);
     if (threadIdx.x == 0)
         s.xs[0] = sc;
     __syncthreads();
 }
-
-// A token operand as loaded, before its conversion: 16 bytes, or 32 (TWO) where fp8 GEMM 2
-// quantises 16 values of h after the load
-struct raw_t {
-    uint4 a, b;
-};
 
 // Token operands (k step, column group) of a batch loaded before any of their mmas: with one
 // column group, 4 16-byte registers a lane (TWO: 32 bytes an operand, 2 of them); with more, one
@@ -440,7 +498,7 @@ __device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra,
             for (int j = 0; j < FP; j++) {
                 const int i = (p0 + j) / NG, g = (p0 + j) % NG;
                 if (p0 + j < NP && g * 8 < ncols)
-                    mma2<F8>(acc[g], ca[i], cb[i], make(g, r[j]));
+                    mma_op<F8>(acc[g], ca[i], cb[i], make(g, r[j]));
             }
         }
 #pragma unroll
@@ -451,11 +509,11 @@ __device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra,
 
 // GEMM 1 item: expert e, h columns c0 .. c0 + 7 for the expert's n tokens, k piece q of
 // p.split1 (K1: split1 > 1; pieces of a multiple of 4 x 16 bytes of k)
-template <bool F8, int NG, int U, typename XT, bool K1, bool TR>
+template <bool F8, int NG, int U, typename XT, bool K1, bool TR, bool XLT>
 __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, int64_t *tw,
                       const uint8_t *xql)
 {
-    const bool XL = local_x<F8, NG>() && xql; // the quantised x in this CTA's xql
+    constexpr bool XL = local_x<F8, NG>() && XLT; // the quantised x in this CTA's xql
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n = s.cnt[e], *list = s.slots + s.off[e];
     constexpr int ES = F8 ? 1 : 2;
@@ -468,15 +526,26 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
     const XT *x = static_cast<const XT *>(p.x);
     // x is the layer's input (plain loads: packed to bf16 as they arrive); xq was written in this
     // launch (L2)
+    // XL: 16 codes' values as f16 from this CTA's copy; else 16 bytes of codes or bf16 x
     auto fetch = [&](int i, int k) -> raw_t {
         raw_t r = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
-        if (tok[i] >= 0 && k < p.H)
-            r.a = XL   ? *reinterpret_cast<const uint4 *>(xql + tok[i] * p.H + k)
-                  : F8 ? ld_cg(p.xq + (int64_t)tok[i] * p.H + k)
-                       : load_x8(x + (int64_t)tok[i] * p.H, k);
+        if (tok[i] >= 0 && k < p.H) {
+            if (XL) {
+                const uint4 *v = reinterpret_cast<const uint4 *>(xql + 2 * (tok[i] * p.H + k));
+                r.a = v[0], r.b = v[1];
+            } else {
+                r.a = F8 ? ld_cg(p.xq + (int64_t)tok[i] * p.H + k)
+                         : load_x8(x + (int64_t)tok[i] * p.H, k);
+            }
+        }
         return r;
     };
-    auto make = [&](int, const raw_t &r) -> uint4 { return r.a; };
+    auto make = [&](int, const raw_t &r) {
+        if constexpr (XL)
+            return r;
+        else
+            return r.a;
+    };
     auto wait = [&]() {
         if (F8 && !XL)
             warp_wait(p, p.sync + SYNC_XQ, p.T);
@@ -489,7 +558,8 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
     const int k0 = !K1 ? 0 : q * per < p.H ? q * per : p.H;
     const int k1 = !K1 ? p.H : k0 + per < p.H ? k0 + per : p.H;
     float acc[NG][4];
-    dot_rows<F8, NG, U, false>(acc, ra, rb, k0, k1, n, fetch, make, wait);
+    // XL: 32 bytes of f16 x an operand, two a batch (as GEMM 2's fp8 h); else four of 16 bytes
+    dot_rows<F8, NG, U, XL>(acc, ra, rb, k0, k1, n, fetch, make, wait);
     // c0, c1: gate of column c0 + g for tokens 2t, 2t + 1 of the group; c2, c3: up
     const int col = c0 + g;
     if (K1) {
@@ -712,8 +782,10 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
 }
 
 // K1: GEMM 1 split along k (p.split1 > 1), a kernel of its own so that the others keep their
-// registers; TR: with the timeline (p.trace), a kernel of its own too
-template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR>
+// registers; TR: with the timeline (p.trace), a kernel of its own too; XS: x quantised into every
+// CTA's shared memory (uses_local_x: one fp8 token), a kernel of its own, so that the kernel for
+// 2 .. 8 tokens keeps its registers
+template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR, bool XS>
 __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
 {
     __shared__ smem_t s;
@@ -749,8 +821,8 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
     // fp8: every CTA quantises the one token's x into its shared memory (uses_local_x), or CTA b
     // tokens b, b + CTAs, ... into global memory (either waits on nothing)
     extern __shared__ __align__(16) uint8_t xql[];
-    const bool xl = uses_local_x<F8, NG>(p);
-    if (xl) {
+    static_assert(!XS || local_x<F8, NG>(), "x in shared memory: fp8, one column group");
+    if (XS) {
         int64_t *ev = event(MOE_DECODE_TRACE_XQ, 0);
         quantise_x_local<XT>(p, s, xql);
         if (TR && ev)
@@ -767,8 +839,8 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
         if (item < n1) {
             const int i = item; // (expert, column tile, k piece), the pieces adjacent
             int64_t *ev = event(MOE_DECODE_TRACE_GEMM1, i);
-            gemm1<F8, NG, U, XT, K1, TR>(p, s, s.uniq[i / (t1 * s1)], i / s1 % t1 * TILE1, i % s1,
-                                         ev ? ev + 2 : nullptr, xl ? xql : nullptr);
+            const int e = s.uniq[i / (t1 * s1)], c0 = i / s1 % t1 * TILE1;
+            gemm1<F8, NG, U, XT, K1, TR, XS>(p, s, e, c0, i % s1, ev ? ev + 2 : nullptr, xql);
             if (TR && ev)
                 stamp(ev + 3);
         } else {
@@ -816,7 +888,7 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
 // CTAs that fit on the device at once (every one must be resident: items wait on others) with
 // dyn bytes of dynamic shared memory: cached for dyn = 0; the local_x kernels' limit is raised
 // to XS_MAX once, and a launch with dynamic bytes (one fp8 token) takes its count afresh
-template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR>
+template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR, bool XS>
 int resident_ctas(int dyn)
 {
     static int cached[MOE_MAX_DEVICES];
@@ -824,12 +896,11 @@ int resident_ctas(int dyn)
     if (cudaGetDevice(&dev) != cudaSuccess)
         return 0;
     const int n = moe_device_cached(cached, dev, [](int d) {
-        const auto k = decode_kernel<F8, NG, U, XT, YT, K1, TR>;
+        const auto k = decode_kernel<F8, NG, U, XT, YT, K1, TR, XS>;
         int sms = 0, per0 = 0;
         if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d) != cudaSuccess ||
-            (local_x<F8, NG>() &&
-             cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, XS_MAX) !=
-                 cudaSuccess) ||
+            (XS && cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, XS_MAX) !=
+                       cudaSuccess) ||
             cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per0, k, THREADS, 0) != cudaSuccess)
             return 0;
         return sms * per0;
@@ -839,24 +910,33 @@ int resident_ctas(int dyn)
     int sms = 0;
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &per, decode_kernel<F8, NG, U, XT, YT, K1, TR>, THREADS, dyn) != cudaSuccess)
+            &per, decode_kernel<F8, NG, U, XT, YT, K1, TR, XS>, THREADS, dyn) != cudaSuccess)
         return 0;
     return sms * per;
+}
+
+template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR, bool XS>
+moe_status_t launch_xs(const params &p, int max_ctas, cudaStream_t stream)
+{
+    const int dyn = XS ? (2 * p.T * p.H + 15) / 16 * 16 : 0;
+    int ctas = resident_ctas<F8, NG, U, XT, YT, K1, TR, XS>(dyn);
+    if (ctas <= 0)
+        return moe_error(MOE_STATUS_CUDA_ERROR, "decode: no CTA fits on the device");
+    if (max_ctas > 0 && max_ctas < ctas)
+        ctas = max_ctas;
+    MOE_CUDA_CHECK(moe_launch(decode_kernel<F8, NG, U, XT, YT, K1, TR, XS>, dim3(ctas),
+                              dim3(THREADS), dyn, stream, p));
+    MOE_CUDA_CHECK_LAUNCH("decode_kernel");
+    return MOE_STATUS_SUCCESS;
 }
 
 template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR = false>
 moe_status_t launch_k1(const params &p, int max_ctas, cudaStream_t stream)
 {
-    const int dyn = uses_local_x<F8, NG>(p) ? (p.T * p.H + 15) / 16 * 16 : 0;
-    int ctas = resident_ctas<F8, NG, U, XT, YT, K1, TR>(dyn);
-    if (ctas <= 0)
-        return moe_error(MOE_STATUS_CUDA_ERROR, "decode: no CTA fits on the device");
-    if (max_ctas > 0 && max_ctas < ctas)
-        ctas = max_ctas;
-    MOE_CUDA_CHECK(moe_launch(decode_kernel<F8, NG, U, XT, YT, K1, TR>, dim3(ctas), dim3(THREADS),
-                              dyn, stream, p));
-    MOE_CUDA_CHECK_LAUNCH("decode_kernel");
-    return MOE_STATUS_SUCCESS;
+    if constexpr (local_x<F8, NG>())
+        if (uses_local_x<F8, NG>(p))
+            return launch_xs<F8, NG, U, XT, YT, K1, TR, true>(p, max_ctas, stream);
+    return launch_xs<F8, NG, U, XT, YT, K1, TR, false>(p, max_ctas, stream);
 }
 
 template <bool F8, int NG, int U, typename XT, typename YT, bool TR = false>
@@ -905,11 +985,12 @@ moe_status_t launch_y(const params &p, moe_dtype_t yt, int max_ctas, cudaStream_
 
 template <bool F8> moe_status_t prepare_f8()
 {
-#define MOE_DECODE_PREP(NG, U, K1)                                                                 \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, float, float, K1, false>));                         \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, float, __nv_bfloat16, K1, false>));                 \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, __nv_bfloat16, float, K1, false>));                 \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, __nv_bfloat16, __nv_bfloat16, K1, false>));
+#define MOE_DECODE_PREP_XS(NG, U, K1, XS)                                                          \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, float, float, K1, false, XS>));                     \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, float, __nv_bfloat16, K1, false, XS>));             \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, __nv_bfloat16, float, K1, false, XS>));             \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, __nv_bfloat16, __nv_bfloat16, K1, false, XS>));
+#define MOE_DECODE_PREP(NG, U, K1) MOE_DECODE_PREP_XS(NG, U, K1, false)
 #define MOE_DECODE_PREP_NG(K1)                                                                     \
     MOE_DECODE_PREP(1, U_WIDE, K1)                                                                 \
     MOE_DECODE_PREP(2, U_WIDE, K1)                                                                 \
@@ -917,8 +998,13 @@ template <bool F8> moe_status_t prepare_f8()
     MOE_DECODE_PREP(8, U_WIDE, K1)
     MOE_DECODE_PREP_NG(false)
     MOE_DECODE_PREP_NG(true)
+    if constexpr (local_x<F8, 1>()) {
+        MOE_DECODE_PREP_XS(1, U_WIDE, false, true)
+        MOE_DECODE_PREP_XS(1, U_WIDE, true, true)
+    }
 #undef MOE_DECODE_PREP_NG
 #undef MOE_DECODE_PREP
+#undef MOE_DECODE_PREP_XS
     return MOE_STATUS_SUCCESS;
 }
 
