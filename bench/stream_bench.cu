@@ -133,7 +133,7 @@ __device__ __forceinline__ void bar_wait(uint32_t bar, uint32_t parity)
                  : "memory");
 }
 
-// the same bytes as bulk copies (the copy engine: cp.async.bulk, global to shared memory) of CH
+// the same bytes as bulk copies (TMA: cp.async.bulk, global to shared memory) of CH
 // bytes, chunks grid-stride, S stages a CTA in flight, issued by one thread; nothing reads them
 template <int S, int CH>
 __global__ void __launch_bounds__(32)
