@@ -13,15 +13,7 @@
 #include "kernels/expert_gemm_table.h"
 #include "runtime/oracle.h"
 #include "base/diag.h"
-
-#define CUDA_OK(x)                                                                                 \
-    do {                                                                                           \
-        cudaError_t e_ = (x);                                                                      \
-        if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));    \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
+#include "bench/cuda_ok.h"
 
 #define HBM_BPS 4.8e12
 #define PEAK_FLOPS 989e12

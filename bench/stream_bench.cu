@@ -16,51 +16,30 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#define CK(x)                                                                                      \
-    do {                                                                                           \
-        cudaError_t e_ = (x);                                                                      \
-        if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));    \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
+#include "kernels/cuda/sticky.cuh"
+#include "kernels/cuda/stream_load.cuh"
+#include "bench/cuda_ok.h"
 
 namespace
 {
-
-__device__ __forceinline__ unsigned long long now_ns()
-{
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-    return t;
-}
 
 // span[0]: the first CTA's start, span[1]: the last CTA's end (global timer, ns)
 __device__ __forceinline__ void span_start(unsigned long long *span)
 {
     if (threadIdx.x == 0)
-        atomicMin(span, now_ns());
+        atomicMin(span, (unsigned long long)moe_global_ns());
 }
 __device__ __forceinline__ void span_end(unsigned long long *span)
 {
     __syncthreads();
     if (threadIdx.x == 0)
-        atomicMax(span + 1, now_ns());
+        atomicMax(span + 1, (unsigned long long)moe_global_ns());
 }
 
 struct shape {
     const char *name;
     int experts, inter, row_bytes, item_bytes; // rows: experts x 2 x inter
 };
-
-__device__ __forceinline__ uint4 ld_stream(const uint8_t *p)
-{
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
 
 // RPI: rows one load instruction covers (512 / RPI bytes of each); KF: k first (each row end to
 // end in turn) instead of rows first; U: 16-byte loads a lane per batch
@@ -87,11 +66,12 @@ __global__ void __launch_bounds__(256)
         uint4 cur[U], nxt[U];
 #pragma unroll
         for (int u = 0; u < U; u++)
-            cur[u] = u < chunks ? ld_stream(addr(u)) : make_uint4(0, 0, 0, 0);
+            cur[u] = u < chunks ? moe_ld_stream(addr(u)) : make_uint4(0, 0, 0, 0);
         for (int q = 0; q < chunks; q += U) {
 #pragma unroll
             for (int u = 0; u < U; u++)
-                nxt[u] = q + U + u < chunks ? ld_stream(addr(q + U + u)) : make_uint4(0, 0, 0, 0);
+                nxt[u] =
+                    q + U + u < chunks ? moe_ld_stream(addr(q + U + u)) : make_uint4(0, 0, 0, 0);
 #pragma unroll
             for (int u = 0; u < U; u++)
                 acc ^= cur[u].x ^ cur[u].y ^ cur[u].z ^ cur[u].w, cur[u] = nxt[u];
@@ -114,7 +94,8 @@ __global__ void __launch_bounds__(256)
         uint4 v[U];
 #pragma unroll
         for (int u = 0; u < U; u++)
-            v[u] = o + u * stride < bytes ? ld_stream(w + o + u * stride) : make_uint4(0, 0, 0, 0);
+            v[u] =
+                o + u * stride < bytes ? moe_ld_stream(w + o + u * stride) : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int u = 0; u < U; u++)
             acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
@@ -178,21 +159,21 @@ template <typename L>
 rate timed(double bytes, int launches, void *flush, unsigned long long *span, L launch)
 {
     cudaEvent_t b, e;
-    CK(cudaEventCreate(&b));
-    CK(cudaEventCreate(&e));
+    CUDA_OK(cudaEventCreate(&b));
+    CUDA_OK(cudaEventCreate(&e));
     float t[64], k[64];
     for (int l = 0; l < launches; l++) {
         const unsigned long long init[2] = {~0ull, 0ull};
         unsigned long long got[2];
-        CK(cudaMemcpy(span, init, sizeof(init), cudaMemcpyHostToDevice));
-        CK(cudaMemset(flush, l, (size_t)512 << 20));
-        CK(cudaEventRecord(b));
+        CUDA_OK(cudaMemcpy(span, init, sizeof(init), cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemset(flush, l, (size_t)512 << 20));
+        CUDA_OK(cudaEventRecord(b));
         launch();
-        CK(cudaGetLastError());
-        CK(cudaEventRecord(e));
-        CK(cudaEventSynchronize(e));
-        CK(cudaEventElapsedTime(&t[l], b, e));
-        CK(cudaMemcpy(got, span, sizeof(got), cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaGetLastError());
+        CUDA_OK(cudaEventRecord(e));
+        CUDA_OK(cudaEventSynchronize(e));
+        CUDA_OK(cudaEventElapsedTime(&t[l], b, e));
+        CUDA_OK(cudaMemcpy(got, span, sizeof(got), cudaMemcpyDeviceToHost));
         k[l] = (float)(got[1] - got[0]) * 1e-6f;
     }
     for (int i = 0; i < launches; i++) // medians
@@ -206,8 +187,8 @@ rate timed(double bytes, int launches, void *flush, unsigned long long *span, L 
                 k[i] = k[j], k[j] = x;
             }
         }
-    CK(cudaEventDestroy(b));
-    CK(cudaEventDestroy(e));
+    CUDA_OK(cudaEventDestroy(b));
+    CUDA_OK(cudaEventDestroy(e));
     return {(float)(bytes / (t[launches / 2] * 1e-3) / 1e12),
             (float)(bytes / (k[launches / 2] * 1e-3) / 1e12)};
 }
@@ -215,8 +196,8 @@ rate timed(double bytes, int launches, void *flush, unsigned long long *span, L 
 int sm_count()
 {
     int sms = 0, dev = 0;
-    CK(cudaGetDevice(&dev));
-    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    CUDA_OK(cudaGetDevice(&dev));
+    CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     return sms;
 }
 
@@ -252,11 +233,11 @@ int main(int argc, char **argv)
     void *flush = nullptr;
     unsigned *sink = nullptr;
     unsigned long long *span = nullptr;
-    CK(cudaMalloc(&w, (size_t)480 << 20));
-    CK(cudaMemset(w, 1, (size_t)480 << 20));
-    CK(cudaMalloc(&flush, (size_t)512 << 20));
-    CK(cudaMalloc(&sink, sizeof(unsigned)));
-    CK(cudaMalloc(&span, 2 * sizeof(unsigned long long)));
+    CUDA_OK(cudaMalloc(&w, (size_t)480 << 20));
+    CUDA_OK(cudaMemset(w, 1, (size_t)480 << 20));
+    CUDA_OK(cudaMalloc(&flush, (size_t)512 << 20));
+    CUDA_OK(cudaMalloc(&sink, sizeof(unsigned)));
+    CUDA_OK(cudaMalloc(&span, 2 * sizeof(unsigned long long)));
     printf("TB/s, median of %d launches, caches flushed, 2 CTAs of 8 warps an SM unless said; "
            "each cell: over the CTAs' span (global timer) / over the events (launch "
            "included)\n\n",
@@ -284,7 +265,8 @@ int main(int argc, char **argv)
            "| bulk |\n| ---: | ---: | ---: | ---: | ---: |\n");
     const int grid = sm_count() * 2;
     constexpr int BS = 6, BCH = 32 * 1024;
-    CK(cudaFuncSetAttribute(bulk<BS, BCH>, cudaFuncAttributeMaxDynamicSharedMemorySize, BS * BCH));
+    CUDA_OK(
+        cudaFuncSetAttribute(bulk<BS, BCH>, cudaFuncAttributeMaxDynamicSharedMemorySize, BS * BCH));
     for (int mb : {12, 25, 50, 100, 200, 470}) {
         const int64_t bytes = (int64_t)mb << 20;
         const rate a = timed((double)bytes, launches, flush, span,
@@ -298,9 +280,9 @@ int main(int argc, char **argv)
         printf("| %d | %.2f / %.2f | %.2f / %.2f | %.2f / %.2f | %.2f / %.2f |\n", mb, a.kernel,
                a.event, b.kernel, b.event, c.kernel, c.event, d.kernel, d.event);
     }
-    CK(cudaFree(span));
-    CK(cudaFree(w));
-    CK(cudaFree(flush));
-    CK(cudaFree(sink));
+    CUDA_OK(cudaFree(span));
+    CUDA_OK(cudaFree(w));
+    CUDA_OK(cudaFree(flush));
+    CUDA_OK(cudaFree(sink));
     return 0;
 }

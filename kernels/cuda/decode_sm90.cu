@@ -29,6 +29,7 @@
 #include "kernels/cuda/device_cache.cuh"
 #include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/sticky.cuh"
+#include "kernels/cuda/stream_load.cuh"
 #include "base/numeric.h"
 #include "kernels/prepare.h"
 
@@ -121,15 +122,6 @@ __device__ __forceinline__ void stamp(int64_t *at)
 {
     if (at && (threadIdx.x & 31) == 0)
         *at = moe_global_ns();
-}
-
-__device__ __forceinline__ uint4 ld_stream(const uint8_t *p)
-{
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
 }
 
 // data written earlier in this launch by other SMs: L2, not a stale L1 line
@@ -473,8 +465,8 @@ __device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra,
         for (int i = 0; i < U; i++) {
             const int k = kb + i * CK + t * EPT;
             if (k < k1) {
-                a[i] = ld_stream(ra + (int64_t)k * ES);
-                b[i] = ld_stream(rb + (int64_t)k * ES);
+                a[i] = moe_ld_stream(ra + (int64_t)k * ES);
+                b[i] = moe_ld_stream(rb + (int64_t)k * ES);
             } else {
                 a[i] = b[i] = make_uint4(0, 0, 0, 0);
             }
