@@ -41,8 +41,8 @@ static const dec_case_t cases[] = {
     {"odd H1040 I272 sigmoid + shared fp8 per-tensor, bf16 x", 16, 4, 1040, 272, 512, 0,
      MOE_SCORING_SIGMOID, 1, 4, 2, 2.5f, MOE_ACTIVATION_SILU, MOE_DTYPE_BF16, MOE_DTYPE_FP8_E4M3,
      MOE_SCALE_PER_TENSOR},
-    /* a wide hidden size: one token's fp8 x (12800 bytes) in each CTA's shared memory, more
-     * tokens' in global memory (kernels/cuda/decode_sm90.cu, XS_TOKENS) */
+    /* a wide hidden size: one token's fp8 x (12800 codes, 25600 bytes as f16) in each CTA's shared
+     * memory, more tokens' in global memory (kernels/cuda/decode_sm90.cu, XS_TOKENS) */
     {"wide H12800 fp8 per-tensor", 8, 2, 12800, 128, 0, 0, MOE_SCORING_SOFTMAX, 0, 0, 0, 1.0f,
      MOE_ACTIVATION_SILU, MOE_DTYPE_F32, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_TENSOR},
 };
