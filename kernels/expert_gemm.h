@@ -45,6 +45,12 @@ typedef struct moe_gemm_args {
      * one per SM). The EP micro-batches cap it so that the other micro-batch's waiting kernels
      * (one CTA each, spinning on a peer) can never keep a GEMM CTA from an SM. */
     int max_ctas;
+    /* optional, *_MUL epilogues of the sm_90a variants (others refuse it): each row's maximum of
+     * |c| as stored (bf16-rounded) is taken into row_amax[row] by atomicMax on its bits (FP8
+     * block-scale variants: into row_amax[row][col / 128], ceil(n_out / 128) a row), which the
+     * caller zeroed, so the quantisation of c for the next GEMM converts in one pass
+     * (moe_quant_rows_args_t.amax). */
+    float *row_amax;
 } moe_gemm_args_t;
 
 typedef struct moe_gemm_variant {

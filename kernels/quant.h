@@ -38,6 +38,17 @@ typedef struct moe_quant_rows_args {
      * bf16 first, as the gather's bf16 copy would be. NULL: row r is x row r. */
     const int32_t *src_slot;
     int src_k;
+    /* Optional: each row's |max| already known (device [rows], or [rows][ceil(cols / 128)] with
+     * group): the kernel converts only, one pass over the row split across CTAs, with the scale
+     * max(amax, MOE_FP8_ACT_AMAX_MIN) / 448 -- the same codes and scales as the pass that finds
+     * the maximum itself when amax holds the maximum of |x| as stored (GEMM 1's epilogue takes
+     * it over the bf16 h it writes: moe_gemm_args_t.row_amax). Not with src_slot. */
+    const float *amax;
+    /* Optional: the kernel zeroes zero_amax[r][0 .. zero_cols) for every row r it covers (rows
+     * past *num_blocks * block_rows left alone), so that the next GEMM's epilogue can take its
+     * rows' maxima into it (atomicMax). zero_cols >= 1 with it. */
+    float *zero_amax;
+    int zero_cols;
 } moe_quant_rows_args_t;
 
 moe_status_t moe_quant_rows_launch(const moe_quant_rows_args_t *args, void *stream);

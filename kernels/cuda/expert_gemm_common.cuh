@@ -27,6 +27,7 @@ struct moe_gemm_kparams {
     int group;     /* sm_90a: row blocks swept together over the weight tiles (0: by the step) */
     int swap_fold; /* sm_90a swap-AB, per-row fp8 scales: multiplied in after the main loop */
     int promo_pi;  /* sm_90a fp8 per-row scales (F8 = 4): 128-k slices a promotion sums */
+    float *amax;   /* moe_gemm_args_t.row_amax (sm_90a *_MUL epilogues) */
 };
 /* Past 128 bytes of parameters ptxas spilled 20-110 more bytes in the m192 and fast fp8 tiles,
  * whose code had not changed (two more pointers, 2026-12-03: docs/KERNELS.md, "The variants"). */
@@ -56,7 +57,19 @@ static inline moe_gemm_kparams moe_gemm_base_params(const moe_gemm_args_t *a)
     p.expert_offsets = a->expert_offsets;
     p.a_scale = a->a_scale;
     p.b_scale = a->b_scale;
+    p.amax = a->row_amax;
     return p;
+}
+
+/* Takes m (a maximum of |c| over some of a row's outputs, before c's rounding) into the row's
+ * maximum as stored: bf16 rounding is monotone and symmetric, so the rounded maximum is the
+ * maximum of the rounded values. m >= 0 (NaN dropped by fmaxf, as the quantisation's own max
+ * drops it), so its bits order as unsigned integers. */
+__device__ __forceinline__ void moe_gemm_amax_put(const moe_gemm_kparams &p, float *at, float m)
+{
+    if (!p.c_f32)
+        m = __bfloat162float(__float2bfloat16_rn(m));
+    atomicMax(reinterpret_cast<unsigned int *>(at), __float_as_uint(m));
 }
 
 __device__ __forceinline__ float moe_gemm_silu(float x)
@@ -117,10 +130,15 @@ __device__ __forceinline__ void moe_gemm_put2(const moe_gemm_kparams &p, int64_t
  * variants (e4m3 A and B, k a multiple of 16 for TMA's 16-byte rows), 1: per-row scales of
  * both, 2: 1 x 128 groups of A and 128 x 128 blocks of B, expanded per weight row. */
 static inline moe_status_t moe_gemm_check_common(const moe_gemm_args_t *a, const char *name,
-                                                 int f8 = 0)
+                                                 int f8 = 0, bool amax_ok = false)
 {
     if (!a)
         return moe_error(MOE_STATUS_INVALID_ARGUMENT, "%s: args is NULL", name);
+    if (a->row_amax && (!amax_ok || a->epilogue == MOE_GEMM_EPI_STORE))
+        return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                         "%s: row_amax with epilogue %d (the sm_90a variants' *_MUL epilogues "
+                         "take it)",
+                         name, (int)a->epilogue);
     if (!f8 && (a->ab_dtype != MOE_DTYPE_BF16 || a->scale_kind != MOE_SCALE_NONE))
         return moe_error(MOE_STATUS_NOT_SUPPORTED,
                          "%s: ab_dtype %d, scale_kind %d (this variant: bf16, no scales)", name,

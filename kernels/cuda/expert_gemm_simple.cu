@@ -109,6 +109,8 @@ moe_status_t simt_launch(const moe_gemm_args_t *a, void *stream)
     if (a->ab_dtype != MOE_DTYPE_BF16 || a->scale_kind != MOE_SCALE_NONE)
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "simt_ref: dtype %s with scales %d (bf16 only)",
                          moe_dtype_name(a->ab_dtype), (int)a->scale_kind);
+    if (a->row_amax)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED, "simt_ref: row_amax (sm_90a variants only)");
     if (a->max_blocks == 0) { /* nothing to run: load the kernels (create-time prepare) */
         MOE_CUDA_PREPARE(simt_kernel<MOE_GEMM_EPI_STORE>);
         MOE_CUDA_PREPARE(simt_kernel<MOE_GEMM_EPI_SILU_MUL>);

@@ -433,6 +433,8 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
     constexpr bool PRI = F8 == 4;            /* promotion every F8_PI slices */
     constexpr bool ERS = !SWAP && f8_row_scales(F8); /* per-row scales in the epilogue, below */
     constexpr bool SRS = SWAP && f8_row_scales(F8);  /* the same for swap-AB, p.swap_fold */
+    /* p.amax: the *_MUL epilogues of the fp8 tiles take each row's max |h| (moe_gemm_args_t) */
+    constexpr bool AMX = F8 != 0 && EPI != MOE_GEMM_EPI_STORE;
     float part[f8_promoted(F8) ? C::NACC : 1][f8_promoted(F8) ? C::ACC : 1];
     using acc_t = float(&)[C::NACC][C::ACC];
     const int kbn = (p.k + 127) / 128; /* 128-wide k slices (block scales) */
@@ -731,6 +733,32 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 }
         }
 
+        /* moe_gemm_args_t.row_amax: each row's max |output| (block scales: per 128 columns,
+         * the next GEMM's 1 x 128 groups; an item's columns lie in one group), so the
+         * quantisation of h need not find it. amax_pair takes a thread's two outputs at
+         * columns col, col + 1 (those past n_out left out); amax_rows reduces rows r0 and
+         * r0 + 8 over the quad that holds them (lanes 4j .. 4j + 3) and puts them. */
+        auto amax_at = [&](int64_t row, int col) {
+            return p.amax + (F8 == 2 ? row * ((p.n_out + 127) / 128) + col / 128 : row);
+        };
+        auto amax_pair = [&](float &m, int col, float v0, float v1) {
+            if (col < p.n_out)
+                m = fmaxf(m, fabsf(v0));
+            if (col + 1 < p.n_out)
+                m = fmaxf(m, fabsf(v1));
+        };
+        auto amax_rows = [&](float(&m)[2], int64_t r0, int col0) {
+            if (!p.amax)
+                return;
+#pragma unroll
+            for (int q = 0; q < 2; q++) {
+                m[q] = fmaxf(m[q], __shfl_xor_sync(0xffffffffu, m[q], 1));
+                m[q] = fmaxf(m[q], __shfl_xor_sync(0xffffffffu, m[q], 2));
+                if ((lane & 3) == 0)
+                    moe_gemm_amax_put(p, amax_at(r0 + 8 * q, col0), m[q]);
+            }
+        };
+
         /* Epilogue. Accumulator i of a thread: wgmma row 16*warp + lane/4 + 8*((i%4)/2),
          * column 8*(i/4) + 2*(lane%4) + i%2. (row0: the item's first A row, above.) */
         if (SWAP) {
@@ -749,21 +777,31 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                     se[(64 * j + wr) * C::EPI_LD + tk] = acc[j][i];
             }
             named_bar_sync(2 + wg, 128);
+            /* OC is 32 or 64: a warp's 32 outputs of one pass lie on one token row (amax) */
+            static_assert(OC % 32 == 0 && 128 % OC == 0, "swap-AB epilogue: whole warps a row");
             for (int idx = tid; idx < OC * TOK; idx += 128) {
                 int oc = idx % OC, tk = idx / OC;
                 const int col = jt * OC + oc;
                 float v = se[oc * C::EPI_LD + tk];
-                if (F8 && col >= p.n_out)
-                    continue;
-                if (f8_row_scales(F8) && !sfold)
-                    v *= sm90_f8_scale(p, row0 + tk, e, col);
-                if (EPI != MOE_GEMM_EPI_STORE) {
-                    float u = se[(OC + oc) * C::EPI_LD + tk];
+                const bool in = col < p.n_out;
+                if (in || !F8) {
                     if (f8_row_scales(F8) && !sfold)
-                        u *= sm90_f8_scale(p, row0 + tk, e, p.n / 2 + col);
-                    v = moe_gemm_act_mul<EPI>(v, u);
+                        v *= sm90_f8_scale(p, row0 + tk, e, col);
+                    if (EPI != MOE_GEMM_EPI_STORE) {
+                        float u = se[(OC + oc) * C::EPI_LD + tk];
+                        if (f8_row_scales(F8) && !sfold)
+                            u *= sm90_f8_scale(p, row0 + tk, e, p.n / 2 + col);
+                        v = moe_gemm_act_mul<EPI>(v, u);
+                    }
+                    v *= sscale[tk];
+                    moe_gemm_put1(p, row0 + tk, col, v);
                 }
-                moe_gemm_put1(p, row0 + tk, col, v * sscale[tk]);
+                if (AMX && p.amax) {
+                    const unsigned m = __reduce_max_sync(
+                        0xffffffffu, __float_as_uint(in ? fmaxf(0.0f, fabsf(v)) : 0.0f));
+                    if (lane == 0)
+                        moe_gemm_amax_put(p, amax_at(row0 + tk, jt * OC), __uint_as_float(m));
+                }
             }
         } else if (C::TS && p.tma_store) {
             /* bf16 rows through shared memory: each consumer warpgroup writes its 64 rows x 128
@@ -777,6 +815,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
             const float sc[2] = {moe_gemm_row_scale(p, grow + r),
                                  moe_gemm_row_scale(p, grow + r + 8)};
             constexpr int ROUNDS = EPI == MOE_GEMM_EPI_STORE ? HALVES : 1;
+            float mx[2] = {0.0f, 0.0f}; /* AMX: |outputs| max of rows r, r + 8 */
 #pragma unroll
             for (int h = 0; h < ROUNDS; h++) {
                 /* the buffer is free once the last boxes stored from it have been read */
@@ -794,6 +833,8 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                     } else {
                         v0 = moe_gemm_act_mul<EPI>(acc[0][i], acc[C::NACC - 1][i]) * sc[q];
                         v1 = moe_gemm_act_mul<EPI>(acc[0][i + 1], acc[C::NACC - 1][i + 1]) * sc[q];
+                        if (AMX)
+                            amax_pair(mx[q], jt * WR + wc, v0, v1);
                     }
                     const uint32_t off = (wc >> 6) * (64 * ROW_BYTES) + row * ROW_BYTES +
                                          ((((wc & 63) >> 3) ^ (row & 7)) << 4) + (wc & 7) * 2;
@@ -816,10 +857,13 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
                 }
             }
+            if (AMX)
+                amax_rows(mx, grow + r, jt * WR);
         } else {
             /* a thread's outputs lie on two rows: 8 apart */
             const int64_t row = row0 + (PING ? 0 : wg * 64) + 16 * warp + (lane >> 2);
             const float sc[2] = {moe_gemm_row_scale(p, row), moe_gemm_row_scale(p, row + 8)};
+            float mx[2] = {0.0f, 0.0f}; /* AMX: |outputs| max of rows row, row + 8 */
 #pragma unroll
             for (int i = 0; i < C::ACC; i += 2) {
                 const int q = (i & 3) >> 1;
@@ -830,12 +874,16 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                         moe_gemm_put2(p, row + 8 * q, jt * HALVES * WR + h * WR + wc,
                                       acc[h][i] * sc[q], acc[h][i + 1] * sc[q]);
                 } else {
-                    moe_gemm_put2(p, row + 8 * q, jt * WR + wc,
-                                  moe_gemm_act_mul<EPI>(acc[0][i], acc[C::NACC - 1][i]) * sc[q],
-                                  moe_gemm_act_mul<EPI>(acc[0][i + 1], acc[C::NACC - 1][i + 1]) *
-                                      sc[q]);
+                    const float v0 = moe_gemm_act_mul<EPI>(acc[0][i], acc[C::NACC - 1][i]) * sc[q];
+                    const float v1 =
+                        moe_gemm_act_mul<EPI>(acc[0][i + 1], acc[C::NACC - 1][i + 1]) * sc[q];
+                    moe_gemm_put2(p, row + 8 * q, jt * WR + wc, v0, v1);
+                    if (AMX)
+                        amax_pair(mx[q], jt * WR + wc, v0, v1);
                 }
             }
+            if (AMX)
+                amax_rows(mx, row, jt * WR);
         }
     }
     /* the last boxes must be written before the CTA (and its shared memory) goes */
@@ -1016,7 +1064,7 @@ static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const 
     if ((int64_t)a->max_blocks * TOK >= ((int64_t)1 << 31))
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: max_blocks = %d too large", name,
                          a->max_blocks);
-    MOE_CHECK(moe_gemm_check_common(a, name, f8_row_scales(F8) ? 1 : F8));
+    MOE_CHECK(moe_gemm_check_common(a, name, f8_row_scales(F8) ? 1 : F8, F8 != 0));
     cudaStream_t s = (cudaStream_t)stream;
     switch (a->epilogue) {
     case MOE_GEMM_EPI_STORE:
@@ -1042,7 +1090,7 @@ static moe_status_t launch_swap(const moe_gemm_args_t *a, void *stream, const ch
     if ((int64_t)a->max_blocks * TOK >= ((int64_t)1 << 31))
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: max_blocks = %d too large", name,
                          a->max_blocks);
-    MOE_CHECK(moe_gemm_check_common(a, name, f8_row_scales(F8) ? 1 : F8));
+    MOE_CHECK(moe_gemm_check_common(a, name, f8_row_scales(F8) ? 1 : F8, F8 != 0));
     cudaStream_t s = (cudaStream_t)stream;
     switch (a->epilogue) {
     case MOE_GEMM_EPI_STORE:

@@ -75,6 +75,9 @@ __global__ void __launch_bounds__(HELD ? Q_MAX_THREADS : Q_MIN_THREADS)
     const int64_t row = blockIdx.x;
     if (a.num_blocks && row >= (int64_t)*a.num_blocks * a.block_rows)
         return;
+    if (a.zero_amax) /* for the next GEMM's epilogue maxima (kernels/quant.h) */
+        for (int i = threadIdx.x; i < a.zero_cols; i += nt)
+            a.zero_amax[row * a.zero_cols + i] = 0.0f;
     const T *x = static_cast<const T *>(a.x);
     const bool round = a.src_slot && sizeof(T) == 4; // f32 x: as the bf16 gather would copy it
     if (a.src_slot) {
@@ -189,6 +192,36 @@ __global__ void __launch_bounds__(HELD ? Q_MAX_THREADS : Q_MIN_THREADS)
     }
 }
 
+// Rows whose maxima are known (a.amax): CTA (row, chunk) converts Q_KNOWN_THREADS 8-wide
+// vectors of the row, one a thread, so a row is read once and split over CTAs (a few rows of a
+// decode step fill the GPU instead of one CTA a row looping over it). The scale of a row or
+// 1 x 128 group is quant_rows_kernel's: static if the row's expert has one, else from the max.
+constexpr int Q_KNOWN_THREADS = 128;
+
+template <typename T>
+__global__ void __launch_bounds__(Q_KNOWN_THREADS) quant_known_kernel(moe_quant_rows_args_t a)
+{
+    const int64_t row = blockIdx.x;
+    if (a.num_blocks && row >= (int64_t)*a.num_blocks * a.block_rows)
+        return;
+    const int nvec = a.cols / 8, v = blockIdx.y * Q_KNOWN_THREADS + threadIdx.x;
+    if (v >= nvec)
+        return;
+    const int ng = a.group ? (a.cols + 127) / 128 : 1, g = a.group ? v / 16 : 0;
+    float st = 0.0f;
+    if (a.static_scale) {
+        const int32_t e = a.block_expert[row / a.block_rows];
+        if (e >= 0)
+            st = a.static_scale[e];
+    }
+    const float s = st > 0.0f ? st : dynamic_scale(__ldg(a.amax + row * ng + g));
+    if (a.group ? v % 16 == 0 : v == 0)
+        a.scale[row * ng + g] = s;
+    float vals[8];
+    load_row8(static_cast<const T *>(a.x) + row * a.cols, v * 8, false, vals);
+    store_e4m3x8(a.q + row * a.cols + (int64_t)v * 8, vals, s);
+}
+
 } // namespace
 
 extern "C" moe_status_t moe_quant_rows_launch(const moe_quant_rows_args_t *a, void *stream)
@@ -211,6 +244,12 @@ extern "C" moe_status_t moe_quant_rows_launch(const moe_quant_rows_args_t *a, vo
                          a->src_k);
     if (a->rows > INT32_MAX)
         return moe_error(MOE_STATUS_INVALID_ARGUMENT, "e4m3 rows: %lld rows", (long long)a->rows);
+    if (a->amax && a->src_slot)
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT,
+                         "e4m3 rows: known maxima (amax) with a gather (src_slot)");
+    if (a->zero_amax && a->zero_cols <= 0)
+        return moe_error(MOE_STATUS_INVALID_ARGUMENT, "e4m3 rows: zero_amax with zero_cols = %d",
+                         a->zero_cols);
     const unsigned grid = (unsigned)a->rows;
     /* long rows (per row or, unless MOE_QUANT_GROUP_HELD=0, 1 x 128 groups): enough threads for
        Q_VPT vectors each (whole warps), within [Q_MIN, Q_MAX]_THREADS. Groups so: Mixtral's
@@ -228,6 +267,18 @@ extern "C" moe_status_t moe_quant_rows_launch(const moe_quant_rows_args_t *a, vo
     if (a->x_dtype != MOE_DTYPE_BF16 && a->x_dtype != MOE_DTYPE_F32)
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "e4m3 rows from %s", moe_dtype_name(a->x_dtype));
     const bool bf = a->x_dtype == MOE_DTYPE_BF16;
+    if (a->amax) {
+        const dim3 kgrid(grid, (unsigned)((a->cols / 8 + Q_KNOWN_THREADS - 1) / Q_KNOWN_THREADS));
+        if (a->zero_amax) /* one kernel does not both read and zero maxima */
+            return moe_error(MOE_STATUS_INVALID_ARGUMENT,
+                             "e4m3 rows: amax and zero_amax in one call");
+        if (bf)
+            quant_known_kernel<__nv_bfloat16><<<kgrid, Q_KNOWN_THREADS, 0, s>>>(*a);
+        else
+            quant_known_kernel<float><<<kgrid, Q_KNOWN_THREADS, 0, s>>>(*a);
+        MOE_CUDA_CHECK_LAUNCH("e4m3 rows (known maxima)");
+        return MOE_STATUS_SUCCESS;
+    }
     if (held && bf)
         quant_rows_kernel<__nv_bfloat16, true><<<grid, threads, 0, s>>>(*a);
     else if (held)
@@ -246,5 +297,7 @@ extern "C" moe_status_t moe_quant_prepare(void)
     MOE_CUDA_PREPARE((quant_rows_kernel<float, false>));
     MOE_CUDA_PREPARE((quant_rows_kernel<__nv_bfloat16, true>));
     MOE_CUDA_PREPARE((quant_rows_kernel<float, true>));
+    MOE_CUDA_PREPARE((quant_known_kernel<__nv_bfloat16>));
+    MOE_CUDA_PREPARE((quant_known_kernel<float>));
     return MOE_STATUS_SUCCESS;
 }

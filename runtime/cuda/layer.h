@@ -87,6 +87,9 @@ typedef struct cuda_layer {
     void *sa, *sh, *so;           /* bf16 [s_rows][H], [s_rows][ss], [s_rows][H] */
     uint8_t *a8, *h8, *sa8, *sh8; /* W8A8: e4m3 copies of a, h, sa, sh */
     float *as, *hs, *sas, *shs;   /* W8A8: their row scales */
+    /* W8A8, h_amax: h's and sh's row (block scales: 1 x 128 group) maxima, taken by GEMM 1's
+     * epilogue so that h's quantisation converts in one pass */
+    float *hamax, *shamax;
     int32_t *s_block_expert, *s_num_blocks;
     float *s_gate_logit; /* [Tm] */
 
@@ -99,6 +102,7 @@ typedef struct cuda_layer {
     int deterministic;
     int scatter_rows; /* MOE_SCATTER_ROWS (default 1): GEMM 1's rows by scatter, not gather */
     int skip_pad; /* MOE_GEMM_SKIP_PAD (default 1): GEMMs get the expert counts (few rows/expert) */
+    int h_amax;   /* MOE_QUANT_H_AMAX (default 1): W8A8 GEMM 1 takes h's maxima (same codes) */
     int route_permute;   /* MOE_ROUTE_PERMUTE=1 (default 0): one GPU, at most
                             MOE_ROUTE_PERMUTE_MAX_TOKENS tokens: top-k, slot ids and permute in one
                             launch */

@@ -150,6 +150,8 @@ void moe_cuda_plan_workspace(cuda_layer_t *s, carve_t *c)
         s->h8 = moe_cuda_take(c, (size_t)max_rows * (size_t)s->is);
         s->as = moe_cuda_take(c, sizeof(float) * (size_t)max_rows * f8_groups(s, s->H));
         s->hs = moe_cuda_take(c, sizeof(float) * (size_t)max_rows * f8_groups(s, s->is));
+        if (s->h_amax)
+            s->hamax = moe_cuda_take(c, sizeof(float) * (size_t)max_rows * f8_groups(s, s->is));
     }
     if (s->ss > 0) {
         s->sa = moe_cuda_take(c, 2 * (size_t)s_rows * (size_t)s->H);
@@ -163,6 +165,8 @@ void moe_cuda_plan_workspace(cuda_layer_t *s, carve_t *c)
             s->sh8 = moe_cuda_take(c, (size_t)s_rows * (size_t)s->ss);
             s->sas = moe_cuda_take(c, sizeof(float) * (size_t)s_rows * f8_groups(s, s->H));
             s->shs = moe_cuda_take(c, sizeof(float) * (size_t)s_rows * f8_groups(s, s->ss));
+            if (s->h_amax)
+                s->shamax = moe_cuda_take(c, sizeof(float) * (size_t)s_rows * f8_groups(s, s->ss));
         }
     }
     if (s->dec_ok) { /* the fused decode kernel's: rows by slot, its k split's partials */

@@ -37,7 +37,17 @@ typedef struct mlp_io {
     const float *in13, *in2;
     int64_t inter;
     int num_experts;
+    /* W8A8 (optional): h's maxima, zeroed by GEMM 1's input quantisation, taken by GEMM 1's
+     * epilogue, read by h's quantisation (one pass instead of two) */
+    float *hamax;
 } mlp_io_t;
+
+/* h's maxima taken by GEMM 1 (mlp_io_t.hamax) where that measured faster than the
+ * quantisation finding them (2026-12-04, bench/RESULTS.md, "Layer step, FP8 W8A8"): with the
+ * normal tiles (0.98-0.99 of the step at 512 .. 8192 tokens) and with the swap-AB tiles when
+ * h's rows are long (Mixtral's 14336: 0.92-0.99 at 1 .. 64 tokens); with the swap-AB tiles and
+ * rows of 768 or 2048 (Qwen3-30B-A3B, the DeepSeek-V3 shard) level or up to 1 % slower. */
+#define H_AMAX_SWAP_MIN_COLS 8192
 
 static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_t *v,
                                   const mlp_io_t *m, const int32_t *block_expert,
@@ -45,6 +55,7 @@ static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_
                                   const int32_t *offsets, void *stream)
 {
     const int64_t rows = (int64_t)max_blocks * v->block_rows;
+    float *hamax = m->hamax && (!v->swap_ab || m->inter > H_AMAX_SWAP_MIN_COLS) ? m->hamax : NULL;
     moe_gemm_args_t g;
     memset(&g, 0, sizeof(g));
     g.expert_counts = counts; /* the permute's: lets a variant skip all-padding rows */
@@ -62,14 +73,27 @@ static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_
     g.ab_dtype = MOE_DTYPE_BF16;
     g.scale_kind = MOE_SCALE_NONE;
     if (s->f8) {
-        moe_quant_rows_args_t q = {
-            m->a,         MOE_DTYPE_BF16, rows,  num_blocks,           v->block_rows, s->H, m->in13,
-            block_expert, m->a8,          m->as, s->f8 == 2 ? 128 : 0, NULL,          0};
+        moe_quant_rows_args_t q = {.x = m->a,
+                                   .x_dtype = MOE_DTYPE_BF16,
+                                   .rows = rows,
+                                   .num_blocks = num_blocks,
+                                   .block_rows = v->block_rows,
+                                   .cols = s->H,
+                                   .static_scale = m->in13,
+                                   .block_expert = block_expert,
+                                   .q = m->a8,
+                                   .scale = m->as,
+                                   .group = s->f8 == 2 ? 128 : 0};
         if (m->src_slot) { /* the permute's gather fused in: no bf16 copy of the rows */
             q.x = m->x;
             q.x_dtype = m->x_dtype;
             q.src_slot = m->src_slot;
             q.src_k = m->src_k;
+        }
+        if (hamax) {
+            q.zero_amax = hamax;
+            q.zero_cols = s->f8 == 2 ? (int)((m->inter + 127) / 128) : 1;
+            g.row_amax = hamax;
         }
         MOE_CHECK(moe_quant_rows_launch(&q, stream));
         g.a = m->a8;
@@ -86,11 +110,20 @@ static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_
     g.n = s->H;
     g.k = (int)m->inter;
     g.epilogue = MOE_GEMM_EPI_STORE;
+    g.row_amax = NULL;
     if (s->f8) {
-        moe_quant_rows_args_t q = {
-            m->h,   MOE_DTYPE_BF16, rows,  num_blocks, v->block_rows,        (int)m->inter,
-            m->in2, block_expert,   m->h8, m->hs,      s->f8 == 2 ? 128 : 0, NULL,
-            0};
+        moe_quant_rows_args_t q = {.x = m->h,
+                                   .x_dtype = MOE_DTYPE_BF16,
+                                   .rows = rows,
+                                   .num_blocks = num_blocks,
+                                   .block_rows = v->block_rows,
+                                   .cols = (int)m->inter,
+                                   .static_scale = m->in2,
+                                   .block_expert = block_expert,
+                                   .q = m->h8,
+                                   .scale = m->hs,
+                                   .group = s->f8 == 2 ? 128 : 0,
+                                   .amax = hamax};
         MOE_CHECK(moe_quant_rows_launch(&q, stream));
         g.a = m->h8;
         g.a_scale = m->hs;
@@ -205,8 +238,8 @@ static moe_status_t routed_gemms(cuda_layer_t *s, const moe_gemm_variant_t *v, c
 {
     const float *in13 = s->has_in[0] ? s->in13 : NULL, *in2 = s->has_in[1] ? s->in2 : NULL;
     mlp_io_t m = {
-        a,      NULL,  MOE_DTYPE_INVALID, NULL,   0,    s->h, s->o,  s->a8, s->h8, s->as, s->hs,
-        s->w13, s->w2, s->w13s,           s->w2s, in13, in2,  s->is, s->E};
+        a,      NULL,  MOE_DTYPE_INVALID, NULL,   0,    s->h, s->o,  s->a8, s->h8,   s->as, s->hs,
+        s->w13, s->w2, s->w13s,           s->w2s, in13, in2,  s->is, s->E,  s->hamax};
     if (!a) {
         m.x = x;
         m.x_dtype = x_dtype;
@@ -338,9 +371,9 @@ static moe_status_t shared_mlp(cuda_layer_t *s, const moe_gemm_variant_t *v, con
     {
         const float *in13 = s->has_in[2] ? s->sin13 : NULL, *in2 = s->has_in[3] ? s->sin2 : NULL;
         const mlp_io_t m = {
-            s->sa,  NULL,   MOE_DTYPE_INVALID, NULL,   0,        s->sh,   s->so, s->sa8, s->sh8,
-            s->sas, s->shs, s->sw13,           s->sw2, s->sw13s, s->sw2s, in13,  in2,    s->ss,
-            1};
+            s->sa,  NULL,     MOE_DTYPE_INVALID, NULL,   0,        s->sh,   s->so, s->sa8, s->sh8,
+            s->sas, s->shs,   s->sw13,           s->sw2, s->sw13s, s->sw2s, in13,  in2,    s->ss,
+            1,      s->shamax};
         return run_mlp_gemms(s, v, &m, s->s_block_expert, s->s_num_blocks, mb, NULL, NULL, stream);
     }
 }

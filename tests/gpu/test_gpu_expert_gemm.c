@@ -357,6 +357,10 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
     CUDA_OK(cudaMemcpy(d_be, be, max_blocks * 4, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(d_nb, &num_blocks, 4, cudaMemcpyHostToDevice));
     void *c = malloc(prow * n * 4);
+    /* fp8 *_MUL: each row's max |c| as stored (row_amax), per 128 columns with block scales */
+    const int amax_g = blk ? (n / 2 + 127) / 128 : 1;
+    float *amax = malloc(sizeof(float) * prow * amax_g), *d_amax;
+    CUDA_OK(cudaMalloc((void **)&d_amax, sizeof(float) * prow * amax_g));
 
     for (int epi = 0; epi < 3; epi++)
         for (int f32 = 0; f32 < 2; f32++)
@@ -371,12 +375,33 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
                     args.expert_counts = d_counts;
                     args.expert_offsets = d_offsets;
                 }
+                const int take_amax = f8 && epi != MOE_GEMM_EPI_STORE;
+                if (take_amax) {
+                    args.row_amax = d_amax;
+                    CUDA_OK(cudaMemset(d_amax, 0, sizeof(float) * prow * amax_g));
+                }
                 CUDA_OK(cudaMemset(d_c, 0xff, prow * n * 4)); /* NaN in bf16 and f32 */
                 moe_status_t st = v->launch(&args, NULL);
                 CUDA_OK(cudaDeviceSynchronize());
                 CUDA_OK(cudaMemcpy(c, d_c, prow * n_out * (f32 ? 4 : 2), cudaMemcpyDeviceToHost));
                 double err2 = 0, ref2 = 0;
-                long bad_nan = 0, bad_written = 0;
+                long bad_nan = 0, bad_written = 0, bad_amax = 0;
+                if (take_amax) { /* equal to the maxima of what c holds (NaN dropped) */
+                    CUDA_OK(cudaMemcpy(amax, d_amax, sizeof(float) * prow * amax_g,
+                                       cudaMemcpyDeviceToHost));
+                    for (size_t pr = 0; pr < prow; pr++)
+                        for (int g = 0; g < amax_g; g++) {
+                            float m = 0.0f;
+                            for (int j = g * 128; j < n_out && (!blk || j < g * 128 + 128); j++) {
+                                const size_t idx = pr * n_out + j;
+                                const float got =
+                                    f32 ? ((float *)c)[idx] : bf2f(((uint16_t *)c)[idx]);
+                                if (!isnan(got))
+                                    m = fmaxf(m, fabsf(got));
+                            }
+                            bad_amax += amax[pr * amax_g + g] != m;
+                        }
+                }
                 for (size_t pr = 0; pr < prow; pr++) {
                     int lr = logical[pr];
                     int b = (int)(pr / br);
@@ -406,18 +431,21 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
                     }
                 }
                 double rel = ref2 > 0 ? sqrt(err2 / ref2) : sqrt(err2);
-                int ok = st == MOE_STATUS_SUCCESS && bad_nan == 0 && bad_written == 0 && rel <= TOL;
+                int ok = st == MOE_STATUS_SUCCESS && bad_nan == 0 && bad_written == 0 &&
+                         bad_amax == 0 && rel <= TOL;
                 checks++;
                 failures += !ok;
-                printf("%-26s %-12s %-5s %-4s %-5s rel %.2e nan %ld stray %ld %s%s%s\n", v->name,
-                       s->name,
+                printf("%-26s %-12s %-5s %-4s %-5s rel %.2e nan %ld stray %ld amax %ld %s%s%s\n",
+                       v->name, s->name,
                        epi == 0   ? "store"
                        : epi == 1 ? "silu"
                                   : "gelu",
                        f32 ? "f32" : "bf16", use_scale ? "scale" : "-", rel, bad_nan, bad_written,
-                       ok ? "ok" : "FAIL", st ? " " : "", st ? moe_last_error() : "");
+                       bad_amax, ok ? "ok" : "FAIL", st ? " " : "", st ? moe_last_error() : "");
             }
     free(c);
+    free(amax);
+    cudaFree(d_amax);
     free(a);
     free(a8);
     free(scale);
@@ -551,6 +579,17 @@ static void check_rejects(const moe_gemm_variant_t *v, const inputs_t *in)
                strstr(moe_last_error(), "both or neither"),
            "expert_counts without expert_offsets rejected");
     args.expert_counts = NULL;
+    args.row_amax = (float *)d; /* maxima of a STORE epilogue's rows: not taken */
+    expect(v->launch(&args, NULL) == MOE_STATUS_NOT_SUPPORTED &&
+               strstr(moe_last_error(), "row_amax"),
+           "row_amax with STORE rejected");
+    args.epilogue = MOE_GEMM_EPI_SILU_MUL; /* bf16 variants take none */
+    if (v->ab_dtype != MOE_DTYPE_FP8_E4M3)
+        expect(v->launch(&args, NULL) == MOE_STATUS_NOT_SUPPORTED &&
+                   strstr(moe_last_error(), "row_amax"),
+               "row_amax of a bf16 variant rejected");
+    args.epilogue = MOE_GEMM_EPI_STORE;
+    args.row_amax = NULL;
     args.a = NULL;
     expect(v->launch(&args, NULL) == MOE_STATUS_INVALID_ARGUMENT, "a = NULL rejected");
     args.a = d;

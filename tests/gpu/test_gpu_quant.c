@@ -4,8 +4,10 @@
  * rows of zeros, NaN, values that saturate at +-448 under a static scale, static scales per
  * expert through the block table (experts with 0 and padding blocks dynamic), a partial last
  * group, rows past *num_blocks left alone, the permute's gather fused in (rows from their
- * tokens, padding rows zero, f32 x rounded to bf16 first); outputs poisoned first. Codes and
- * scales must be equal. */
+ * tokens, padding rows zero, f32 x rounded to bf16 first); every case again with each row's
+ * (group's) maximum given (the one-pass form h's quantisation takes when GEMM 1's epilogue found
+ * the maxima), and the first pass zeroing the next GEMM's maxima on its rows only; outputs
+ * poisoned first. Codes and scales must be equal. */
 #include "gpu_test.h"
 
 #include "kernels/cpu/moe_cpu.h"
@@ -16,6 +18,26 @@
 static int32_t block_expert_of(int64_t b, int num_experts)
 {
     return num_experts == 1 ? 0 : (int32_t)((b * 5 + 2) % (num_experts + 1)) - 1;
+}
+
+/* Codes and scales that differ from the reference (rows < used), or from the poison (rows past
+ * it: left alone). */
+static int64_t count_bad(const uint8_t *got, const uint8_t *want, const float *gs, const float *ws,
+                         int64_t rows, int cols, int ng, int64_t used)
+{
+    int64_t r, i, bad = 0;
+    for (r = 0; r < rows; r++) {
+        for (i = 0; i < cols; i++) {
+            const uint8_t g = got[r * cols + i];
+            bad += r < used ? g != want[r * cols + i] : g != 0x55;
+        }
+        for (i = 0; i < ng; i++) {
+            uint32_t bits;
+            memcpy(&bits, &gs[r * ng + i], 4);
+            bad += r < used ? gs[r * ng + i] != ws[r * ng + i] : bits != 0xffffffffu;
+        }
+    }
+    return bad;
 }
 
 /* One case: rows x cols of random values (scaled by 10^(row % 5 - 2)), a few specials.
@@ -71,31 +93,63 @@ static void check_quant(int64_t rows, int cols, int group, moe_dtype_t dtype,
     }
     if (used_blocks >= 0)
         dnb = gt_dup(&used_blocks, sizeof(int32_t));
+    /* the pass that finds each maximum, zeroing a next GEMM's maxima on its rows (3 a row) */
+    float *dzero = gt_dalloc(sizeof(float) * (size_t)(rows * 3));
+    float *zero = malloc(sizeof(float) * (size_t)(rows * 3));
+    int64_t bad_zero = 0, bad_known;
+    gt_poison(dzero, 0xff, sizeof(float) * (size_t)(rows * 3));
     {
         moe_quant_rows_args_t a = {dx,  dtype, rows,   dnb,   block_rows, cols, dstatic,
                                    dbe, dq,    dscale, group, NULL,       0};
+        a.zero_amax = dzero;
+        a.zero_cols = 3;
         gt_ok(moe_quant_rows_launch(&a, NULL), "quant rows");
     }
     gt_get(got, dq, (size_t)n);
     gt_get(gs, dscale, sizeof(float) * (size_t)(rows * ng));
-    for (r = 0; r < rows; r++) {
-        for (i = 0; i < cols; i++) {
-            const uint8_t g = got[r * cols + i];
-            /* rows past *num_blocks * block_rows keep the poison */
-            bad += r < used ? g != want[r * cols + i] : g != 0x55;
-        }
-        for (i = 0; i < ng; i++) {
-            uint32_t bits;
-            memcpy(&bits, &gs[r * ng + i], 4);
-            bad += r < used ? gs[r * ng + i] != ws[r * ng + i] : bits != 0xffffffffu;
-        }
+    gt_get(zero, dzero, sizeof(float) * (size_t)(rows * 3));
+    bad = count_bad(got, want, gs, ws, rows, cols, ng, used);
+    for (i = 0; i < rows * 3; i++) {
+        uint32_t bits;
+        memcpy(&bits, &zero[i], 4);
+        bad_zero += i / 3 < used ? bits != 0 : bits != 0xffffffffu;
+    }
+    /* the same rows with their maxima given (as GEMM 1's epilogue takes h's): one pass, the
+     * same codes and scales (not with the gather) */
+    {
+        float *am = malloc(sizeof(float) * (size_t)(rows * ng));
+        float *dam;
+        for (r = 0; r < rows; r++)
+            for (i = 0; i < ng; i++) {
+                const int c0 = group ? (int)i * group : 0, c1 = group ? c0 + group : cols;
+                float m = 0.0f;
+                for (int c = c0; c < c1 && c < cols; c++)
+                    m = fmaxf(m, fabsf(x[r * cols + c])); /* NaN dropped, as the kernels do */
+                am[r * ng + i] = m;
+            }
+        dam = gt_dup(am, sizeof(float) * (size_t)(rows * ng));
+        gt_poison(dq, 0x55, (size_t)n);
+        gt_poison(dscale, 0xff, sizeof(float) * (size_t)(rows * ng));
+        moe_quant_rows_args_t a = {dx,  dtype, rows,   dnb,   block_rows, cols, dstatic,
+                                   dbe, dq,    dscale, group, NULL,       0};
+        a.amax = dam;
+        gt_ok(moe_quant_rows_launch(&a, NULL), "quant rows, maxima given");
+        gt_get(got, dq, (size_t)n);
+        gt_get(gs, dscale, sizeof(float) * (size_t)(rows * ng));
+        bad_known = count_bad(got, want, gs, ws, rows, cols, ng, used);
+        moe_gpu_free(dam);
+        free(am);
     }
     fprintf(stderr,
             "quant %lld x %d, group %d, %s, %d static expert scales (%d rows static), rows used "
-            "%lld: %lld mismatches\n",
+            "%lld: %lld mismatches, maxima given %lld, maxima not zeroed %lld\n",
             (long long)rows, cols, group, moe_dtype_name(dtype), static_scale ? num_experts : 0,
-            nstatic, (long long)used, (long long)bad);
+            nstatic, (long long)used, (long long)bad, (long long)bad_known, (long long)bad_zero);
     assert_int_equal(bad, 0);
+    assert_int_equal(bad_known, 0);
+    assert_int_equal(bad_zero, 0);
+    moe_gpu_free(dzero);
+    free(zero);
     moe_gpu_free(dx);
     moe_gpu_free(dq);
     moe_gpu_free(dscale);
@@ -237,6 +291,7 @@ static void test_quant_gather(void **state)
 static void test_quant_rejects(void **state)
 {
     static const float one = 1.0f;
+    static float zero;
     moe_quant_rows_args_t a;
     (void)state;
     memset(&a, 0, sizeof(a));
@@ -253,7 +308,20 @@ static void test_quant_rejects(void **state)
     a.static_scale = NULL;
     a.src_slot = (const int32_t *)&one; /* a gather without its k */
     assert_int_equal(moe_quant_rows_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
+    a.src_k = 2;
+    a.amax = &one; /* known maxima with a gather */
+    assert_int_equal(moe_quant_rows_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
     a.src_slot = NULL;
+    a.src_k = 0;
+    a.amax = NULL;
+    a.zero_amax = &zero; /* maxima to zero, 0 of them a row */
+    assert_int_equal(moe_quant_rows_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
+    a.zero_cols = 1;
+    a.amax = &one; /* reading and zeroing maxima in one call */
+    assert_int_equal(moe_quant_rows_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
+    a.amax = NULL;
+    a.zero_amax = NULL;
+    a.zero_cols = 0;
     a.x_dtype = MOE_DTYPE_FP8_E4M3;
     assert_int_equal(moe_quant_rows_launch(&a, NULL), MOE_STATUS_NOT_SUPPORTED);
 }
