@@ -426,8 +426,9 @@ static void tune_gemm(const bench_t *b, options_t *o, int arch, moe_oracle_group
     unsetenv("MOE_FORCE_VARIANT");
     for (i = 0; i < np; i++) {
         /* the built-in table's pick here, and what tuning gains over it */
-        const moe_oracle_query_t q = {arch,       g->dtype,       g->scale, g->ep_size,
-                                      g->tp_size, MOE_ORACLE_ANY, at[i],    g->shape.hidden};
+        const moe_oracle_query_t q = {
+            arch,           g->dtype, g->scale,        g->ep_size, g->tp_size,
+            MOE_ORACLE_ANY, at[i],    g->shape.hidden, 0.0,        0};
         moe_oracle_choice_t c;
         int d = -1, fastest = -1;
         if (moe_oracle_pick_gemm(NULL, &q, &c))

@@ -295,8 +295,8 @@ static int push_bucket(moe_oracle_group_t *g, double max, const char *name, doub
  * it has none. */
 static int push_builtin(moe_oracle_group_t *g, double lo, double hi, const char *fallback)
 {
-    moe_oracle_query_t q = {g->arch,    g->dtype,     g->scale, g->ep_size,
-                            g->tp_size, g->transport, 0,        g->shape.hidden};
+    moe_oracle_query_t q = {g->arch,      g->dtype, g->scale,        g->ep_size, g->tp_size,
+                            g->transport, 0,        g->shape.hidden, 0.0,        0};
     const double end = isinf(hi) ? HUGE_VAL : nextafter(hi, 0.0);
     double x = lo;
     while (x < end) {
@@ -404,12 +404,20 @@ moe_status_t moe_oracle_forced_transport(const char **name, const char **env)
  * at 1 / 2 / 4 / 8 / 16 tokens, two runs each):
  * - bf16: one token (Qwen3-30B-A3B 0.89, Mixtral-8x7B 0.96, the DeepSeek-V3 EP8 shard 0.95);
  *   at two, Mixtral and the shard are 1.01-1.03 (Qwen3 wins up to four: a tune file's table);
- * - fp8 per-tensor: never (Qwen3 0.95 at one token, Mixtral and the shard 1.15-1.18).
+ * - fp8 per-row scales: one token where the step's expert weights are few and there is no
+ *   shared expert (2026-12-04, a6e1484, capacity 8192, two runs; bench/RESULTS.md, "Fused
+ *   decode"): Qwen3-30B-A3B's shape with I = 384 / 768 / 1536 / 3072 (19 / 38 / 75 / 151 MB a
+ *   token) 0.87 / 0.85 / 0.86 / 0.92, Mixtral-8x7B and the shard (352 MB) 1.12-1.14 and
+ *   1.06-1.09, Qwen2-MoE-A2.7B (35 MB and a shared expert) 1.01; the bound, 192 MiB, lies between
+ *   151 and 352 MB, below where the Qwen3 shapes' line crosses 1 (~250 MB). At two tokens only the
+ *   smallest two won (0.88, 0.98; I = 1536 / 3072 1.05 / 1.09), so one token.
  * One GPU only (the kernel does not run with EP or TP). */
 static const struct {
     moe_dtype_t dtype;
     int tokens;
-} decode_builtin[] = {{MOE_DTYPE_BF16, 1}};
+    double max_token_bytes; /* 0: any; else the step's one-token bytes must be known and within */
+    int with_shared;        /* 0: not for a layer with a shared expert */
+} decode_builtin[] = {{MOE_DTYPE_BF16, 1, 0.0, 1}, {MOE_DTYPE_FP8_E4M3, 1, 192.0 * 1024 * 1024, 0}};
 
 int moe_oracle_decode_tokens(const moe_oracle_t *o, const moe_oracle_query_t *q,
                              moe_oracle_choice_t *c)
@@ -441,7 +449,9 @@ int moe_oracle_decode_tokens(const moe_oracle_t *o, const moe_oracle_query_t *q,
         !moe_oracle_fused_decode_runs(q->arch, q->dtype, q->scale))
         return 0;
     for (size_t i = 0; i < sizeof(decode_builtin) / sizeof(decode_builtin[0]); i++)
-        if (decode_builtin[i].dtype == q->dtype) {
+        if (decode_builtin[i].dtype == q->dtype && (decode_builtin[i].with_shared || !q->shared) &&
+            (decode_builtin[i].max_token_bytes == 0.0 ||
+             (q->token_bytes > 0.0 && q->token_bytes <= decode_builtin[i].max_token_bytes))) {
             c->name = MOE_ORACLE_FUSED_DECODE;
             c->hi = decode_builtin[i].tokens;
             return decode_builtin[i].tokens;
@@ -1021,7 +1031,7 @@ moe_status_t moe_oracle_write(const char *path, const moe_oracle_table_t *t)
 static int pick_default(int arch, moe_dtype_t dtype, moe_scale_kind_t scale, double rows,
                         moe_oracle_choice_t *c)
 {
-    const moe_oracle_query_t q = {arch, dtype, scale, 1, 1, MOE_ORACLE_ANY, rows, 0};
+    const moe_oracle_query_t q = {arch, dtype, scale, 1, 1, MOE_ORACLE_ANY, rows, 0, 0.0, 0};
     return moe_oracle_pick_gemm(NULL, &q, c);
 }
 

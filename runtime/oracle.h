@@ -119,6 +119,11 @@ typedef struct moe_oracle_query {
     double value;                    /* rows per expert (GEMM), max tokens per rank (transport) */
     int hidden; /* the layer's hidden, GEMM 1's k (0: not known): built-in GEMM tables may be
                  * for short k only (max_hidden) */
+    /* moe_oracle_decode_tokens: the expert weight bytes a one-token step reads (top_k experts'
+     * three matrices; 0: not known) and whether the layer has a shared expert (the fused
+     * decode kernel leaves it on the grouped path) */
+    double token_bytes;
+    int shared;
 } moe_oracle_query_t;
 
 typedef struct moe_oracle_choice {

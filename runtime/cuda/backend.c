@@ -206,6 +206,10 @@ static void load_oracle(const moe_layer_t *l, cuda_layer_t *s)
     s->oq.tp_size = l->plan.tp_size;
     s->oq.transport = MOE_ORACLE_ANY;
     s->oq.hidden = l->cfg.hidden;
+    /* e4m3 (W8A8) weights: a byte a value; else bf16 on the GPU */
+    s->oq.token_bytes =
+        (double)l->cfg.top_k * 3.0 * l->cfg.hidden * l->cfg.intermediate * (s->f8 ? 1.0 : 2.0);
+    s->oq.shared = l->plan.shared_intermediate > 0;
     moe_oracle_init(&s->oracle);
     if (!moe_env_str("MOE_TUNE_FILE", NULL))
         return;

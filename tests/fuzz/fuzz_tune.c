@@ -33,7 +33,8 @@ static void check_picks(const moe_oracle_t *o)
     for (int k = 0; k < 3; k++)
         for (int l = 0; l < 3; l++)
             for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++) {
-                const moe_oracle_query_t q = {90, dt[k], sc[k], l ? 8 : 1, 1, l - 1, rows[i], 0};
+                const moe_oracle_query_t q = {90,    dt[k],   sc[k], l ? 8 : 1, 1,
+                                              l - 1, rows[i], 0,     0.0,       0};
                 moe_oracle_choice_t c;
                 const moe_gemm_variant_t *v;
                 if (!moe_oracle_pick_gemm(o, &q, &c))

@@ -293,16 +293,26 @@ static void test_decode_batch_invariant(void **state)
 
 /* Graph replays give bitwise the direct step's output (the kernel's counters reset themselves
  * at the end of each launch); forced, the kernel runs up to MOE_DECODE_MAX_TOKENS and not past
- * it; the built-in table (fp8: crossover 0 on the H200, runtime/oracle.c) keeps the grouped path; a
- * layer the kernel cannot run refuses the forced name at create, naming it. */
+ * it; without a force the built-in crossover (runtime/oracle.c: fp8 one token where a token's
+ * expert weights are few and there is no shared expert, as this case) decides, and a layer with a
+ * shared expert keeps the grouped path; a layer the kernel cannot run refuses the forced name at
+ * create, naming it. */
 static void test_decode_graph_explain_refusals(void **state)
 {
     const dec_case_t *c = &cases[3];
     const int64_t T = 5;
     const size_t n = (size_t)T * (size_t)c->H;
     const uint64_t seed = tu_seed("gpu_decode_graph");
-    const moe_oracle_query_t q = {
-        90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, 1, 1, MOE_ORACLE_ANY, 1.0, 0};
+    const moe_oracle_query_t q = {90,
+                                  MOE_DTYPE_FP8_E4M3,
+                                  MOE_SCALE_PER_CHANNEL,
+                                  1,
+                                  1,
+                                  MOE_ORACLE_ANY,
+                                  1.0,
+                                  0,
+                                  (double)c->k * 3 * c->H * c->I,
+                                  c->shared_I > 0};
     float *x = malloc(4 * n), *y1 = malloc(4 * n), *y2 = malloc(4 * n);
     void *stream = NULL, *graph = NULL, *exec = NULL, *dx, *dy;
     moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
@@ -312,7 +322,12 @@ static void test_decode_graph_explain_refusals(void **state)
     REQUIRE_SM90();
 
     l = make(rt_gpu, c, 4096, seed);
-    assert_int_equal(runs_fused(l, 1), moe_oracle_decode_tokens(NULL, &q, NULL) >= 1);
+    assert_int_equal(moe_oracle_decode_tokens(NULL, &q, NULL), 1);
+    assert_true(runs_fused(l, 1));
+    assert_false(runs_fused(l, 2));
+    moe_layer_destroy(l);
+    l = make(rt_gpu, &cases[5], 4096, seed); /* fp8 with a shared expert: the grouped path */
+    assert_false(runs_fused(l, 1));
     moe_layer_destroy(l);
     setenv("MOE_FORCE_VARIANT", "sm90_fused_decode", 1);
     l = make(rt_gpu, c, 4096, seed);

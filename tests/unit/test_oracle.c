@@ -115,8 +115,8 @@ static void test_defaults_match_old_table(void **state)
                 const double r = rows_list[i];
                 const char *want = old_select(arch, kinds[k].d, kinds[k].s, r);
                 const moe_gemm_variant_t *v = moe_gemm_select(arch, kinds[k].d, kinds[k].s, r);
-                const moe_oracle_query_t q = {arch, kinds[k].d,     kinds[k].s, 4,
-                                              2,    MOE_ORACLE_LSA, r,          0};
+                const moe_oracle_query_t q = {arch,           kinds[k].d, kinds[k].s, 4,   2,
+                                              MOE_ORACLE_LSA, r,          0,          0.0, 0};
                 moe_oracle_choice_t c;
                 assert_same_name(v ? v->name : NULL, want, "moe_gemm_select", arch, r);
                 moe_oracle_pick_gemm(&o, &q, &c);
@@ -132,8 +132,8 @@ static void test_defaults_match_old_table(void **state)
             }
     /* no built-in transport table: the backend's own rule */
     {
-        const moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 8, 1, MOE_ORACLE_ANY, 64,
-                                      0};
+        const moe_oracle_query_t q = {
+            90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 8, 1, MOE_ORACLE_ANY, 64, 0, 0.0, 0};
         moe_oracle_choice_t c;
         assert_int_equal(moe_oracle_pick_transport(&o, &q, &c), 0);
         assert_null(c.name);
@@ -225,6 +225,8 @@ static void assert_same_picks(const moe_oracle_t *a, const moe_oracle_t *b)
                                               layouts[l][1],
                                               layouts[l][2],
                                               rows_list[i],
+                                              0,
+                                              0.0,
                                               0};
                 moe_oracle_choice_t ca, cb;
                 assert_int_equal(moe_oracle_pick_gemm(a, &q, &ca),
@@ -295,8 +297,16 @@ static void test_defaults_short_k(void **state)
     };
     (void)state;
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-        const moe_oracle_query_t q = {90, MOE_DTYPE_FP8_E4M3, cases[i].s,    1,
-                                      1,  MOE_ORACLE_ANY,     cases[i].rows, cases[i].hidden};
+        const moe_oracle_query_t q = {90,
+                                      MOE_DTYPE_FP8_E4M3,
+                                      cases[i].s,
+                                      1,
+                                      1,
+                                      MOE_ORACLE_ANY,
+                                      cases[i].rows,
+                                      cases[i].hidden,
+                                      0.0,
+                                      0};
         moe_oracle_choice_t c;
         assert_int_equal(moe_oracle_pick_gemm(NULL, &q, &c), 1);
         assert_same_name(c.name, cases[i].want, "short-k table", 90, cases[i].rows);
@@ -309,10 +319,9 @@ static void test_defaults_short_k(void **state)
     }
     /* bf16 has no such table: hidden changes nothing */
     {
-        const moe_oracle_query_t a = {90,  MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 64,
-                                      2048},
-                                 b = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 64,
-                                      0};
+        const moe_oracle_query_t
+            a = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 64, 2048, 0.0, 0},
+            b = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 64, 0, 0.0, 0};
         moe_oracle_choice_t ca, cb;
         assert_int_equal(moe_oracle_pick_gemm(NULL, &a, &ca), 1);
         assert_int_equal(moe_oracle_pick_gemm(NULL, &b, &cb), 1);
@@ -414,7 +423,8 @@ static void test_round_trip(void **state)
     assert_same_picks(&direct, &from_file);
 
     { /* what the tuned tables say, and that the explanation names the file */
-        moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 8, 1, MOE_ORACLE_LSA, 3, 0};
+        moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 8, 1, MOE_ORACLE_LSA, 3, 0, 0.0,
+                                0};
         moe_oracle_choice_t c;
         char why[512];
         assert_int_equal(moe_oracle_pick_gemm(&from_file, &q, &c), 1);
@@ -450,7 +460,8 @@ static void test_round_trip(void **state)
     { /* the other shape's table is the one kept for it */
         moe_oracle_target_t ds = h200;
         moe_oracle_t o;
-        moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 500, 0};
+        moe_oracle_query_t q = {
+            90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 500, 0, 0.0, 0};
         moe_oracle_choice_t c;
         ds.shape = (moe_oracle_shape_t){7168, 2048, 256, 8};
         moe_oracle_init(&o);
@@ -666,7 +677,7 @@ static void test_decode_table(void **state)
         "\"sm90_fused_decode\", \"at\": 8, \"time_us\": 120.5}, {\"path\": \"grouped\"}]}, "
         "{\"dtype\": \"fp8_e4m3\", \"scales\": \"per_channel\", \"buckets\": "
         "[{\"path\": \"sm90_fused_decode\"}]}]}";
-    moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 0, 0};
+    moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 0, 0, 0.0, 0};
     moe_oracle_choice_t c;
     moe_oracle_table_t t;
     moe_oracle_t o, back;
@@ -706,6 +717,24 @@ static void test_decode_table(void **state)
     assert_int_equal(c.source, MOE_ORACLE_DEFAULT);
     assert_string_equal(c.name, MOE_ORACLE_FUSED_DECODE);
     assert_true(c.hi == 1.0);
+    /* per-row fp8 without a table: one token where a token's expert weights are within 192 MiB
+     * and there is no shared expert; else (or the bytes not known) never */
+    q.dtype = MOE_DTYPE_FP8_E4M3, q.scale = MOE_SCALE_PER_TENSOR;
+    assert_int_equal(moe_oracle_decode_tokens(NULL, &q, &c), 0); /* bytes not known */
+    q.token_bytes = 8.0 * 3 * 2048 * 768;                        /* Qwen3-30B-A3B: 37.7 MB */
+    assert_int_equal(moe_oracle_decode_tokens(NULL, &q, &c), 1);
+    assert_int_equal(c.source, MOE_ORACLE_DEFAULT);
+    assert_string_equal(c.name, MOE_ORACLE_FUSED_DECODE);
+    q.token_bytes = 192.0 * 1024 * 1024;
+    assert_int_equal(moe_oracle_decode_tokens(NULL, &q, &c), 1);
+    q.token_bytes = 2.0 * 3 * 4096 * 14336; /* Mixtral-8x7B: 352 MB */
+    assert_int_equal(moe_oracle_decode_tokens(NULL, &q, &c), 0);
+    assert_string_equal(c.name, MOE_ORACLE_GROUPED_PATH);
+    q.token_bytes = 4.0 * 3 * 2048 * 1408, q.shared = 1; /* Qwen2-MoE-A2.7B */
+    assert_int_equal(moe_oracle_decode_tokens(NULL, &q, &c), 0);
+    q.dtype = MOE_DTYPE_BF16, q.scale = MOE_SCALE_NONE; /* bf16: any size, shared or not */
+    assert_int_equal(moe_oracle_decode_tokens(NULL, &q, &c), 1);
+    q.token_bytes = 0.0, q.shared = 0;
 
     /* written and read back: the same tables and crossover */
     TU_OK(moe_oracle_parse(text, strlen(text), "decode.json", &t));
@@ -833,8 +862,8 @@ static void test_forced(void **state)
                  MOE_STATUS_NOT_SUPPORTED, "this layer: sm_80");
     {
         const moe_oracle_query_t
-            q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 1, 0},
-            f8 = {90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_TENSOR, 1, 1, MOE_ORACLE_ANY, 1, 0};
+            q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 1, 0, 0.0, 0},
+            f8 = {90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_TENSOR, 1, 1, MOE_ORACLE_ANY, 1, 0, 0.0, 0};
         assert_int_equal(moe_oracle_decode_tokens(NULL, &q, NULL), 1);
         assert_int_equal(moe_oracle_decode_tokens(NULL, &f8, NULL), 0);
     }
@@ -919,7 +948,9 @@ static void test_shipped_h200_file(void **state)
                                       1,
                                       MOE_ORACLE_ANY,
                                       cases[i].rows,
-                                      cases[i].shape.hidden};
+                                      cases[i].shape.hidden,
+                                      0.0,
+                                      0};
         /* Qwen3: a bf16 GEMM table and an fp8 decode table; the others: bf16 */
         const int tables = cases[i].shape.experts == 128 ? 2 : 1;
         moe_oracle_init(&o);
