@@ -57,7 +57,10 @@ static const moe_oracle_group_t defaults[] = {
      * day, bench/RESULTS.md, "Tuning"), the smallest worst loss per point: m192n128_p4 also at 192
      * (worst loss 1.5% against m128n128_p4's 7.7%) and 320 (4-5% faster on all three), m128n128_p4
      * at 224 (8-26% faster) and 256 (worst loss 2.9% against 4.0%) (docs/KERNELS.md, "Promotion
-     * interval") */
+     * interval"). Past 320 rows m192n128_p4 as well (it was m128n128_p4): forced against it at 512
+     * and 2048 rows per expert (2026-12-04, 3e6d478, two runs, bench/RESULTS.md, "Layer step, FP8
+     * W8A8"), Mixtral 0.89-0.91 / 0.96, the DeepSeek-V3 shard 0.97-0.99 / 0.93, Qwen3 at 512 0.98:
+     * a weight tile read once per 192 rows instead of 128 (the L2's bytes per flop) */
     /* FP8, hidden <= 2048 (GEMM 1's k 16 slices of 128, GEMM 2's the intermediate): the ping-pong
      * m64n128 tiles (two consumer warpgroups on alternate 64-row items: one's promotions and
      * epilogue under the other's wgmmas) against the tables below, forced at 16..512 rows per
@@ -68,20 +71,19 @@ static const moe_oracle_group_t defaults[] = {
      * 16..68, 0.95 / 1.13 at 128..136, 1.05-1.11 at 512. With hidden 4096 (Mixtral, I 2048) or
      * 7168 (the DeepSeek-V3 shard, I 768 / 1024 / 2048) they were 1-17 % slower at every point
      * from 16 rows, hence the bound. */
-    BUILTIN_SHORT_K(2048, 90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, 6,
+    BUILTIN_SHORT_K(2048, 90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, 5,
                     {11.3, "sm90_fp8_swapab_n8_pp", 0, 0}, {22.6, "sm90_fp8_swapab_n16_pp", 0, 0},
                     {221.7, "sm90_fp8_m64n128_pp_p4", 0, 0}, {286.2, "sm90_fp8_m128n128_p4", 0, 0},
-                    {320.0, "sm90_fp8_m192n128_p4", 0, 0}, {OPEN, "sm90_fp8_m128n128_p4", 0, 0}),
+                    {OPEN, "sm90_fp8_m192n128_p4", 0, 0}),
     BUILTIN_SHORT_K(
         2048, 90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128, 6,
         {5.66, "sm90_fp8_block_swapab_n8_pp", 0, 0}, {11.3, "sm90_fp8_block_swapab_n16_pp", 0, 0},
         {90.5, "sm90_fp8_block_m64n128_pp", 0, 0}, {135.8, "sm90_fp8_block_m128n128", 0, 0},
         {183.8, "sm90_fp8_block_m192n128", 0, 0}, {OPEN, "sm90_fp8_block_m128n128", 0, 0}),
-    BUILTIN(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, 8, {11.3, "sm90_fp8_swapab_n8_pp", 0, 0},
+    BUILTIN(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, 7, {11.3, "sm90_fp8_swapab_n8_pp", 0, 0},
             {22.6, "sm90_fp8_swapab_n16_pp", 0, 0}, {55.4, "sm90_fp8_swapab_n32_pp_p4", 0, 0},
             {119.7, "sm90_fp8_m128n128_p4", 0, 0}, {207.4, "sm90_fp8_m192n128_p4", 0, 0},
-            {286.2, "sm90_fp8_m128n128_p4", 0, 0}, {320.0, "sm90_fp8_m192n128_p4", 0, 0},
-            {OPEN, "sm90_fp8_m128n128_p4", 0, 0}),
+            {286.2, "sm90_fp8_m128n128_p4", 0, 0}, {OPEN, "sm90_fp8_m192n128_p4", 0, 0}),
     /* FP8 128x128 blocks: the bf16 table's first crossovers (not tuned), m192n128 at 136..184
      * rows per expert, 10-20% faster there (measured as the per-row table's); the swap-AB tiles
      * as ping-pong, n16 0-5% faster, n32 6% on Qwen3 at 32 rows per expert and level on the other

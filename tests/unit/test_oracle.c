@@ -32,7 +32,7 @@ static const old_bucket_t old_fp8[] = {
     {11.3, "sm90_fp8_swapab_n8_pp"},     {22.6, "sm90_fp8_swapab_n16_pp"},
     {55.4, "sm90_fp8_swapab_n32_pp_p4"}, {119.7, "sm90_fp8_m128n128_p4"},
     {207.4, "sm90_fp8_m192n128_p4"},     {286.2, "sm90_fp8_m128n128_p4"},
-    {320.0, "sm90_fp8_m192n128_p4"},     {1e300, "sm90_fp8_m128n128_p4"}};
+    {1e300, "sm90_fp8_m192n128_p4"}};
 static const old_bucket_t old_fp8b[] = {
     {5.66, "sm90_fp8_block_swapab_n8_pp"},  {16.0, "sm90_fp8_block_swapab_n16_pp"},
     {32.0, "sm90_fp8_block_swapab_n32_pp"}, {96.0, "sm90_fp8_block_m64n128"},
@@ -287,7 +287,7 @@ static void test_defaults_short_k(void **state)
         {MOE_SCALE_PER_CHANNEL, 64, 2049, "sm90_fp8_m128n128_p4"},
         {MOE_SCALE_PER_CHANNEL, 64, 0, "sm90_fp8_m128n128_p4"},
         {MOE_SCALE_PER_CHANNEL, 8, 2048, "sm90_fp8_swapab_n8_pp"},
-        {MOE_SCALE_PER_CHANNEL, 512, 2048, "sm90_fp8_m128n128_p4"},
+        {MOE_SCALE_PER_CHANNEL, 512, 2048, "sm90_fp8_m192n128_p4"},
         {MOE_SCALE_BLOCK_128, 64, 2048, "sm90_fp8_block_m64n128_pp"},
         {MOE_SCALE_BLOCK_128, 64, 7168, "sm90_fp8_block_m64n128"},
         {MOE_SCALE_BLOCK_128, 150, 2048, "sm90_fp8_block_m192n128"},
@@ -933,7 +933,7 @@ static void test_shipped_h200_file(void **state)
          * (2026-12-03); the built-in short-k table answers (hidden 2048) */
         {{2048, 768, 128, 8}, MOE_DTYPE_FP8_E4M3, 8, "sm90_fp8_swapab_n8_pp", MOE_ORACLE_DEFAULT},
         {{2048, 768, 128, 8}, MOE_DTYPE_FP8_E4M3, 48, "sm90_fp8_m64n128_pp_p4", MOE_ORACLE_DEFAULT},
-        {{2048, 768, 128, 8}, MOE_DTYPE_FP8_E4M3, 512, "sm90_fp8_m128n128_p4", MOE_ORACLE_DEFAULT},
+        {{2048, 768, 128, 8}, MOE_DTYPE_FP8_E4M3, 512, "sm90_fp8_m192n128_p4", MOE_ORACLE_DEFAULT},
     };
     (void)state;
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
