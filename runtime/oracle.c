@@ -76,10 +76,10 @@ static const moe_oracle_group_t defaults[] = {
                     {221.7, "sm90_fp8_m64n128_pp_p4", 0, 0}, {286.2, "sm90_fp8_m128n128_p4", 0, 0},
                     {OPEN, "sm90_fp8_m192n128_p4", 0, 0}),
     BUILTIN_SHORT_K(
-        2048, 90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128, 6,
+        2048, 90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128, 5,
         {5.66, "sm90_fp8_block_swapab_n8_pp", 0, 0}, {11.3, "sm90_fp8_block_swapab_n16_pp", 0, 0},
-        {90.5, "sm90_fp8_block_m64n128_pp", 0, 0}, {135.8, "sm90_fp8_block_m128n128", 0, 0},
-        {183.8, "sm90_fp8_block_m192n128", 0, 0}, {OPEN, "sm90_fp8_block_m128n128", 0, 0}),
+        {90.5, "sm90_fp8_block_m64n128_pp", 0, 0}, {119.7, "sm90_fp8_block_m128n128", 0, 0},
+        {OPEN, "sm90_fp8_block_m192n128", 0, 0}),
     BUILTIN(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, 7, {11.3, "sm90_fp8_swapab_n8_pp", 0, 0},
             {22.6, "sm90_fp8_swapab_n16_pp", 0, 0}, {55.4, "sm90_fp8_swapab_n32_pp_p4", 0, 0},
             {119.7, "sm90_fp8_m128n128_p4", 0, 0}, {207.4, "sm90_fp8_m192n128_p4", 0, 0},
@@ -89,12 +89,16 @@ static const moe_oracle_group_t defaults[] = {
      * as ping-pong, n16 0-5% faster, n32 6% on Qwen3 at 32 rows per expert and level on the other
      * two (2026-12-03, as above). n8_pp (this table and the short-k one) up to 5.66 rows, halfway
      * from its last measured point: 1-9 % faster than n16_pp at 0.06..4 rows per expert on the
-     * three shapes (2026-12-04, bench/RESULTS.md, "Layer step, FP8 W8A8"; 8 rows unmeasured) */
-    BUILTIN(
-        90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128, 7, {5.66, "sm90_fp8_block_swapab_n8_pp", 0, 0},
-        {16.0, "sm90_fp8_block_swapab_n16_pp", 0, 0}, {32.0, "sm90_fp8_block_swapab_n32_pp", 0, 0},
-        {96.0, "sm90_fp8_block_m64n128", 0, 0}, {135.8, "sm90_fp8_block_m128n128", 0, 0},
-        {183.8, "sm90_fp8_block_m192n128", 0, 0}, {OPEN, "sm90_fp8_block_m128n128", 0, 0}),
+     * three shapes (2026-12-04, bench/RESULTS.md, "Layer step, FP8 W8A8"; 8 rows unmeasured).
+     * m192n128 from 119.7 rows on (the per-row tables' bound; it was m128n128 outside 136..184):
+     * forced at 128, 512 and 2048 rows per expert (2026-12-04, ca8b374's tree, two runs), Mixtral
+     * 0.85-0.87 / 0.90-0.92 / 0.93-0.95, the DeepSeek-V3 shard 0.91 / 0.89-0.92 / 0.93-0.94,
+     * Qwen3 at 128 / 512 0.96 / 0.91-0.92 */
+    BUILTIN(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128, 6,
+            {5.66, "sm90_fp8_block_swapab_n8_pp", 0, 0},
+            {16.0, "sm90_fp8_block_swapab_n16_pp", 0, 0},
+            {32.0, "sm90_fp8_block_swapab_n32_pp", 0, 0}, {96.0, "sm90_fp8_block_m64n128", 0, 0},
+            {119.7, "sm90_fp8_block_m128n128", 0, 0}, {OPEN, "sm90_fp8_block_m192n128", 0, 0}),
     /* sm_80 .. sm_89 and anything newer than sm_90 (the sm_80 family's PTX) */
     BUILTIN(80, MOE_DTYPE_BF16, MOE_SCALE_NONE, 2, {32.0, "sm80_mma_m32n128", 0, 0},
             {OPEN, "sm80_mma_m64n128", 0, 0}),

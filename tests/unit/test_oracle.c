@@ -36,8 +36,7 @@ static const old_bucket_t old_fp8[] = {
 static const old_bucket_t old_fp8b[] = {
     {5.66, "sm90_fp8_block_swapab_n8_pp"},  {16.0, "sm90_fp8_block_swapab_n16_pp"},
     {32.0, "sm90_fp8_block_swapab_n32_pp"}, {96.0, "sm90_fp8_block_m64n128"},
-    {135.8, "sm90_fp8_block_m128n128"},     {183.8, "sm90_fp8_block_m192n128"},
-    {1e300, "sm90_fp8_block_m128n128"}};
+    {119.7, "sm90_fp8_block_m128n128"},     {1e300, "sm90_fp8_block_m192n128"}};
 static const old_bucket_t old_sm80[] = {{32.0, "sm80_mma_m32n128"}, {1e300, "sm80_mma_m64n128"}};
 #define OLD_N(b) ((int)(sizeof(b) / sizeof((b)[0])))
 
