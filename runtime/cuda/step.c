@@ -56,6 +56,13 @@ static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_
 {
     const int64_t rows = (int64_t)max_blocks * v->block_rows;
     float *hamax = m->hamax && (!v->swap_ab || m->inter > H_AMAX_SWAP_MIN_COLS) ? m->hamax : NULL;
+    /* W8A8: what both GEMMs' input quantisations share (the step's blocks, per row or group) */
+    const moe_quant_rows_args_t q0 = {.x_dtype = MOE_DTYPE_BF16,
+                                      .rows = rows,
+                                      .num_blocks = num_blocks,
+                                      .block_rows = v->block_rows,
+                                      .block_expert = block_expert,
+                                      .group = s->f8 == 2 ? 128 : 0};
     moe_gemm_args_t g;
     memset(&g, 0, sizeof(g));
     g.expert_counts = counts; /* the permute's: lets a variant skip all-padding rows */
@@ -73,17 +80,12 @@ static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_
     g.ab_dtype = MOE_DTYPE_BF16;
     g.scale_kind = MOE_SCALE_NONE;
     if (s->f8) {
-        moe_quant_rows_args_t q = {.x = m->a,
-                                   .x_dtype = MOE_DTYPE_BF16,
-                                   .rows = rows,
-                                   .num_blocks = num_blocks,
-                                   .block_rows = v->block_rows,
-                                   .cols = s->H,
-                                   .static_scale = m->in13,
-                                   .block_expert = block_expert,
-                                   .q = m->a8,
-                                   .scale = m->as,
-                                   .group = s->f8 == 2 ? 128 : 0};
+        moe_quant_rows_args_t q = q0;
+        q.x = m->a;
+        q.cols = s->H;
+        q.static_scale = m->in13;
+        q.q = m->a8;
+        q.scale = m->as;
         if (m->src_slot) { /* the permute's gather fused in: no bf16 copy of the rows */
             q.x = m->x;
             q.x_dtype = m->x_dtype;
@@ -112,18 +114,13 @@ static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_
     g.epilogue = MOE_GEMM_EPI_STORE;
     g.row_amax = NULL;
     if (s->f8) {
-        moe_quant_rows_args_t q = {.x = m->h,
-                                   .x_dtype = MOE_DTYPE_BF16,
-                                   .rows = rows,
-                                   .num_blocks = num_blocks,
-                                   .block_rows = v->block_rows,
-                                   .cols = (int)m->inter,
-                                   .static_scale = m->in2,
-                                   .block_expert = block_expert,
-                                   .q = m->h8,
-                                   .scale = m->hs,
-                                   .group = s->f8 == 2 ? 128 : 0,
-                                   .amax = hamax};
+        moe_quant_rows_args_t q = q0;
+        q.x = m->h;
+        q.cols = (int)m->inter;
+        q.static_scale = m->in2;
+        q.q = m->h8;
+        q.scale = m->hs;
+        q.amax = hamax;
         MOE_CHECK(moe_quant_rows_launch(&q, stream));
         g.a = m->h8;
         g.a_scale = m->hs;
