@@ -62,6 +62,16 @@ __device__ __forceinline__ void load_row8(const T *x, int c, bool round, float *
             v[i] = __bfloat162float(__float2bfloat16_rn(v[i]));
 }
 
+// Row `row`'s static scale: its expert's (block table), or 0 (dynamic: no table, a padding block
+// or an expert without one).
+__device__ __forceinline__ float row_static_scale(const moe_quant_rows_args_t &a, int64_t row)
+{
+    if (!a.static_scale)
+        return 0.0f;
+    const int32_t e = a.block_expert[row / a.block_rows];
+    return e >= 0 ? a.static_scale[e] : 0.0f;
+}
+
 template <typename T, bool HELD>
 __global__ void __launch_bounds__(HELD ? Q_MAX_THREADS : Q_MIN_THREADS)
     quant_rows_kernel(moe_quant_rows_args_t a)
@@ -130,12 +140,7 @@ __global__ void __launch_bounds__(HELD ? Q_MAX_THREADS : Q_MIN_THREADS)
             if (v < nvec)
                 load_row8(x, v * 8, round, vals[i]);
         }
-    float st = 0.0f; /* the row's expert's static scale; the same for the whole CTA */
-    if (a.static_scale) {
-        const int32_t e = a.block_expert[row / a.block_rows];
-        if (e >= 0)
-            st = a.static_scale[e];
-    }
+    const float st = row_static_scale(a, row); /* the same for the whole CTA */
     if (st > 0.0f) { /* as the CPU's `!(s > 0)`: 0 (and NaN) mean dynamic */
         if (threadIdx.x == 0)
             row_scale = st;
@@ -208,12 +213,7 @@ __global__ void __launch_bounds__(Q_KNOWN_THREADS) quant_known_kernel(moe_quant_
     if (v >= nvec)
         return;
     const int ng = a.group ? (a.cols + 127) / 128 : 1, g = a.group ? v / 16 : 0;
-    float st = 0.0f;
-    if (a.static_scale) {
-        const int32_t e = a.block_expert[row / a.block_rows];
-        if (e >= 0)
-            st = a.static_scale[e];
-    }
+    const float st = row_static_scale(a, row);
     const float s = st > 0.0f ? st : dynamic_scale(__ldg(a.amax + row * ng + g));
     if (a.group ? v % 16 == 0 : v == 0)
         a.scale[row * ng + g] = s;
