@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* The benchmark programs' CUDA status check: a failed call prints where and why, then exits 1
- * (a program's, never the library's way). */
+/* The CUDA status check of the benchmark programs and of test_gpu_expert_gemm: a failed call
+ * prints where and why, then exits 1 (a program's, never the library's way). */
 #ifndef MOE_BENCH_CUDA_OK_H
 #define MOE_BENCH_CUDA_OK_H
 

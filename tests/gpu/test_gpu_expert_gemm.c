@@ -12,21 +12,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench/cuda_ok.h"
 #include "kernels/expert_gemm_table.h"
 #include "runtime/oracle.h"
 #include "gpu_skip.h"
 #include "base/diag.h"
 
 #define TOL 1e-2
-
-#define CUDA_OK(x)                                                                                 \
-    do {                                                                                           \
-        cudaError_t e_ = (x);                                                                      \
-        if (e_ != cudaSuccess) {                                                                   \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));    \
-            exit(1);                                                                               \
-        }                                                                                          \
-    } while (0)
 
 typedef struct shape {
     const char *name;
