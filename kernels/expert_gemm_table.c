@@ -76,6 +76,11 @@ static const moe_gemm_variant_t variants[] = {
      L(moe_gemm_sm90_fp8i_m128_launch), 0},
     {"sm90_fp8_m192n128_p4", 90, 192, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
      L(moe_gemm_sm90_fp8i_m192_launch), 0},
+    /* _mc: 2-CTA clusters on two weight tiles of one row block, the token tile multicast */
+    {"sm90_fp8_m128n128_p4_mc", 90, 128, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
+     L(moe_gemm_sm90_fp8i_m128mc_launch), 0},
+    {"sm90_fp8_m192n128_p4_mc", 90, 192, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
+     L(moe_gemm_sm90_fp8i_m192mc_launch), 0},
     /* ping-pong: two consumer warpgroups on alternate 64-row items */
     {"sm90_fp8_m64n128_pp_p4", 90, 64, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
      L(moe_gemm_sm90_fp8i_m64pp_launch), 0},
@@ -100,6 +105,10 @@ static const moe_gemm_variant_t variants[] = {
      L(moe_gemm_sm90_fp8b_m128_launch), 0},
     {"sm90_fp8_block_m192n128", 90, 192, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
      L(moe_gemm_sm90_fp8b_m192_launch), 0},
+    {"sm90_fp8_block_m128n128_mc", 90, 128, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
+     L(moe_gemm_sm90_fp8b_m128mc_launch), 0},
+    {"sm90_fp8_block_m192n128_mc", 90, 192, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
+     L(moe_gemm_sm90_fp8b_m192mc_launch), 0},
     {"sm90_fp8_block_m64n128_pp", 90, 64, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
      L(moe_gemm_sm90_fp8b_m64pp_launch), 0},
     {"sm80_mma_m32n128", 80, 32, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE, L(moe_gemm_sm80_m32_launch), 0},

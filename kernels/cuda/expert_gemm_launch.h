@@ -45,6 +45,10 @@ moe_status_t moe_gemm_sm90_fp8b_swap16pp_launch(const moe_gemm_args_t *args, voi
 moe_status_t moe_gemm_sm90_fp8b_swap8pp_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8b_swap32pp_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8b_swap32_launch(const moe_gemm_args_t *args, void *stream);
+moe_status_t moe_gemm_sm90_fp8i_m128mc_launch(const moe_gemm_args_t *args, void *stream);
+moe_status_t moe_gemm_sm90_fp8i_m192mc_launch(const moe_gemm_args_t *args, void *stream);
+moe_status_t moe_gemm_sm90_fp8b_m128mc_launch(const moe_gemm_args_t *args, void *stream);
+moe_status_t moe_gemm_sm90_fp8b_m192mc_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm80_m64_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm80_m32_launch(const moe_gemm_args_t *args, void *stream);
 

@@ -65,6 +65,40 @@ static __device__ __forceinline__ void tma_load_2d(void *dst, const CUtensorMap 
                  : "memory");
 }
 
+/* The same box multicast to the CTAs of `mask` in the cluster (each at dst's offset, each
+ * completing on its own barrier at bar's offset). */
+static __device__ __forceinline__ void tma_load_2d_mc(void *dst, const CUtensorMap *map, int c0,
+                                                      int c1, uint64_t *bar, uint16_t mask)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(smem_u32(dst)),
+                 "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(smem_u32(bar)), "h"(mask)
+                 : "memory");
+}
+
+/* One arrival on the barrier at bar's offset in the cluster's CTA `cta` (this one included). A
+ * plain arrive: with .release.cluster every k step paid a cluster-scope fence (docs/KERNELS.md,
+ * "Missing / next"), as CUTLASS's ClusterBarrier does it. */
+static __device__ __forceinline__ void mbar_arrive_cta(uint64_t *bar, uint32_t cta)
+{
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(bar)), "r"(cta));
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+
+static __device__ __forceinline__ uint32_t cluster_ctarank()
+{
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+/* Every thread of the cluster's CTAs (not .aligned: the producer warp's lanes arrive apart). */
+static __device__ __forceinline__ void cluster_sync()
+{
+    asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
 /* 2D tile store from shared memory (bulk group); coordinates as tma_load_2d. Parts of the box
  * past the tensor's extent are not written. */
 static __device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, uint32_t src, int c0,
@@ -246,7 +280,12 @@ __device__ __forceinline__ float sm90_f8_scale(const moe_gemm_kparams &p, int64_
     return __ldg(p.a_scale + row) * __ldg(p.b_scale + (int64_t)e * p.n + wrow);
 }
 
-template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB, int F8, int PING>
+/* MC (normal layout, no PING): the CTAs of a 2-CTA cluster take the two weight tiles 2 q and
+ * 2 q + 1 of one row block, and each loads half of the block's token tile and multicasts it to
+ * both (docs/KERNELS.md, "Token-tile multicast"): a CTA reads TOK / 2 token rows a stage from
+ * the L2 instead of TOK. */
+template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB, int F8, int PING,
+          int MC>
 __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8, PING>::THREADS, 1)
     moe_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tm_tok,
                          const __grid_constant__ CUtensorMap tm_w,
@@ -269,8 +308,9 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
         for (int s = 0; s < STAGES; s++) {
             /* SSC: + the producer warp's 32 lanes, each when its scale copies land */
             mbar_init(&full[s], C::SSC ? 33 : 1);
-            /* lane 0 of each consumer warp that reads the stage (PING: one warpgroup's) */
-            mbar_init(&empty[s], (PING ? 1 : C::NWG) * 4);
+            /* lane 0 of each consumer warp that reads the stage (PING: one warpgroup's; MC:
+             * of both CTAs, whose token halves each CTA's producer writes into both) */
+            mbar_init(&empty[s], (PING ? 1 : C::NWG) * 4 * (MC ? 2 : 1));
         }
         if (PING) {
             mbar_init(&turn[0], 1);
@@ -284,14 +324,27 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
         if (C::TS)
             asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&tm_c) : "memory");
     }
-    __syncthreads();
+    static_assert(!MC || (!SWAP && !PING && KB == 1 && TOK / 2 * ROW_BYTES % 1024 == 0),
+                  "multicast: normal cooperative tiles, halves of whole swizzle atoms");
+    /* MC: the peer's barriers are initialised before anything is multicast or arrived there */
+    if (MC)
+        cluster_sync();
+    else
+        __syncthreads();
     /* Programmatic dependent launch: everything above overlaps the previous kernel's tail;
      * nothing it writes (a, block_expert, num_blocks) is read before this wait. */
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" :::);
 
     const int nb = min(__ldg(p.num_blocks), p.max_blocks);
-    const int total = nb * p.n_tiles;
+    /* MC: work units are pairs of weight tiles (the pair's second past n_tiles where n_tiles is
+     * odd: that CTA computes nothing, but loads and multicasts its token half), cluster c taking
+     * units c, c + clusters, ... */
+    const uint32_t rank = MC ? cluster_ctarank() : 0;
+    const int units = MC ? (p.n_tiles + 1) / 2 : p.n_tiles;
+    const int total = nb * units;
+    const int first = MC ? blockIdx.x / 2 : blockIdx.x;
+    const int stride = MC ? gridDim.x / 2 : gridDim.x;
     /* Row blocks per sweep: set (MOE_GEMM_GROUP), or for the normal layout the step's blocks
      * per expert within [4, GROUP_BLOCKS] (one expert's blocks share each weight tile while it
      * is in L2; fewer blocks a sweep measured faster where experts have few blocks: docs/
@@ -299,6 +352,11 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
     const int group = p.group > 0 ? p.group
                       : SWAP      ? GROUP_BLOCKS
                                   : min(GROUP_BLOCKS, max(4, nb / max(p.num_experts, 1)));
+    auto item_of = [&](int t, int *b, int *jt) {
+        sm90_item(t, nb, units, b, jt, group);
+        if (MC)
+            *jt = 2 * *jt + (int)rank;
+    };
     constexpr int BKE = sm90_elem<F8>::BKE;
     const int kt_count = (p.k + BKE - 1) / BKE; /* the k tail: TMA zero fill */
 
@@ -310,12 +368,14 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
             const int kbn = (p.k + 127) / 128; /* 128-wide k slices (block scales) */
             /* the output columns a weight tile may hold (the n tail: a half past it is empty) */
             const int nlim = EPI == MOE_GEMM_EPI_STORE ? p.n : p.n / 2;
-            for (int t = blockIdx.x; t < total; t += gridDim.x) {
+            for (int t = first; t < total; t += stride) {
                 int b, jt;
-                sm90_item(t, nb, p.n_tiles, &b, &jt, group);
+                item_of(t, &b, &jt);
                 int e = __ldg(p.block_expert + b);
                 if (e < 0 || e >= p.num_experts)
                     continue;
+                /* MC: a pair's second tile past n (odd n_tiles) loads its token half alone */
+                const bool wload = !MC || jt < p.n_tiles;
                 int wrow[HALVES];
                 bool win[HALVES]; /* the half's first output column is inside n */
 #pragma unroll
@@ -331,15 +391,23 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                     mbar_wait(&empty[s], ph ^ 1);
                     uint8_t *st = smem + s * C::STAGE_BYTES;
                     if (tid == 0) {
-                        mbar_expect_tx(&full[s], C::STAGE_BYTES);
+                        /* MC: both token halves land here, this CTA's and the peer's */
+                        mbar_expect_tx(&full[s], wload ? C::STAGE_BYTES : C::TOK_BYTES);
 #pragma unroll
                         for (int sub = 0; sub < KB; sub++) {
 #pragma unroll
                             for (int h = 0; h < HALVES; h++)
-                                tma_load_2d(st + sub * C::SUB_W + h * WR * ROW_BYTES, &tm_w,
-                                            (kt + sub) * BKE, wrow[h], &full[s]);
-                            tma_load_2d(st + C::W_BYTES + sub * C::SUB_T, &tm_tok, (kt + sub) * BKE,
-                                        b * TOK, &full[s]);
+                                if (wload)
+                                    tma_load_2d(st + sub * C::SUB_W + h * WR * ROW_BYTES, &tm_w,
+                                                (kt + sub) * BKE, wrow[h], &full[s]);
+                            if (MC)
+                                tma_load_2d_mc(st + C::W_BYTES + sub * C::SUB_T +
+                                                   rank * (TOK / 2) * ROW_BYTES,
+                                               &tm_tok, (kt + sub) * BKE,
+                                               b * TOK + (int)rank * (TOK / 2), &full[s], 0x3);
+                            else
+                                tma_load_2d(st + C::W_BYTES + sub * C::SUB_T, &tm_tok,
+                                            (kt + sub) * BKE, b * TOK, &full[s]);
                         }
                     }
                     if (C::SSC) {
@@ -373,6 +441,9 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 }
             }
         }
+        /* MC: the peer multicasts into this CTA and arrives on its barriers until it is done */
+        if (MC)
+            cluster_sync();
         return;
     }
 
@@ -500,10 +571,18 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                     d[h][i] += pp[h][i];
             }
     };
+    /* a stage read: lane 0 of each consumer warp frees it (MC: in both CTAs) */
+    auto release = [&](int stage) {
+        if (MC) {
+            mbar_arrive_cta(&empty[stage], 0);
+            mbar_arrive_cta(&empty[stage], 1);
+        } else
+            mbar_arrive(&empty[stage]);
+    };
     int s = 0, ph = 0, mine = 0, tph = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    for (int t = first; t < total; t += stride) {
         int b, jt;
-        sm90_item(t, nb, p.n_tiles, &b, &jt, group);
+        item_of(t, &b, &jt);
         int e = __ldg(p.block_expert + b);
         if (e < 0 || e >= p.num_experts)
             continue;
@@ -535,20 +614,22 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
          * (130 rows: 128 + 2). A consumer warpgroup whose 64 rows are all padding passes the
          * item's stages through (the other one runs the tensor cores alone, about twice as
          * fast) and stores nothing: padding rows of c are never read. */
-        if (!PING && C::NWG > 1 && wg > 0 && p.expert_counts) {
-            const int used = __ldg(p.expert_counts + e) - (int)(row0 - __ldg(p.expert_offsets + e));
-            if (used <= wg * 64) {
-                for (int kt = 0; kt < kt_count; kt += KB) {
-                    mbar_wait(&full[s], ph);
-                    if (lane == 0)
-                        mbar_arrive(&empty[s]);
-                    if (++s == STAGES) {
-                        s = 0;
-                        ph ^= 1;
-                    }
+        const bool pad = !PING && C::NWG > 1 && wg > 0 && p.expert_counts &&
+                         __ldg(p.expert_counts + e) -
+                                 (int)(row0 - __ldg(p.expert_offsets + e)) <=
+                             wg * 64;
+        /* MC: so does every warpgroup of a pair's second tile past n */
+        if (pad || (MC && jt >= p.n_tiles)) {
+            for (int kt = 0; kt < kt_count; kt += KB) {
+                mbar_wait(&full[s], ph);
+                if (lane == 0)
+                    release(s);
+                if (++s == STAGES) {
+                    s = 0;
+                    ph ^= 1;
                 }
-                continue;
             }
+            continue;
         }
         /* FP8 per-row scales, normal layout: each accumulator is multiplied by its A row's and
          * weight row's scale once the main loop is done (acc *= (s_a x s_b), then the epilogue
@@ -647,13 +728,13 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                     wgmma_wait<0>();
                     /* the stage is read (the scales are not in it): free it before the adds */
                     if (sub == KB - 1 && !C::SSC && lane == 0)
-                        mbar_arrive(&empty[s]);
+                        release(s);
                     apply(acc, reinterpret_cast<acc_t>(part), sb, sa);
                 }
                 if (C::SSC) {
                     __syncwarp();
                     if (lane == 0)
-                        mbar_arrive(&empty[s]);
+                        release(s);
                 }
             } else {
                 /* one stage's wgmma group kept in flight across stages; PRI: into the partial,
@@ -673,8 +754,8 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                     wgmma_wait<0>();
                     if (lane == 0) {
                         if (s_prev >= 0)
-                            mbar_arrive(&empty[s_prev]);
-                        mbar_arrive(&empty[s]);
+                            release(s_prev);
+                        release(s);
                     }
                     s_prev = -1;
                     const float sb[C::NACC] = {}, sa[NA] = {}; /* per-row scales: the epilogue's */
@@ -683,7 +764,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                     /* the previous stage's wgmmas are done: its stage is free */
                     wgmma_wait<1>();
                     if (s_prev >= 0 && lane == 0)
-                        mbar_arrive(&empty[s_prev]);
+                        release(s_prev);
                     s_prev = s;
                 }
             }
@@ -701,7 +782,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
             for (int i = 0; i < C::ACC; i++)
                 reg_fence(acc[h][i]);
         if (s_prev >= 0 && lane == 0)
-            mbar_arrive(&empty[s_prev]);
+            release(s_prev);
         if (sfold) {
 #pragma unroll
             for (int j = 0; j < (SRS ? C::WM : 1); j++)
@@ -889,6 +970,8 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
     /* the last boxes must be written before the CTA (and its shared memory) goes */
     if (C::TS && p.tma_store && tid == 0)
         asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    if (MC) /* the producer's cluster_sync, above */
+        cluster_sync();
 #endif
 }
 
@@ -985,13 +1068,37 @@ static int max_ctas(void)
     return moe_env_once(&cached, "MOE_GEMM_MAX_CTAS", 0);
 }
 
+/* The most 2-CTA clusters of `kernel` resident at once on device dev (its GPCs' SM counts
+ * decide: one CTA an SM), asked once per device; 0 on error. */
+static int mc_clusters(const void *kernel, int smem, int threads, int dev, int *cache)
+{
+    int n = __atomic_load_n(&cache[dev], __ATOMIC_ACQUIRE);
+    if (n > 0)
+        return n;
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    cfg.gridDim = dim3(2);
+    cfg.blockDim = dim3(threads);
+    cfg.dynamicSmemBytes = smem;
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 2;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess || n <= 0)
+        return 0;
+    __atomic_store_n(&cache[dev], n, __ATOMIC_RELEASE);
+    return n;
+}
+
 template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB = 1, int F8 = 0,
-          int PING = 0>
+          int PING = 0, int MC = 0>
 static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, const char *name)
 {
     using C = sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8, PING>;
-    static int smem_done[MOE_MAX_DEVICES];
-    auto kernel = moe_gemm_sm90_kernel<SWAP, TOK, WR, HALVES, EPI, STAGES, KB, F8, PING>;
+    static int smem_done[MOE_MAX_DEVICES], clusters[MOE_MAX_DEVICES];
+    auto kernel = moe_gemm_sm90_kernel<SWAP, TOK, WR, HALVES, EPI, STAGES, KB, F8, PING, MC>;
     int dev, sms;
     MOE_CHECK(moe_gemm_device_sms(name, &dev, &sms));
     MOE_CHECK(moe_gemm_smem_once(name, (const void *)kernel, C::SMEM, dev, smem_done));
@@ -1008,7 +1115,9 @@ static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, co
     if (items == 0)
         return MOE_STATUS_SUCCESS;
     CUtensorMap tm_tok, tm_w;
-    MOE_CHECK(encode_map(&tm_tok, a->a, (int64_t)a->max_blocks * TOK, a->k, TOK, name, F8));
+    /* MC: each CTA of a pair loads half of the token tile */
+    MOE_CHECK(encode_map(&tm_tok, a->a, (int64_t)a->max_blocks * TOK, a->k, MC ? TOK / 2 : TOK,
+                         name, F8));
     MOE_CHECK(encode_map(&tm_w, a->b, (int64_t)a->num_experts * a->n, a->k, WR, name, F8));
     /* c as [rows, n_out] bf16 in [64 x 64] boxes (the TMA-store epilogue; else unused) */
     CUtensorMap tm_c = tm_tok;
@@ -1020,20 +1129,38 @@ static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, co
         grid = max_ctas();
     if (a->max_ctas > 0 && grid > a->max_ctas)
         grid = a->max_ctas;
+    if (MC) {
+        /* pairs of CTAs, as many as are resident at once (a pair waits on its peer) and at
+         * most one a pair of weight tiles */
+        const int pairs = mc_clusters((const void *)kernel, C::SMEM, C::THREADS, dev, clusters);
+        if (pairs <= 0)
+            return moe_error(MOE_STATUS_CUDA_ERROR, "%s: no 2-CTA cluster fits on device %d",
+                             name, dev);
+        const int64_t units = (int64_t)a->max_blocks * ((p.n_tiles + 1) / 2);
+        int64_t g = grid / 2 < pairs ? grid / 2 : pairs;
+        if (g > units)
+            g = units;
+        grid = 2 * (int)(g > 0 ? g : 1);
+    }
     p.group = sweep_group();
     p.swap_fold = SWAP && f8_row_scales(F8) && swap_fold_enabled();
     p.promo_pi = F8 == 4 ? promo_slices() : F8_PI;
     cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[1];
+    cudaLaunchAttribute attr[2];
     cfg.gridDim = dim3(grid);
     cfg.blockDim = dim3(C::THREADS);
     cfg.dynamicSmemBytes = C::SMEM;
     cfg.stream = stream;
+    cfg.attrs = attr;
     if (pdl_enabled()) {
-        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[0].val.programmaticStreamSerializationAllowed = 1;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
+        attr[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[cfg.numAttrs++].val.programmaticStreamSerializationAllowed = 1;
+    }
+    if (MC) {
+        attr[cfg.numAttrs].id = cudaLaunchAttributeClusterDimension;
+        attr[cfg.numAttrs].val.clusterDim.x = 2;
+        attr[cfg.numAttrs].val.clusterDim.y = 1;
+        attr[cfg.numAttrs++].val.clusterDim.z = 1;
     }
     cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, tm_tok, tm_w, tm_c, p);
     if (err != cudaSuccess)
@@ -1050,7 +1177,7 @@ static constexpr int stages_for(int stage_bytes, int budget, int cap)
 /* Normal layout: TOK tokens (64 per consumer warpgroup; PING: two warpgroups on alternate
  * 64-row items) x 2 x WR weight rows (bf16: WRB, 128, or 64 for three and four consumer
  * warpgroups). */
-template <int TOK, int F8 = 0, int WRB = 128, int PING = 0>
+template <int TOK, int F8 = 0, int WRB = 128, int PING = 0, int MC = 0>
 static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const char *name)
 {
     /* FP8 with promotion (F8 = 1, 2, 4) keeps a second set of accumulators: half the weight
@@ -1068,11 +1195,11 @@ static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const 
     cudaStream_t s = (cudaStream_t)stream;
     switch (a->epilogue) {
     case MOE_GEMM_EPI_STORE:
-        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_STORE, ST, 1, F8, PING>(a, s, name);
+        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_STORE, ST, 1, F8, PING, MC>(a, s, name);
     case MOE_GEMM_EPI_SILU_MUL:
-        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_SILU_MUL, ST, 1, F8, PING>(a, s, name);
+        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_SILU_MUL, ST, 1, F8, PING, MC>(a, s, name);
     case MOE_GEMM_EPI_GELU_MUL:
-        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_GELU_MUL, ST, 1, F8, PING>(a, s, name);
+        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_GELU_MUL, ST, 1, F8, PING, MC>(a, s, name);
     default:
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: epilogue %d", name, (int)a->epilogue);
     }
