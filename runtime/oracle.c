@@ -93,11 +93,14 @@ static const moe_oracle_group_t defaults[] = {
      * m192n128 from 119.7 rows on (the per-row tables' bound; it was m128n128 outside 136..184):
      * forced at 128, 512 and 2048 rows per expert (2026-12-04, ca8b374's tree, two runs), Mixtral
      * 0.85-0.87 / 0.90-0.92 / 0.93-0.95, the DeepSeek-V3 shard 0.91 / 0.89-0.92 / 0.93-0.94,
-     * Qwen3 at 128 / 512 0.96 / 0.91-0.92 */
+     * Qwen3 at 128 / 512 0.96 / 0.91-0.92. m128n128 from 55.4 rows (it was 96: the bf16 table's
+     * crossover), halfway between measured points: forced against m64n128 (2026-12-04, 4b498e6,
+     * two runs, bench/RESULTS.md, "Layer step, FP8 W8A8"), Mixtral 1.10-1.13 / 0.98-1.00 / 0.78 at
+     * 48 / 64 / 96 rows per expert, the DeepSeek-V3 shard 1.01-1.09 / 0.92-0.94 / 0.76-0.77 */
     BUILTIN(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128, 6,
             {5.66, "sm90_fp8_block_swapab_n8_pp", 0, 0},
             {16.0, "sm90_fp8_block_swapab_n16_pp", 0, 0},
-            {32.0, "sm90_fp8_block_swapab_n32_pp", 0, 0}, {96.0, "sm90_fp8_block_m64n128", 0, 0},
+            {32.0, "sm90_fp8_block_swapab_n32_pp", 0, 0}, {55.4, "sm90_fp8_block_m64n128", 0, 0},
             {119.7, "sm90_fp8_block_m128n128", 0, 0}, {OPEN, "sm90_fp8_block_m192n128", 0, 0}),
     /* sm_80 .. sm_89 and anything newer than sm_90 (the sm_80 family's PTX) */
     BUILTIN(80, MOE_DTYPE_BF16, MOE_SCALE_NONE, 2, {32.0, "sm80_mma_m32n128", 0, 0},

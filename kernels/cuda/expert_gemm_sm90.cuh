@@ -82,7 +82,9 @@ static __device__ __forceinline__ void tma_load_2d_mc(void *dst, const CUtensorM
 static __device__ __forceinline__ void mbar_arrive_cta(uint64_t *bar, uint32_t cta)
 {
     uint32_t remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_u32(bar)), "r"(cta));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                 : "=r"(remote)
+                 : "r"(smem_u32(bar)), "r"(cta));
     asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 
@@ -614,10 +616,9 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
          * (130 rows: 128 + 2). A consumer warpgroup whose 64 rows are all padding passes the
          * item's stages through (the other one runs the tensor cores alone, about twice as
          * fast) and stores nothing: padding rows of c are never read. */
-        const bool pad = !PING && C::NWG > 1 && wg > 0 && p.expert_counts &&
-                         __ldg(p.expert_counts + e) -
-                                 (int)(row0 - __ldg(p.expert_offsets + e)) <=
-                             wg * 64;
+        const bool pad =
+            !PING && C::NWG > 1 && wg > 0 && p.expert_counts &&
+            __ldg(p.expert_counts + e) - (int)(row0 - __ldg(p.expert_offsets + e)) <= wg * 64;
         /* MC: so does every warpgroup of a pair's second tile past n */
         if (pad || (MC && jt >= p.n_tiles)) {
             for (int kt = 0; kt < kt_count; kt += KB) {
@@ -1134,8 +1135,8 @@ static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, co
          * most one a pair of weight tiles */
         const int pairs = mc_clusters((const void *)kernel, C::SMEM, C::THREADS, dev, clusters);
         if (pairs <= 0)
-            return moe_error(MOE_STATUS_CUDA_ERROR, "%s: no 2-CTA cluster fits on device %d",
-                             name, dev);
+            return moe_error(MOE_STATUS_CUDA_ERROR, "%s: no 2-CTA cluster fits on device %d", name,
+                             dev);
         const int64_t units = (int64_t)a->max_blocks * ((p.n_tiles + 1) / 2);
         int64_t g = grid / 2 < pairs ? grid / 2 : pairs;
         if (g > units)

@@ -35,7 +35,7 @@ static const old_bucket_t old_fp8[] = {
     {1e300, "sm90_fp8_m192n128_p4"}};
 static const old_bucket_t old_fp8b[] = {
     {5.66, "sm90_fp8_block_swapab_n8_pp"},  {16.0, "sm90_fp8_block_swapab_n16_pp"},
-    {32.0, "sm90_fp8_block_swapab_n32_pp"}, {96.0, "sm90_fp8_block_m64n128"},
+    {32.0, "sm90_fp8_block_swapab_n32_pp"}, {55.4, "sm90_fp8_block_m64n128"},
     {119.7, "sm90_fp8_block_m128n128"},     {1e300, "sm90_fp8_block_m192n128"}};
 static const old_bucket_t old_sm80[] = {{32.0, "sm80_mma_m32n128"}, {1e300, "sm80_mma_m64n128"}};
 #define OLD_N(b) ((int)(sizeof(b) / sizeof((b)[0])))
@@ -288,7 +288,9 @@ static void test_defaults_short_k(void **state)
         {MOE_SCALE_PER_CHANNEL, 8, 2048, "sm90_fp8_swapab_n8_pp"},
         {MOE_SCALE_PER_CHANNEL, 512, 2048, "sm90_fp8_m192n128_p4"},
         {MOE_SCALE_BLOCK_128, 64, 2048, "sm90_fp8_block_m64n128_pp"},
-        {MOE_SCALE_BLOCK_128, 64, 7168, "sm90_fp8_block_m64n128"},
+        {MOE_SCALE_BLOCK_128, 48, 7168, "sm90_fp8_block_m64n128"},
+        {MOE_SCALE_BLOCK_128, 64, 7168, "sm90_fp8_block_m128n128"},
+        {MOE_SCALE_BLOCK_128, 96, 4096, "sm90_fp8_block_m128n128"},
         {MOE_SCALE_BLOCK_128, 150, 2048, "sm90_fp8_block_m192n128"},
         {MOE_SCALE_BLOCK_128, 4, 2048, "sm90_fp8_block_swapab_n8_pp"},
         {MOE_SCALE_BLOCK_128, 8, 2048, "sm90_fp8_block_swapab_n16_pp"},
