@@ -34,6 +34,7 @@ static const struct knob {
     {"MOE_EP_FINISH_WAIT", 0, 1},
     {"MOE_EP_SHARED_OVERLAP", 0, 1},
     {"MOE_GEMM_GROUP", 0, 4096},      /* row blocks a sweep; 0: by blocks per expert */
+    {"MOE_GEMM_EXPERT_GROUPS", 0, 1}, /* sm_90 normal tiles: one expert's blocks a sweep */
     {"MOE_GEMM_MAX_CTAS", 0, 4096},   /* sm_90 GEMM grid cap (an experiment); 0: the SMs */
     {"MOE_DECODE_K1_SPLIT", 0, 8},    /* fused decode's GEMM 1 k split; 0: by shape, 1: none */
     {"MOE_FP8_FAST_ACCUM", 0, 1},     /* moe-tune: try the FP8 tiles without promotion */

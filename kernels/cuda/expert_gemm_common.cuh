@@ -24,7 +24,8 @@ struct moe_gemm_kparams {
     const float *b_scale; /* FP8: [num_experts][n] per weight row (block: [..][ceil(k/128)]) */
     int tma_store;        /* sm_90a normal layout: bf16 c through shared memory and TMA */
     const int32_t *expert_counts, *expert_offsets; /* optional: see moe_gemm_args_t */
-    int group;     /* sm_90a: row blocks swept together over the weight tiles (0: by the step) */
+    int group; /* sm_90a: row blocks swept together over the weight tiles (0: by the step; < 0: one
+                * expert's blocks a sweep, the normal layout with the permute's counts) */
     int swap_fold; /* sm_90a swap-AB, per-row fp8 scales: multiplied in after the main loop */
     int promo_pi;  /* sm_90a fp8 per-row scales (F8 = 4): 128-k slices a promotion sums */
     float *amax;   /* moe_gemm_args_t.row_amax (sm_90a *_MUL epilogues) */

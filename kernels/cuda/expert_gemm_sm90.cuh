@@ -354,8 +354,26 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
     const int group = p.group > 0 ? p.group
                       : SWAP      ? GROUP_BLOCKS
                                   : min(GROUP_BLOCKS, max(4, nb / max(p.num_experts, 1)));
+    /* p.group < 0 (normal layout, the permute's counts and offsets given: MOE_GEMM_EXPERT_GROUPS):
+     * the sweeps follow the experts. Expert e's blocks fb .. fb + nbe - 1 (fb = its first padded
+     * row / TOK, nbe = its rows / TOK rounded up) own items fb x units .. (fb + nbe) x units - 1,
+     * taken in ceil(nbe / GROUP_BLOCKS) equal sweeps of its blocks, so no sweep holds the last
+     * blocks of one expert and the first of the next (which reads the next expert's weight tiles
+     * for a block or two, then again for the rest). A block of no expert keeps its own items. */
     auto item_of = [&](int t, int *b, int *jt) {
-        sm90_item(t, nb, units, b, jt, group);
+        const int b0 = t / units;
+        const int e0 = p.group < 0 ? __ldg(p.block_expert + b0) : -1;
+        if (e0 >= 0 && e0 < p.num_experts) {
+            const int fb = __ldg(p.expert_offsets + e0) / TOK;
+            const int nbe = (__ldg(p.expert_counts + e0) + TOK - 1) / TOK;
+            const int sweeps = (nbe + GROUP_BLOCKS - 1) / GROUP_BLOCKS;
+            sm90_item(t - fb * units, nbe, units, b, jt, (nbe + sweeps - 1) / sweeps);
+            *b += fb;
+        } else if (p.group < 0) {
+            *b = b0;
+            *jt = t - b0 * units;
+        } else
+            sm90_item(t, nb, units, b, jt, group);
         if (MC)
             *jt = 2 * *jt + (int)rank;
     };
@@ -1061,6 +1079,14 @@ static int sweep_group(void)
     return moe_env_once(&cached, "MOE_GEMM_GROUP", 0);
 }
 
+/* MOE_GEMM_EXPERT_GROUPS=0 makes the normal layout's sweeps take row blocks `group` at a time
+ * across experts (the rule before 2026-12-04) instead of one expert's blocks at a time. */
+static int expert_groups_enabled(void)
+{
+    static int cached = -1;
+    return moe_env_once(&cached, "MOE_GEMM_EXPERT_GROUPS", 1) != 0;
+}
+
 /* MOE_GEMM_MAX_CTAS=N caps the sm_90 GEMMs' persistent grid at N CTAs (0 or unset: one per SM):
  * measures whether few-item steps are limited by the SMs streaming or by HBM (split-K's case). */
 static int max_ctas(void)
@@ -1144,6 +1170,8 @@ static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, co
         grid = 2 * (int)(g > 0 ? g : 1);
     }
     p.group = sweep_group();
+    if (!p.group && !SWAP && a->expert_counts && a->expert_offsets && expert_groups_enabled())
+        p.group = -1; /* one expert's blocks a sweep */
     p.swap_fold = SWAP && f8_row_scales(F8) && swap_fold_enabled();
     p.promo_pi = F8 == 4 ? promo_slices() : F8_PI;
     cudaLaunchConfig_t cfg = {};
