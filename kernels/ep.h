@@ -47,6 +47,8 @@ typedef struct moe_ep_slot_ids_args {
     unsigned long long *load;     /* device [num_experts], or NULL */
     int pdl; /* launched with programmatic dependent launch (the one-GPU step's kernels are);
               * 0: as the EP step's kernels (MOE_EP_PDL) */
+    int num_experts; /* optional (0: unknown): load's length, so each CTA counts its pairs in
+                      * shared memory and adds each expert's count once */
 } moe_ep_slot_ids_args_t;
 
 moe_status_t moe_ep_slot_ids_launch(const moe_ep_slot_ids_args_t *args, void *stream);

@@ -27,17 +27,57 @@ __global__ void local_ids_kernel(const int32_t *__restrict__ in, int32_t *__rest
     out[i] = bad < 0 && e >= first && e < first + count ? e - first : -1;
 }
 
+/* With the loads counted (num_experts > 0): each CTA takes SLOT_PAIRS pairs (SLOT_UNROLL a
+ * thread, loaded before any is used), counts them per logical expert in shared memory and adds
+ * each count to load[e] once: at most num_experts global atomics a CTA instead of one a pair
+ * (65536 on 128 addresses at Qwen3-30B-A3B's 8192 tokens). The sums are integers: the same
+ * totals in any order. An id past num_experts is counted in load as before. */
+constexpr int SLOT_UNROLL = 4, SLOT_PAIRS = SLOT_UNROLL * EP_THREADS;
+constexpr int SLOT_HIST_MAX = 8192; /* logical experts a CTA's histogram holds (32 KB) */
+
 __global__ void slot_ids_kernel(const int32_t *__restrict__ in, int32_t *__restrict__ out,
                                 int64_t n, int top_k, int64_t first_token, int rank,
                                 const int32_t *__restrict__ replica_begin,
-                                const int32_t *__restrict__ replica_slot, unsigned long long *load)
+                                const int32_t *__restrict__ replica_slot, unsigned long long *load,
+                                int num_experts)
 {
     moe_pdl_wait();
-    const int64_t i = (int64_t)blockIdx.x * EP_THREADS + threadIdx.x;
-    if (i >= n)
+    if (num_experts <= 0) {
+        const int64_t i = (int64_t)blockIdx.x * EP_THREADS + threadIdx.x;
+        if (i >= n)
+            return;
+        out[i] =
+            moe_pair_slot(in[i], first_token + i / top_k + rank, replica_begin, replica_slot, load);
         return;
-    out[i] =
-        moe_pair_slot(in[i], first_token + i / top_k + rank, replica_begin, replica_slot, load);
+    }
+    extern __shared__ unsigned hist[];
+    for (int e = threadIdx.x; e < num_experts; e += EP_THREADS)
+        hist[e] = 0;
+    __syncthreads();
+    const int64_t base = (int64_t)blockIdx.x * SLOT_PAIRS + threadIdx.x;
+    int32_t ev[SLOT_UNROLL];
+#pragma unroll
+    for (int u = 0; u < SLOT_UNROLL; u++) {
+        const int64_t i = base + u * EP_THREADS;
+        ev[u] = i < n ? in[i] : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < SLOT_UNROLL; u++) {
+        const int64_t i = base + u * EP_THREADS;
+        if (i >= n)
+            break;
+        const int32_t e = ev[u];
+        out[i] =
+            moe_pair_slot(e, first_token + i / top_k + rank, replica_begin, replica_slot, NULL);
+        if (e >= 0 && e < num_experts)
+            atomicAdd(&hist[e], 1u);
+        else if (e >= 0)
+            atomicAdd(load + e, 1ULL);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < num_experts; e += EP_THREADS)
+        if (hist[e])
+            atomicAdd(load + e, (unsigned long long)hist[e]);
 }
 
 __global__ void flag_set_kernel(int32_t *flag, int32_t value, uint32_t *seq,
@@ -99,15 +139,29 @@ extern "C" moe_status_t moe_ep_local_ids_launch(const moe_ep_local_ids_args_t *a
     return MOE_STATUS_SUCCESS;
 }
 
+/* MOE_SLOT_LOAD_HIST=0: every pair adds to the expert loads by its own global atomic (an A/B
+ * knob) */
+static int slot_hist_enabled(void)
+{
+    static int cached = -1;
+    return moe_env_once(&cached, "MOE_SLOT_LOAD_HIST", 1) != 0;
+}
+
 extern "C" moe_status_t moe_ep_slot_ids_launch(const moe_ep_slot_ids_args_t *a, void *stream)
 {
     if (a->n <= 0)
         return MOE_STATUS_SUCCESS;
     const bool pdl = a->pdl ? moe_pdl_enabled() : moe_ep_pdl_enabled();
+    /* the per-CTA histogram where loads are counted and the experts fit it */
+    const int hist =
+        a->load && a->num_experts > 0 && a->num_experts <= SLOT_HIST_MAX && slot_hist_enabled()
+            ? a->num_experts
+            : 0;
+    const int per = hist ? SLOT_PAIRS : EP_THREADS;
     MOE_CUDA_CHECK(moe_launch_pdl(
-        pdl, (slot_ids_kernel), dim3((unsigned)((a->n + EP_THREADS - 1) / EP_THREADS)),
-        dim3(EP_THREADS), 0, (cudaStream_t)stream, a->in, a->out, a->n, a->top_k, a->first_token,
-        a->rank, a->replica_begin, a->replica_slot, a->load));
+        pdl, (slot_ids_kernel), dim3((unsigned)((a->n + per - 1) / per)), dim3(EP_THREADS),
+        sizeof(unsigned) * (size_t)hist, (cudaStream_t)stream, a->in, a->out, a->n, a->top_k,
+        a->first_token, a->rank, a->replica_begin, a->replica_slot, a->load, hist));
     MOE_CUDA_CHECK_LAUNCH("ep slot ids");
     return MOE_STATUS_SUCCESS;
 }

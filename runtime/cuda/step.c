@@ -201,7 +201,8 @@ static moe_ep_slot_ids_args_t slot_ids_args(moe_layer_t *l, const int32_t *ids, 
                                       s->replica_begin,
                                       s->replica_slot,
                                       s->load,
-                                      l->plan.world == 1};
+                                      l->plan.world == 1,
+                                      s->E_total};
     return r;
 }
 

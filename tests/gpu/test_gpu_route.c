@@ -340,7 +340,9 @@ static void route_permute_run(const route_case_t *c, int64_t T, int br, const fl
     moe_route_permute_args_t a;
     memset(&a, 0, sizeof(a));
     a.route = (moe_route_args_t){c->p, d_logits, d_bias, out[0], out[1], T};
-    a.slots = (moe_ep_slot_ids_args_t){out[0], out[2], T * K, K, 3, 1, d_rb, d_rs, out[8], 0};
+    /* the separate launch counts the loads per CTA (num_experts given), the fused one per pair */
+    a.slots = (moe_ep_slot_ids_args_t){out[0], out[2], T * K,           K, 3, 1, d_rb, d_rs,
+                                       out[8], 0,      c->p.num_experts};
     a.permute = (moe_permute_args_t){out[2], T,      K,      slots,  br,     mb,
                                      out[3], out[4], out[5], out[6], out[7], NULL};
     /* slot_of_row comes last in the layout outputs: its own buffer */
