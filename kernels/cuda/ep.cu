@@ -152,11 +152,12 @@ extern "C" moe_status_t moe_ep_slot_ids_launch(const moe_ep_slot_ids_args_t *a, 
     if (a->n <= 0)
         return MOE_STATUS_SUCCESS;
     const bool pdl = a->pdl ? moe_pdl_enabled() : moe_ep_pdl_enabled();
-    /* the per-CTA histogram where loads are counted and the experts fit it */
-    const int hist =
-        a->load && a->num_experts > 0 && a->num_experts <= SLOT_HIST_MAX && slot_hist_enabled()
-            ? a->num_experts
-            : 0;
+    /* the per-CTA histogram where loads are counted, the experts fit it and the pairs fill
+     * more than one CTA (a decode step's few pairs keep the kernel as measured there) */
+    const int hist = a->load && a->num_experts > 0 && a->num_experts <= SLOT_HIST_MAX &&
+                             a->n > SLOT_PAIRS && slot_hist_enabled()
+                         ? a->num_experts
+                         : 0;
     const int per = hist ? SLOT_PAIRS : EP_THREADS;
     MOE_CUDA_CHECK(moe_launch_pdl(
         pdl, (slot_ids_kernel), dim3((unsigned)((a->n + per - 1) / per)), dim3(EP_THREADS),

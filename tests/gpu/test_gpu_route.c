@@ -451,11 +451,77 @@ static void test_route_permute_rejects(void **state)
     moe_gpu_free(d);
 }
 
+/* The slot ids of a step with more pairs than one CTA takes (the expert loads counted per CTA in
+ * shared memory, then added once per expert) against the same launch without the expert count
+ * (a global atomic per pair) and a count on the host: slots and loads bitwise, ids of no expert
+ * (-1) and replicas of two experts included, 128 and 32 logical experts. */
+static void test_slot_loads_per_cta(void **state)
+{
+    static const int64_t sizes[] = {1025, 3000, 65536};
+    static const int experts[] = {128, 32};
+    (void)state;
+    for (size_t si = 0; si < sizeof(sizes) / sizeof(sizes[0]); si++)
+        for (size_t ei = 0; ei < sizeof(experts) / sizeof(experts[0]); ei++) {
+            const int64_t n = sizes[si];
+            const int E = experts[ei], K = 8, slots = E + 2;
+            int32_t *ids = malloc(sizeof(int32_t) * (size_t)n), rb[129], rs[130];
+            unsigned long long *want = calloc((size_t)E, sizeof(unsigned long long)),
+                               *got = malloc(sizeof(unsigned long long) * (size_t)E),
+                               *got0 = malloc(sizeof(unsigned long long) * (size_t)E);
+            int32_t *o1 = malloc(sizeof(int32_t) * (size_t)n),
+                    *o0 = malloc(sizeof(int32_t) * (size_t)n);
+            int m = 0;
+            for (int e = 0; e < E; e++) { /* experts 0 and 1 have a second slot */
+                rb[e] = m;
+                rs[m++] = e;
+                if (e < 2)
+                    rs[m++] = E + e;
+            }
+            rb[E] = m;
+            for (int64_t i = 0; i < n; i++) {
+                /* a skewed choice (expert 0 and 1 often), some pairs of no expert */
+                const int r = (int)gt_below(4 * E);
+                ids[i] = r < 8 ? -1 : r < E ? r % 2 : r % E;
+                if (ids[i] >= 0)
+                    want[ids[i]]++;
+            }
+            int32_t *d_ids = gt_dup(ids, sizeof(int32_t) * (size_t)n);
+            int32_t *d_rb = gt_dup(rb, sizeof(int32_t) * (size_t)(E + 1));
+            int32_t *d_rs = gt_dup(rs, sizeof(int32_t) * (size_t)slots);
+            int32_t *d_out = gt_dalloc(sizeof(int32_t) * (size_t)n);
+            unsigned long long *d_load = gt_dalloc(sizeof(unsigned long long) * (size_t)E);
+            for (int hist = 1; hist >= 0; hist--) {
+                moe_ep_slot_ids_args_t a = {d_ids, d_out, n,      K, 5,           1,
+                                            d_rb,  d_rs,  d_load, 1, hist ? E : 0};
+                gt_poison(d_out, GT_POISON_INT, sizeof(int32_t) * (size_t)n);
+                gt_ok(moe_gpu_memset(d_load, 0, sizeof(unsigned long long) * (size_t)E), "zero");
+                gt_ok(moe_ep_slot_ids_launch(&a, NULL), "slot ids");
+                gt_ok(moe_gpu_device_synchronize(), "slot ids");
+                gt_get(hist ? o1 : o0, d_out, sizeof(int32_t) * (size_t)n);
+                gt_get(hist ? got : got0, d_load, sizeof(unsigned long long) * (size_t)E);
+            }
+            assert_memory_equal(o1, o0, sizeof(int32_t) * (size_t)n);
+            assert_memory_equal(got, want, sizeof(unsigned long long) * (size_t)E);
+            assert_memory_equal(got0, want, sizeof(unsigned long long) * (size_t)E);
+            for (int64_t i = 0; i < n; i++) /* the slot rule, spot-checked on the host */
+                if (ids[i] < 2)
+                    assert_int_equal(o1[i], ids[i] < 0            ? -1
+                                            : (5 + i / K + 1) % 2 ? E + ids[i]
+                                                                  : ids[i]);
+                else
+                    assert_int_equal(o1[i], ids[i]);
+            moe_gpu_free(d_ids), moe_gpu_free(d_rb), moe_gpu_free(d_rs);
+            moe_gpu_free(d_out), moe_gpu_free(d_load);
+            free(ids), free(want), free(got), free(got0), free(o1), free(o0);
+        }
+}
+
 static const struct CMUnitTest tests[] = {
-    cmocka_unit_test(test_route_random),  cmocka_unit_test(test_route_ties),
-    cmocka_unit_test(test_route_logits),  cmocka_unit_test(test_route_logits_batch_invariant),
-    cmocka_unit_test(test_route_rejects), cmocka_unit_test(test_route_logits_one_plane),
-    cmocka_unit_test(test_route_permute), cmocka_unit_test(test_route_permute_rejects),
+    cmocka_unit_test(test_route_random),       cmocka_unit_test(test_route_ties),
+    cmocka_unit_test(test_route_logits),       cmocka_unit_test(test_route_logits_batch_invariant),
+    cmocka_unit_test(test_route_rejects),      cmocka_unit_test(test_route_logits_one_plane),
+    cmocka_unit_test(test_route_permute),      cmocka_unit_test(test_route_permute_rejects),
+    cmocka_unit_test(test_slot_loads_per_cta),
 };
 
 GT_MAIN(tests)
