@@ -1138,9 +1138,16 @@ static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, co
         p.n_out = a->n / 2;
         p.n_tiles = (a->n / 2 + WR - 1) / WR; /* the n tail: masked stores */
     }
+    /* MC: the clusters resident at once, asked at prepare (max_blocks 0) rather than in a step;
+     * none (a device that fits no pair) fails the launches of this variant only */
+    const int pairs =
+        MC ? mc_clusters((const void *)kernel, C::SMEM, C::THREADS, dev, clusters) : 0;
     int64_t items = (int64_t)a->max_blocks * p.n_tiles;
     if (items == 0)
         return MOE_STATUS_SUCCESS;
+    if (MC && pairs <= 0)
+        return moe_error(MOE_STATUS_CUDA_ERROR, "%s: no 2-CTA cluster fits on device %d", name,
+                         dev);
     CUtensorMap tm_tok, tm_w;
     /* MC: each CTA of a pair loads half of the token tile */
     MOE_CHECK(encode_map(&tm_tok, a->a, (int64_t)a->max_blocks * TOK, a->k, MC ? TOK / 2 : TOK,
@@ -1159,10 +1166,6 @@ static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, co
     if (MC) {
         /* pairs of CTAs, as many as are resident at once (a pair waits on its peer) and at
          * most one a pair of weight tiles */
-        const int pairs = mc_clusters((const void *)kernel, C::SMEM, C::THREADS, dev, clusters);
-        if (pairs <= 0)
-            return moe_error(MOE_STATUS_CUDA_ERROR, "%s: no 2-CTA cluster fits on device %d", name,
-                             dev);
         const int64_t units = (int64_t)a->max_blocks * ((p.n_tiles + 1) / 2);
         int64_t g = grid / 2 < pairs ? grid / 2 : pairs;
         if (g > units)
