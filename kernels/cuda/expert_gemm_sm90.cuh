@@ -1113,8 +1113,10 @@ static int mc_clusters(const void *kernel, int smem, int threads, int dev, int *
     attr[0].val.clusterDim.z = 1;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
-    if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess || n <= 0)
+    if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess || n <= 0) {
+        (void)cudaGetLastError(); /* not left for a later launch check to report */
         return 0;
+    }
     __atomic_store_n(&cache[dev], n, __ATOMIC_RELEASE);
     return n;
 }
