@@ -38,6 +38,11 @@
 #                    default 2): $VS_CASES, cases split by ';', each
 #                    "preset|moe-bench options|variant|tokens"; bench/ab_compare.py prints
 #                    forced / built-in per point (new = forced); JSON in $OUT/vs.tgz
+#   gemm             bench/gemm_bench (the expert GEMMs alone, rotating weight sets, the
+#                    permute's counts given): $GEMM_MODEL (default mixtral), rows per expert
+#                    $GEMM_MIN..$GEMM_MAX (default 128..2048), each of $GEMM_VARIANTS (names split
+#                    by spaces; default the fp8 per-row m128 / m192 tiles with and without
+#                    multicast) in turn, $GEMM_REPS times (default 2); table in $OUT/gemm.txt
 #   knob             environment knobs' values against each other, in turn ($KNOB_REPS
 #                    times, default 2): KNOB=NAME, KNOB_BASE / KNOB_NEW its two values (default
 #                    0 / 1), or KNOBS="NAME=BASE:NEW ..." for several: per case and rep one run
@@ -438,7 +443,7 @@ fp8-fast)
         for v in "" sm90_fp8_fast_m128n256; do
             echo "== $p fp8 tensor, ${v:-built-in variants}"
             MOE_FORCE_VARIANT=$v timeout 90 $B/moe-bench --preset "$p" --dtype fp8 \
-                --scales tensor --tokens ${FAST_TOKENS:-512,2048,8192} --seconds 0.2 2>&1 |
+                --scales tensor --tokens "${FAST_TOKENS:-512,2048,8192}" --seconds 0.2 2>&1 |
                 quiet | grep -vE "^#  *(limit|time)" | head -12
         done
     done
@@ -455,6 +460,15 @@ vs)
         echo "== case $i: $p $opts: $v (new) against the built-in choice (base)"
     done
     ab_finish $j vs
+    ;;
+gemm)
+    for r in $(seq "${GEMM_REPS:-2}"); do
+        # shellcheck disable=SC2086 # GEMM_VARIANTS: names split on spaces
+        for v in ${GEMM_VARIANTS:-sm90_fp8_m128n128_p4 sm90_fp8_m128n128_p4_mc sm90_fp8_m192n128_p4 sm90_fp8_m192n128_p4_mc}; do
+            build-gpu/bench/gemm_bench "${GEMM_MODEL:-mixtral}" "${GEMM_MAX:-2048}" \
+                "${GEMM_MIN:-128}" "$v" 2>&1 | grep "^| [a-z]" | grep -v "^| model" | sed "s/\$/ rep $r |/"
+        done
+    done | tee "$OUT/gemm.txt"
     ;;
 knob)
     # shellcheck disable=SC2206 # KNOBS: NAME=BASE:NEW specs split on spaces
@@ -742,7 +756,7 @@ python)
         --dtype bf16 --new-tokens 16 2>&1 | tail -4
     ;;
 *)
-    echo "usage: $0 [tests|quick|ep|ep-cap|ep-layer|ep-wide|mps|decode|bf16|fp8|ab|fp8-fast|vs|gemm-prof|stalls|tune|first|kernels|rotate|faults|soak|sanitize|python]..." >&2
+    echo "usage: $0 [tests|quick|ep|ep-cap|ep-layer|ep-wide|mps|decode|bf16|fp8|ab|fp8-fast|vs|gemm|gemm-prof|stalls|tune|first|kernels|rotate|faults|soak|sanitize|python]..." >&2
     exit 2
     ;;
 esac

@@ -1,7 +1,10 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* Times every grouped-GEMM variant on the expert MLP of three models (GEMM1 x W13 with the
  * SiLU*up epilogue, GEMM2 x W2 with the routing-weight epilogue) and prints a markdown table:
- * microseconds, weight TB/s, TFLOP/s, fraction of the H200 floor.
+ * microseconds, weight TB/s, TFLOP/s, fraction of the H200 floor. FP8 variants run on e4m3
+ * operands with unit scales (per row, or per 128-wide k slice for block scales) and their own
+ * floor (one byte a weight, the FP8 tensor-core rate). Each step passes the permute's expert
+ * counts and offsets, as the layer does.
  * Usage: gemm_bench [model substring | all] [max rows per expert] [min rows] [variant name]. */
 #include <cuda_runtime.h>
 #include <math.h>
@@ -17,6 +20,7 @@
 
 #define HBM_BPS 4.8e12
 #define PEAK_FLOPS 989e12
+#define PEAK_FLOPS_FP8 1979e12
 #define SETS 16 /* rotating sets of active experts: no weight reuse in L2 between launches */
 
 typedef struct model {
@@ -50,10 +54,22 @@ static int cmp_f(const void *a, const void *b)
 /* Median over samples of the mean time of `batch` launches, in microseconds; < 0 on error. */
 static int once; /* GEMM_BENCH_ONCE=1: launch each kernel once (under ncu) */
 
-static float time_launch(const moe_gemm_variant_t *v, moe_gemm_args_t *args, int32_t **d_be,
+/* The rotating sets' block tables and the permute's counts and offsets for each. */
+typedef struct sets {
+    int32_t *be[SETS], *counts[SETS], *offsets[SETS];
+} sets_t;
+
+static void use_set(moe_gemm_args_t *args, const sets_t *d, int s)
+{
+    args->block_expert = d->be[s];
+    args->expert_counts = d->counts[s];
+    args->expert_offsets = d->offsets[s];
+}
+
+static float time_launch(const moe_gemm_variant_t *v, moe_gemm_args_t *args, const sets_t *d,
                          cudaStream_t st, cudaEvent_t e0, cudaEvent_t e1)
 {
-    args->block_expert = d_be[0];
+    use_set(args, d, 0);
     if (v->launch(args, st) != MOE_STATUS_SUCCESS)
         return -1.0f;
     CUDA_OK(cudaStreamSynchronize(st));
@@ -62,7 +78,7 @@ static float time_launch(const moe_gemm_variant_t *v, moe_gemm_args_t *args, int
     float probe_ms;
     CUDA_OK(cudaEventRecord(e0, st));
     for (int i = 0; i < 3; i++) {
-        args->block_expert = d_be[(i + 1) % SETS];
+        use_set(args, d, (i + 1) % SETS);
         v->launch(args, st);
     }
     CUDA_OK(cudaEventRecord(e1, st));
@@ -76,7 +92,7 @@ static float time_launch(const moe_gemm_variant_t *v, moe_gemm_args_t *args, int
     for (int s = 0; s < samples; s++) {
         CUDA_OK(cudaEventRecord(e0, st));
         for (int b = 0; b < batch; b++, it++) {
-            args->block_expert = d_be[it % SETS];
+            use_set(args, d, it % SETS);
             v->launch(args, st);
         }
         CUDA_OK(cudaEventRecord(e1, st));
@@ -108,6 +124,30 @@ static void fill_random(void *d, size_t bytes)
     free(h);
 }
 
+/* Random e4m3 bytes of small magnitude (exponent field at most 6: no NaN, no overflow). */
+static void fill_fp8(void *d, size_t bytes)
+{
+    uint8_t *h = malloc(bytes);
+    uint64_t x = 0x2545f4914f6cdd1dull;
+    for (size_t i = 0; i < bytes; i++) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        h[i] = (uint8_t)((x & 0x80) | (x >> 9 & 0x37));
+    }
+    CUDA_OK(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice));
+    free(h);
+}
+
+static void fill_ones(float *d, size_t n)
+{
+    float *h = malloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++)
+        h[i] = 1.0f;
+    CUDA_OK(cudaMemcpy(d, h, n * sizeof(float), cudaMemcpyHostToDevice));
+    free(h);
+}
+
 int main(int argc, char **argv)
 {
     const char *filter = argc > 1 && strcmp(argv[1], "all") ? argv[1] : NULL;
@@ -132,8 +172,9 @@ int main(int argc, char **argv)
     CUDA_OK(cudaEventCreate(&e1));
 
     printf("# grouped GEMM bench: %s (arch %d, %d SMs); floor = max(weight bytes / 4.8 TB/s, "
-           "flops / 989 TFLOP/s); GEMM1 = x.W13^T + silu*up (bf16), GEMM2 = h.W2^T * "
-           "row_scale (bf16)\n\n",
+           "flops / 989 TFLOP/s; fp8: a byte a weight, 1979 TFLOP/s); GEMM1 = x.W13^T + "
+           "silu*up (bf16 out), GEMM2 = h.W2^T * row_scale (bf16 out); fp8 variants on e4m3 "
+           "operands, unit scales\n\n",
            prop.name, arch, prop.multiProcessorCount);
     printf("| model | M | experts x rows | variant | GEMM1 us | GEMM2 us | total us | floor us | "
            "frac | weight TB/s | TFLOP/s | select |\n");
@@ -167,26 +208,51 @@ int main(int argc, char **argv)
         fill_random(d_x, max_rows * H * 2);
         fill_random(d_h, max_rows * I * 2);
         fill_random(d_scale, max_rows * 4);
-        int32_t *d_be[SETS], *d_nb;
-        int32_t *h_be = malloc(sizeof(int32_t) * max_rows);
-        for (int s = 0; s < SETS; s++)
-            CUDA_OK(cudaMalloc((void **)&d_be[s], max_rows * 4));
+        /* FP8: e4m3 copies of the operands (GEMM 2's input apart from GEMM 1's bf16 output) and
+         * unit scales, sized for block scales (one per row and 128-wide k slice) */
+        const size_t kbn = (size_t)((H > I ? H : I) + 127) / 128,
+                     wrows = (size_t)E * (2 * I > H ? 2 * I : H);
+        void *d_w13q, *d_w2q, *d_xq, *d_hq;
+        float *d_as, *d_bs;
+        CUDA_OK(cudaMalloc(&d_w13q, w13_bytes / 2));
+        CUDA_OK(cudaMalloc(&d_w2q, w2_bytes / 2));
+        CUDA_OK(cudaMalloc(&d_xq, max_rows * H));
+        CUDA_OK(cudaMalloc(&d_hq, max_rows * I));
+        CUDA_OK(cudaMalloc((void **)&d_as, max_rows * kbn * 4));
+        CUDA_OK(cudaMalloc((void **)&d_bs, wrows * kbn * 4));
+        fill_fp8(d_w13q, w13_bytes / 2);
+        fill_fp8(d_w2q, w2_bytes / 2);
+        fill_fp8(d_xq, max_rows * H);
+        fill_fp8(d_hq, max_rows * I);
+        fill_ones(d_as, max_rows * kbn);
+        fill_ones(d_bs, wrows * kbn);
+        sets_t d_sets;
+        int32_t *d_nb;
+        int32_t *h_be = malloc(sizeof(int32_t) * max_rows), *h_cnt = malloc(sizeof(int32_t) * E),
+                *h_off = malloc(sizeof(int32_t) * (E + 1));
+        for (int s = 0; s < SETS; s++) {
+            CUDA_OK(cudaMalloc((void **)&d_sets.be[s], max_rows * 4));
+            CUDA_OK(cudaMalloc((void **)&d_sets.counts[s], sizeof(int32_t) * E));
+            CUDA_OK(cudaMalloc((void **)&d_sets.offsets[s], sizeof(int32_t) * (E + 1)));
+        }
         CUDA_OK(cudaMalloc((void **)&d_nb, 4));
 
         for (int ci = 0; ci < nc; ci++) {
             const case_t *c = &cases[ci];
             if (c->rows > max_case_rows || c->rows < min_case_rows)
                 continue;
-            double bytes = (double)c->active * 3.0 * I * H * 2;
             double flops = 2.0 * c->active * c->rows * 3.0 * I * H;
-            double floor_us = fmax(bytes / HBM_BPS, flops / PEAK_FLOPS) * 1e6;
             int tokens = (int)((double)c->active * c->rows / m->top_k + 0.5);
-            const moe_gemm_variant_t *sel =
-                moe_gemm_select(arch, MOE_DTYPE_BF16, MOE_SCALE_NONE, c->rows);
             for (int vi = 0; vi < count; vi++) {
                 const moe_gemm_variant_t *v = &vs[vi];
                 if (v->min_arch > arch || (vfilter && strcmp(v->name, vfilter)))
                     continue;
+                const int f8 = v->ab_dtype == MOE_DTYPE_FP8_E4M3;
+                const double bytes = (double)c->active * 3.0 * I * H * (f8 ? 1 : 2);
+                const double floor_us =
+                    fmax(bytes / HBM_BPS, flops / (f8 ? PEAK_FLOPS_FP8 : PEAK_FLOPS)) * 1e6;
+                const moe_gemm_variant_t *sel =
+                    moe_gemm_select(arch, v->ab_dtype, v->scale_kind, c->rows);
                 if (v->swap_ab && c->rows > 4 * v->block_rows && c->rows > 64)
                     continue; /* swap-AB re-reads weights per block: only for few rows */
                 if (v->min_arch == 80 && arch >= 90 && ci > 0 && c->rows != 16 && c->rows != 64 &&
@@ -196,9 +262,22 @@ int main(int argc, char **argv)
                 int per = (c->rows + br - 1) / br, nb = c->active * per;
                 int max_blocks = nb + E; /* what a runtime sizes: + one partial block each */
                 for (int s = 0; s < SETS; s++) {
+                    /* set s: the active experts s * active .. (mod E), `per` blocks each */
+                    for (int e = 0; e < E; e++)
+                        h_cnt[e] = 0, h_off[e] = nb * br;
+                    h_off[E] = nb * br;
                     for (int b = 0; b < max_blocks; b++)
                         h_be[b] = b < nb ? (b / per + s * c->active) % E : -1;
-                    CUDA_OK(cudaMemcpy(d_be[s], h_be, max_blocks * 4, cudaMemcpyHostToDevice));
+                    for (int j = 0; j < c->active; j++) {
+                        const int e = (j + s * c->active) % E;
+                        h_cnt[e] = c->rows;
+                        h_off[e] = j * per * br;
+                    }
+                    CUDA_OK(cudaMemcpy(d_sets.be[s], h_be, max_blocks * 4, cudaMemcpyHostToDevice));
+                    CUDA_OK(cudaMemcpy(d_sets.counts[s], h_cnt, sizeof(int32_t) * E,
+                                       cudaMemcpyHostToDevice));
+                    CUDA_OK(cudaMemcpy(d_sets.offsets[s], h_off, sizeof(int32_t) * (E + 1),
+                                       cudaMemcpyHostToDevice));
                 }
                 CUDA_OK(cudaMemcpy(d_nb, &nb, 4, cudaMemcpyHostToDevice));
                 moe_gemm_args_t a1;
@@ -212,17 +291,24 @@ int main(int argc, char **argv)
                 a1.n = 2 * I;
                 a1.k = H;
                 a1.epilogue = MOE_GEMM_EPI_SILU_MUL;
-                a1.ab_dtype = MOE_DTYPE_BF16;
+                a1.ab_dtype = v->ab_dtype;
+                a1.scale_kind = v->scale_kind;
+                if (f8) {
+                    a1.a = d_xq;
+                    a1.b = d_w13q;
+                    a1.a_scale = d_as;
+                    a1.b_scale = d_bs;
+                }
                 moe_gemm_args_t a2 = a1;
-                a2.a = d_h;
-                a2.b = d_w2;
+                a2.a = f8 ? d_hq : d_h;
+                a2.b = f8 ? d_w2q : d_w2;
                 a2.c = d_y;
                 a2.row_scale = d_scale;
                 a2.n = H;
                 a2.k = I;
                 a2.epilogue = MOE_GEMM_EPI_STORE;
-                float t1 = time_launch(v, &a1, d_be, st, e0, e1);
-                float t2 = time_launch(v, &a2, d_be, st, e0, e1);
+                float t1 = time_launch(v, &a1, &d_sets, st, e0, e1);
+                float t2 = time_launch(v, &a2, &d_sets, st, e0, e1);
                 if (t1 < 0 || t2 < 0) {
                     printf("| %s | %d | %dx%d | %s | - | - | - | %.1f | - | - | - | %s |\n",
                            m->name, tokens, c->active, c->rows, v->name, floor_us,
@@ -238,9 +324,18 @@ int main(int argc, char **argv)
                 fflush(stdout);
             }
         }
-        free(h_be);
-        for (int s = 0; s < SETS; s++)
-            cudaFree(d_be[s]);
+        free(h_be), free(h_cnt), free(h_off);
+        for (int s = 0; s < SETS; s++) {
+            cudaFree(d_sets.be[s]);
+            cudaFree(d_sets.counts[s]);
+            cudaFree(d_sets.offsets[s]);
+        }
+        cudaFree(d_w13q);
+        cudaFree(d_w2q);
+        cudaFree(d_xq);
+        cudaFree(d_hq);
+        cudaFree(d_as);
+        cudaFree(d_bs);
         cudaFree(d_nb);
         cudaFree(d_w13);
         cudaFree(d_w2);
