@@ -105,37 +105,36 @@ static float time_launch(const moe_gemm_variant_t *v, moe_gemm_args_t *args, con
     return t[samples / 2];
 }
 
-static void fill_random(void *d, size_t bytes)
+static uint64_t xorshift64(uint64_t *x)
+{
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    return *x;
+}
+
+/* d filled with a 64 MB random pattern, repeated: bf16 in about [-1/16, 1/16] (sign, exponent
+ * 119..122, random mantissa), or (fp8) e4m3 bytes of small magnitude (exponent field at most 6:
+ * no NaN, no overflow). */
+static void fill_pattern(void *d, size_t bytes, int fp8)
 {
     size_t chunk = 64u << 20;
-    uint16_t *h = malloc(chunk);
-    uint64_t x = 88172645463325252ull;
-    for (size_t i = 0; i < chunk / 2; i++) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        /* bf16 in about [-1/16, 1/16]: sign, exponent 119..122, random mantissa */
-        h[i] = (uint16_t)(((x >> 20) & 0x8000) | ((119 + ((x >> 8) & 3)) << 7) | (x & 0x7f));
+    uint8_t *h = malloc(chunk);
+    uint64_t x = fp8 ? 0x2545f4914f6cdd1dull : 88172645463325252ull;
+    for (size_t i = 0; i < chunk; i += fp8 ? 1 : 2) {
+        const uint64_t r = xorshift64(&x);
+        if (fp8) {
+            h[i] = (uint8_t)((r & 0x80) | (r >> 9 & 0x37));
+        } else {
+            const uint16_t v =
+                (uint16_t)(((r >> 20) & 0x8000) | ((119 + ((r >> 8) & 3)) << 7) | (r & 0x7f));
+            memcpy(h + i, &v, sizeof(v));
+        }
     }
     for (size_t off = 0; off < bytes; off += chunk) {
         size_t nb = bytes - off < chunk ? bytes - off : chunk;
         CUDA_OK(cudaMemcpy((char *)d + off, h, nb, cudaMemcpyHostToDevice));
     }
-    free(h);
-}
-
-/* Random e4m3 bytes of small magnitude (exponent field at most 6: no NaN, no overflow). */
-static void fill_fp8(void *d, size_t bytes)
-{
-    uint8_t *h = malloc(bytes);
-    uint64_t x = 0x2545f4914f6cdd1dull;
-    for (size_t i = 0; i < bytes; i++) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        h[i] = (uint8_t)((x & 0x80) | (x >> 9 & 0x37));
-    }
-    CUDA_OK(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice));
     free(h);
 }
 
@@ -195,8 +194,8 @@ int main(int argc, char **argv)
         void *d_w13, *d_w2;
         CUDA_OK(cudaMalloc(&d_w13, w13_bytes));
         CUDA_OK(cudaMalloc(&d_w2, w2_bytes));
-        fill_random(d_w13, w13_bytes);
-        fill_random(d_w2, w2_bytes);
+        fill_pattern(d_w13, w13_bytes, 0);
+        fill_pattern(d_w2, w2_bytes, 0);
         /* activations sized for the largest case at the smallest block size */
         size_t max_rows = (size_t)E * (2048 + 128);
         void *d_x, *d_h, *d_y;
@@ -205,9 +204,9 @@ int main(int argc, char **argv)
         CUDA_OK(cudaMalloc(&d_h, max_rows * I * 2));
         CUDA_OK(cudaMalloc(&d_y, max_rows * H * 2));
         CUDA_OK(cudaMalloc((void **)&d_scale, max_rows * 4));
-        fill_random(d_x, max_rows * H * 2);
-        fill_random(d_h, max_rows * I * 2);
-        fill_random(d_scale, max_rows * 4);
+        fill_pattern(d_x, max_rows * H * 2, 0);
+        fill_pattern(d_h, max_rows * I * 2, 0);
+        fill_pattern(d_scale, max_rows * 4, 0);
         /* FP8: e4m3 copies of the operands (GEMM 2's input apart from GEMM 1's bf16 output) and
          * unit scales, sized for block scales (one per row and 128-wide k slice) */
         const size_t kbn = (size_t)((H > I ? H : I) + 127) / 128,
@@ -220,10 +219,10 @@ int main(int argc, char **argv)
         CUDA_OK(cudaMalloc(&d_hq, max_rows * I));
         CUDA_OK(cudaMalloc((void **)&d_as, max_rows * kbn * 4));
         CUDA_OK(cudaMalloc((void **)&d_bs, wrows * kbn * 4));
-        fill_fp8(d_w13q, w13_bytes / 2);
-        fill_fp8(d_w2q, w2_bytes / 2);
-        fill_fp8(d_xq, max_rows * H);
-        fill_fp8(d_hq, max_rows * I);
+        fill_pattern(d_w13q, w13_bytes / 2, 1);
+        fill_pattern(d_w2q, w2_bytes / 2, 1);
+        fill_pattern(d_xq, max_rows * H, 1);
+        fill_pattern(d_hq, max_rows * I, 1);
         fill_ones(d_as, max_rows * kbn);
         fill_ones(d_bs, wrows * kbn);
         sets_t d_sets;

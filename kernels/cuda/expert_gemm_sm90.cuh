@@ -361,19 +361,21 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
      * blocks of one expert and the first of the next (which reads the next expert's weight tiles
      * for a block or two, then again for the rest). A block of no expert keeps its own items. */
     auto item_of = [&](int t, int *b, int *jt) {
-        const int b0 = t / units;
-        const int e0 = p.group < 0 ? __ldg(p.block_expert + b0) : -1;
-        if (e0 >= 0 && e0 < p.num_experts) {
-            const int fb = __ldg(p.expert_offsets + e0) / TOK;
-            const int nbe = (__ldg(p.expert_counts + e0) + TOK - 1) / TOK;
-            const int sweeps = (nbe + GROUP_BLOCKS - 1) / GROUP_BLOCKS;
-            sm90_item(t - fb * units, nbe, units, b, jt, (nbe + sweeps - 1) / sweeps);
-            *b += fb;
-        } else if (p.group < 0) {
-            *b = b0;
-            *jt = t - b0 * units;
-        } else
+        if (p.group >= 0) {
             sm90_item(t, nb, units, b, jt, group);
+        } else {
+            const int b0 = t / units, e0 = __ldg(p.block_expert + b0);
+            if (e0 >= 0 && e0 < p.num_experts) {
+                const int fb = __ldg(p.expert_offsets + e0) / TOK;
+                const int nbe = (__ldg(p.expert_counts + e0) + TOK - 1) / TOK;
+                const int sweeps = (nbe + GROUP_BLOCKS - 1) / GROUP_BLOCKS;
+                sm90_item(t - fb * units, nbe, units, b, jt, (nbe + sweeps - 1) / sweeps);
+                *b += fb;
+            } else {
+                *b = b0;
+                *jt = t - b0 * units;
+            }
+        }
         if (MC)
             *jt = 2 * *jt + (int)rank;
     };
@@ -1095,6 +1097,17 @@ static int max_ctas(void)
     return moe_env_once(&cached, "MOE_GEMM_MAX_CTAS", 0);
 }
 
+/* The launch attribute of the _mc tiles' 2-CTA clusters (along x). */
+static cudaLaunchAttribute cluster_pair_attr(void)
+{
+    cudaLaunchAttribute a = {};
+    a.id = cudaLaunchAttributeClusterDimension;
+    a.val.clusterDim.x = 2;
+    a.val.clusterDim.y = 1;
+    a.val.clusterDim.z = 1;
+    return a;
+}
+
 /* The most 2-CTA clusters of `kernel` resident at once on device dev (its GPCs' SM counts
  * decide: one CTA an SM), asked once per device; 0 on error. */
 static int mc_clusters(const void *kernel, int smem, int threads, int dev, int *cache)
@@ -1103,14 +1116,10 @@ static int mc_clusters(const void *kernel, int smem, int threads, int dev, int *
     if (n > 0)
         return n;
     cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[1];
+    cudaLaunchAttribute attr[1] = {cluster_pair_attr()};
     cfg.gridDim = dim3(2);
     cfg.blockDim = dim3(threads);
     cfg.dynamicSmemBytes = smem;
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
     if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess || n <= 0) {
@@ -1190,12 +1199,8 @@ static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, co
         attr[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
         attr[cfg.numAttrs++].val.programmaticStreamSerializationAllowed = 1;
     }
-    if (MC) {
-        attr[cfg.numAttrs].id = cudaLaunchAttributeClusterDimension;
-        attr[cfg.numAttrs].val.clusterDim.x = 2;
-        attr[cfg.numAttrs].val.clusterDim.y = 1;
-        attr[cfg.numAttrs++].val.clusterDim.z = 1;
-    }
+    if (MC)
+        attr[cfg.numAttrs++] = cluster_pair_attr();
     cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, tm_tok, tm_w, tm_c, p);
     if (err != cudaSuccess)
         return moe_error(MOE_STATUS_CUDA_ERROR, "%s: launch: %s", name, cudaGetErrorString(err));
