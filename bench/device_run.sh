@@ -39,10 +39,11 @@
 #                    "preset|moe-bench options|variant|tokens"; bench/ab_compare.py prints
 #                    forced / built-in per point (new = forced); JSON in $OUT/vs.tgz
 #   gemm             bench/gemm_bench (the expert GEMMs alone, rotating weight sets, the
-#                    permute's counts given): $GEMM_MODEL (default mixtral), rows per expert
+#                    permute's counts given): each of $GEMM_MODEL (names split by spaces, each
+#                    a substring of gemm_bench's model names; default mixtral), rows per expert
 #                    $GEMM_MIN..$GEMM_MAX (default 128..2048), each of $GEMM_VARIANTS (names split
-#                    by spaces; default the fp8 per-row m128 / m192 tiles with and without
-#                    multicast) in turn, $GEMM_REPS times (default 2); table in $OUT/gemm.txt
+#                    by spaces; default the fp8 per-row n128 tiles and their n192 forms) in turn,
+#                    $GEMM_REPS times (default 2); table in $OUT/gemm.txt
 #   knob             environment knobs' values against each other, in turn ($KNOB_REPS
 #                    times, default 2): KNOB=NAME, KNOB_BASE / KNOB_NEW its two values (default
 #                    0 / 1), or KNOBS="NAME=BASE:NEW ..." for several: per case and rep one run
@@ -463,10 +464,12 @@ vs)
     ;;
 gemm)
     for r in $(seq "${GEMM_REPS:-2}"); do
-        # shellcheck disable=SC2086 # GEMM_VARIANTS: names split on spaces
-        for v in ${GEMM_VARIANTS:-sm90_fp8_m128n128_p4 sm90_fp8_m128n128_p4_mc sm90_fp8_m192n128_p4 sm90_fp8_m192n128_p4_mc}; do
-            build-gpu/bench/gemm_bench "${GEMM_MODEL:-mixtral}" "${GEMM_MAX:-2048}" \
-                "${GEMM_MIN:-128}" "$v" 2>&1 | grep "^| [a-z]" | grep -v "^| model" | sed "s/\$/ rep $r |/"
+        # shellcheck disable=SC2086 # GEMM_MODEL, GEMM_VARIANTS: names split on spaces
+        for m in ${GEMM_MODEL:-mixtral}; do
+            for v in ${GEMM_VARIANTS:-sm90_fp8_m128n128_p4 sm90_fp8_m128n192_p4 sm90_fp8_m192n128_p4 sm90_fp8_m64n128_pp_p4 sm90_fp8_m64n192_pp_p4}; do
+                build-gpu/bench/gemm_bench "$m" "${GEMM_MAX:-2048}" "${GEMM_MIN:-128}" "$v" 2>&1 |
+                    grep "^| [a-z]" | grep -v "^| model" | sed "s/\$/ rep $r |/"
+            done
         done
     done | tee "$OUT/gemm.txt"
     ;;

@@ -32,7 +32,7 @@ moe_status_t moe_gemm_sm90_fp8i_m192_launch(const moe_gemm_args_t *a, void *stre
  * bf16 m64n256_pp tile): one's promotions and epilogue run while the other's wgmmas do. */
 moe_status_t moe_gemm_sm90_fp8i_m64pp_launch(const moe_gemm_args_t *a, void *stream)
 {
-    return launch_normal<64, 4, 128, 1>(a, stream, "sm90_fp8_m64n128_pp_p4");
+    return launch_normal<64, 4, 0, 1>(a, stream, "sm90_fp8_m64n128_pp_p4");
 }
 /* FP8 per-row scales without promotion: the tensor cores accumulate the whole k (their FP8
  * accumulation keeps fewer bits than f32: docs/KERNELS.md, "Fast accumulation"), so a

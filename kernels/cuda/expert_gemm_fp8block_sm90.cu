@@ -22,7 +22,7 @@ moe_status_t moe_gemm_sm90_fp8b_m64_launch(const moe_gemm_args_t *a, void *strea
  * other's wgmmas do. */
 moe_status_t moe_gemm_sm90_fp8b_m64pp_launch(const moe_gemm_args_t *a, void *stream)
 {
-    return launch_normal<64, 2, 128, 1>(a, stream, "sm90_fp8_block_m64n128_pp");
+    return launch_normal<64, 2, 0, 1>(a, stream, "sm90_fp8_block_m64n128_pp");
 }
 moe_status_t moe_gemm_sm90_fp8b_swap16_launch(const moe_gemm_args_t *a, void *stream)
 {

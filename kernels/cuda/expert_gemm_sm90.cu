@@ -16,7 +16,7 @@ moe_status_t moe_gemm_sm90_m64_launch(const moe_gemm_args_t *a, void *stream)
  * one warpgroup's epilogue runs while the other's wgmmas do. */
 moe_status_t moe_gemm_sm90_m64pp_launch(const moe_gemm_args_t *a, void *stream)
 {
-    return launch_normal<64, 0, 128, 1>(a, stream, "sm90_wgmma_tma_m64n256_pp");
+    return launch_normal<64, 0, 0, 1>(a, stream, "sm90_wgmma_tma_m64n256_pp");
 }
 /* 192 rows (three consumer warpgroups) x 128 weight rows: an expert of 129..192 rows is one
  * block, so each weight tile is read once for it (m128: twice, the second mostly padding). */

@@ -212,8 +212,10 @@ struct sm90_cfg {
      * items, so one's epilogue runs while the other's wgmmas do */
     static constexpr int NWG = PING ? 2 : SWAP ? 1 : TOK / 64;
     /* normal layout: the epilogue writes bf16 rows through shared memory and TMA stores
-     * (TS_BYTES per consumer warpgroup: 64 rows x WR output columns, 64-column boxes) */
-    static constexpr bool TS = !SWAP && (WR == 128 || WR == 64);
+     * (TS_BYTES per consumer warpgroup: 64 rows x WR output columns, in boxes of TSW columns:
+     * 64 (128-byte rows, 128-byte swizzle), or 32 where WR is 96 (64-byte rows and swizzle) */
+    static constexpr bool TS = !SWAP && (WR == 128 || WR == 64 || WR == 96);
+    static constexpr int TSW = WR % 64 ? 32 : 64;
     static constexpr int TS_BYTES = 64 * WR * 2;
     static constexpr int THREADS = (NWG + 1) * 128;
     static constexpr int WN = SWAP ? TOK : WR; /* wgmma N */
@@ -491,12 +493,13 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
         const uint32_t stk = st + C::W_BYTES + sub * C::SUB_T;
 #pragma unroll
         for (int kk = 0; kk < BK / 16; kk++) {
-            if (SWAP) {
+            /* if constexpr: only the wgmma shapes of this instance are named (defined) */
+            if constexpr (SWAP) {
 #pragma unroll
                 for (int j = 0; j < C::WM; j++) {
                     const uint64_t da = sw128_desc(sw + j * 64 * ROW_BYTES + kk * 32);
                     const uint64_t db = sw128_desc(stk + kk * 32);
-                    if (F8)
+                    if constexpr (F8 != 0)
                         wgmma_fp8<C::WN>(d[j], da, db, !(fresh && kk == 0));
                     else
                         wgmma_bf16<C::WN>(d[j], da, db);
@@ -511,7 +514,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                  * tiles' 32-cycle m64n64k32 become 64-cycle ones. */
                 const uint64_t da = sw128_desc(stk + wgi * 64 * ROW_BYTES + kk * 32);
                 const uint64_t db = sw128_desc(sw + kk * 32);
-                if (F8)
+                if constexpr (F8 != 0)
                     wgmma_fp8<HALVES * WR>(&d[0][0], da, db, !(fresh && kk == 0));
                 else
                     wgmma_bf16<HALVES * WR>(&d[0][0], da, db);
@@ -906,11 +909,13 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 }
             }
         } else if (C::TS && p.tma_store) {
-            /* bf16 rows through shared memory: each consumer warpgroup writes its 64 rows x 128
-             * columns (a slice of STORE's 256, or *_MUL's 128 outputs) into two [64 x 64] boxes
-             * with the 128-byte swizzle (16-byte chunk j of row r at j ^ (r % 8): a warp's
-             * stores of one accumulator pair cover 32 banks), then one thread stores the boxes
-             * by TMA and the warpgroup goes on to its next item while they drain. */
+            /* bf16 rows through shared memory: each consumer warpgroup writes its 64 rows x WR
+             * columns (a slice of STORE's 2 WR, or *_MUL's WR outputs) into [64 x TSW] boxes
+             * with the swizzle of their rows (TSW 64, 128-byte rows: 16-byte chunk j of row r
+             * at j ^ (r % 8); TSW 32, 64-byte rows: at j ^ (r / 2 % 4); either way a warp's
+             * stores of one accumulator pair, 8 rows x 16 bytes, cover 32 banks), then one
+             * thread stores the boxes by TMA and the warpgroup goes on to its next item while
+             * they drain. */
             const uint32_t sbuf = smem_u32((uint8_t *)sepi + wg * C::TS_BYTES);
             const int r = 16 * warp + (lane >> 2); /* rows r and r + 8 of the warpgroup's 64 */
             const int64_t grow = row0 + (PING ? 0 : wg * 64);
@@ -938,8 +943,11 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                         if (AMX)
                             amax_pair(mx[q], jt * WR + wc, v0, v1);
                     }
-                    const uint32_t off = (wc >> 6) * (64 * ROW_BYTES) + row * ROW_BYTES +
-                                         ((((wc & 63) >> 3) ^ (row & 7)) << 4) + (wc & 7) * 2;
+                    constexpr int TRB = C::TSW * 2; /* bytes a box row */
+                    const uint32_t off =
+                        (wc / C::TSW) * (64 * TRB) + row * TRB +
+                        ((((wc % C::TSW) >> 3) ^ (C::TSW == 64 ? row & 7 : (row >> 1) & 3)) << 4) +
+                        (wc & 7) * 2;
                     __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
                     asm volatile("st.shared.b32 [%0], %1;" ::"r"(sbuf + off),
                                  "r"(*reinterpret_cast<uint32_t *>(&v))
@@ -952,9 +960,9 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                     const int col0 =
                         EPI == MOE_GEMM_EPI_STORE ? jt * HALVES * WR + h * WR : jt * WR;
 #pragma unroll
-                    for (int bx = 0; bx < WR / 64; bx++)
-                        if (col0 + bx * 64 < p.n_out)
-                            tma_store_2d(&tm_c, sbuf + bx * 64 * ROW_BYTES, col0 + bx * 64,
+                    for (int bx = 0; bx < WR / C::TSW; bx++)
+                        if (col0 + bx * C::TSW < p.n_out)
+                            tma_store_2d(&tm_c, sbuf + bx * 64 * C::TSW * 2, col0 + bx * C::TSW,
                                          (int)grow);
                     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
                 }
@@ -1016,9 +1024,9 @@ static PFN_cuTensorMapEncodeTiled_v12000 encode_fn(void)
 }
 
 /* Row-major bf16 [rows, k] with a box of [box_rows, 64] (e4m3, f8 = 1: [box_rows, 128]),
- * 128-byte swizzle. */
+ * 128-byte swizzle; box_k 32 (bf16): [box_rows, 32], 64-byte swizzle. */
 static moe_status_t encode_map(CUtensorMap *map, const void *ptr, int64_t rows, int k, int box_rows,
-                               const char *name, int f8 = 0)
+                               const char *name, int f8 = 0, int box_k = BK)
 {
     PFN_cuTensorMapEncodeTiled_v12000 f = encode_fn();
     if (!f)
@@ -1026,12 +1034,12 @@ static moe_status_t encode_map(CUtensorMap *map, const void *ptr, int64_t rows, 
                          name);
     cuuint64_t dims[2] = {(cuuint64_t)k, (cuuint64_t)rows};
     cuuint64_t strides[1] = {(cuuint64_t)k * (f8 ? 1 : 2)};
-    cuuint32_t box[2] = {(cuuint32_t)(f8 ? 128 : BK), (cuuint32_t)box_rows};
+    cuuint32_t box[2] = {(cuuint32_t)(f8 ? 128 : box_k), (cuuint32_t)box_rows};
     cuuint32_t estr[2] = {1, 1};
     CUresult r = f(map, f8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
                    (void *)ptr, dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                   CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                   !f8 && box_k == 32 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B,
+                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS)
         return moe_error(MOE_STATUS_CUDA_ERROR,
                          "%s: cuTensorMapEncodeTiled(rows %lld, k %d, box %d) failed: %d", name,
@@ -1164,11 +1172,12 @@ static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, co
     MOE_CHECK(encode_map(&tm_tok, a->a, (int64_t)a->max_blocks * TOK, a->k, MC ? TOK / 2 : TOK,
                          name, F8));
     MOE_CHECK(encode_map(&tm_w, a->b, (int64_t)a->num_experts * a->n, a->k, WR, name, F8));
-    /* c as [rows, n_out] bf16 in [64 x 64] boxes (the TMA-store epilogue; else unused) */
+    /* c as [rows, n_out] bf16 in [64 x TSW] boxes (the TMA-store epilogue; else unused) */
     CUtensorMap tm_c = tm_tok;
     p.tma_store = C::TS && !a->c_f32 && tma_store_enabled();
     if (p.tma_store)
-        MOE_CHECK(encode_map(&tm_c, a->c, (int64_t)a->max_blocks * TOK, p.n_out, 64, name));
+        MOE_CHECK(
+            encode_map(&tm_c, a->c, (int64_t)a->max_blocks * TOK, p.n_out, 64, name, 0, C::TSW));
     int grid = (int)(items < sms ? items : sms);
     if (max_ctas() > 0 && grid > max_ctas())
         grid = max_ctas();
@@ -1214,14 +1223,18 @@ static constexpr int stages_for(int stage_bytes, int budget, int cap)
 }
 
 /* Normal layout: TOK tokens (64 per consumer warpgroup; PING: two warpgroups on alternate
- * 64-row items) x 2 x WR weight rows (bf16: WRB, 128, or 64 for three and four consumer
- * warpgroups). */
-template <int TOK, int F8 = 0, int WRB = 128, int PING = 0, int MC = 0>
+ * 64-row items) x 2 x WR weight rows: WRB, or where it is 0 the kind's own (bf16 and F8 = 3:
+ * 128; 64 for three and four consumer warpgroups is given). */
+template <int TOK, int F8 = 0, int WRB = 0, int PING = 0, int MC = 0>
 static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const char *name)
 {
-    /* FP8 with promotion (F8 = 1, 2, 4) keeps a second set of accumulators: half the weight
-     * rows; F8 = 3 (the tensor cores accumulate all of k) has the bf16 tile's */
-    constexpr int WR = f8_promoted(F8) ? 64 : WRB;
+    /* FP8 with promotion (F8 = 1, 2, 4) keeps a second set of accumulators: 64 weight rows a
+     * half (n128), or 96 (n192: 96 accumulators and 96 partial sums a thread, two consumer
+     * warpgroups at most); F8 = 3 (the tensor cores accumulate all of k) has the bf16 tile's */
+    constexpr int WR = WRB ? WRB : f8_promoted(F8) ? 64 : 128;
+    static_assert(!f8_promoted(F8) || WR == 64 || (WR == 96 && TOK / 64 <= 2 && F8 != 2),
+                  "promoted fp8: n128, or n192 with one or two consumer warpgroups (block "
+                  "scales: a weight tile inside one 128-row scale block)");
     /* bf16: the TMA-store buffers (16 KB per consumer warpgroup) come out of the same budget
      * (m128: 4 stages of 48 KB + 32 KB; m64: 5 of 40 KB + 16 KB) */
     constexpr int ST = F8 ? stages_for((TOK + 2 * WR) * ROW_BYTES, 200 * 1024, 8)
