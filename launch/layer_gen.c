@@ -1,10 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
-/* Presets and counter-based random weights and tokens (public API only, but for static
- * activation scales: runtime/weights.h's set-weight entry, the checkpoint loader's). */
+/* Presets and counter-based random weights and tokens (public API only). */
 #include "layer_gen.h"
 #include "cli.h"
 #include "base/numeric.h"
-#include "runtime/weights.h"
 
 #include <math.h>
 #include <stddef.h>
@@ -110,7 +108,7 @@ static moe_status_t set_one(moe_layer_t *layer, uint64_t seed, moe_weight_kind_t
     }
     moe_gen_matrix(seed, kind, expert, r0, rows, c0, cols, full_cols, buf);
     if (input_scale > 0.0f)
-        return moe_layer_set_weight_from(layer, kind, expert, &t, input_scale, NULL, 0, 0);
+        return moe_layer_set_weight_with_input_scale(layer, kind, expert, &t, input_scale);
     return moe_layer_set_weight(layer, kind, expert, &t);
 }
 
@@ -169,6 +167,11 @@ static moe_status_t set_weights(moe_layer_t *layer, const moe_layer_config_t *cf
             : 0;
     whole = cfg->weight_dtype == MOE_DTYPE_FP8_E4M3 &&
             (cfg->scale_kind == MOE_SCALE_PER_TENSOR || cfg->scale_kind == MOE_SCALE_PER_CHANNEL);
+    /* static activation scales are read by W8A8 on per-tensor FP8 weights alone (the public
+     * entry refuses them elsewhere): other layers get none, and compute as they would anyway */
+    if (cfg->weight_dtype != MOE_DTYPE_FP8_E4M3 || cfg->scale_kind != MOE_SCALE_PER_TENSOR ||
+        cfg->fp8_math != MOE_FP8_MATH_W8A8)
+        input_scales = 0;
     big = E * H;
     if ((whole ? I : is) * H > big)
         big = (whole ? I : is) * H;

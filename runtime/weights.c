@@ -419,6 +419,33 @@ moe_status_t moe_layer_set_weight(moe_layer_t *l, moe_weight_kind_t kind, int ex
     return moe_layer_set_weight_from(l, kind, expert, t, 0.0f, NULL, 0, 0);
 }
 
+moe_status_t moe_layer_set_weight_with_input_scale(moe_layer_t *l, moe_weight_kind_t kind,
+                                                   int expert, const moe_tensor_t *t,
+                                                   float input_scale)
+{
+    moe_error_clear();
+    MOE_ARG_CHECK(l != NULL, "layer = NULL");
+    MOE_ARG_CHECK((kind >= MOE_WEIGHT_GATE_PROJ && kind <= MOE_WEIGHT_DOWN_PROJ) ||
+                      (kind >= MOE_WEIGHT_SHARED_GATE_PROJ && kind <= MOE_WEIGHT_SHARED_DOWN_PROJ),
+                  "kind = %d: an input scale belongs to GATE_PROJ, UP_PROJ, DOWN_PROJ or their "
+                  "SHARED_ kinds",
+                  (int)kind);
+    if (input_scale != 0.0f) {
+        char what[96];
+        MOE_ARG_CHECK(l->cfg.weight_dtype == MOE_DTYPE_FP8_E4M3 &&
+                          l->cfg.scale_kind == MOE_SCALE_PER_TENSOR &&
+                          l->cfg.fp8_math == MOE_FP8_MATH_W8A8,
+                      "%s: input_scale = %g: static activation scales are read by W8A8 "
+                      "arithmetic on per-tensor FP8 weights only (this layer: weight_dtype %s, "
+                      "scale_kind %d, fp8_math %d; want FP8_E4M3, PER_TENSOR 1, W8A8 2)",
+                      kind_names[kind], (double)input_scale, moe_dtype_name(l->cfg.weight_dtype),
+                      (int)l->cfg.scale_kind, (int)l->cfg.fp8_math);
+        snprintf(what, sizeof(what), "%s: input_scale", kind_names[kind]);
+        MOE_CHECK(moe_scales_check(&input_scale, 1, 1, what, 0, 0));
+    }
+    return moe_layer_set_weight_from(l, kind, expert, t, input_scale, NULL, 0, 0);
+}
+
 moe_status_t moe_layer_set_weight_from(moe_layer_t *l, moe_weight_kind_t kind, int expert,
                                        const moe_tensor_t *t, float input_scale, const char *origin,
                                        int64_t row_off, int64_t col_off)

@@ -311,6 +311,21 @@ typedef struct moe_tensor {
 moe_status_t moe_layer_set_weight(moe_layer_t *layer, moe_weight_kind_t kind, int expert,
                                   const moe_tensor_t *tensor);
 
+/* moe_layer_set_weight for an FP8 matrix with a static activation scale (a checkpoint's
+ * `input_scale`, `activation_scheme: static`; vLLM's a1_scale / a2_scale): the layer's W8A8
+ * arithmetic then quantises this matrix's input with it, q = e4m3(v / input_scale), instead of
+ * with a dynamic scale per token (docs/SEMANTICS.md, "FP8 W8A8": gate_proj and up_proj share
+ * GEMM 1's input, quantised statically with the larger of their two scales when both have one).
+ * For GATE_PROJ, UP_PROJ, DOWN_PROJ and the SHARED_ three, on a layer with weight_dtype
+ * FP8_E4M3, per-tensor scales and fp8_math W8A8, the only arithmetic that reads it.
+ * input_scale 0: none (moe_layer_set_weight). Anything else gives MOE_STATUS_INVALID_ARGUMENT
+ * naming it (a scale that is not finite, not > 0 or outside the FP8 scales' range:
+ * MOE_STATUS_NUMERIC_ERROR), checked on every rank whether or not it owns the expert, and
+ * nothing is kept. */
+moe_status_t moe_layer_set_weight_with_input_scale(moe_layer_t *layer, moe_weight_kind_t kind,
+                                                   int expert, const moe_tensor_t *tensor,
+                                                   float input_scale);
+
 typedef struct moe_forward_args {
     int64_t num_tokens;         /* this rank's tokens, 0..max_tokens_per_rank */
     moe_dtype_t dtype;          /* of x and y: F32 or BF16 */

@@ -167,6 +167,7 @@ def _declare(lib):
         "moe_layer_destroy": (S, [V]),
         "moe_layer_get_info": (S, [V, P(LayerInfo)]),
         "moe_layer_set_weight": (S, [V, I, I, P(Tensor)]),
+        "moe_layer_set_weight_with_input_scale": (S, [V, I, I, P(Tensor), ctypes.c_float]),
         "moe_layer_forward": (S, [V, P(ForwardArgs)]),
         "moe_layer_synchronize": (S, [V, V]),
         "moe_layer_explain": (S, [V, ctypes.c_int64, ctypes.c_char_p, ctypes.c_size_t]),

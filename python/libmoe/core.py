@@ -224,11 +224,13 @@ class MoELayer:
         first, n = self.info["first_local_expert"], self.info["num_local_experts"]
         return range(first, first + n) if first >= 0 else range(self.num_experts)
 
-    def set_weight(self, kind, expert, tensor, scale=None):
+    def set_weight(self, kind, expert, tensor, scale=None, input_scale=None):
         """Copies a host matrix (a torch tensor, 2-D, or 1-D for router_bias and
         shared_expert_gate; f32, bf16, f16 or float8_e4m3fn with `scale`) into the layer. The full
         matrix or this rank's slice, as moe_layer_set_weight; `expert` is the global id for
-        gate_proj, up_proj and down_proj and ignored (-1) otherwise."""
+        gate_proj, up_proj and down_proj and ignored (-1) otherwise. `input_scale` (a float or a
+        one-element tensor): the matrix's static activation scale, a checkpoint's input_scale
+        (moe_layer_set_weight_with_input_scale: W8A8 layers with per-tensor FP8 weights)."""
         k = _enum(_lib.WEIGHT, kind, "weight kind")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"set_weight({kind!r}): tensor must be a torch.Tensor, got "
@@ -249,7 +251,17 @@ class MoELayer:
             elif s.dim() == 1:
                 s = s.reshape(-1, 1)
             ten.scale, ten.scale_rows, ten.scale_cols = s.data_ptr(), s.shape[0], s.shape[1]
-        check(_lib.load().moe_layer_set_weight(self.handle, k, int(expert), ctypes.byref(ten)))
+        if input_scale is None:
+            check(_lib.load().moe_layer_set_weight(self.handle, k, int(expert),
+                                                   ctypes.byref(ten)))
+            return
+        if isinstance(input_scale, torch.Tensor):
+            if input_scale.numel() != 1:
+                raise ValueError(f"set_weight({kind!r}): input_scale has {input_scale.numel()} "
+                                 "elements; one per matrix")
+            input_scale = input_scale.item()
+        check(_lib.load().moe_layer_set_weight_with_input_scale(
+            self.handle, k, int(expert), ctypes.byref(ten), float(input_scale)))
 
     # -- forward
     def forward(self, x, topk_ids=None, topk_weights=None, router_logits=None):

@@ -50,6 +50,20 @@ def _fp8_scales(scale, E, rows, cols, block_shape, per_channel, name):
     return "tensor", s.reshape(E, 1, 1)
 
 
+def _act_scales(scale, E, name):
+    """vLLM's static activation scale (a1_scale / a2_scale: one for all experts, or one per
+    expert) -> a float per expert, or None."""
+    if scale is None:
+        return None
+    s = torch.as_tensor(scale).detach().float().cpu().reshape(-1)
+    if s.numel() == 1:
+        return [s.item()] * E
+    if s.numel() != E:
+        raise ValueError(f"{name} has {s.numel()} elements: one static activation scale, or "
+                         f"one per expert ({E})")
+    return s.tolist()
+
+
 def _build(runtime, w1, w2, activation, fp8, w1_scale, w2_scale, block_shape, per_channel,
            max_tokens):
     E, I2, H = w1.shape
@@ -80,7 +94,9 @@ def _build(runtime, w1, w2, activation, fp8, w1_scale, w2_scale, block_shape, pe
     return E, I, kw, s1, s2
 
 
-def _load(layer, w1, w2, I, s1, s2):
+def _load(layer, w1, w2, I, s1, s2, a1=None, a2=None):
+    """a1 / a2 (optional, per-tensor FP8 only): each expert's static activation scale of GEMM 1's
+    input (gate and up share it) and of GEMM 2's."""
     w1c, w2c = w1.detach().cpu(), w2.detach().cpu()
     for e in layer.local_experts():
         g, u = w1c[e, :I], w1c[e, I:]
@@ -94,9 +110,11 @@ def _load(layer, w1, w2, I, s1, s2):
         else:
             r = I if s1.shape[2] == 1 else I // 128  # channel rows, or block rows
             sg, su = s1[e, :r], s1[e, r:]
-        layer.set_weight("gate_proj", e, g, scale=sg)
-        layer.set_weight("up_proj", e, u, scale=su)
-        layer.set_weight("down_proj", e, w2c[e], scale=s2[e])
+        i1 = None if a1 is None else a1[e]
+        i2 = None if a2 is None else a2[e]
+        layer.set_weight("gate_proj", e, g, scale=sg, input_scale=i1)
+        layer.set_weight("up_proj", e, u, scale=su, input_scale=i1)
+        layer.set_weight("down_proj", e, w2c[e], scale=s2[e], input_scale=i2)
 
 
 def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False,
@@ -109,7 +127,9 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False,
     w1 [E, 2I, H] (gate then up), w2 [E, H, I]; topk_weights [T, k], topk_ids [T, k] (int32 or
     int64). FP8: use_fp8_w8a8=True with float8_e4m3fn weights and w1_scale/w2_scale per tensor
     ([E]), per channel (per_channel_quant, [E, rows, 1]) or 128x128 blocks (block_shape=[128,
-    128]); activations are quantised per token by libmoe (W8A8). The layer made for a set of
+    128]); activations are quantised per token by libmoe (W8A8), or with per-tensor weight
+    scales by a1_scale (GEMM 1's input) and a2_scale (GEMM 2's), static activation scales: one
+    for every expert, as vLLM passes them, or one per expert ([E]). The layer made for a set of
     weights is cached (keyed by the tensors and their versions): the first call with new weights
     copies them (collective under mpirun: EP over the ranks, the same weights on every rank)."""
     for name in ("use_int8_w8a8", "use_int8_w8a16", "use_int4_w4a16", "use_mxfp4_w4a4",
@@ -126,8 +146,13 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False,
         raise NotImplementedError("libmoe.fused_experts: expert_map (libmoe places experts "
                                   "over the runtime's ranks itself)")
     if a1_scale is not None or a2_scale is not None:
-        raise NotImplementedError("libmoe.fused_experts: static activation scales (a1_scale, "
-                                  "a2_scale); libmoe quantises activations per token")
+        if not use_fp8_w8a8:
+            raise ValueError("libmoe.fused_experts: a1_scale / a2_scale (static activation "
+                             "scales) need use_fp8_w8a8=True")
+        if per_channel_quant or block_shape is not None:
+            raise NotImplementedError("libmoe.fused_experts: a1_scale / a2_scale with per-channel "
+                                      "or block weight scales (libmoe's static activation scales "
+                                      "go with per-tensor weight scales)")
     for name, t in (("hidden_states", hidden_states), ("w1", w1), ("w2", w2),
                     ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
         if not isinstance(t, torch.Tensor):
@@ -153,18 +178,24 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False,
     cap = max(int(max_tokens), 1)
     while cap < T:
         cap *= 2
-    weights = (w1, w2, w1_scale, w2_scale)
+    # static activation scales: tensors are keyed as the weights are, plain numbers by value
+    acts = (a1_scale, a2_scale)
+    weights = (w1, w2, w1_scale, w2_scale) + tuple(
+        a if isinstance(a, torch.Tensor) else None for a in acts)
     key = _key(runtime, hidden_states.dtype, weights,
                (activation, bool(use_fp8_w8a8), bool(per_channel_quant),
-                tuple(block_shape) if block_shape else None, k, cap))
+                tuple(block_shape) if block_shape else None, k, cap) +
+               tuple(None if a is None or isinstance(a, torch.Tensor) else float(a) for a in acts))
     entry = _cache.get(key)
     layer = entry[0] if entry is not None and _alive(entry, weights) else None
     if layer is None:
         E, I, kw, s1, s2 = _build(runtime, w1, w2, activation, use_fp8_w8a8, w1_scale, w2_scale,
                                   block_shape, per_channel_quant, cap)
+        a1 = _act_scales(a1_scale, E, "a1_scale")
+        a2 = _act_scales(a2_scale, E, "a2_scale")
         kw["top_k"] = k
         layer = MoELayer(runtime, **kw)
-        _load(layer, w1, w2, I, s1, s2)
+        _load(layer, w1, w2, I, s1, s2, a1, a2)
         for k_old in [k_ for k_, (l_, refs) in _cache.items()
                       if l_._h is None or any(r is not None and r() is None for r in refs)]:
             _cache.pop(k_old)[0].close()  # layers of weights that are gone

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """fused_experts (vLLM's layout) against a torch reference: f32 and bf16, top-k 1..4, int64 and
 int32 ids, inplace, FP8 e4m3 weights with per-tensor, per-channel and 128x128 block scales
-(against the dequantised weights), the layer cache, and every bad argument."""
+(against the dequantised weights), static activation scales (a1_scale, a2_scale) against the
+static W8A8 reference, the layer cache, and every bad argument."""
 import pytest
 import torch
 
@@ -103,8 +104,58 @@ def test_fp8(rt, kind):
     assert rel(y, ref(x, d1, d2, tw, ti)) <= 6e-2
 
 
+def ref_static(x, q1, s1, q2, s2, a1, a2, tw, ti):
+    """W8A8 with static activation scales, written out: x rounded to bf16 (as libmoe gathers it),
+    quantised by a1 (saturating at +-448, round to nearest even), the e4m3 products summed in
+    float64, act(g) * u rounded to bf16 (as GEMM 1 stores h) and quantised by a2. a1 / a2: a
+    float per expert; s1 / s2: per-tensor weight scales [E]."""
+    def q8(v, s):
+        return (v / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).double() * s
+    I = q1.shape[1] // 2
+    y = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ti.shape[1]):
+            e = int(ti[t, j])
+            xq = q8(x[t].bfloat16().double(), a1[e])
+            gu = (q1[e].double() * float(s1[e])) @ xq
+            h = (torch.nn.functional.silu(gu[:I]) * gu[I:]).bfloat16().double()
+            y[t] += float(tw[t, j]) * ((q2[e].double() * float(s2[e])) @ q8(h, a2[e]))
+    return y
+
+
+def test_fp8_static_activation_scales(rt):
+    """a1_scale / a2_scale as vLLM passes them (one for every expert) and one per expert: against
+    the static W8A8 reference, and away from the dynamic result (a1 at half of x's largest value
+    over 448: the largest values saturate)."""
+    x, w1, w2, tw, ti = data(E=4, H=256, I=128, T=6, seed=7)
+    q1, s1, _ = quant(w1, "tensor")
+    q2, s2, _ = quant(w2, "tensor")
+    kw = dict(use_fp8_w8a8=True, w1_scale=s1, w2_scale=s2, runtime=rt)
+    dyn = libmoe.fused_experts(x, q1, q2, tw, ti, **kw)
+    a1 = float(x.abs().max()) / 448.0 / 2.0
+    a2 = 0.02
+    for a1s, a2s, a1e, a2e in (
+            (torch.tensor([a1]), torch.tensor(a2), [a1] * 4, [a2] * 4),  # vLLM's form
+            (a1, a2, [a1] * 4, [a2] * 4),  # plain numbers
+            (torch.tensor([a1, 2 * a1, a1, 3 * a1]), None, [a1, 2 * a1, a1, 3 * a1], None)):
+        y = libmoe.fused_experts(x, q1, q2, tw, ti, a1_scale=a1s, a2_scale=a2s, **kw)
+        if a2e is None:  # GEMM 2 dynamic: the reference's a2 is each row's own amax / 448
+            want = None
+            assert rel(y, dyn) > 1e-3
+        else:
+            want = ref_static(x, q1, s1, q2, s2, a1e, a2e, tw, ti)
+            # 5e-8 measured (f32 against float64 sums); a bf16 rounding of h that the two
+            # sums put on either side of a tie would flip one e4m3 code: still far below 1e-4
+            assert rel(y, want) <= 1e-4, rel(y, want)
+            assert rel(dyn, want) > 3 * rel(y, want)  # the static scales were used
+    libmoe.clear_cache()
+
+
 def test_bad_arguments(rt):
     x, w1, w2, tw, ti = data(seed=6)
+    q1, t1, _ = quant(w1, "tensor")
+    q2, t2, _ = quant(w2, "tensor")
+    c1, c2 = quant(w1, "channel")[1], quant(w2, "channel")[1]
     f = libmoe.fused_experts
     cases = [
         (lambda: f(x, w1, w2, tw, ti.float(), runtime=rt), TypeError, "topk_ids.dtype"),
@@ -130,8 +181,16 @@ def test_bad_arguments(rt):
         (lambda: f(x, w1, w2, tw, ti, use_fp8_w8a8=True, runtime=rt), TypeError,
          "float8_e4m3fn"),
         (lambda: f(x, w1, w2, tw, ti, activation="relu", runtime=rt), ValueError, "activation"),
-        (lambda: f(x, w1, w2, tw, ti, a1_scale=torch.ones(1), runtime=rt), NotImplementedError,
-         "a1_scale"),
+        (lambda: f(x, w1, w2, tw, ti, a1_scale=torch.ones(1), runtime=rt), ValueError,
+         "need use_fp8_w8a8=True"),
+        (lambda: f(x, q1, q2, tw, ti, use_fp8_w8a8=True, w1_scale=c1, w2_scale=c2,
+                   per_channel_quant=True, a2_scale=torch.ones(1), runtime=rt),
+         NotImplementedError, "per-tensor weight scales"),
+        (lambda: f(x, q1, q2, tw, ti, use_fp8_w8a8=True, w1_scale=t1, w2_scale=t2,
+                   a1_scale=torch.ones(3), runtime=rt), ValueError, "one per expert (8)"),
+        (lambda: f(x, q1, q2, tw, ti, use_fp8_w8a8=True, w1_scale=t1, w2_scale=t2,
+                   a1_scale=torch.tensor(-1.0), runtime=rt), libmoe.MoEError,
+         "input_scale"),
         (lambda: f(x, "w1", w2, tw, ti, runtime=rt), TypeError, "torch.Tensor"),
     ]
     for i, (call, exc, words) in enumerate(cases):

@@ -371,6 +371,31 @@ static double ratio_to_bound(const float *a, const float *ref, const double *bou
     return worst;
 }
 
+/* The two-expert layer of the tests below (E 2, k 1, FP8 weights of scale kind k) and its two
+ * experts' matrices; logits (optional) send token t to expert t % 2 with weight exactly 1. */
+static moe_layer_config_t two_experts(moe_scale_kind_t k, ref_expert_t *ex, float *logits,
+                                      uint64_t *st)
+{
+    moe_layer_config_t c = MOE_LAYER_CONFIG_INIT;
+    c.num_experts = 2;
+    c.top_k = 1;
+    c.hidden = XH;
+    c.intermediate = XI;
+    c.max_tokens_per_rank = XT;
+    c.weight_dtype = MOE_DTYPE_FP8_E4M3;
+    c.scale_kind = k;
+    for (int e = 0; e < 2; e++) {
+        make_matrix(k, XI, XH, ex[e].gate, ex[e].sg, st);
+        make_matrix(k, XI, XH, ex[e].up, ex[e].su, st);
+        make_matrix(k, XH, XI, ex[e].down, ex[e].sd, st);
+    }
+    for (int t = 0; logits && t < XT; t++) {
+        logits[t * 2] = t % 2 ? -1.0f : 1.0f;
+        logits[t * 2 + 1] = -logits[t * 2];
+    }
+    return c;
+}
+
 /* Layer E 2, k 1 (the chosen expert's weight is exactly 1), router logits given, W8A8 vs the
  * reference above; W8A16 of the same layer must differ (the test sees the arithmetic). */
 static void test_layer_vs_independent(void **state)
@@ -385,28 +410,12 @@ static void test_layer_vs_independent(void **state)
     (void)state;
     assert_true(ex != NULL);
     make_tokens(x, &st);
-    for (int t = 0; t < XT; t++) { /* token t to expert t % 2 */
-        logits[t * 2] = t % 2 ? -1.0f : 1.0f;
-        logits[t * 2 + 1] = -logits[t * 2];
-    }
     for (int ki = 0; ki < 3; ki++) {
         const moe_scale_kind_t k = kinds[ki];
-        moe_layer_config_t c = MOE_LAYER_CONFIG_INIT;
+        moe_layer_config_t c = two_experts(k, ex, logits, &st);
         moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
         moe_layer_t *l = NULL;
         double worst, e16;
-        c.num_experts = 2;
-        c.top_k = 1;
-        c.hidden = XH;
-        c.intermediate = XI;
-        c.max_tokens_per_rank = XT;
-        c.weight_dtype = MOE_DTYPE_FP8_E4M3;
-        c.scale_kind = k;
-        for (int e = 0; e < 2; e++) {
-            make_matrix(k, XI, XH, ex[e].gate, ex[e].sg, &st);
-            make_matrix(k, XI, XH, ex[e].up, ex[e].su, &st);
-            make_matrix(k, XH, XI, ex[e].down, ex[e].sd, &st);
-        }
         for (int mode = 0; mode < 2; mode++) {
             c.fp8_math = mode == 0 ? MOE_FP8_MATH_W8A8 : MOE_FP8_MATH_W8A16;
             TU_OK(moe_layer_create(tu_rt, &c, &l));
@@ -497,6 +506,125 @@ static void test_static_scales(void **state)
     TU_OK(moe_cpu_mlp_w8a8(&w, MOE_ACTIVATION_SILU, x, XT, y));
     assert_memory_equal(y, ydyn, sizeof(y));
     free(e);
+}
+
+/* moe_layer_set_weight_with_input_scale, the public entry of static scales: a layer (E 2, k 1)
+ * whose expert 0 has static scales on every matrix (gate 2^-7, up 2^-6: 2^-6 for GEMM 1; down 2^-9,
+ * which saturates part of h) and expert 1 on gate alone (2^-8, which would saturate x: GEMM 1
+ * stays dynamic by the pair rule) and down, against the reference above; then every refusal, each
+ * naming what it refuses, and nothing kept by them. */
+static void test_input_scale_api(void **state)
+{
+    const moe_scale_kind_t k = MOE_SCALE_PER_TENSOR;
+    const float stat[2][3] = {{0x1p-7f, 0x1p-6f, 0x1p-9f}, {0x1p-8f, 0.0f, 0x1p-6f}};
+    /* what the reference is given: GEMM 1's scale from gate and up by hand (expert 1: none) */
+    const float want[2][3] = {{0x1p-6f, 0x1p-6f, 0x1p-9f}, {0.0f, 0.0f, 0x1p-6f}};
+    const float wrong[3] = {0x1p-8f, 0x1p-8f, 0x1p-6f}; /* expert 1 with gate's scale used */
+    uint64_t st = tu_seed("w8a8_input_scale_api");
+    ref_expert_t *ex = malloc(sizeof(ref_expert_t) * 2);
+    float x[XT * XH], y[XT * XH], ydyn[XT * XH], ref[XT * XH], logits[XT * 2];
+    double bound[XT * XH];
+    moe_layer_config_t c;
+    moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
+    moe_layer_t *l = NULL;
+    (void)state;
+    assert_true(ex != NULL);
+    make_tokens(x, &st);
+    c = two_experts(k, ex, logits, &st);
+    c.fp8_math = MOE_FP8_MATH_W8A8;
+    a.num_tokens = XT;
+    a.dtype = MOE_DTYPE_F32;
+    a.x = x;
+    a.router_logits = logits;
+    for (int with = 0; with < 2; with++) { /* dynamic (input scales 0), then static */
+        TU_OK(moe_layer_create(tu_rt, &c, &l));
+        for (int e = 0; e < 2; e++) {
+            moe_tensor_t tg = fp8_tensor(k, XI, XH, ex[e].gate, ex[e].sg);
+            moe_tensor_t tu = fp8_tensor(k, XI, XH, ex[e].up, ex[e].su);
+            moe_tensor_t td = fp8_tensor(k, XH, XI, ex[e].down, ex[e].sd);
+            TU_OK(moe_layer_set_weight_with_input_scale(l, MOE_WEIGHT_GATE_PROJ, e, &tg,
+                                                        with ? stat[e][0] : 0.0f));
+            TU_OK(moe_layer_set_weight_with_input_scale(l, MOE_WEIGHT_UP_PROJ, e, &tu,
+                                                        with ? stat[e][1] : 0.0f));
+            TU_OK(moe_layer_set_weight_with_input_scale(l, MOE_WEIGHT_DOWN_PROJ, e, &td,
+                                                        with ? stat[e][2] : 0.0f));
+        }
+        for (int i = 0; i < XT * XH; i++)
+            (with ? y : ydyn)[i] = NAN;
+        a.y = with ? y : ydyn;
+        TU_OK(moe_layer_forward(l, &a));
+        if (with) { /* the refusals, on a layer whose weights are all set */
+            moe_tensor_t tg = fp8_tensor(k, XI, XH, ex[0].gate, ex[0].sg);
+            float y2[XT * XH];
+            assert_int_equal(
+                moe_layer_set_weight_with_input_scale(l, MOE_WEIGHT_ROUTER, -1, &tg, 0.5f),
+                MOE_STATUS_INVALID_ARGUMENT);
+            assert_non_null(strstr(moe_last_error(), "an input scale belongs"));
+            assert_int_equal(
+                moe_layer_set_weight_with_input_scale(l, MOE_WEIGHT_GATE_PROJ, 0, &tg, NAN),
+                MOE_STATUS_NUMERIC_ERROR);
+            assert_non_null(strstr(moe_last_error(), "GATE_PROJ: input_scale"));
+            assert_int_equal(
+                moe_layer_set_weight_with_input_scale(l, MOE_WEIGHT_GATE_PROJ, 0, &tg, -0.5f),
+                MOE_STATUS_NUMERIC_ERROR);
+            assert_non_null(strstr(moe_last_error(), "finite and > 0"));
+            assert_int_equal(
+                moe_layer_set_weight_with_input_scale(l, MOE_WEIGHT_GATE_PROJ, 0, &tg, 1e38f),
+                MOE_STATUS_NUMERIC_ERROR);
+            /* nothing was kept: the same output */
+            a.y = y2;
+            TU_OK(moe_layer_forward(l, &a));
+            assert_memory_equal(y, y2, sizeof(y));
+        }
+        TU_OK(moe_layer_destroy(l));
+    }
+    for (int t = 0; t < XT; t++)
+        ref_mlp(k, &ex[t % 2], x + t * XH, want[t % 2], ref + t * XH, bound + t * XH);
+    {
+        float r1[XH];
+        double b1[XH], off;
+        ref_mlp(k, &ex[1], x + XH, wrong, r1, b1);
+        off = ratio_to_bound(y + XH, r1, b1, XH);
+        fprintf(stderr,
+                "input scales by the public entry: worst |y - ref| / bound %.3g; dynamic %.3g; "
+                "token 1 against gate's scale used alone %.3g\n",
+                ratio_to_bound(y, ref, bound, XT * XH), tu_rel_err(ydyn, ref, XT * XH), off);
+        assert_true(off > 1.0); /* the pair rule is seen */
+    }
+    assert_true(ratio_to_bound(y, ref, bound, XT * XH) <= 1.0);
+    assert_true(tu_rel_err(ydyn, ref, XT * XH) > 1e-3); /* the static scales were used */
+
+    /* layers that never read one: per-channel or block weights, W8A16, bf16 (0 is still fine) */
+    for (int bad = 0; bad < 4; bad++) {
+        moe_layer_config_t b = c;
+        uint8_t *q = ex[0].gate;
+        float sc[XI];
+        moe_tensor_t t = fp8_tensor(k, XI, XH, q, ex[0].sg);
+        if (bad == 0)
+            b.scale_kind = MOE_SCALE_PER_CHANNEL;
+        else if (bad == 1)
+            b.scale_kind = MOE_SCALE_BLOCK_128;
+        else if (bad == 2)
+            b.fp8_math = MOE_FP8_MATH_W8A16;
+        else {
+            b.weight_dtype = MOE_DTYPE_BF16;
+            b.scale_kind = MOE_SCALE_NONE;
+            b.fp8_math = MOE_FP8_MATH_AUTO;
+        }
+        if (b.scale_kind != MOE_SCALE_PER_TENSOR) { /* the tensor's own scales in that kind */
+            for (int i = 0; i < XI; i++)
+                sc[i] = ex[0].sg[0];
+            t = fp8_tensor(b.scale_kind == MOE_SCALE_NONE ? k : b.scale_kind, XI, XH, q, sc);
+        }
+        TU_OK(moe_layer_create(tu_rt, &b, &l));
+        assert_int_equal(moe_layer_set_weight_with_input_scale(l, MOE_WEIGHT_UP_PROJ, 1, &t, 0.5f),
+                         MOE_STATUS_INVALID_ARGUMENT);
+        assert_non_null(strstr(moe_last_error(), "UP_PROJ: input_scale = 0.5"));
+        assert_non_null(strstr(moe_last_error(), "per-tensor FP8 weights only"));
+        TU_OK(moe_layer_set_weight_with_input_scale(l, MOE_WEIGHT_UP_PROJ, 1, &t, 0.0f));
+        TU_OK(moe_layer_destroy(l));
+    }
+    free(ex);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -656,9 +784,9 @@ static void test_gen_static_scales(void **state)
             moved, err);
     assert_true(moved > 1e-3);        /* the static scales were used */
     assert_true(err < 0.06);          /* test_w8a8_vs_w8a16's bound */
-    run_gen_layer(c, T, seed, 1, ys); /* W8A16 ignores them */
+    run_gen_layer(c, T, seed, 1, ys); /* W8A16 computes as without them */
     assert_memory_equal(ys, y16, sizeof(float) * T * 256);
-    c.scale_kind = MOE_SCALE_PER_CHANNEL; /* so do per-channel weights (weights.c drops them) */
+    c.scale_kind = MOE_SCALE_PER_CHANNEL; /* so do per-channel weights (the generator gives none) */
     c.fp8_math = MOE_FP8_MATH_W8A8;
     run_gen_layer(c, T, seed, 1, ys);
     run_gen_layer(c, T, seed, 0, yd);
@@ -744,15 +872,11 @@ static void test_set_time_scales(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_e4m3_quantize),
-        cmocka_unit_test(test_quantize_rows),
-        cmocka_unit_test(test_matmul_hand_computed),
-        cmocka_unit_test(test_layer_vs_independent),
-        cmocka_unit_test(test_static_scales),
-        cmocka_unit_test(test_w8a8_vs_w8a16),
-        cmocka_unit_test(test_pair_static_scale),
-        cmocka_unit_test(test_gen_static_scales),
-        cmocka_unit_test(test_config),
+        cmocka_unit_test(test_e4m3_quantize),        cmocka_unit_test(test_quantize_rows),
+        cmocka_unit_test(test_matmul_hand_computed), cmocka_unit_test(test_layer_vs_independent),
+        cmocka_unit_test(test_static_scales),        cmocka_unit_test(test_input_scale_api),
+        cmocka_unit_test(test_w8a8_vs_w8a16),        cmocka_unit_test(test_pair_static_scale),
+        cmocka_unit_test(test_gen_static_scales),    cmocka_unit_test(test_config),
         cmocka_unit_test(test_set_time_scales),
     };
     return cmocka_run_group_tests(tests, tu_group_setup_cpu, tu_group_teardown);
