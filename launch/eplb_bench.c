@@ -175,7 +175,7 @@ static void step_case(moe_runtime_t *rt, const eplb_opts_t *o, int redundant, co
     c.num_redundant_experts = redundant;
     c.max_tokens_per_rank = o->tokens;
     MK(moe_layer_create(rt, &c, &l));
-    MK(moe_gen_set_weights_fast(l, &c));
+    MK(moe_gen_set_weights_fast(l, &c, 0));
     a.num_tokens = o->tokens;
     a.x = x;
     a.y = y;
@@ -256,7 +256,7 @@ static void move_case(moe_runtime_t *rt, const eplb_opts_t *o, int redundant)
     c.num_redundant_experts = redundant;
     c.max_tokens_per_rank = 1;
     MK(moe_layer_create(rt, &c, &l));
-    MK(moe_gen_set_weights_fast(l, &c));
+    MK(moe_gen_set_weights_fast(l, &c, 0));
     MK(moe_layer_get_info(l, &li));
     n = c.num_experts + redundant;
     S = n / li.ep_size;

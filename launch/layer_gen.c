@@ -306,7 +306,8 @@ static void fp8_scale_shape(moe_scale_kind_t k, int64_t rows, int64_t cols, moe_
  * codes of the same values with one scale everywhere, so that no set-time quantisation runs. */
 static moe_status_t set_fast(moe_layer_t *layer, const moe_layer_config_t *c,
                              moe_weight_kind_t kind, int expert, int64_t rows, int64_t cols,
-                             const uint16_t *bf16, const uint8_t *fp8, const float *scales)
+                             const uint16_t *bf16, const uint8_t *fp8, const float *scales,
+                             float input_scale)
 {
     moe_tensor_t t = {MOE_DTYPE_BF16, rows, cols, bf16, NULL, 0, 0};
     if (fp8) {
@@ -315,10 +316,13 @@ static moe_status_t set_fast(moe_layer_t *layer, const moe_layer_config_t *c,
         t.scale = scales;
         fp8_scale_shape(c->scale_kind, rows, cols, &t);
     }
+    if (input_scale > 0.0f)
+        return moe_layer_set_weight_with_input_scale(layer, kind, expert, &t, input_scale);
     return moe_layer_set_weight(layer, kind, expert, &t);
 }
 
-moe_status_t moe_gen_set_weights_fast(moe_layer_t *layer, const moe_layer_config_t *c)
+moe_status_t moe_gen_set_weights_fast(moe_layer_t *layer, const moe_layer_config_t *c,
+                                      int static_act)
 {
     static const moe_weight_kind_t routed[3] = {MOE_WEIGHT_GATE_PROJ, MOE_WEIGHT_UP_PROJ,
                                                 MOE_WEIGHT_DOWN_PROJ};
@@ -368,7 +372,7 @@ moe_status_t moe_gen_set_weights_fast(moe_layer_t *layer, const moe_layer_config
             continue;
         for (i = 0; i < 3 && r == MOE_STATUS_SUCCESS; i++)
             r = set_fast(layer, c, kinds[i], (int)e, i < 2 ? inner : H, i < 2 ? H : inner, buf, q,
-                         scales);
+                         scales, !static_act ? 0.0f : (i < 2 ? 1.0f : 2.0f) / MOE_FP8_E4M3_MAX);
     }
     if (S > 0 && r == MOE_STATUS_SUCCESS && c->shared_expert_gate) {
         t.rows = 1, t.cols = H;

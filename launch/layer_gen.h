@@ -71,8 +71,12 @@ void moe_gen_fill_bf16(uint16_t *p, size_t n, float a, uint64_t *state);
 
 /* Every weight of the layer from one shared random bf16 buffer (FP8 layers: its e4m3 codes with
  * one scale, in the layer's scale kind, so nothing is quantised at set time): fast at any size,
- * for the benchmarks and moe-tune (timing does not depend on the values). */
-moe_status_t moe_gen_set_weights_fast(moe_layer_t *layer, const moe_layer_config_t *cfg);
+ * for the benchmarks and moe-tune (timing does not depend on the values). `static_act`: every
+ * expert and shared matrix with a static activation scale (moe_layer_set_weight_with_input_scale:
+ * W8A8 with per-tensor FP8 weights), 1 / 448 for GEMM 1's input (tokens in [-1, 1), as the
+ * benchmarks make them) and 2 / 448 for GEMM 2's. */
+moe_status_t moe_gen_set_weights_fast(moe_layer_t *layer, const moe_layer_config_t *cfg,
+                                      int static_act);
 
 #ifdef __cplusplus
 }

@@ -69,6 +69,7 @@ typedef struct options {
     int fp8;                 /* --dtype fp8: W8A8 */
     int rotate;              /* --rotate: copies of the layer (0: enough to defeat the L2) */
     moe_scale_kind_t scales; /* --scales (fp8; default per-tensor) */
+    int act_static;          /* --act-scales static: static activation scales (fp8 tensor) */
     FILE *json_file;         /* opened before the run, so a bad path fails before minutes of work */
     char err[512];           /* why this rank rejected its options */
 } options_t;
@@ -85,8 +86,12 @@ static void usage(void)
            "                 [--tokens 1,8,64,512,2048,8192] [--graph-max M] [--seconds S]\n"
            "                 [--json FILE] [--explain] [--dtype bf16|fp8 [--scales "
            "tensor|channel|block]]\n"
+           "                 [--act-scales dynamic|static]\n"
            "                 [--capacity C] [--rotate R] [--round-tokens N]\n"
-           "         (fp8: e4m3 weights and activations, W8A8, f32 accumulation; --capacity:\n"
+           "         (fp8: e4m3 weights and activations, W8A8, f32 accumulation; --act-scales\n"
+           "         static: the activations quantised with each matrix's static scale (a\n"
+           "         checkpoint's input_scale) instead of per token, --scales tensor only; "
+           "--capacity:\n"
            "         the layer's max_tokens_per_rank, default the largest of --tokens; --rotate:\n"
            "         step i runs copy i %% R of the layer, each with its own weights, default\n"
            "         the fewest copies whose weights a step reads add up to 2 x L2, at most %d\n"
@@ -187,6 +192,10 @@ static int parse(int argc, char **argv, options_t *o)
             ok = !moe_cli_double(a, v, 1e-3, 3600.0, &o->seconds, o->err, sizeof(o->err));
         } else if (!strcmp(a, "--json")) {
             o->json = v;
+        } else if (!strcmp(a, "--act-scales")) {
+            if (strcmp(v, "dynamic") && strcmp(v, "static"))
+                return REJECT("--act-scales %s: expected dynamic or static", v);
+            o->act_static = !strcmp(v, "static");
         } else {
             return REJECT("unknown option %s (see --help)", a);
         }
@@ -288,6 +297,9 @@ static int resolve(options_t *o, int rank)
                       (long long)o->capacity);
     o->cfg.ep_round_tokens = o->round_tokens;
     moe_gen_apply_fp8(&o->cfg, o->fp8, o->scales);
+    if (o->act_static && (!o->fp8 || o->cfg.scale_kind != MOE_SCALE_PER_TENSOR))
+        return REJECT("--act-scales static: static activation scales need --dtype fp8 --scales "
+                      "tensor (W8A8 on per-tensor weights)");
     return 1;
 }
 
@@ -311,6 +323,7 @@ static int agree_options(const options_t *o, int bad)
         {"--capacity", o->capacity, 0}, /* after --tokens: its default is their largest */
         {"--dtype", o->fp8, 0},
         {"--scales", o->scales, 0},
+        {"--act-scales", o->act_static, 0},
         {"--round-tokens", o->round_tokens, 0},
     };
     return moe_cli_agree("moe-bench", bad, o->err, f, (int)(sizeof(f) / sizeof(f[0])));
@@ -648,13 +661,16 @@ static void json_shape(FILE *f, const options_t *o)
     fprintf(f,
             "{\"date\": \"%s\", \"commit\": \"%s\", \"preset\": \"%s\", \"experts\": %d, "
             "\"top_k\": %d, \"hidden\": %d, \"intermediate\": %d, \"dtype\": \"%s\", "
-            "\"scales\": \"%s\", ",
+            "\"scales\": \"%s\", \"act_scales\": \"%s\", ",
             date, bench_commit(), o->preset, c->num_experts, c->top_k, c->hidden, c->intermediate,
             fp8 ? "fp8_e4m3" : "bf16",
             !fp8                                     ? "none"
             : c->scale_kind == MOE_SCALE_PER_CHANNEL ? "per_channel"
             : c->scale_kind == MOE_SCALE_BLOCK_128   ? "block_128"
-                                                     : "per_tensor");
+                                                     : "per_tensor",
+            !fp8            ? "none"
+            : o->act_static ? "static"
+                            : "dynamic");
 }
 
 /* `text` as the characters of a JSON string (moe_json_escape_byte). */
@@ -729,7 +745,7 @@ static moe_layer_t *make_layer(moe_runtime_t *rt, const options_t *o, moe_layer_
     t[0] = MPI_Wtime() - t0;
     MOE_OK(moe_layer_get_info(layer, info));
     t0 = MPI_Wtime();
-    MOE_OK(moe_gen_set_weights_fast(layer, &o->cfg));
+    MOE_OK(moe_gen_set_weights_fast(layer, &o->cfg, o->act_static));
     t[1] = MPI_Wtime() - t0;
     return layer;
 }
@@ -740,13 +756,14 @@ static void print_title(const options_t *o)
     time_t now = time(NULL);
     char date[32];
     strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", gmtime(&now));
-    printf("# moe-bench %s: %s E%d k%d H%d I%d%s, %s weights, x/y bf16\n", date, o->preset,
+    printf("# moe-bench %s: %s E%d k%d H%d I%d%s, %s weights%s, x/y bf16\n", date, o->preset,
            c->num_experts, c->top_k, c->hidden, c->intermediate,
            c->num_shared_experts ? " + shared" : "",
            !o->fp8                                  ? "bf16"
            : c->scale_kind == MOE_SCALE_PER_CHANNEL ? "fp8 e4m3 W8A8 per-channel"
            : c->scale_kind == MOE_SCALE_BLOCK_128   ? "fp8 e4m3 W8A8 128x128-block"
-                                                    : "fp8 e4m3 W8A8 per-tensor");
+                                                    : "fp8 e4m3 W8A8 per-tensor",
+           o->act_static ? " (static activation scales)" : "");
 }
 
 static void print_explain_line(const char *why)

@@ -345,7 +345,7 @@ static int make_layer(const bench_t *b, const moe_layer_config_t *cfg, moe_layer
         return 0;
     }
     MOE_OK(st);
-    MOE_OK(moe_gen_set_weights_fast(*layer, cfg));
+    MOE_OK(moe_gen_set_weights_fast(*layer, cfg, 0));
     return 1;
 }
 

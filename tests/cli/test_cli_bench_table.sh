@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # moe-bench's table on the CPU backend, one rank and two: the header's rotation line (forced by
 # --rotate, else 1 copy: no GPU L2), a row and a phases line per token count, the JSON's rotate
-# and points, each with the layer's explain text; never the timings.
+# and points, each with the layer's explain text; fp8 with static activation scales and its
+# refusals; never the timings.
 #   test_cli_bench_table.sh MOE_BENCH
 set -u
 moe_bench=$1
@@ -37,4 +38,25 @@ for run in "1 2 rotated over 2 copies (L2 0.0 MB): --rotate 2" \
         check "$name: JSON parses" python3 -c 'import json, sys; json.load(open(sys.argv[1]))' "$json"
     [ $fail -eq 0 ] || cat "$out"
 done
+# fp8 with static activation scales (--act-scales static): said in the title and the JSON; refused
+# where the layer cannot take them (bf16, block scales), naming the option
+out=$tmp/out json=$tmp/s.json
+timeout 120 mpirun --oversubscribe --bind-to none -x MOE_BACKEND -np 1 "$moe_bench" \
+    --experts 4 --top-k 2 --hidden 32 --intermediate 32 --tokens 1,8,64 --seconds 0.01 \
+    --dtype fp8 --act-scales static --json "$json" >"$out" 2>&1
+rc=$?
+check "static: exit 0 (got $rc)" [ $rc -eq 0 ]
+check "static: 3 rows" [ "$(grep -cE "$row" "$out")" -eq 3 ]
+check "static: the title says so" grep -q "W8A8 per-tensor weights (static activation scales)" "$out"
+check "static: JSON act_scales" grep -q '"scales": "per_tensor", "act_scales": "static"' "$json"
+for bad in "" "--dtype fp8 --scales block"; do
+    # shellcheck disable=SC2086 # $bad: options
+    timeout 60 mpirun --oversubscribe --bind-to none -x MOE_BACKEND -np 1 "$moe_bench" \
+        --experts 4 --top-k 2 --hidden 32 --intermediate 32 --tokens 1 $bad \
+        --act-scales static >"$out" 2>&1
+    rc=$?
+    check "static with \"$bad\": refused (rc $rc)" [ $rc -ne 0 ]
+    check "static with \"$bad\": the reason" grep -q -- "--act-scales static: static activation scales need --dtype fp8 --scales tensor" "$out"
+done
+[ $fail -eq 0 ] || cat "$out"
 [ $fail -eq 0 ]
