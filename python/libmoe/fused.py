@@ -127,7 +127,9 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False,
     w1 [E, 2I, H] (gate then up), w2 [E, H, I]; topk_weights [T, k], topk_ids [T, k] (int32 or
     int64). FP8: use_fp8_w8a8=True with float8_e4m3fn weights and w1_scale/w2_scale per tensor
     ([E]), per channel (per_channel_quant, [E, rows, 1]) or 128x128 blocks (block_shape=[128,
-    128]); activations are quantised per token by libmoe (W8A8), or with per-tensor weight
+    128]); apply_router_weight_on_input (top_k 1): x[t] times its weight goes into the expert
+    and the output is not weighted. Activations are quantised per token by libmoe (W8A8), or with
+    per-tensor weight
     scales by a1_scale (GEMM 1's input) and a2_scale (GEMM 2's), static activation scales: one
     for every expert, as vLLM passes them, or one per expert ([E]). The layer made for a set of
     weights is cached (keyed by the tensors and their versions): the first call with new weights
@@ -140,8 +142,6 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False,
                                   "use_mxfp4_w4a4", "w1_zp", "w2_zp", "w1_bias", "w2_bias"}
     if unknown:
         raise TypeError(f"libmoe.fused_experts: unexpected arguments {sorted(unknown)}")
-    if apply_router_weight_on_input:
-        raise NotImplementedError("libmoe.fused_experts: apply_router_weight_on_input")
     if expert_map is not None:
         raise NotImplementedError("libmoe.fused_experts: expert_map (libmoe places experts "
                                   "over the runtime's ranks itself)")
@@ -167,6 +167,9 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False,
         raise ValueError(f"topk_ids.shape = {tuple(topk_ids.shape)}, topk_weights.shape = "
                          f"{tuple(topk_weights.shape)}: both must be [T, k] with T = "
                          f"hidden_states.shape[0] = {hidden_states.shape[0]}")
+    if apply_router_weight_on_input and k != 1:
+        raise NotImplementedError(f"libmoe.fused_experts: apply_router_weight_on_input with "
+                                  f"top_k = {k} (vLLM's rule: top_k 1)")
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_ids.dtype = {topk_ids.dtype}: int32 or int64")
     if not topk_weights.is_floating_point():
@@ -202,7 +205,13 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False,
         _cache[key] = (layer, tuple(None if t is None else weakref.ref(t) for t in weights))
     ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
     w = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
-    y = layer(hidden_states, ids.contiguous(), w.contiguous())
+    x = hidden_states
+    if apply_router_weight_on_input:
+        # vLLM's rule (Llama 4's top-1 routing): the token times its weight in its own dtype
+        # goes into the expert, whose output is not weighted again
+        x = (hidden_states * w.to(hidden_states.dtype)).contiguous()
+        w = torch.ones_like(w)
+    y = layer(x, ids.contiguous(), w.contiguous())
     if inplace:
         hidden_states.copy_(y)
         return hidden_states

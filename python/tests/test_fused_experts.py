@@ -2,7 +2,8 @@
 """fused_experts (vLLM's layout) against a torch reference: f32 and bf16, top-k 1..4, int64 and
 int32 ids, inplace, FP8 e4m3 weights with per-tensor, per-channel and 128x128 block scales
 (against the dequantised weights), static activation scales (a1_scale, a2_scale) against the
-static W8A8 reference, the layer cache, and every bad argument."""
+static W8A8 reference, the router weights on the input (top-1), the layer cache, and every bad
+argument."""
 import pytest
 import torch
 
@@ -56,6 +57,20 @@ def test_bf16_and_inplace(rt):
     xi = x.clone()
     out = libmoe.fused_experts(xi, w1, w2, tw.bfloat16(), ti, inplace=True, runtime=rt)
     assert out is xi and rel(xi, want) <= 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_weight_on_input(rt, dtype):
+    """apply_router_weight_on_input (top-1, Llama 4): y[t] = W2 act(W1 (w x)) against the
+    reference with the weights moved to the input; the output weighted instead differs."""
+    x, w1, w2, tw, ti = data(k=1, seed=8, dtype=dtype)
+    tw = tw * 3.0  # away from 1, so where the weight goes shows
+    xw = (x * tw.to(dtype)).to(dtype)
+    want = ref(xw, w1, w2, torch.ones_like(tw), ti)
+    y = libmoe.fused_experts(x, w1, w2, tw, ti, apply_router_weight_on_input=True, runtime=rt)
+    bound = 1e-5 if dtype == torch.float32 else 1e-2
+    assert y.dtype == dtype and rel(y, want) <= bound
+    assert rel(ref(x, w1, w2, tw, ti), want) > 10 * bound
 
 
 def test_cache_follows_weights(rt):
@@ -174,7 +189,7 @@ def test_bad_arguments(rt):
         (lambda: f(x, w1, w2, tw, ti, expert_map=torch.arange(8), runtime=rt),
          NotImplementedError, "expert_map"),
         (lambda: f(x, w1, w2, tw, ti, apply_router_weight_on_input=True, runtime=rt),
-         NotImplementedError, "apply_router_weight_on_input"),
+         NotImplementedError, "apply_router_weight_on_input with top_k = 2"),
         (lambda: f(x, w1, w2, tw, ti, use_int8_w8a8=True, runtime=rt), NotImplementedError,
          "use_int8_w8a8"),
         (lambda: f(x, w1, w2, tw, ti, bogus=1, runtime=rt), TypeError, "bogus"),
