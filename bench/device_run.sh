@@ -51,10 +51,12 @@
 #                    at NEW; $KNOB_CASES split by ';', each "preset|moe-bench options|tokens"
 #                    (default: Qwen3 fp8 and bf16, Mixtral fp8 at 1,8,64); bench/ab_compare.py
 #                    prints new / base per point, per knob (and all); JSON in $OUT/knob.tgz
-#   gemm-prof        Nsight Compute on the expert GEMMs of one step (DRAM / SM throughput,
-#                    the top warp stalls): fp8 per-tensor, fp8 block and bf16 at the DeepSeek-V3
-#                    shard M = 64 and Mixtral M = 8, fp8 at Mixtral M = 8192 ($PROF_CASES:
-#                    preset:M:bf16|tensor|block[:decode], decode: the fused decode kernel)
+#   gemm-prof        Nsight Compute on the expert GEMMs of one step (DRAM / SM throughput, SM
+#                    clock, shared-memory and tensor-pipe use, the top warp stalls): fp8
+#                    per-tensor, fp8 block and bf16 at the DeepSeek-V3 shard M = 64 and Mixtral
+#                    M = 8, fp8 at Mixtral M = 8192 ($PROF_CASES:
+#                    preset:M:bf16|tensor|block[:decode|:VARIANT], decode: the fused decode
+#                    kernel, VARIANT: that GEMM variant forced)
 #   trace            the fused decode kernel's timeline (bench/decode_trace): $TRACE_CASES split by
 #                    ';', each "model tokens dtype split1" (default Qwen3 bf16 and fp8 at 1 and 8
 #                    tokens, the DeepSeek-V3 shard fp8 and Mixtral bf16 at 1), 20 launches each
@@ -526,17 +528,19 @@ gemm-prof)
         IFS=: read -r p t d f <<<"$c"
         dt="--dtype fp8 --scales $d"
         [ "$d" = bf16 ] && dt="--dtype bf16"
-        k=moe_gemm_sm90 force=""
+        k=moe_gemm_sm90 force=${f:-}
         [ "${f:-}" = decode ] && k=decode_kernel force=sm90_fused_decode
         echo "== $p M = $t $d: the step's ${force:-expert GEMMs}"
         # shellcheck disable=SC2086 # $dt: options
         MOE_FORCE_VARIANT=$force timeout 120 ncu --section SpeedOfLight --section WarpStateStats \
-            --section Occupancy --section MemoryWorkloadAnalysis -k "regex:$k" --launch-skip 4 \
-            --launch-count 2 $B/moe-bench --preset "$p" $dt --tokens "$t" --graph-max 0 \
-            --rotate 1 --seconds 0.01 >"$OUT/prof-$p-$t-$d${f:+-$f}.txt" 2>&1
-        grep -E "moe_gemm_sm90_kernel|decode_kernel|^ +(Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|L2 Hit|Mem Busy|Max Bandwidth)|Stall|stall" \
+            --section Occupancy --section MemoryWorkloadAnalysis \
+            --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis \
+            -k "regex:$k" --launch-skip 4 --launch-count 2 $B/moe-bench --preset "$p" $dt \
+            --tokens "$t" --graph-max 0 --rotate 1 --seconds 0.01 \
+            >"$OUT/prof-$p-$t-$d${f:+-$f}.txt" 2>&1
+        grep -E "moe_gemm_sm90_kernel|decode_kernel|^ +(Duration|SM Frequency|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|L2 Hit|Mem Busy|Max Bandwidth|Issue Slots Busy|Shared)|Stall|stall|[Tt]ensor" \
             "$OUT/prof-$p-$t-$d${f:+-$f}.txt" | sed -E 's/void moe_gemm_sm90_kernel/K/; s/ +/ /g' |
-            cut -c1-150 | head -30
+            cut -c1-150 | head -40
     done
     (cd "$OUT" && tar -czf prof.tgz prof-*.txt) && rm -f "$OUT"/prof-*.txt
     ;;
