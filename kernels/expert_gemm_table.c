@@ -116,6 +116,11 @@ static const moe_gemm_variant_t variants[] = {
      L(moe_gemm_sm90_fp8b_m192mc_launch), 0},
     {"sm90_fp8_block_m64n128_pp", 90, 64, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
      L(moe_gemm_sm90_fp8b_m64pp_launch), 0},
+    /* n192 (two consumer warpgroups at most): a 96-row half may cross a 128-row scale block */
+    {"sm90_fp8_block_m128n192", 90, 128, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
+     L(moe_gemm_sm90_fp8b_m128w_launch), 0},
+    {"sm90_fp8_block_m64n192_pp", 90, 64, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
+     L(moe_gemm_sm90_fp8b_m64wpp_launch), 0},
     {"sm80_mma_m32n128", 80, 32, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE, L(moe_gemm_sm80_m32_launch), 0},
     {"sm80_mma_m64n128", 80, 64, 0, MOE_DTYPE_BF16, MOE_SCALE_NONE, L(moe_gemm_sm80_m64_launch), 0},
 };

@@ -540,17 +540,23 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
      * Block scales: a weight tile (WR rows, WR | 128, aligned in its own matrix: gate, up or
      * down) lies in one 128-row block, so its rows share one scale per k slice -- loaded once per
      * slice, not per element (the backend's per-row scales repeat it; layer.c keeps TP slices
-     * 128-aligned). A thread's accumulators touch 2 A rows (normal) or ACC/2 tokens (swap-AB).
-     * Swap-AB (SSC): the scales of slice ks come from shared memory, `sc` (the producer copied
-     * them in with the stage); normal tiles load them here (e, row0: the item's expert and
-     * first A row). */
+     * 128-aligned); a 96-row one (XB, below) in at most two, two scales a slice. A thread's
+     * accumulators touch 2 A rows (normal) or ACC/2 tokens (swap-AB). Swap-AB (SSC): the scales of
+     * slice ks come from shared memory, `sc` (the producer copied them in with the stage); normal
+     * tiles load them here (e, row0: the item's expert and first A row). */
     auto sc_of = [&](int stage, int sub) { return sscl + (stage * KB + sub) * C::SC_SLICE; };
     constexpr int NA = SWAP ? C::ACC / 2 : 2; /* A rows (tokens) a thread's accumulators touch */
+    /* XB: block scales on weight tiles of 96 rows a half (n192), which may cross a 128-row scale
+     * block (at column 32 or 64 of the half; multiples of 8, so an accumulator's 8-column group
+     * lies on one side): set h's scale is sb[h] below column bc[h] and sb[NACC + h] from it
+     * (bc[h] = WR: no boundary). Tiles of 32, 64 or 128 rows lie in one block: sb[h] alone. */
+    constexpr bool XB = F8 == 2 && !SWAP && 128 % WR != 0;
+    constexpr int NSB = XB ? 2 * C::NACC : C::NACC, NBC = XB ? C::NACC : 1;
     /* The scales of slice ks for this thread's accumulators (F8 = 2; else nothing): sb per
      * accumulator set, sa per A row. Normal tiles load them before the slice's wgmmas, so the
      * loads run under the tensor cores. */
-    auto load_scales = [&](float(&sb)[C::NACC], float(&sa)[NA], int ks, int e, int64_t row0, int jt,
-                           const float *sc) {
+    auto load_scales = [&](float(&sb)[NSB], float(&sa)[NA], int(&bc)[NBC], int ks, int e,
+                           int64_t row0, int jt, const float *sc) {
         if (F8 != 2)
             return;
         /* slices past k (a last stage's zero fill) have no scales: nothing to add */
@@ -568,6 +574,16 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
             else
                 sb[h] = kin && lc0 < nlim ? __ldg(p.b_scale + ((int64_t)e * p.n + wl0) * kbn + ks)
                                           : 0.0f;
+            if constexpr (XB) {
+                /* the first row past the block of the half's first row (matrix rows lc0 ..:
+                 * gate and up share their blocks' bounds, I a multiple of 128), and its scale
+                 * where that row is inside n */
+                const int b = 128 - lc0 % 128;
+                bc[h] = b < WR && lc0 + b < nlim ? b : WR;
+                sb[C::NACC + h] = bc[h] < WR && kin
+                                      ? __ldg(p.b_scale + ((int64_t)e * p.n + wl0 + b) * kbn + ks)
+                                      : sb[h];
+            }
         }
 #pragma unroll
         for (int j = 0; j < NA; j++) {
@@ -583,14 +599,18 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
         }
     };
     /* d += pp (F8 = 2: times the scales load_scales gave) */
-    auto apply = [&](acc_t d, acc_t pp, const float(&sb)[C::NACC], const float(&sa)[NA]) {
+    auto apply = [&](acc_t d, acc_t pp, const float(&sb)[NSB], const float(&sa)[NA],
+                     const int(&bc)[NBC]) {
 #pragma unroll
         for (int h = 0; h < C::NACC; h++)
 #pragma unroll
             for (int i = 0; i < C::ACC; i++) {
                 reg_fence(pp[h][i]);
                 const int j = SWAP ? 2 * (i >> 2) + (i & 1) : (i & 3) >> 1;
-                if (F8 == 2)
+                if constexpr (XB) /* element i's 8-column group starts at column 8 (i / 4) */
+                    d[h][i] +=
+                        pp[h][i] * (sa[j] * (8 * (i >> 2) < bc[h] ? sb[h] : sb[C::NACC + h]));
+                else if constexpr (F8 == 2)
                     d[h][i] += pp[h][i] * (sa[j] * sb[h]);
                 else
                     d[h][i] += pp[h][i];
@@ -744,8 +764,9 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
 #pragma unroll
                 for (int sub = 0; sub < KB; sub++) {
                     /* the block scales first: their loads run under the wgmmas */
-                    float sb[C::NACC], sa[NA];
-                    load_scales(sb, sa, kt + sub, e, row0, jt, sc_of(s, sub));
+                    float sb[NSB], sa[NA];
+                    int bc[NBC];
+                    load_scales(sb, sa, bc, kt + sub, e, row0, jt, sc_of(s, sub));
                     wgmma_fence();
                     mma_slice(reinterpret_cast<acc_t>(part), st, sub, PING ? 0 : wg, true);
                     wgmma_commit();
@@ -753,7 +774,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                     /* the stage is read (the scales are not in it): free it before the adds */
                     if (sub == KB - 1 && !C::SSC && lane == 0)
                         release(s);
-                    apply(acc, reinterpret_cast<acc_t>(part), sb, sa);
+                    apply(acc, reinterpret_cast<acc_t>(part), sb, sa, bc);
                 }
                 if (C::SSC) {
                     __syncwarp();
@@ -782,8 +803,10 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                         release(s);
                     }
                     s_prev = -1;
-                    const float sb[C::NACC] = {}, sa[NA] = {}; /* per-row scales: the epilogue's */
-                    apply(acc, d, sb, sa);
+                    /* per-row scales: the epilogue's */
+                    const float sb[NSB] = {}, sa[NA] = {};
+                    const int bc[NBC] = {};
+                    apply(acc, d, sb, sa, bc);
                 } else {
                     /* the previous stage's wgmmas are done: its stage is free */
                     wgmma_wait<1>();
@@ -839,10 +862,13 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
         }
 
         /* moe_gemm_args_t.row_amax: each row's max |output| (block scales: per 128 columns,
-         * the next GEMM's 1 x 128 groups; an item's columns lie in one group), so the
-         * quantisation of h need not find it. amax_pair takes a thread's two outputs at
-         * columns col, col + 1 (those past n_out left out); amax_rows reduces rows r0 and
-         * r0 + 8 over the quad that holds them (lanes 4j .. 4j + 3) and puts them. */
+         * the next GEMM's 1 x 128 groups; an item's columns lie in one group, but for XB's 96
+         * columns, which may span two: those from the item's column gb on (a multiple of 8;
+         * WR: none) go to the second), so the quantisation of h need not find it. amax_pair
+         * takes a thread's two outputs at columns col, col + 1 (those past n_out left out);
+         * amax_rows reduces rows r0 and r0 + 8 over the quad that holds them (lanes 4j .. 4j +
+         * 3) and puts them. */
+        const int gb = XB && 128 - (jt * WR) % 128 < WR ? 128 - (jt * WR) % 128 : WR;
         auto amax_at = [&](int64_t row, int col) {
             return p.amax + (F8 == 2 ? row * ((p.n_out + 127) / 128) + col / 128 : row);
         };
@@ -922,7 +948,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
             const float sc[2] = {moe_gemm_row_scale(p, grow + r),
                                  moe_gemm_row_scale(p, grow + r + 8)};
             constexpr int ROUNDS = EPI == MOE_GEMM_EPI_STORE ? HALVES : 1;
-            float mx[2] = {0.0f, 0.0f}; /* AMX: |outputs| max of rows r, r + 8 */
+            float mx[2] = {0.0f, 0.0f}, mxh[2] = {0.0f, 0.0f}; /* AMX: rows r, r + 8 (XB: gb on) */
 #pragma unroll
             for (int h = 0; h < ROUNDS; h++) {
                 /* the buffer is free once the last boxes stored from it have been read */
@@ -941,7 +967,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                         v0 = moe_gemm_act_mul<EPI>(acc[0][i], acc[C::NACC - 1][i]) * sc[q];
                         v1 = moe_gemm_act_mul<EPI>(acc[0][i + 1], acc[C::NACC - 1][i + 1]) * sc[q];
                         if (AMX)
-                            amax_pair(mx[q], jt * WR + wc, v0, v1);
+                            amax_pair(XB && wc >= gb ? mxh[q] : mx[q], jt * WR + wc, v0, v1);
                     }
                     constexpr int TRB = C::TSW * 2; /* bytes a box row */
                     const uint32_t off =
@@ -967,13 +993,16 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
                 }
             }
-            if (AMX)
+            if (AMX) {
                 amax_rows(mx, grow + r, jt * WR);
+                if (XB && gb < WR)
+                    amax_rows(mxh, grow + r, jt * WR + gb);
+            }
         } else {
             /* a thread's outputs lie on two rows: 8 apart */
             const int64_t row = row0 + (PING ? 0 : wg * 64) + 16 * warp + (lane >> 2);
             const float sc[2] = {moe_gemm_row_scale(p, row), moe_gemm_row_scale(p, row + 8)};
-            float mx[2] = {0.0f, 0.0f}; /* AMX: |outputs| max of rows row, row + 8 */
+            float mx[2] = {0.0f, 0.0f}, mxh[2] = {0.0f, 0.0f}; /* AMX: rows row, row + 8 */
 #pragma unroll
             for (int i = 0; i < C::ACC; i += 2) {
                 const int q = (i & 3) >> 1;
@@ -989,11 +1018,14 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                         moe_gemm_act_mul<EPI>(acc[0][i + 1], acc[C::NACC - 1][i + 1]) * sc[q];
                     moe_gemm_put2(p, row + 8 * q, jt * WR + wc, v0, v1);
                     if (AMX)
-                        amax_pair(mx[q], jt * WR + wc, v0, v1);
+                        amax_pair(XB && wc >= gb ? mxh[q] : mx[q], jt * WR + wc, v0, v1);
                 }
             }
-            if (AMX)
+            if (AMX) {
                 amax_rows(mx, row, jt * WR);
+                if (XB && gb < WR)
+                    amax_rows(mxh, row, jt * WR + gb);
+            }
         }
     }
     /* the last boxes must be written before the CTA (and its shared memory) goes */
@@ -1232,9 +1264,8 @@ static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const 
      * half (n128), or 96 (n192: 96 accumulators and 96 partial sums a thread, two consumer
      * warpgroups at most); F8 = 3 (the tensor cores accumulate all of k) has the bf16 tile's */
     constexpr int WR = WRB ? WRB : f8_promoted(F8) ? 64 : 128;
-    static_assert(!f8_promoted(F8) || WR == 64 || (WR == 96 && TOK / 64 <= 2 && F8 != 2),
-                  "promoted fp8: n128, or n192 with one or two consumer warpgroups (block "
-                  "scales: a weight tile inside one 128-row scale block)");
+    static_assert(!f8_promoted(F8) || WR == 64 || (WR == 96 && TOK / 64 <= 2),
+                  "promoted fp8: n128, or n192 with one or two consumer warpgroups");
     /* bf16: the TMA-store buffers (16 KB per consumer warpgroup) come out of the same budget
      * (m128: 4 stages of 48 KB + 32 KB; m64: 5 of 40 KB + 16 KB) */
     constexpr int ST = F8 ? stages_for((TOK + 2 * WR) * ROW_BYTES, 200 * 1024, 8)
