@@ -40,10 +40,8 @@ static const struct knob {
     {"MOE_FP8_FAST_ACCUM", 0, 1},     /* moe-tune: try the FP8 tiles without promotion */
     {"MOE_GEMM_PROMO_SLICES", 1, 64}, /* the _p4 fp8 tiles' promotion interval (an A/B knob) */
     {"MOE_QUANT_GROUP_HELD", 0, 1},   /* long rows' 1 x 128 group quantisation held (A/B knob) */
-    {"MOE_QUANT_H_AMAX", 0, 1},
-    {"MOE_SLOT_LOAD_HIST", 0, 1},
-    /* slot ids: expert loads counted per CTA (A/B knob) */ /* W8A8 GEMM 1 takes h's maxima for its
-                                                               quantisation */
+    {"MOE_QUANT_H_AMAX", 0, 1},       /* W8A8 GEMM 1 takes h's maxima for its quantisation */
+    {"MOE_SLOT_LOAD_HIST", 0, 1},     /* slot ids: expert loads counted per CTA (A/B knob) */
 };
 
 static void knob_range(const char *name, int64_t *min, int64_t *max)
