@@ -552,6 +552,13 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
      * (bc[h] = WR: no boundary). Tiles of 32, 64 or 128 rows lie in one block: sb[h] alone. */
     constexpr bool XB = F8 == 2 && !SWAP && 128 % WR != 0;
     constexpr int NSB = XB ? 2 * C::NACC : C::NACC, NBC = XB ? C::NACC : 1;
+    /* XB: the column of a half starting at matrix column c0 from which the next 128-row scale
+     * block (and, for GEMM 1's output, the next 1 x 128 group of h) begins, where that column
+     * is inside the half and below lim; else WR */
+    auto block_split = [](int c0, int lim) {
+        const int b = 128 - c0 % 128;
+        return b < WR && c0 + b < lim ? b : WR;
+    };
     /* The scales of slice ks for this thread's accumulators (F8 = 2; else nothing): sb per
      * accumulator set, sa per A row. Normal tiles load them before the slice's wgmmas, so the
      * loads run under the tensor cores. */
@@ -578,11 +585,11 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 /* the first row past the block of the half's first row (matrix rows lc0 ..:
                  * gate and up share their blocks' bounds, I a multiple of 128), and its scale
                  * where that row is inside n */
-                const int b = 128 - lc0 % 128;
-                bc[h] = b < WR && lc0 + b < nlim ? b : WR;
-                sb[C::NACC + h] = bc[h] < WR && kin
-                                      ? __ldg(p.b_scale + ((int64_t)e * p.n + wl0 + b) * kbn + ks)
-                                      : sb[h];
+                bc[h] = block_split(lc0, nlim);
+                sb[C::NACC + h] =
+                    bc[h] < WR && kin
+                        ? __ldg(p.b_scale + ((int64_t)e * p.n + wl0 + bc[h]) * kbn + ks)
+                        : sb[h];
             }
         }
 #pragma unroll
@@ -868,7 +875,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
          * takes a thread's two outputs at columns col, col + 1 (those past n_out left out);
          * amax_rows reduces rows r0 and r0 + 8 over the quad that holds them (lanes 4j .. 4j +
          * 3) and puts them. */
-        const int gb = XB && 128 - (jt * WR) % 128 < WR ? 128 - (jt * WR) % 128 : WR;
+        const int gb = XB ? block_split(jt * WR, p.n_out) : WR;
         auto amax_at = [&](int64_t row, int col) {
             return p.amax + (F8 == 2 ? row * ((p.n_out + 127) / 128) + col / 128 : row);
         };
