@@ -15,6 +15,7 @@ extern "C" {
 #endif
 
 #define MOE_DECODE_MAX_TOKENS 64   /* tokens per launch (an expert's tokens: 8 mma columns x 8) */
+#define MOE_DECODE_MAX_ROWS 1024   /* (token, slot) rows per launch: 64 tokens x top_k 16 */
 #define MOE_DECODE_MAX_EXPERTS 512 /* local experts (the per-CTA expert table) */
 #define MOE_DECODE_MAX_SPLIT 8     /* GEMM 1's and GEMM 2's k splits */
 
@@ -83,16 +84,35 @@ typedef struct moe_decode_args {
                     * of each launch leaves them so; zero them once at create) */
     int64_t num_tokens;
     int top_k, num_experts, hidden, inter;
-    int f8;             /* 0: bf16 weights; 1: e4m3 weights with per-row scales */
-    int gelu;           /* 1: gelu (tanh) * up, else silu * up */
-    int split;          /* GEMM 2's k split, moe_decode_split (1 .. MOE_DECODE_MAX_SPLIT) */
-    int split1;         /* GEMM 1's k split (1 .. MOE_DECODE_MAX_SPLIT; moe_decode_split1 gives one
-                         * from the shape); 0 is taken as 1 */
-    int max_ctas;       /* at most this many CTAs (0: as many as fit on the GPU) */
-    int32_t *sticky;    /* optional: the step's sticky verdict word (MOE_DECODE_STICKY_STALL) */
-    int64_t timeout_ns; /* a wait's bound (0: none) */
-    int64_t *trace;     /* optional (benchmarks): the timeline, MOE_DECODE_TRACE_STRIDE int64 a
-                         * warp of the grid (see above); NULL in a layer's step */
+    int f8;              /* 0: bf16 weights; 1: e4m3 weights with per-row scales */
+    int gelu;            /* 1: gelu (tanh) * up, else silu * up */
+    int split;           /* GEMM 2's k split, moe_decode_split (1 .. MOE_DECODE_MAX_SPLIT) */
+    int split1;          /* GEMM 1's k split (1 .. MOE_DECODE_MAX_SPLIT; moe_decode_split1 gives one
+                          * from the shape); 0 is taken as 1 */
+    int max_ctas;        /* at most this many CTAs (0: as many as fit on the GPU) */
+    int32_t *sticky;     /* optional: the step's sticky verdict word (MOE_DECODE_STICKY_STALL) */
+    int sticky_rank;     /* laid-out rows: the rank a mark there names ((rank << 8) | status) */
+    int32_t sticky_bits; /* laid-out rows: bits added to each mark (an EP step's: the bit that
+                          * makes its combine fail the step on every source) */
+    int64_t timeout_ns;  /* a wait's bound (0: none) */
+    int64_t *trace;      /* optional (benchmarks): the timeline, MOE_DECODE_TRACE_STRIDE int64 a
+                          * warp of the grid (see above); NULL in a layer's step */
+    /* Laid-out rows (an EP step's low-latency layout, kernels/a2a.h): lo_counts NULL for the
+     * routed form above. Given, x (bf16) holds rows grouped by local expert: expert e's
+     * lo_counts[e] rows from row lo_offsets[e] on (device arrays an earlier kernel wrote:
+     * moe_a2a_ll_layout_launch). Each of those rows goes through its expert alone, unweighted,
+     * into the same row of rows_out (bf16 [rows][hidden], as the grouped GEMM 2 writes it; other
+     * rows untouched): rows_out[r] = W2_e (act(W1_e x_r) * (W3_e x_r)), the numbers of the
+     * routed form's per-slot rows. topk_ids, topk_weights, shared_*, y, counts and trace unused;
+     * top_k must be 1, num_tokens the workspace's rows (h, o, xq and the sync array's maxima
+     * hold that many; the rows of every expert together must not pass it), at most
+     * MOE_DECODE_MAX_ROWS, and lo_cols the most rows one expert may have (1 ..
+     * MOE_DECODE_MAX_TOKENS: each source token sends an expert at most one row, so world x rows
+     * per rank). An expert past lo_cols, or rows past num_tokens, run no item: the launch marks
+     * the sticky word MOE_STATUS_INTERNAL_ERROR and leaves rows_out as it was. */
+    const int32_t *lo_counts, *lo_offsets;
+    void *rows_out;
+    int lo_cols;
 } moe_decode_args_t;
 
 /* ints of the persistent sync array for a layer of these dimensions and GEMM 1 k split */

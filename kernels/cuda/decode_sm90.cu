@@ -42,7 +42,7 @@ constexpr int THREADS = 256, WARPS = THREADS / 32;
 constexpr int U_WIDE = 4;
 constexpr int TILE1 = 8;  // GEMM 1: output columns of h per item (8 gate + 8 up rows)
 constexpr int TILE2 = 16; // GEMM 2: output columns of y per item
-constexpr int MAX_ROWS = MOE_DECODE_MAX_TOKENS * 16; // slots: tokens x top_k (top_k <= 16)
+constexpr int MAX_ROWS = MOE_DECODE_MAX_ROWS; // slots: tokens x top_k (top_k <= 16)
 // fp8 steps of one token (XS_TOKENS) whose x fits XS_MAX bytes as f16: every CTA quantises x
 // into its own shared memory, so GEMM 1 waits on no other CTA (the global copy's signal and polls
 // took ~3.5 us past the quantisation, bench/decode_trace) and reads its operand from shared
@@ -62,8 +62,9 @@ template <bool F8, int NG> constexpr bool local_x()
 // each), GEMM 1 pieces done per (expert, column tile) with a k split (dense: never polled, each
 // left at zero by its last piece), then |h| max per slot (f8; float bits).
 // SYNC_ABORT (between them, zeroed with the rest): a wait of this launch timed out.
-constexpr int SYNC_DONE = 0, SYNC_ABORT = 16, SYNC_XQ = 32, SYNC_E1 = 64, E1_STRIDE = 32,
-              COL_STRIDE = 8;
+// SYNC_NEXT, SYNC_QNEXT (LO): the next work item, and the next row to quantise, to claim.
+constexpr int SYNC_DONE = 0, SYNC_ABORT = 16, SYNC_XQ = 32, SYNC_NEXT = 48, SYNC_QNEXT = 56,
+              SYNC_E1 = 64, E1_STRIDE = 32, COL_STRIDE = 8;
 __host__ __device__ __forceinline__ int sync_col(int E)
 {
     return SYNC_E1 + E * E1_STRIDE;
@@ -86,6 +87,7 @@ struct smem_t {
     float amax[WARPS];   // fp8: the x quantisation's maximum per warp
     float xs[XS_TOKENS]; // local_x: the token's scale
     int nuniq;
+    int nslots; // the rows of every expert together
     int last;
 };
 
@@ -108,6 +110,9 @@ struct params {
     int64_t *trace;
     int64_t timeout_ns;
     int T, k, E, H, I, split, split1, y_f32, gelu;
+    int lo_cols, rank, sticky_bits;
+    const int32_t *lo_cnt, *lo_off; // LO: rows per local expert, and each one's first row
+    __nv_bfloat16 *rows_out;        // LO: [rows][H]
 };
 
 // this launch quantises x in every CTA's shared memory (a local_x kernel, XS_TOKENS, XS_MAX)
@@ -153,7 +158,9 @@ __device__ __forceinline__ int ld_relaxed(const int32_t *p)
 // a strong load and an L1 invalidation (CCTL.IVALL) per poll, and a one-token step polled about
 // a million times (Nsight Compute, 2026-12-04: 17 % of the warps' stall samples there).
 // Bounded (kernels/decode.h, MOE_DECODE_STICKY_STALL): past p.timeout_ns the wait marks the
-// launch aborted and the step's sticky word, and returns; so does every wait after it.
+// launch aborted and the step's sticky word (naming this rank: LO, an EP step), and returns; so
+// does every wait after it.
+template <bool LO = false>
 __device__ __forceinline__ void warp_wait(const params &p, const int32_t *c, int target)
 {
     if ((threadIdx.x & 31) == 0) {
@@ -166,7 +173,8 @@ __device__ __forceinline__ void warp_wait(const params &p, const int32_t *c, int
                     break;
                 if (p.timeout_ns > 0 && waited > p.timeout_ns) {
                     atomicExch(p.sync + SYNC_ABORT, 1);
-                    moe_sticky_mark(p.sticky, 0, MOE_STATUS_TIMEOUT, MOE_DECODE_STICKY_STALL);
+                    moe_sticky_mark(p.sticky, LO ? p.rank : 0, MOE_STATUS_TIMEOUT,
+                                    MOE_DECODE_STICKY_STALL | (LO ? p.sticky_bits : 0));
                     break;
                 }
                 __nanosleep(256); // hundreds of warps may poll one line: leave the L2 slice room
@@ -318,16 +326,27 @@ __device__ __forceinline__ float act_mul(bool gelu, float g, float u)
 // The expert table of this launch, built by every CTA alike: tokens per expert, the experts
 // in id order, each expert's slots (their order inside an expert differs between CTAs; only
 // the mma column of a slot depends on it, never a value).
-__device__ void build_table(const params &p, smem_t &s)
+// LO (laid-out rows, kernels/decode.h): the counts are given; expert e's m-th row is row
+// p.lo_off[e] + m of x and rows_out, and its slot (h, o, xq, the maxima) s.off[e] + m, so
+// s.slots[slot] is the slot's row. Counts past lo_cols or rows past p.T: an empty table, the
+// step's sticky word marked (every CTA reads the same counts, so every CTA agrees).
+template <bool LO> __device__ void build_table(const params &p, smem_t &s)
 {
     const int rows = p.T * p.k;
-    for (int e = threadIdx.x; e < p.E; e += THREADS)
-        s.cnt[e] = 0;
-    __syncthreads();
-    for (int i = threadIdx.x; i < rows; i += THREADS) {
-        const int e = p.ids[i];
-        s.pos[i] = e >= 0 && e < p.E ? (short)atomicAdd(&s.cnt[e], 1) : (short)-1;
+    int bad = 0; // LO: a count out of bounds
+    for (int e = threadIdx.x; e < p.E; e += THREADS) {
+        s.cnt[e] = LO ? p.lo_cnt[e] : 0;
+        bad |= LO && (s.cnt[e] < 0 || s.cnt[e] > p.lo_cols);
     }
+    if (LO)
+        bad = __syncthreads_or(bad);
+    else
+        __syncthreads();
+    if (!LO)
+        for (int i = threadIdx.x; i < rows; i += THREADS) {
+            const int e = p.ids[i];
+            s.pos[i] = e >= 0 && e < p.E ? (short)atomicAdd(&s.cnt[e], 1) : (short)-1;
+        }
     __syncthreads();
     if (threadIdx.x < 32) { // one warp scans the counts: 16 experts a lane
         const int lane = threadIdx.x, per = (p.E + 31) / 32, e0 = lane * per;
@@ -351,16 +370,33 @@ __device__ void build_table(const params &p, smem_t &s)
         }
         if (lane == 31)
             s.nuniq = inz;
+        if (LO && lane == 31)
+            s.nslots = isum;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < rows; i += THREADS) {
-        const int e = p.ids[i];
-        if (s.pos[i] >= 0)
-            s.slots[s.off[e] + s.pos[i]] = i;
+    if (LO) {
+        if (bad || s.nslots > rows) { // every CTA alike: no items, nothing written
+            if (threadIdx.x == 0) {
+                if (blockIdx.x == 0)
+                    moe_sticky_mark(p.sticky, p.rank, MOE_STATUS_INTERNAL_ERROR, p.sticky_bits);
+                s.nuniq = s.nslots = 0;
+            }
+        } else {
+            const int lane = threadIdx.x & 31;
+            for (int e = threadIdx.x / 32; e < p.E; e += WARPS)
+                for (int m = lane; m < s.cnt[e]; m += 32)
+                    s.slots[s.off[e] + m] = p.lo_off[e] + m;
+        }
+    } else {
+        for (int i = threadIdx.x; i < rows; i += THREADS) {
+            const int e = p.ids[i];
+            if (s.pos[i] >= 0)
+                s.slots[s.off[e] + s.pos[i]] = i;
+        }
+        if (p.counts && blockIdx.x == 0)
+            for (int e = threadIdx.x; e < p.E; e += THREADS)
+                p.counts[e] = s.cnt[e];
     }
-    if (p.counts && blockIdx.x == 0)
-        for (int e = threadIdx.x; e < p.E; e += THREADS)
-            p.counts[e] = s.cnt[e];
     __syncthreads();
 }
 
@@ -409,12 +445,13 @@ __device__ float quantise_row(const params &p, smem_t &s, int t, uint8_t *dst)
     return sc;
 }
 
-// into global memory for every CTA: the codes, the scale, then one release of the count
-template <typename XT> __device__ void quantise_x(const params &p, smem_t &s, int t)
+// into global memory for every CTA: row t of x as row i of the codes, the scale, then one
+// release of the count
+template <typename XT> __device__ void quantise_x(const params &p, smem_t &s, int t, int i)
 {
-    const float sc = quantise_row<XT>(p, s, t, p.xq + (int64_t)t * p.H);
+    const float sc = quantise_row<XT>(p, s, t, p.xq + (int64_t)i * p.H);
     if (threadIdx.x == 0) {
-        p.xs[t] = sc;
+        p.xs[i] = sc;
         __threadfence();
         atomicAdd(p.sync + SYNC_XQ, 1);
     }
@@ -499,9 +536,17 @@ __device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra,
     }
 }
 
+// The slot (h, o, the maxima and, LO, xq) of expert e's m-th token: list[m], or LO (laid-out
+// rows: list[m] is the row) s.off[e] + m
+template <bool LO>
+__device__ __forceinline__ int slot_of(const smem_t &s, const int *list, int e, int m)
+{
+    return LO ? s.off[e] + m : list[m];
+}
+
 // GEMM 1 item: expert e, h columns c0 .. c0 + 7 for the expert's n tokens, k piece q of
 // p.split1 (K1: split1 > 1; pieces of a multiple of 4 x 16 bytes of k)
-template <bool F8, int NG, int U, typename XT, bool K1, bool TR, bool XLT>
+template <bool F8, int NG, int U, typename XT, bool K1, bool TR, bool XLT, bool LO>
 __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, int64_t *tw,
                       const uint8_t *xql)
 {
@@ -511,10 +556,15 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
     constexpr int ES = F8 ? 1 : 2;
     const int64_t rg = (int64_t)e * 2 * p.I + c0 + g; // gate row; up row rg + I
     const uint8_t *ra = p.w13 + rg * p.H * ES, *rb = p.w13 + (rg + p.I) * p.H * ES;
-    int tok[NG]; // this lane's B column's token per group (-1: none)
+    // this lane's B column's row of x (bf16) or xq (fp8) per group (-1: none): the token (LO:
+    // the row, or for xq the slot)
+    int tok[NG];
 #pragma unroll
     for (int i = 0; i < NG; i++)
-        tok[i] = i * 8 + g < n ? list[i * 8 + g] / p.k : -1;
+        if constexpr (LO)
+            tok[i] = i * 8 + g < n ? F8 ? s.off[e] + i * 8 + g : list[i * 8 + g] : -1;
+        else
+            tok[i] = i * 8 + g < n ? list[i * 8 + g] / p.k : -1;
     const XT *x = static_cast<const XT *>(p.x);
     // x is the layer's input (plain loads: packed to bf16 as they arrive); xq was written in this
     // launch (L2)
@@ -540,7 +590,7 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
     };
     auto wait = [&]() {
         if (F8 && !XL)
-            warp_wait(p, p.sync + SYNC_XQ, p.T);
+            warp_wait<LO>(p, p.sync + SYNC_XQ, LO ? s.nslots : p.T);
         if (TR)
             stamp(tw);
     };
@@ -565,7 +615,7 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
             for (int j = 0; j < 2; j++) {
                 const int m = i * 8 + 2 * t + j;
                 if (i * 8 < n && m < n) {
-                    float *o = p.o1 + (q * rows + list[m]) * I2 + col;
+                    float *o = p.o1 + (q * rows + slot_of<LO>(s, list, e, m)) * I2 + col;
                     o[0] = acc[i][j];
                     o[p.I] = acc[i][2 + j];
                 }
@@ -581,7 +631,7 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
                 float gv = 0.0f, uv = 0.0f;
                 if (i * 8 < n && m < n)
                     for (int r = 0; r < p.split1; r++) {
-                        const float *o = p.o1 + (r * rows + list[m]) * I2 + col;
+                        const float *o = p.o1 + (r * rows + slot_of<LO>(s, list, e, m)) * I2 + col;
                         gv += ld_cg_f32(o);
                         uv += ld_cg_f32(o + p.I);
                     }
@@ -603,7 +653,7 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             const int m = i * 8 + 2 * t + j;
-            slot[j] = m < n ? list[m] : -1;
+            slot[j] = m < n ? slot_of<LO>(s, list, e, m) : -1;
             if (slot[j] < 0)
                 continue;
             float gv = acc[i][j], uv = acc[i][2 + j];
@@ -695,8 +745,29 @@ template <typename YT> __device__ void combine_tile(const params &p, int r)
     }
 }
 
+// LO: the last GEMM 2 item of row tile r writes that tile of every slot's row of rows_out: its
+// k split's pieces added in split order (as combine_tile does), rounded to bf16 as the grouped
+// GEMM 2 writes its rows. Each lane 4 columns of a slot, the pieces' loads issued before any add
+__device__ void rows_tile(const params &p, const smem_t &s, int r)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t rows = (int64_t)p.T * p.k;
+    for (int i = lane; i < s.nslots * (TILE2 / 4); i += 32) {
+        const int sl = i / (TILE2 / 4), c = r * TILE2 + i % (TILE2 / 4) * 4;
+        if (c >= p.H) /* hidden % 8 == 0: a group of 4 is whole or out */
+            continue;
+        float4 a = ld_cg_f4(p.o + sl * p.H + c);
+        for (int q = 1; q < p.split; q++) {
+            const float4 v = ld_cg_f4(p.o + (q * rows + sl) * p.H + c);
+            a.x += v.x, a.y += v.y, a.z += v.z, a.w += v.w;
+        }
+        *reinterpret_cast<uint2 *>(p.rows_out + (int64_t)s.slots[sl] * p.H + c) =
+            make_uint2(pack_bf16(a.x, a.y), pack_bf16(a.z, a.w));
+    }
+}
+
 // GEMM 2 item: expert e, rows r * 16 .. + 16 of hidden, k split q (K1: GEMM 1 split too)
-template <bool F8, int NG, int U, bool K1, bool TR>
+template <bool F8, int NG, int U, bool K1, bool TR, bool LO>
 __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int n1, int64_t *tw)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -713,11 +784,11 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
     float hs[NG], hr[NG]; // GEMM 2's scale of each column's h, and its reciprocal
 #pragma unroll
     for (int i = 0; i < NG; i++) {
-        slot[i] = i * 8 + g < n ? list[i * 8 + g] : -1;
+        slot[i] = i * 8 + g < n ? slot_of<LO>(s, list, e, i * 8 + g) : -1;
         hs[i] = hr[i] = 1.0f;
     }
     auto wait = [&]() {
-        warp_wait(p, p.sync + SYNC_E1 + e * E1_STRIDE, n1);
+        warp_wait<LO>(p, p.sync + SYNC_E1 + e * E1_STRIDE, n1);
         if (F8)
 #pragma unroll
             for (int i = 0; i < NG; i++)
@@ -765,7 +836,7 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
             const float sc = F8 ? __shfl_sync(0xffffffffu, hs[i], (2 * t + j) * 4) : 1.0f;
             if (m >= n)
                 continue;
-            const int sl = list[m];
+            const int sl = slot_of<LO>(s, list, e, m);
             o[(int64_t)sl * p.H + row0] = acc[i][j] * sc * s0;
             if (row0 + 8 < p.H)
                 o[(int64_t)sl * p.H + row0 + 8] = acc[i][2 + j] * sc * s1;
@@ -776,8 +847,9 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
 // K1: GEMM 1 split along k (p.split1 > 1), a kernel of its own so that the others keep their
 // registers; TR: with the timeline (p.trace), a kernel of its own too; XS: x quantised into every
 // CTA's shared memory (uses_local_x: one fp8 token), a kernel of its own, so that the kernel for
-// 2 .. 8 tokens keeps its registers
-template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR, bool XS>
+// 2 .. 8 tokens keeps its registers; LO: laid-out rows (kernels/decode.h, lo_counts), bf16 x
+template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR, bool XS,
+          bool LO = false>
 __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
 {
     __shared__ smem_t s;
@@ -799,7 +871,7 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
         stamp(ev + 1);
         return ev;
     };
-    build_table(p, s);
+    build_table<LO>(p, s);
     if (TR)
         stamp(tr + MOE_DECODE_TRACE_TABLE);
     // item i on warp i mod nw, warps numbered across the CTAs first: consecutive items (one
@@ -814,38 +886,63 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
     // tokens b, b + CTAs, ... into global memory (either waits on nothing)
     extern __shared__ __align__(16) uint8_t xql[];
     static_assert(!XS || local_x<F8, NG>(), "x in shared memory: fp8, one column group");
+    static_assert(!LO || (!XS && !TR), "laid-out rows: x in global memory, no timeline");
     if (XS) {
         int64_t *ev = event(MOE_DECODE_TRACE_XQ, 0);
         quantise_x_local<XT>(p, s, xql);
         if (TR && ev)
             stamp(ev + 3);
+    } else if (F8 && LO) { // slot i's row, s.slots[i], each claimed by a resident CTA
+        for (;;) {
+            if (threadIdx.x == 0)
+                s.last = atomicAdd(p.sync + SYNC_QNEXT, 1);
+            __syncthreads();
+            const int i = s.last;
+            __syncthreads(); // every thread's read before the next claim
+            if (i >= s.nslots)
+                break;
+            quantise_x<XT>(p, s, s.slots[i], i);
+        }
     } else if (F8) {
         for (int t = blockIdx.x; t < p.T; t += gridDim.x) {
             int64_t *ev = event(MOE_DECODE_TRACE_XQ, t);
-            quantise_x<XT>(p, s, t);
+            quantise_x<XT>(p, s, t, t);
             if (TR && ev)
                 stamp(ev + 3);
         }
     }
-    for (int item = warp * gridDim.x + blockIdx.x; item < n1 + n2; item += nw) {
+    // LO: each warp claims its next item (an EP step: other processes' kernels, under MPS, may
+    // keep some CTAs from being resident; a claimed item is on a running warp and waits only on
+    // lower ones, so every wait ends without the whole grid resident)
+    auto claim = [&]() {
+        int i = 0;
+        if ((threadIdx.x & 31) == 0)
+            i = atomicAdd(p.sync + SYNC_NEXT, 1);
+        return __shfl_sync(0xffffffffu, i, 0);
+    };
+    for (int item = LO ? claim() : warp * gridDim.x + blockIdx.x; item < n1 + n2;
+         item = LO ? claim() : item + nw) {
         if (item < n1) {
             const int i = item; // (expert, column tile, k piece), the pieces adjacent
             int64_t *ev = event(MOE_DECODE_TRACE_GEMM1, i);
             const int e = s.uniq[i / (t1 * s1)], c0 = i / s1 % t1 * TILE1;
-            gemm1<F8, NG, U, XT, K1, TR, XS>(p, s, e, c0, i % s1, ev ? ev + 2 : nullptr, xql);
+            gemm1<F8, NG, U, XT, K1, TR, XS, LO>(p, s, e, c0, i % s1, ev ? ev + 2 : nullptr, xql);
             if (TR && ev)
                 stamp(ev + 3);
         } else {
             const int i = item - n1;
             const int u = i / (t2 * p.split), r = i / p.split % t2, q = i % p.split;
             int64_t *ev = event(MOE_DECODE_TRACE_GEMM2, i);
-            gemm2<F8, NG, U, K1, TR>(p, s, s.uniq[u], r, q, t1, ev ? ev + 2 : nullptr);
+            gemm2<F8, NG, U, K1, TR, LO>(p, s, s.uniq[u], r, q, t1, ev ? ev + 2 : nullptr);
             if (TR && ev)
                 stamp(ev + 3);
             if (warp_signal(col_done + r * COL_STRIDE) == nu * p.split - 1) {
                 __threadfence();
                 ev = event(MOE_DECODE_TRACE_COMBINE, r);
-                combine_tile<YT>(p, r);
+                if (LO)
+                    rows_tile(p, s, r);
+                else
+                    combine_tile<YT>(p, r);
                 if (TR && ev)
                     stamp(ev + 3);
             }
@@ -880,7 +977,7 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
 // CTAs that fit on the device at once (every one must be resident: items wait on others) with
 // dyn bytes of dynamic shared memory: cached for dyn = 0; the local_x kernels' limit is raised
 // to XS_MAX once, and a launch with dynamic bytes (one fp8 token) takes its count afresh
-template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR, bool XS>
+template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR, bool XS, bool LO>
 int resident_ctas(int dyn)
 {
     static int cached[MOE_MAX_DEVICES];
@@ -888,7 +985,7 @@ int resident_ctas(int dyn)
     if (cudaGetDevice(&dev) != cudaSuccess)
         return 0;
     const int n = moe_device_cached(cached, dev, [](int d) {
-        const auto k = decode_kernel<F8, NG, U, XT, YT, K1, TR, XS>;
+        const auto k = decode_kernel<F8, NG, U, XT, YT, K1, TR, XS, LO>;
         int sms = 0, per0 = 0;
         if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d) != cudaSuccess ||
             (XS && cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, XS_MAX) !=
@@ -902,21 +999,22 @@ int resident_ctas(int dyn)
     int sms = 0;
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &per, decode_kernel<F8, NG, U, XT, YT, K1, TR, XS>, THREADS, dyn) != cudaSuccess)
+            &per, decode_kernel<F8, NG, U, XT, YT, K1, TR, XS, LO>, THREADS, dyn) != cudaSuccess)
         return 0;
     return sms * per;
 }
 
-template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR, bool XS>
+template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR, bool XS,
+          bool LO = false>
 moe_status_t launch_xs(const params &p, int max_ctas, cudaStream_t stream)
 {
     const int dyn = XS ? (2 * p.T * p.H + 15) / 16 * 16 : 0;
-    int ctas = resident_ctas<F8, NG, U, XT, YT, K1, TR, XS>(dyn);
+    int ctas = resident_ctas<F8, NG, U, XT, YT, K1, TR, XS, LO>(dyn);
     if (ctas <= 0)
         return moe_error(MOE_STATUS_CUDA_ERROR, "decode: no CTA fits on the device");
     if (max_ctas > 0 && max_ctas < ctas)
         ctas = max_ctas;
-    MOE_CUDA_CHECK(moe_launch(decode_kernel<F8, NG, U, XT, YT, K1, TR, XS>, dim3(ctas),
+    MOE_CUDA_CHECK(moe_launch(decode_kernel<F8, NG, U, XT, YT, K1, TR, XS, LO>, dim3(ctas),
                               dim3(THREADS), dyn, stream, p));
     MOE_CUDA_CHECK_LAUNCH("decode_kernel");
     return MOE_STATUS_SUCCESS;
@@ -968,6 +1066,26 @@ moe_status_t launch_ng(const params &p, int max_ctas, cudaStream_t stream)
     return launch<F8, 8, U_WIDE, XT, YT>(p, max_ctas, stream);
 }
 
+// laid-out rows (bf16 x): the column groups for the most rows an expert may have
+template <bool F8, int NG> moe_status_t launch_lo(const params &p, int max_ctas, cudaStream_t st)
+{
+    using B = __nv_bfloat16;
+    return p.split1 > 1
+               ? launch_xs<F8, NG, U_WIDE, B, B, true, false, false, true>(p, max_ctas, st)
+               : launch_xs<F8, NG, U_WIDE, B, B, false, false, false, true>(p, max_ctas, st);
+}
+
+template <bool F8> moe_status_t launch_lo_ng(const params &p, int max_ctas, cudaStream_t stream)
+{
+    if (p.lo_cols <= 8)
+        return launch_lo<F8, 1>(p, max_ctas, stream);
+    if (p.lo_cols <= 16)
+        return launch_lo<F8, 2>(p, max_ctas, stream);
+    if (p.lo_cols <= 32)
+        return launch_lo<F8, 4>(p, max_ctas, stream);
+    return launch_lo<F8, 8>(p, max_ctas, stream);
+}
+
 template <bool F8, typename XT>
 moe_status_t launch_y(const params &p, moe_dtype_t yt, int max_ctas, cudaStream_t stream)
 {
@@ -994,6 +1112,16 @@ template <bool F8> moe_status_t prepare_f8()
         MOE_DECODE_PREP_XS(1, U_WIDE, false, true)
         MOE_DECODE_PREP_XS(1, U_WIDE, true, true)
     }
+#define MOE_DECODE_PREP_LO(NG)                                                                     \
+    MOE_CUDA_PREPARE(                                                                              \
+        (decode_kernel<F8, NG, U_WIDE, __nv_bfloat16, __nv_bfloat16, false, false, false, true>)); \
+    MOE_CUDA_PREPARE(                                                                              \
+        (decode_kernel<F8, NG, U_WIDE, __nv_bfloat16, __nv_bfloat16, true, false, false, true>));
+    MOE_DECODE_PREP_LO(1)
+    MOE_DECODE_PREP_LO(2)
+    MOE_DECODE_PREP_LO(4)
+    MOE_DECODE_PREP_LO(8)
+#undef MOE_DECODE_PREP_LO
 #undef MOE_DECODE_PREP_NG
 #undef MOE_DECODE_PREP
 #undef MOE_DECODE_PREP_XS
@@ -1052,10 +1180,20 @@ extern "C" moe_status_t moe_decode_check(int num_experts, int top_k, int hidden,
 extern "C" moe_status_t moe_decode_launch(const moe_decode_args_t *a, void *stream)
 {
     params p;
+    const bool lo = a->lo_counts != nullptr;
     MOE_CHECK(moe_decode_check(a->num_experts, a->top_k, a->hidden, a->inter, a->f8));
-    MOE_ARG_CHECK(a->num_tokens >= 0 && a->num_tokens <= MOE_DECODE_MAX_TOKENS,
+    MOE_ARG_CHECK(a->num_tokens >= 0 &&
+                      a->num_tokens <= (lo ? MOE_DECODE_MAX_ROWS : MOE_DECODE_MAX_TOKENS),
                   "decode: num_tokens = %lld (at most %d)", (long long)a->num_tokens,
-                  MOE_DECODE_MAX_TOKENS);
+                  lo ? MOE_DECODE_MAX_ROWS : MOE_DECODE_MAX_TOKENS);
+    MOE_ARG_CHECK(!lo || (a->top_k == 1 && a->lo_offsets && a->rows_out &&
+                          ((uintptr_t)a->rows_out & 15) == 0 && a->x_dtype == MOE_DTYPE_BF16 &&
+                          !a->trace),
+                  "decode: laid-out rows need top_k = 1 (not %d), lo_offsets, a 16-byte aligned "
+                  "rows_out, bf16 x and no trace",
+                  a->top_k);
+    MOE_ARG_CHECK(!lo || (a->lo_cols >= 1 && a->lo_cols <= MOE_DECODE_MAX_TOKENS),
+                  "decode: lo_cols = %d (1 .. %d)", a->lo_cols, MOE_DECODE_MAX_TOKENS);
     MOE_ARG_CHECK(a->split >= 1 && a->split <= MOE_DECODE_MAX_SPLIT, "decode: split = %d",
                   a->split);
     MOE_ARG_CHECK(a->split1 >= 0 && a->split1 <= MOE_DECODE_MAX_SPLIT, "decode: split1 = %d",
@@ -1102,7 +1240,16 @@ extern "C" moe_status_t moe_decode_launch(const moe_decode_args_t *a, void *stre
     p.o1 = a->o1;
     p.y_f32 = a->y_dtype == MOE_DTYPE_F32;
     p.gelu = a->gelu;
+    p.lo_cnt = a->lo_counts;
+    p.lo_off = a->lo_offsets;
+    p.rows_out = static_cast<__nv_bfloat16 *>(a->rows_out);
+    p.lo_cols = a->lo_cols;
+    p.rank = a->sticky_rank;
+    p.sticky_bits = a->sticky_bits;
     const cudaStream_t st = (cudaStream_t)stream;
+    if (lo)
+        return a->f8 ? launch_lo_ng<true>(p, a->max_ctas, st)
+                     : launch_lo_ng<false>(p, a->max_ctas, st);
     if (a->f8)
         return a->x_dtype == MOE_DTYPE_F32
                    ? launch_y<true, float>(p, a->y_dtype, a->max_ctas, st)

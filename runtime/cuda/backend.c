@@ -258,8 +258,10 @@ static void init_shape(moe_layer_t *l, cuda_layer_t *s)
     s->act = l->cfg.activation;
 }
 
-/* Whether and up to how many tokens a step takes the fused decode kernel (one GPU, sm_90,
- * bf16 or per-row W8A8, not deterministic: that mode keeps one path at every batch). A layer
+/* Whether and up to how many tokens a step takes the fused decode kernel (sm_90, bf16 or
+ * per-row W8A8, not deterministic: that mode keeps one path at every batch; one GPU, or an EP
+ * step of the low-latency layout, where the kernel runs the rows the sources laid out:
+ * dec_max then bounds world x rows per rank, the most rows one expert can receive). A layer
  * whose experts the kernel cannot run keeps the grouped path (forced: the create fails). */
 static moe_status_t plan_decode(cuda_layer_t *s)
 {
@@ -269,12 +271,14 @@ static moe_status_t plan_decode(cuda_layer_t *s)
     /* MOE_FUSED_DECODE=0: the grouped path at every size, unless the kernel is forced */
     if (!s->dec_forced && !moe_env_int("MOE_FUSED_DECODE", 1))
         return MOE_STATUS_SUCCESS;
-    if (s->dec_forced < 0 || s->world > 1 || s->deterministic || s->arch != 90 || s->f8 == 2 ||
-        moe_decode_check(s->E, s->k, s->H, (int)s->is, s->f8) != MOE_STATUS_SUCCESS) {
+    if (s->dec_forced < 0 || (s->world > 1 && !s->ll) || s->deterministic || s->arch != 90 ||
+        s->f8 == 2 || moe_decode_check(s->E, s->k, s->H, (int)s->is, s->f8) != MOE_STATUS_SUCCESS) {
         if (s->dec_forced > 0)
             return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s=%s: this layer cannot run it (%s)",
                              s->forced_env, MOE_ORACLE_FUSED_DECODE,
-                             s->world > 1       ? "expert parallelism: one GPU only"
+                             s->world > 1 && !s->ll
+                                 ? "expert parallelism: only with the low-latency layout "
+                                   "(MOE_EP_TRANSPORT=lsa, MOE_EP_LL=1)"
                              : s->deterministic ? "deterministic mode"
                              : s->f8 == 2       ? "block scales"
                              : s->arch != 90    ? "sm_90 only"
@@ -291,10 +295,14 @@ static moe_status_t plan_decode(cuda_layer_t *s)
         if (s->dec_max > MOE_DECODE_MAX_TOKENS) /* a table's open bucket: as far as it goes */
             s->dec_max = MOE_DECODE_MAX_TOKENS;
     }
-    if (s->dec_max > s->cap)
+    if (s->world > 1 && s->dec_max > s->world * s->ll_rows) /* rows one expert can receive */
+        s->dec_max = (int)(s->world * s->ll_rows);
+    else if (s->world == 1 && s->dec_max > s->cap)
         s->dec_max = (int)s->cap;
-    if (s->dec_max <= 0)
+    if (s->dec_max <= 0 || s->dec_max < s->world) /* EP: not even one row per rank */
         return MOE_STATUS_SUCCESS;
+    if (s->world > 1 && s->f8 && s->ll_rows > s->dec_max / s->world)
+        s->ll_rows = s->dec_max / s->world; /* W8A8: every low-latency step through the kernel */
     MOE_CHECK(moe_gpu_sm_count(s->device, &sms));
     s->dec_ok = 1;
     s->dec_tokens = s->dec_max;
@@ -342,6 +350,14 @@ static moe_status_t cuda_init(moe_layer_t *l)
     if (!s->forced && !moe_gemm_select(s->arch, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1.0))
         s->forced = moe_gemm_simple_variant(); /* no tuned variant for this arch */
     MOE_CHECK_GOTO(plan_decode(s), st, fail);
+    if (s->world > 1 && s->ll && s->f8 && !s->dec_ok) {
+        st = moe_error(MOE_STATUS_NOT_SUPPORTED,
+                       "MOE_EP_LL=1 with W8A8 weights runs its steps through the fused decode "
+                       "kernel (%s), which this layer does not take at %d ranks (force it with "
+                       "MOE_FORCE_VARIANT=%s, or give a tune file's decode crossover)",
+                       MOE_ORACLE_FUSED_DECODE, s->world, MOE_ORACLE_FUSED_DECODE);
+        goto fail;
+    }
     /* Every kernel a step can launch is loaded now, never inside a step. */
     MOE_CHECK_GOTO(moe_kernels_prepare(s->arch), st, fail);
     if (l->cfg.weight_dtype == MOE_DTYPE_FP8_E4M3 && !s->f8)
@@ -507,18 +523,24 @@ static moe_status_t cuda_synchronize(moe_layer_t *l, void *stream)
 static void cuda_explain(const moe_layer_t *l, int64_t T, char *text, size_t len)
 {
     const cuda_layer_t *s = l->state;
-    char routed[512], shared[512] = "", ep[1024];
+    char routed[1024], shared[512] = "", ep[1024];
     /* the hint the forward uses: with EP, as if every rank brought as many tokens (at most a
      * round's) */
     const int64_t Tr = s->world > 1 && T > s->tm ? s->tm : T;
     const double rpe =
         s->world > 1 ? (double)Tr * s->world * s->k / l->cfg.num_experts : (double)T * s->k / s->E;
-    if (moe_cuda_use_decode(s, T, NULL))
+    const int dec = moe_cuda_use_decode(s, T, NULL);
+    const int ep_dec = moe_cuda_ep_use_decode(s, Tr);
+    if (dec || ep_dec)
         snprintf(routed, sizeof(routed),
-                 "%s (one persistent kernel: GEMM 1, activation, GEMM 2 and the weighted sum%s; "
-                 "GEMM 1 k split %d, GEMM 2 k split %d) at up to %d tokens (%s%s)",
-                 MOE_ORACLE_FUSED_DECODE, s->f8 ? ", x and h quantised inside" : "", s->dec_split1,
-                 s->dec_split, s->dec_max,
+                 "%s (one persistent kernel: GEMM 1, activation, GEMM 2 and %s%s; GEMM 1 k split "
+                 "%d, GEMM 2 k split %d) at up to %d %s (%s%s)",
+                 MOE_ORACLE_FUSED_DECODE,
+                 ep_dec ? "each received row's expert output, on the rows as the low-latency "
+                          "dispatch laid them out"
+                        : "the weighted sum",
+                 s->f8 ? ", x and h quantised inside" : "", s->dec_split1, s->dec_split, s->dec_max,
+                 ep_dec ? "rows an expert (ranks x tokens per rank)" : "tokens",
                  s->dec_forced > 0 ? "forced by "
                  : s->dec_tuned    ? "crossover tuned from "
                                    : "built-in crossover",
@@ -529,13 +551,12 @@ static void cuda_explain(const moe_layer_t *l, int64_t T, char *text, size_t len
         moe_cuda_explain_gemm(s, rpe, routed, sizeof(routed));
     if (s->ss > 0)
         moe_cuda_explain_gemm(s,
-                              moe_cuda_use_decode(s, T, NULL)    ? moe_cuda_decode_shared_rows(s)
+                              dec                                ? moe_cuda_decode_shared_rows(s)
                               : s->world > 1 && !s->shared_local ? (double)Tr * s->world
                                                                  : (double)Tr,
                               shared, sizeof(shared));
     moe_cuda_ep_explain(s, ep, sizeof(ep));
-    const int one_launch =
-        s->world == 1 && !moe_cuda_use_decode(s, T, NULL) && moe_cuda_route_permutes(s, T, 0);
+    const int one_launch = s->world == 1 && !dec && moe_cuda_route_permutes(s, T, 0);
     snprintf(text, len,
              "cuda backend (sm_%d): %lld tokens, %.3g rows/expert: %srouted GEMMs %s%s%s; %s",
              s->arch, (long long)T, rpe,

@@ -211,7 +211,8 @@ static moe_status_t ll_dispatch(moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y,
 }
 
 /* The destination's side: the GEMM layout from the count matrix, then the GEMMs on the rows
- * the sources stored. */
+ * the sources stored, or at a small step the fused decode kernel on them (one launch for GEMM 1,
+ * the activation and GEMM 2: moe_cuda_ep_use_decode). */
 static moe_status_t ll_experts(moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y,
                                const moe_gemm_variant_t *v, int mb, void *stream)
 {
@@ -234,6 +235,10 @@ static moe_status_t ll_experts(moe_layer_t *l, cuda_layer_t *s, cuda_sym_t *y,
     g.num_blocks = s->num_blocks;
     g.skip = round_skip(s);
     MOE_CHECK(moe_a2a_ll_layout_launch(&g, stream));
+    if (moe_cuda_ep_use_decode(s, s->m)) {
+        MOE_CHECK(moe_cuda_record(s, EV_PERMUTE, stream));
+        return moe_cuda_decode_laid_out(l, y->local + s->off_lla, s->m, stream);
+    }
     return moe_cuda_experts_laid_out(s, v, y->local + s->off_lla, mb, s->last_rows_per_expert,
                                      stream);
 }

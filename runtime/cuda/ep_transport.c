@@ -22,14 +22,17 @@ static moe_status_t agreed_switch(moe_layer_t *l, moe_knob_t knob, int *on)
 }
 
 /* MOE_EP_LL=0|1 (default 0; every rank alike): the low-latency layout for steps of at most
- * ll_rows rows per rank (lsa, bf16 GEMMs, at most MOE_A2A_LL_MAX_EXPERTS experts). Off by
- * default until it is measured against the regular lsa step on two GPUs. */
+ * ll_rows rows per rank (lsa, at most MOE_A2A_LL_MAX_EXPERTS experts; bf16, or W8A8 with
+ * per-row scales where the fused decode kernel runs every such step: plan_decode checks it and
+ * bounds ll_rows). Off by default until it is measured against the regular lsa step on two
+ * GPUs. */
 static moe_status_t pick_ll(moe_layer_t *l, cuda_layer_t *s)
 {
     int want = 0;
     const char *why = s->transport != MOE_EP_LSA ? "the lsa transport"
-                      : s->f8                    ? "bf16 GEMMs (W8A8 quantises GEMM 1's rows "
-                                                   "through the permute's map)"
+                      : s->f8 == 2 ? "bf16 or per-row W8A8 weights (the grouped GEMMs quantise "
+                                     "GEMM 1's rows through the permute's map; the fused decode "
+                                     "kernel takes no block scales)"
                       : s->n_slots > MOE_A2A_LL_MAX_EXPERTS ? "at most 1024 expert slots"
                       : s->k > 32                           ? "top_k <= 32"
                                                             : NULL;

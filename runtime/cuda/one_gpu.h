@@ -71,6 +71,14 @@ moe_status_t moe_cuda_finish_profile(moe_layer_t *l, int accumulate, void *strea
 moe_status_t moe_cuda_scan_inputs(moe_layer_t *l, const moe_forward_args_t *a, int32_t *flag);
 /* Whether a step of T tokens (x: its tokens, or NULL) takes the fused decode kernel. */
 int moe_cuda_use_decode(const cuda_layer_t *s, int64_t T, const void *x);
+/* Whether an EP step of m rows per rank runs the fused decode kernel on the low-latency
+ * layout's rows (moe_cuda_decode_laid_out) instead of the grouped GEMMs. */
+int moe_cuda_ep_use_decode(const cuda_layer_t *s, int64_t m);
+/* The fused decode kernel on rows laid out by the low-latency dispatch (`rows`, bf16), an EP
+ * step of m rows per rank: each row through its expert into s->o, as the grouped GEMM 2 writes
+ * it (after moe_a2a_ll_layout_launch wrote s->counts and s->offsets). */
+moe_status_t moe_cuda_decode_laid_out(const moe_layer_t *l, const void *rows, int64_t m,
+                                      void *stream);
 /* The fused decode kernel's wait bound, ms (runtime/cuda/step.c). */
 int moe_cuda_decode_timeout_ms(const moe_layer_t *l);
 /* The rows the fused decode step picks its shared MLP's variant for (the same at every batch). */

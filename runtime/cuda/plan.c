@@ -176,9 +176,10 @@ void moe_cuda_plan_workspace(cuda_layer_t *s, carve_t *c)
         if (s->dec_split1 > 1)
             s->dec_o1 =
                 moe_cuda_take(c, sizeof(float) * (size_t)s->dec_split1 * dr * 2 * (size_t)s->is);
-        if (s->f8) {
-            s->dec_xq = moe_cuda_take(c, (size_t)s->dec_tokens * (size_t)s->H);
-            s->dec_xs = moe_cuda_take(c, sizeof(float) * (size_t)s->dec_tokens);
+        if (s->f8) { /* by token; an EP step's laid-out rows: by slot */
+            const size_t xr = s->world > 1 ? dr : (size_t)s->dec_tokens;
+            s->dec_xq = moe_cuda_take(c, xr * (size_t)s->H);
+            s->dec_xs = moe_cuda_take(c, sizeof(float) * xr);
         }
     }
 }

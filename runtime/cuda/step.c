@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "base/diag.h"
+#include "kernels/a2a.h"
 #include "kernels/combine.h"
 #include "kernels/decode.h"
 #include "kernels/ep.h"
@@ -460,11 +461,21 @@ moe_status_t moe_cuda_combine(moe_layer_t *l, const moe_forward_args_t *a, const
 }
 
 /* The fused decode kernel's crossover, and what it cannot run: static activation scales of
- * the routed experts, x not 16-byte aligned. */
+ * the routed experts, x not 16-byte aligned. One GPU. */
 int moe_cuda_use_decode(const cuda_layer_t *s, int64_t T, const void *x)
 {
-    return s->dec_ok && T <= s->dec_max && !(s->f8 && (s->has_in[0] || s->has_in[1])) &&
-           (!x || ((uintptr_t)x & 15) == 0);
+    return s->world == 1 && s->dec_ok && T <= s->dec_max &&
+           !(s->f8 && (s->has_in[0] || s->has_in[1])) && (!x || ((uintptr_t)x & 15) == 0);
+}
+
+/* An EP step of m rows per rank takes the fused decode kernel on the rows the low-latency
+ * dispatch laid out (runtime/cuda/ep_a2a.c): the layout's step, and at most dec_max rows for
+ * one expert (each source token sends an expert one row at most: world x m). A decision of
+ * this rank alone (the dispatch and combine are the same either way). */
+int moe_cuda_ep_use_decode(const cuda_layer_t *s, int64_t m)
+{
+    return s->world > 1 && s->ll && m <= s->ll_rows && s->dec_ok && s->world * m <= s->dec_max &&
+           !(s->f8 && (s->has_in[0] || s->has_in[1]));
 }
 
 /* The bound of the fused decode kernel's waits: the runtime's timeout, at least 1 s (its own
@@ -487,6 +498,55 @@ double moe_cuda_decode_shared_rows(const cuda_layer_t *s)
     return (double)s->dec_max;
 }
 
+/* The fused decode kernel's arguments every launch shares: the layer's weights, shape and
+ * workspace, and its waits' bound. */
+static void decode_common(const moe_layer_t *l, moe_decode_args_t *d)
+{
+    const cuda_layer_t *s = l->state;
+    memset(d, 0, sizeof(*d));
+    d->w13 = s->w13;
+    d->w2 = s->w2;
+    d->w13_scale = s->w13s;
+    d->w2_scale = s->w2s;
+    d->h = s->dec_h;
+    d->o = s->dec_o;
+    d->o1 = s->dec_o1;
+    d->xq = s->dec_xq;
+    d->xs = s->dec_xs;
+    d->sync = s->dec_sync;
+    d->num_experts = s->E;
+    d->hidden = s->H;
+    d->inter = (int)s->is;
+    d->f8 = s->f8;
+    d->gelu = s->act == MOE_ACTIVATION_GELU;
+    d->split = s->dec_split;
+    d->split1 = s->dec_split1;
+    /* a wait past moe_cuda_decode_timeout_ms ends the launch and marks the step:
+     * MOE_DECODE_STICKY_STALL */
+    d->sticky = s->sticky;
+    d->timeout_ns = (int64_t)moe_cuda_decode_timeout_ms(l) * 1000000;
+}
+
+moe_status_t moe_cuda_decode_laid_out(const moe_layer_t *l, const void *rows, int64_t m,
+                                      void *stream)
+{
+    const cuda_layer_t *s = l->state;
+    moe_decode_args_t d;
+    decode_common(l, &d);
+    d.x = rows;
+    d.x_dtype = MOE_DTYPE_BF16;
+    d.y_dtype = MOE_DTYPE_BF16;
+    d.lo_counts = s->counts;
+    d.lo_offsets = s->offsets;
+    d.rows_out = s->o;
+    d.lo_cols = (int)(s->world * m);
+    d.num_tokens = (int64_t)s->dec_tokens * s->k; /* the workspace's rows (plan.c) */
+    d.top_k = 1;
+    d.sticky_rank = l->plan.rank;
+    d.sticky_bits = MOE_A2A_STICKY_ROWS; /* the combine tells every source: they fail too */
+    return moe_decode_launch(&d, stream);
+}
+
 /* The fused decode step: route, the shared MLP (grouped path), then one kernel for GEMM 1, the
  * activation, GEMM 2 and the weighted sum with the shared rows. Profiled, the expert phase
  * holds the shared MLP and the sum. */
@@ -506,39 +566,18 @@ static moe_status_t decode_forward(moe_layer_t *l, const moe_forward_args_t *a, 
                              a->dtype, a->num_tokens, a->stream));
         MOE_CHECK(moe_cuda_shared_gate(l, a));
     }
-    memset(&d, 0, sizeof(d));
+    decode_common(l, &d);
     d.x = a->x;
     d.x_dtype = a->dtype;
     d.topk_ids = s->slot_ids; /* the local slots (weights per slot) */
     d.topk_weights = w;
-    d.w13 = s->w13;
-    d.w2 = s->w2;
-    d.w13_scale = s->w13s;
-    d.w2_scale = s->w2s;
     d.shared_out = s->ss > 0 ? s->so : NULL;
     d.shared_gate_logit = s->ss > 0 && l->cfg.shared_expert_gate ? s->s_gate_logit : NULL;
     d.y = a->y;
     d.y_dtype = a->dtype;
     d.counts = s->counts;
-    d.h = s->dec_h;
-    d.o = s->dec_o;
-    d.xq = s->dec_xq;
-    d.xs = s->dec_xs;
-    d.sync = s->dec_sync;
     d.num_tokens = a->num_tokens;
     d.top_k = s->k;
-    d.num_experts = s->E;
-    d.hidden = s->H;
-    d.inter = (int)s->is;
-    d.f8 = s->f8;
-    d.gelu = s->act == MOE_ACTIVATION_GELU;
-    d.split = s->dec_split;
-    d.split1 = s->dec_split1;
-    d.o1 = s->dec_o1;
-    /* a wait past moe_cuda_decode_timeout_ms ends the launch and marks the step:
-     * MOE_DECODE_STICKY_STALL */
-    d.sticky = s->sticky;
-    d.timeout_ns = (int64_t)moe_cuda_decode_timeout_ms(l) * 1000000;
     MOE_CHECK(moe_decode_launch(&d, a->stream));
     MOE_CHECK(moe_cuda_record(s, EV_EXPERT, a->stream));
     MOE_CHECK(moe_cuda_record(s, EV_SHARED, a->stream));

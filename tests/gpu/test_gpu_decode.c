@@ -538,12 +538,168 @@ static void test_decode_stall_bounded(void **state)
     free(w13), free(w2), free(poison);
 }
 
+/* Laid-out rows (kernels/decode.h, lo_counts: an EP step's low-latency layout, one GPU here):
+ * each row through its expert into its own row of rows_out is bitwise the routed form's output
+ * for the same rows as tokens of top_k 1 and weight 1, rounded to bf16 (no value crosses mma
+ * columns; the k splits come from the shape), and rows outside the experts stay as they were.
+ * bf16 and fp8 (per-row scales), GEMM 1 whole and in two k pieces, each launch twice (the
+ * counters left ready). Counts past lo_cols, or more rows than the workspace's, run nothing and
+ * mark the sticky word with the rank and bits given. */
+static void test_decode_laid_out(void **state)
+{
+    enum { E = 8, H = 256, I = 128, PAD = 8, ROWS = 64, SPLIT = 2 };
+    static const int cnt[E] = {3, 0, 17, 1, 30, 0, 5, 8}; /* 64 rows, at most 30 an expert */
+    const size_t n13 = (size_t)E * 2 * I * H, n2 = (size_t)E * H * I;
+    int32_t off[E + 1], ids[ROWS], row_of[ROWS], *sticky = NULL;
+    float wt[ROWS], y[ROWS * H];
+    int nrows = 0, t = 0, f8, k1, rep;
+    (void)state;
+    REQUIRE_SM90();
+    gt_ok(moe_decode_prepare(), "moe_decode_prepare");
+    for (int e = 0; e < E; e++) { /* every expert followed by at least one padding row */
+        off[e] = nrows;
+        nrows += (cnt[e] + PAD) / PAD * PAD;
+        for (int m = 0; m < cnt[e]; m++, t++)
+            ids[t] = e, wt[t] = 1.0f, row_of[t] = off[e] + m;
+    }
+    off[E] = nrows;
+    assert_int_equal(t, ROWS);
+    uint16_t *xl = malloc(2 * (size_t)nrows * H), *xt = malloc(2 * (size_t)ROWS * H);
+    uint16_t *got = malloc(2 * (size_t)nrows * H), *w13 = malloc(2 * n13), *w2 = malloc(2 * n2);
+    uint8_t *q13 = malloc(n13), *q2 = malloc(n2);
+    float *s13 = malloc(sizeof(float) * E * 2 * I), *s2 = malloc(sizeof(float) * E * H);
+    assert_true(xl && xt && got && w13 && w2 && q13 && q2 && s13 && s2);
+    gt_fill_bf16(NULL, xl, (size_t)nrows * H, 1.0f);
+    for (t = 0; t < ROWS; t++)
+        memcpy(xt + (size_t)t * H, xl + (size_t)row_of[t] * H, 2 * (size_t)H);
+    gt_fill_bf16(NULL, w13, n13, 0.05f);
+    gt_fill_bf16(NULL, w2, n2, 0.05f);
+    for (size_t i = 0; i < n13; i++) /* e4m3 codes of exponent field <= 13: no NaN */
+        q13[i] = (uint8_t)(gt_below(0x70) | gt_below(2) << 7);
+    for (size_t i = 0; i < n2; i++)
+        q2[i] = (uint8_t)(gt_below(0x70) | gt_below(2) << 7);
+    for (int i = 0; i < E * 2 * I; i++)
+        s13[i] = (1.0f + gt_uniform()) / 256.0f;
+    for (int i = 0; i < E * H; i++)
+        s2[i] = (1.0f + gt_uniform()) / 256.0f;
+    gt_ok(moe_gpu_host_alloc((void **)&sticky, sizeof(int32_t)), "sticky word");
+    void *d_xl = gt_dup(xl, 2 * (size_t)nrows * H), *d_xt = gt_dup(xt, 2 * (size_t)ROWS * H);
+    void *d_w13 = gt_dup(w13, 2 * n13), *d_w2 = gt_dup(w2, 2 * n2);
+    void *d_q13 = gt_dup(q13, n13), *d_q2 = gt_dup(q2, n2);
+    float *d_s13 = gt_dup(s13, sizeof(float) * E * 2 * I),
+          *d_s2 = gt_dup(s2, sizeof(float) * E * H);
+    int32_t *d_cnt = gt_dup(cnt, sizeof(cnt)), *d_off = gt_dup(off, sizeof(off));
+    int32_t *d_ids = gt_dup(ids, sizeof(ids));
+    float *d_w = gt_dup(wt, sizeof(wt));
+    void *d_out = gt_dalloc(2 * (size_t)nrows * H), *d_y = gt_dalloc(sizeof(y));
+    for (f8 = 0; f8 <= 1; f8++)
+        for (k1 = 1; k1 <= 2; k1++) {
+            const size_t nsync = moe_decode_sync_count(E, H, I, k1, ROWS);
+            moe_decode_args_t a, b;
+            memset(&a, 0, sizeof(a));
+            a.x_dtype = MOE_DTYPE_BF16;
+            a.w13 = f8 ? d_q13 : d_w13;
+            a.w2 = f8 ? d_q2 : d_w2;
+            a.w13_scale = f8 ? d_s13 : NULL;
+            a.w2_scale = f8 ? d_s2 : NULL;
+            a.y_dtype = MOE_DTYPE_F32;
+            a.h = gt_dalloc(2 * (size_t)ROWS * I);
+            a.o = gt_dalloc(sizeof(float) * SPLIT * ROWS * H);
+            a.o1 = k1 > 1 ? gt_dalloc(sizeof(float) * 2 * ROWS * 2 * I) : NULL;
+            a.xq = f8 ? gt_dalloc((size_t)ROWS * H) : NULL;
+            a.xs = f8 ? gt_dalloc(sizeof(float) * ROWS) : NULL;
+            a.sync = gt_dalloc(sizeof(int32_t) * nsync);
+            gt_poison(a.sync, 0, sizeof(int32_t) * nsync);
+            a.num_tokens = ROWS;
+            a.top_k = 1;
+            a.num_experts = E;
+            a.hidden = H;
+            a.inter = I;
+            a.f8 = f8;
+            a.split = SPLIT;
+            a.split1 = k1;
+            a.sticky = sticky;
+            a.timeout_ns = 1000 * 1000000ll;
+            b = a; /* the laid-out launch: its own workspace, the same weights */
+            a.x = d_xt;
+            a.topk_ids = d_ids;
+            a.topk_weights = d_w;
+            a.y = d_y;
+            *sticky = 0;
+            gt_poison(a.y, GT_POISON_FLOAT, sizeof(y));
+            gt_ok(moe_decode_launch(&a, NULL), "routed launch");
+            gt_get(y, a.y, sizeof(y));
+            assert_int_equal(*sticky, 0);
+            b.x = d_xl;
+            b.lo_counts = d_cnt;
+            b.lo_offsets = d_off;
+            b.rows_out = d_out;
+            b.lo_cols = 30;
+            b.h = gt_dalloc(2 * (size_t)ROWS * I);
+            b.o = gt_dalloc(sizeof(float) * SPLIT * ROWS * H);
+            b.o1 = k1 > 1 ? gt_dalloc(sizeof(float) * 2 * ROWS * 2 * I) : NULL;
+            b.xq = f8 ? gt_dalloc((size_t)ROWS * H) : NULL;
+            b.xs = f8 ? gt_dalloc(sizeof(float) * ROWS) : NULL;
+            b.sync = gt_dalloc(sizeof(int32_t) * nsync);
+            gt_poison(b.sync, 0, sizeof(int32_t) * nsync);
+            b.sticky_rank = 3;
+            b.sticky_bits = 1 << 29;
+            for (rep = 0; rep < 2; rep++) {
+                int wrong = 0, touched = 0;
+                gt_poison(d_out, 0xff, 2 * (size_t)nrows * H);
+                gt_ok(moe_decode_launch(&b, NULL), "laid-out launch");
+                gt_get(got, d_out, 2 * (size_t)nrows * H);
+                assert_int_equal(*sticky, 0);
+                for (t = 0; t < ROWS; t++)
+                    for (int c = 0; c < H; c++)
+                        wrong +=
+                            got[(size_t)row_of[t] * H + c] != moe_f32_to_bf16(y[(size_t)t * H + c]);
+                for (int e = 0; e < E; e++) /* the padding rows */
+                    for (int r = off[e] + cnt[e]; r < off[e + 1]; r++)
+                        for (int c = 0; c < H; c++)
+                            touched += got[(size_t)r * H + c] != 0xffff;
+                print_message("  laid-out rows, %s, GEMM 1 in %d piece(s), launch %d: %d of %d "
+                              "values differ from the routed form's, %d padding values written\n",
+                              f8 ? "fp8" : "bf16", k1, rep + 1, wrong, ROWS * H, touched);
+                assert_int_equal(wrong, 0);
+                assert_int_equal(touched, 0);
+            }
+            /* an expert past lo_cols: nothing runs, the sticky word names the rank */
+            b.lo_cols = 16;
+            gt_poison(d_out, 0xff, 2 * (size_t)nrows * H);
+            gt_ok(moe_decode_launch(&b, NULL), "laid-out launch, an expert past lo_cols");
+            gt_get(got, d_out, 2 * (size_t)nrows * H);
+            assert_int_equal(*sticky, 3 << 8 | (int32_t)MOE_STATUS_INTERNAL_ERROR | 1 << 29);
+            for (size_t i = 0; i < (size_t)nrows * H; i++)
+                assert_int_equal(got[i], 0xffff);
+            *sticky = 0; /* more rows than the workspace's: alike */
+            b.lo_cols = 30;
+            b.num_tokens = ROWS - 1;
+            gt_ok(moe_decode_launch(&b, NULL), "laid-out launch, rows past the workspace");
+            gt_get(got, d_out, 2 * (size_t)nrows * H);
+            assert_int_equal(*sticky, 3 << 8 | (int32_t)MOE_STATUS_INTERNAL_ERROR | 1 << 29);
+            assert_int_equal(got[(size_t)row_of[0] * H], 0xffff);
+            *sticky = 0;
+            moe_gpu_free(a.h), moe_gpu_free(a.o), moe_gpu_free(a.o1), moe_gpu_free(a.xq);
+            moe_gpu_free(a.xs), moe_gpu_free(a.sync);
+            moe_gpu_free(b.h), moe_gpu_free(b.o), moe_gpu_free(b.o1), moe_gpu_free(b.xq);
+            moe_gpu_free(b.xs), moe_gpu_free(b.sync);
+        }
+    moe_gpu_free(d_xl), moe_gpu_free(d_xt), moe_gpu_free(d_w13), moe_gpu_free(d_w2);
+    moe_gpu_free(d_q13), moe_gpu_free(d_q2), moe_gpu_free(d_s13), moe_gpu_free(d_s2);
+    moe_gpu_free(d_cnt), moe_gpu_free(d_off), moe_gpu_free(d_ids), moe_gpu_free(d_w);
+    moe_gpu_free(d_out), moe_gpu_free(d_y);
+    moe_gpu_host_free(sticky);
+    free(xl), free(xt), free(got), free(w13), free(w2), free(q13), free(q2), free(s13), free(s2);
+}
+
 static const struct CMUnitTest host_tests[] = {
     cmocka_unit_test(test_decode_split_rules),
 };
 
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_decode_stall_bounded),
+    cmocka_unit_test(test_decode_laid_out),
     cmocka_unit_test(test_decode_graph_explain_refusals),
     cmocka_unit_test(test_decode_batch_invariant),
     cmocka_unit_test(test_decode_against_cpu),

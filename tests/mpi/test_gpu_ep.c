@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "kernels/a2a.h"
+#include "kernels/gpu.h"
 #include "base/numeric.h"
 #include "launch/layer_gen.h"
 
@@ -184,11 +185,23 @@ static void test_deterministic_shared_across_ep(void **state)
 /* "lsa-ll": lsa with the low-latency layout (MOE_EP_LL=1), which takes steps of at most 128
  * rows per rank: those entries pass max_tokens_across_ranks (the largest batch of any rank).
  * "p2p-hdr": p2p with the sizes in-band (MOE_EP_P2P_HEADER=1: whole regions, no host read),
- * told as well, as a serving engine would run it (untold, a region is the round size). */
-static const char *const transports[] = {"allgather", "lsa", "p2p", "lsa-ll", "p2p-hdr"};
-enum { LSA_LL = 3, P2P_HDR = 4 };
+ * told as well, as a serving engine would run it (untold, a region is the round size).
+ * "lsa-ll-fused": the low-latency layout with the fused decode kernel forced
+ * (MOE_FORCE_VARIANT=sm90_fused_decode): steps of at most 64 / world rows per rank run it on the
+ * rows the dispatch laid out, larger ones the grouped GEMMs (sm_90 only: skipped elsewhere). */
+static const char *const transports[] = {"allgather", "lsa",     "p2p",
+                                         "lsa-ll",    "p2p-hdr", "lsa-ll-fused"};
+enum { LSA_LL = 3, P2P_HDR = 4, LSA_LL_FUSED = 5 };
 
 static int microbatch; /* MOE_EP_MICROBATCH=1 is set: lsa alone takes it */
+
+/* this rank's GPU runs the fused decode kernel (sm_90) */
+static int gt_sm90(void)
+{
+    int dev = 0, arch = 0;
+    return cudaGetDevice(&dev) == cudaSuccess && moe_gpu_arch(dev, &arch) == MOE_STATUS_SUCCESS &&
+           arch == 90;
+}
 
 /* Ranks sharing one GPU without NCCL (MOE_TEST_SHARED_GPU=lsa): lsa only. */
 static int transport_runs(int i)
@@ -204,12 +217,19 @@ static int use_transport(int i, int64_t n)
 {
     int64_t m = n;
     MPI_Allreduce(MPI_IN_PLACE, &m, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
-    setenv("MOE_EP_TRANSPORT", i == LSA_LL ? "lsa" : i == P2P_HDR ? "p2p" : transports[i], 1);
-    setenv("MOE_EP_LL", i == LSA_LL ? "1" : "0", 1);
+    const int ll = i == LSA_LL || i == LSA_LL_FUSED;
+    if (i == LSA_LL_FUSED && !gt_sm90())
+        return 0;
+    setenv("MOE_EP_TRANSPORT", ll ? "lsa" : i == P2P_HDR ? "p2p" : transports[i], 1);
+    setenv("MOE_EP_LL", ll ? "1" : "0", 1);
     setenv("MOE_EP_P2P_HEADER", i == P2P_HDR ? "1" : "0", 1);
-    told_m = i == LSA_LL || i == P2P_HDR ? m : 0;
+    if (i == LSA_LL_FUSED)
+        setenv("MOE_FORCE_VARIANT", "sm90_fused_decode", 1);
+    else
+        unsetenv("MOE_FORCE_VARIANT");
+    told_m = ll || i == P2P_HDR ? m : 0;
     /* rounds of at most 128 tokens take the layout in every round */
-    return i != LSA_LL || m <= MOE_A2A_LL_MAX_TOKENS ||
+    return !ll || m <= MOE_A2A_LL_MAX_TOKENS ||
            (round_tokens > 0 && round_tokens <= MOE_A2A_LL_MAX_TOKENS);
 }
 
@@ -218,6 +238,7 @@ static void end_transports(void)
     unsetenv("MOE_EP_TRANSPORT");
     unsetenv("MOE_EP_LL");
     unsetenv("MOE_EP_P2P_HEADER");
+    unsetenv("MOE_FORCE_VARIANT");
     told_m = 0;
 }
 
@@ -736,8 +757,26 @@ static void test_transport_refused(void **state)
         assert_non_null(strstr(text, "low-latency layout"));
         TU_OK(moe_layer_destroy(l));
         l = NULL;
+        /* the fused decode kernel forced: at 8 tokens a rank it runs the laid-out rows (up to
+         * 64 rows an expert), past 64 / world tokens the grouped GEMMs */
+        if (gt_sm90()) {
+            setenv("MOE_FORCE_VARIANT", "sm90_fused_decode", 1);
+            TU_OK(moe_layer_create(gt_rts.gpu, &c, &l));
+            TU_OK(moe_layer_explain(l, 64 / world, text, sizeof(text)));
+            assert_non_null(strstr(text, "sm90_fused_decode"));
+            assert_non_null(strstr(text, "laid them out"));
+            TU_OK(moe_layer_explain(l, 64 / world + 1, text, sizeof(text)));
+            assert_null(strstr(text, "sm90_fused_decode"));
+            TU_OK(moe_layer_destroy(l));
+            l = NULL;
+        }
     }
     unsetenv("MOE_EP_LL");
+    if (gt_sm90()) { /* forced without the layout: refused on every rank, naming it */
+        setenv("MOE_FORCE_VARIANT", "sm90_fused_decode", 1);
+        create_fails(&c, MOE_STATUS_NOT_SUPPORTED, "MOE_EP_LL=1");
+        unsetenv("MOE_FORCE_VARIANT");
+    }
     /* in-band p2p sizes: p2p only, alike on every rank */
     setenv("MOE_EP_P2P_HEADER", "1", 1);
     create_fails(&c, MOE_STATUS_NOT_SUPPORTED, "MOE_EP_P2P_HEADER=1");

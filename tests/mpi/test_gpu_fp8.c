@@ -4,11 +4,14 @@
  * static activation scales (a checkpoint's input_scale; some experts' dynamic), seven shapes,
  * 0/1/7/64/512 tokens (and 4096 for two), on one GPU and under EP = world; the W8A8 error
  * against W8A16 on the same weights is reported; a forced variant of the wrong dtype is refused
- * at create. */
+ * at create. EP's low-latency layout (MOE_EP_LL=1) with the fused decode kernel on the rows it
+ * lays out, per-row scales, 1 and 7 tokens a rank; refused without the kernel, and static
+ * activation scales refused there before any weight is kept. */
 #include "gpu_mpi.h"
 
 #include <cuda_runtime.h>
 #include <math.h>
+#include "kernels/gpu.h"
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -123,6 +126,72 @@ static void test_fp8_w8a8_shapes(void **state)
     assert_int_equal(failures, 0);
 }
 
+/* The low-latency EP layout with W8A8 (per-row scales): every step of at most 64 / world tokens
+ * a rank through the fused decode kernel on the rows the dispatch laid out (forced), against
+ * the CPU's W8A8 at 1 and 7 tokens a rank, told (the layout needs max_tokens_across_ranks); the
+ * layer without the kernel, and a static input scale there, are refused. sm_90, world > 1. */
+static void test_fp8_w8a8_low_latency_fused(void **state)
+{
+    static const int64_t counts[] = {1, 7};
+    const uint64_t seed = tu_seed("gpu_fp8_ll");
+    int dev = 0, arch = 0;
+    size_t i, j;
+    (void)state;
+    if (world < 2 || cudaGetDevice(&dev) != cudaSuccess || moe_gpu_arch(dev, &arch) || arch != 90)
+        return;
+    setenv("MOE_EP_TRANSPORT", "lsa", 1);
+    setenv("MOE_EP_LL", "1", 1);
+    {
+        moe_layer_config_t c = config_of(&shapes[0], MOE_FP8_MATH_W8A8, 64);
+        moe_layer_t *l = NULL;
+        c.ep_size = world;
+        assert_int_equal(moe_layer_create(gt_rts.gpu, &c, &l), MOE_STATUS_NOT_SUPPORTED);
+        assert_non_null(strstr(moe_last_error(), "MOE_EP_LL=1 with W8A8"));
+        assert_null(l);
+    }
+    setenv("MOE_FORCE_VARIANT", "sm90_fused_decode", 1);
+    for (i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
+        const fp8_shape_t *s = &shapes[i];
+        if (s->scales == MOE_SCALE_BLOCK_128 || s->static_scales)
+            continue;
+        for (j = 0; j < sizeof(counts) / sizeof(counts[0]); j++) {
+            const int64_t n = counts[j];
+            moe_layer_config_t c = config_of(s, MOE_FP8_MATH_W8A8, 64);
+            const size_t len = (size_t)(n * s->hidden + 1);
+            float *x = malloc(sizeof(float) * len), *ref = malloc(sizeof(float) * len);
+            float *y = malloc(sizeof(float) * len);
+            double e;
+            assert_true(x && ref && y);
+            moe_gen_tokens(seed, n * rank, n, s->hidden, x);
+            gt_run_layer_steps(gt_rts.cpu_self, c, seed, 0, x, n, 1, NULL, ref, 0);
+            c.ep_size = world;
+            gt_run_layer_steps(gt_rts.gpu, c, seed, 0, x, n, 1, NULL, y, n);
+            assert_int_equal(tu_count_nan(y, n * s->hidden), 0);
+            e = tu_rel_err(y, ref, n * s->hidden);
+            print_message("rank %d: %-38s %lld tokens: low-latency EP %d, fused decode kernel: "
+                          "W8A8 GPU vs CPU rel err %.3g\n",
+                          rank, s->name, (long long)n, world, e);
+            failures += !(e <= 1e-2);
+            free(x);
+            free(ref);
+            free(y);
+        }
+    }
+    {
+        moe_layer_config_t c = config_of(&shapes[0], MOE_FP8_MATH_W8A8, 64);
+        moe_layer_t *l = NULL;
+        c.ep_size = world;
+        TU_OK(moe_layer_create(gt_rts.gpu, &c, &l));
+        assert_int_equal(moe_gen_set_weights_static(l, &c, seed), MOE_STATUS_NOT_SUPPORTED);
+        assert_non_null(strstr(moe_last_error(), "static input_scale"));
+        TU_OK(moe_layer_destroy(l));
+    }
+    unsetenv("MOE_FORCE_VARIANT");
+    unsetenv("MOE_EP_LL");
+    unsetenv("MOE_EP_TRANSPORT");
+    assert_int_equal(failures, 0);
+}
+
 /* A forced bf16 variant on a W8A8 layer is refused at create, naming both. */
 static void test_fp8_w8a8_forced_bf16_refused(void **state)
 {
@@ -139,6 +208,7 @@ static void test_fp8_w8a8_forced_bf16_refused(void **state)
 static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_fp8_w8a8_shapes),
     cmocka_unit_test(test_fp8_w8a8_forced_bf16_refused),
+    cmocka_unit_test(test_fp8_w8a8_low_latency_fused),
 };
 
 GT_MPI_MAIN(tests, gt_group_setup, gt_group_teardown, rank, world)
