@@ -15,7 +15,9 @@
 #                    no lsa-ll/PDL/rounds)
 #   ep-cap           (2+ GPUs) issue 10's capacity table (8 tokens per rank, capacity 8 ..
 #                    8192, each transport), weak scaling, first call
-#   ep-layer         DeepSeek-V3's whole layer at 8 and 4096 tokens per rank, all GPUs vs one
+#   ep-layer         DeepSeek-V3's whole layer at 8 and 4096 tokens per rank, all GPUs vs one;
+#                    at 1 and 8 tokens lsa, its low-latency layout, and that with the fused
+#                    decode kernel on the laid-out rows
 #   ep-wide          (4+ GPUs) DeepSeek-V3's layer as EP N x TP 1 against EP N/2 x TP 2 at 128
 #                    and 4096 tokens per rank, then the memory plan of a whole model: 61 layers
 #                    of DeepSeek-V3 in fp8 (W8A8), 8 tokens per rank (the dispatch at 1 .. 128
@@ -88,7 +90,9 @@
 #                    and moe-run's EP layer in rounds ($MPS_LAYER_TOKENS per rank, default
 #                    "512 4096"; empty: none; MPS_DISPATCH=0: no dispatch table), and with
 #                    micro-batch lanes off and on
-#                    ($MPS_MB_TOKENS, default 4096); not two-GPU numbers (bench/RESULTS.md)
+#                    ($MPS_MB_TOKENS, default 4096), and the low-latency layout's rows
+#                    through the grouped GEMMs and the fused decode kernel at 8 tokens a
+#                    rank; not two-GPU numbers (bench/RESULTS.md)
 #   faults           a stopped peer at several points of a step (tests/mpi/test_gpu_faults.c),
 #                    2 and 4 ranks sharing the GPU (one GPU) or a GPU each, default transport
 #                    (lsa) and lsa with micro-batch lanes; then moe-run as issue 37 ran it (qwen3,
@@ -303,6 +307,23 @@ ep-layer)
             done
         done
     done 2>&1 | tee "$OUT/ep_layer.log"
+    # issue 35 inside an EP step: the low-latency layout at 1 and 8 tokens per rank, its rows
+    # through the grouped GEMMs and through the fused decode kernel (forced), lsa for reference
+    for T in 1 8; do
+        for v in lsa ll ll-fused; do
+            echo "== deepseek-v3, $ngpu GPUs, $T tokens per rank, $v"
+            ll=0
+            [ $v = lsa ] || ll=1
+            fenv=MOE_FUSED_DECODE=1 # (the default) or the kernel forced, and passed on
+            xf=""
+            [ $v = ll-fused ] && fenv=MOE_FORCE_VARIANT=sm90_fused_decode xf="-x MOE_FORCE_VARIANT"
+            # shellcheck disable=SC2086 # $xf: an option or none
+            env "$fenv" MOE_EP_TRANSPORT=lsa MOE_EP_LL=$ll timeout 120 mpirun -np "$ngpu" $xf \
+                -x MOE_EP_TRANSPORT -x MOE_EP_LL $B/moe-run --backend cuda --preset deepseek-v3 \
+                --x-dtype bf16 --tokens $((T * ngpu)) --iters 50 --warmup 5 2>&1 | quiet |
+                grep -E "phase|tokens/s|step|rror"
+        done
+    done 2>&1 | tee "$OUT/ep_ll_fused.log"
     ;;
 ep-wide)
     [ "$ngpu" -ge 4 ] || { echo "ep-wide: needs 4+ GPUs (this machine has $ngpu)"; exit 1; }
@@ -356,6 +377,22 @@ mps)
             pkill -9 -f moe-run # a hung pair would leave the GPU busy for the next
         done
     done 2>&1 | tee "$OUT/mps_layer.log"
+    # the low-latency layout's rows through the grouped GEMMs, then through the fused decode
+    # kernel (forced; 8 tokens a rank: at most 16 rows an expert): it must end unstalled beside
+    # the peer's spinning kernels on the shared SMs (its warps claim their items); timings are
+    # not two-GPU numbers
+    for fv in grouped sm90_fused_decode; do
+        echo "== moe-run E64 layer as above, 2 ranks (MPS), 8 tokens/rank, MOE_EP_LL=1, $fv"
+        fenv=MOE_FUSED_DECODE=1 # (the default) or the kernel forced, and passed on
+        xf=""
+        [ $fv = grouped ] || fenv=MOE_FORCE_VARIANT=$fv xf="-x MOE_FORCE_VARIANT"
+        # shellcheck disable=SC2086 # $X, $xf: options
+        env "$fenv" MOE_EP_TRANSPORT=lsa MOE_EP_LL=1 timeout 100 mpirun -np 2 $X $xf -x MOE_EP_TRANSPORT \
+            -x MOE_EP_LL $B/moe-run --backend cuda --experts 64 --top-k 8 --hidden 7168 \
+            --intermediate 2048 --n-group 8 --topk-group 4 --scoring sigmoid --x-dtype bf16 \
+            --tokens 16 --iters 50 --warmup 5 2>&1 | quiet | grep -E "phase|tokens/s|rror"
+        pkill -9 -f moe-run
+    done 2>&1 | tee "$OUT/mps_ll_fused.log"
     # micro-batch lanes (MOE_EP_MICROBATCH) off and on, twice each (MPS timings swing), and one
     # lane with the finish after a one-CTA wait (MOE_EP_FINISH_WAIT=1, as the lanes do)
     for T in ${MPS_MB_TOKENS-4096}; do
