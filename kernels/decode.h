@@ -113,6 +113,22 @@ typedef struct moe_decode_args {
     const int32_t *lo_counts, *lo_offsets;
     void *rows_out;
     int lo_cols;
+    /* The shared MLP inside the launch (shared_w13 NULL: none, or shared_out's rows). Weights as
+     * the routed experts' (shared_w13 [2 shared_inter][hidden]: gate rows, then up rows;
+     * shared_w2 [hidden][shared_inter]; f8: one scale per row, shared_w13_scale [2
+     * shared_inter], shared_w2_scale [hidden]); shared_inter a multiple of inter: the MLP runs
+     * as C = shared_inter / inter more experts of the routed width (chunk c: gate and up rows
+     * c inter .., down's columns c inter ..), whose rows for token t are added after its routed
+     * ones times sigmoid(shared_gate_logit[t]) (1 without it); fp8 quantises a token's shared h
+     * with one scale over all C chunks (the grouped path's and the CPU's). Needs top_k + C <= 16,
+     * num_experts + C <= MOE_DECODE_MAX_EXPERTS, split1 <= 1, shared_out NULL, no laid-out rows
+     * and no trace. The workspace holds num_tokens (top_k + C) rows (h, o), and the sync array
+     * moe_decode_sync_count(num_experts + C, hidden, inter, 1, num_tokens (top_k + C + 1)) ints;
+     * moe_decode_split(num_experts + C, top_k + C, ...) is the split that keeps a token's bits
+     * the same at every batch. */
+    const void *shared_w13, *shared_w2;
+    const float *shared_w13_scale, *shared_w2_scale;
+    int shared_inter;
 } moe_decode_args_t;
 
 /* ints of the persistent sync array for a layer of these dimensions and GEMM 1 k split */

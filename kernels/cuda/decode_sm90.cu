@@ -113,6 +113,12 @@ struct params {
     int lo_cols, rank, sticky_bits;
     const int32_t *lo_cnt, *lo_off; // LO: rows per local expert, and each one's first row
     __nv_bfloat16 *rows_out;        // LO: [rows][H]
+    // SH: the shared MLP as nsh more experts of the routed experts' width I (chunk c: gate rows
+    // c I .. of sw13, up rows SI + c I .., columns c I .. of sw2's rows): every token's slots
+    // kr .. kr + nsh - 1, weighted by its gate. p.E = Er + nsh, p.k = kr + nsh.
+    const uint8_t *sw13, *sw2;
+    const float *sw13s, *sw2s;
+    int Er, kr, nsh, SI;
 };
 
 // this launch quantises x in every CTA's shared memory (a local_x kernel, XS_TOKENS, XS_MAX)
@@ -330,7 +336,20 @@ __device__ __forceinline__ float act_mul(bool gelu, float g, float u)
 // p.lo_off[e] + m of x and rows_out, and its slot (h, o, xq, the maxima) s.off[e] + m, so
 // s.slots[slot] is the slot's row. Counts past lo_cols or rows past p.T: an empty table, the
 // step's sticky word marked (every CTA reads the same counts, so every CTA agrees).
-template <bool LO> __device__ void build_table(const params &p, smem_t &s)
+// SH: slot i = t k + j of token t is routed slot j of ids (j < kr) or shared chunk j - kr, the
+// table's expert Er + j - kr; counts (profiling) for the routed experts alone.
+template <bool SH> __device__ __forceinline__ int expert_of_slot(const params &p, int i)
+{
+    if (!SH)
+        return p.ids[i];
+    const int t = i / p.k, j = i - t * p.k;
+    if (j >= p.kr)
+        return p.Er + j - p.kr;
+    const int e = p.ids[t * p.kr + j];
+    return e < p.Er ? e : -1;
+}
+
+template <bool LO, bool SH = false> __device__ void build_table(const params &p, smem_t &s)
 {
     const int rows = p.T * p.k;
     int bad = 0; // LO: a count out of bounds
@@ -344,7 +363,7 @@ template <bool LO> __device__ void build_table(const params &p, smem_t &s)
         __syncthreads();
     if (!LO)
         for (int i = threadIdx.x; i < rows; i += THREADS) {
-            const int e = p.ids[i];
+            const int e = expert_of_slot<SH>(p, i);
             s.pos[i] = e >= 0 && e < p.E ? (short)atomicAdd(&s.cnt[e], 1) : (short)-1;
         }
     __syncthreads();
@@ -389,12 +408,12 @@ template <bool LO> __device__ void build_table(const params &p, smem_t &s)
         }
     } else {
         for (int i = threadIdx.x; i < rows; i += THREADS) {
-            const int e = p.ids[i];
+            const int e = expert_of_slot<SH>(p, i);
             if (s.pos[i] >= 0)
                 s.slots[s.off[e] + s.pos[i]] = i;
         }
         if (p.counts && blockIdx.x == 0)
-            for (int e = threadIdx.x; e < p.E; e += THREADS)
+            for (int e = threadIdx.x; e < (SH ? p.Er : p.E); e += THREADS)
                 p.counts[e] = s.cnt[e];
     }
     __syncthreads();
@@ -544,9 +563,17 @@ __device__ __forceinline__ int slot_of(const smem_t &s, const int *list, int e, 
     return LO ? s.off[e] + m : list[m];
 }
 
+// SH: the |h| maximum of a shared chunk's slot is its token's over the whole shared MLP (one
+// dynamic scale a row of its h, as the grouped path and the CPU's W8A8 take it), at rows + t
+template <bool SH>
+__device__ __forceinline__ int hmax_index(const params &p, int e, int slot, int rows)
+{
+    return SH && e >= p.Er ? rows + slot / p.k : slot;
+}
+
 // GEMM 1 item: expert e, h columns c0 .. c0 + 7 for the expert's n tokens, k piece q of
 // p.split1 (K1: split1 > 1; pieces of a multiple of 4 x 16 bytes of k)
-template <bool F8, int NG, int U, typename XT, bool K1, bool TR, bool XLT, bool LO>
+template <bool F8, int NG, int U, typename XT, bool K1, bool TR, bool XLT, bool LO, bool SH>
 __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, int64_t *tw,
                       const uint8_t *xql)
 {
@@ -554,8 +581,18 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int n = s.cnt[e], *list = s.slots + s.off[e];
     constexpr int ES = F8 ? 1 : 2;
-    const int64_t rg = (int64_t)e * 2 * p.I + c0 + g; // gate row; up row rg + I
+    int64_t rg = (int64_t)e * 2 * p.I + c0 + g; // gate row; up row rg + I
     const uint8_t *ra = p.w13 + rg * p.H * ES, *rb = p.w13 + (rg + p.I) * p.H * ES;
+    int64_t up = p.I;
+    const float *ws = p.w13s;
+    if constexpr (SH)
+        if (e >= p.Er) { // a chunk of the shared MLP: up row rg + SI
+            rg = (int64_t)(e - p.Er) * p.I + c0 + g;
+            up = p.SI;
+            ra = p.sw13 + rg * p.H * ES;
+            rb = ra + up * p.H * ES;
+            ws = p.sw13s;
+        }
     // this lane's B column's row of x (bf16) or xq (fp8) per group (-1: none): the token (LO:
     // the row, or for xq the slot)
     int tok[NG];
@@ -642,7 +679,9 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
             *done = 0; // every piece of this launch has counted: ready for the next launch
     }
     float sg = 1.0f, su = 1.0f;
-    if (F8)
+    if (F8 && SH)
+        sg = __ldg(ws + rg), su = __ldg(ws + rg + up);
+    else if (F8)
         sg = __ldg(p.w13s + rg), su = __ldg(p.w13s + rg + p.I);
 #pragma unroll
     for (int i = 0; i < NG; i++) {
@@ -673,7 +712,8 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
                 for (int o = 4; o < 32; o <<= 1)
                     hm[j] = fmaxf(hm[j], __shfl_xor_sync(0xffffffffu, hm[j], o));
                 if (g == 0 && slot[j] >= 0)
-                    atomicMax(p.sync + sync_hmax(p.E, p.H, p.I, s1) + slot[j],
+                    atomicMax(p.sync + sync_hmax(p.E, p.H, p.I, s1) +
+                                  hmax_index<SH>(p, e, slot[j], p.T * p.k),
                               __float_as_int(hm[j]));
             }
         }
@@ -695,7 +735,7 @@ __device__ __forceinline__ float4 ld_cg_f4(const float *p)
 // loads are volatile asm: one at a time, each would wait for its own L2 round trip), split
 // piece by piece; each slot's pieces are added in split order, then weighted in slot order
 constexpr int CB = 8;
-template <typename YT> __device__ void combine_tile(const params &p, int r)
+template <typename YT, bool SH = false> __device__ void combine_tile(const params &p, int r)
 {
     const int lane = threadIdx.x & 31;
     const int64_t rows = (int64_t)p.T * p.k;
@@ -721,13 +761,28 @@ template <typename YT> __device__ void combine_tile(const params &p, int r)
                 for (int j = 0; j < CB; j++)
                     v[j].x += b[j].x, v[j].y += b[j].y, v[j].z += b[j].z, v[j].w += b[j].w;
             }
+            if constexpr (SH) {
+                // the shared chunks' slots (kr ..) weighted by the token's gate
+                const float gt = p.gate_logit ? 1.0f / (1.0f + expf(-p.gate_logit[t])) : 1.0f;
 #pragma unroll
-            for (int j = 0; j < CB; j++)
-                if (j0 + j < p.k && p.ids[slot0 + j] >= 0) {
-                    const float w = p.w[slot0 + j];
-                    acc[0] += w * v[j].x, acc[1] += w * v[j].y;
-                    acc[2] += w * v[j].z, acc[3] += w * v[j].w;
+                for (int j = 0; j < CB; j++) {
+                    const int jj = j0 + j;
+                    const int64_t ri = (int64_t)t * p.kr + jj;
+                    if (jj < p.k && (jj >= p.kr || p.ids[ri] >= 0)) {
+                        const float w = jj >= p.kr ? gt : p.w[ri];
+                        acc[0] += w * v[j].x, acc[1] += w * v[j].y;
+                        acc[2] += w * v[j].z, acc[3] += w * v[j].w;
+                    }
                 }
+            } else {
+#pragma unroll
+                for (int j = 0; j < CB; j++)
+                    if (j0 + j < p.k && p.ids[slot0 + j] >= 0) {
+                        const float w = p.w[slot0 + j];
+                        acc[0] += w * v[j].x, acc[1] += w * v[j].y;
+                        acc[2] += w * v[j].z, acc[3] += w * v[j].w;
+                    }
+            }
         }
         if (p.shared) {
             const float gt = p.gate_logit ? 1.0f / (1.0f + expf(-p.gate_logit[t])) : 1.0f;
@@ -767,7 +822,7 @@ __device__ void rows_tile(const params &p, const smem_t &s, int r)
 }
 
 // GEMM 2 item: expert e, rows r * 16 .. + 16 of hidden, k split q (K1: GEMM 1 split too)
-template <bool F8, int NG, int U, bool K1, bool TR, bool LO>
+template <bool F8, int NG, int U, bool K1, bool TR, bool LO, bool SH>
 __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int n1, int64_t *tw)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -776,6 +831,12 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
     const int row0 = r * TILE2 + g, row1 = row0 + 8 < p.H ? row0 + 8 : row0;
     const uint8_t *ra = p.w2 + ((int64_t)e * p.H + row0) * p.I * ES;
     const uint8_t *rb = p.w2 + ((int64_t)e * p.H + row1) * p.I * ES;
+    const bool shx = SH && e >= p.Er; // a chunk of the shared MLP: columns (e - Er) I .. of sw2
+    if constexpr (SH)
+        if (shx) {
+            ra = p.sw2 + ((int64_t)row0 * p.SI + (int64_t)(e - p.Er) * p.I) * ES;
+            rb = p.sw2 + ((int64_t)row1 * p.SI + (int64_t)(e - p.Er) * p.I) * ES;
+        }
     const int per = ((p.I + p.split - 1) / p.split + CK - 1) / CK * CK;
     const int k0 = q * per, k1 = k0 + per < p.I ? k0 + per : p.I;
     const float *hmax =
@@ -788,12 +849,21 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
         hs[i] = hr[i] = 1.0f;
     }
     auto wait = [&]() {
-        warp_wait<LO>(p, p.sync + SYNC_E1 + e * E1_STRIDE, n1);
+        if constexpr (SH) {
+            if (F8 && shx) // the token's maximum covers every chunk: all of them written
+                for (int c = 0; c < p.nsh; c++)
+                    warp_wait<LO>(p, p.sync + SYNC_E1 + (p.Er + c) * E1_STRIDE, n1);
+            else
+                warp_wait<LO>(p, p.sync + SYNC_E1 + e * E1_STRIDE, n1);
+        } else {
+            warp_wait<LO>(p, p.sync + SYNC_E1 + e * E1_STRIDE, n1);
+        }
         if (F8)
 #pragma unroll
             for (int i = 0; i < NG; i++)
                 if (slot[i] >= 0) {
-                    hs[i] = dynamic_scale(ld_cg_f32(hmax + slot[i]));
+                    hs[i] =
+                        dynamic_scale(ld_cg_f32(hmax + hmax_index<SH>(p, e, slot[i], p.T * p.k)));
                     hr[i] = __frcp_rn(hs[i]);
                 }
         if (TR)
@@ -821,7 +891,9 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
     float acc[NG][4];
     dot_rows<F8, NG, U, F8>(acc, ra, rb, k0, k1, n, fetch, make, wait);
     float s0 = 1.0f, s1 = 1.0f;
-    if (F8)
+    if (F8 && SH && shx)
+        s0 = __ldg(p.sw2s + row0), s1 = __ldg(p.sw2s + row1);
+    else if (F8)
         s0 = __ldg(p.w2s + (int64_t)e * p.H + row0), s1 = __ldg(p.w2s + (int64_t)e * p.H + row1);
     const int rows = p.T * p.k;
     float *o = p.o + (int64_t)q * rows * p.H;
@@ -849,7 +921,7 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
 // CTA's shared memory (uses_local_x: one fp8 token), a kernel of its own, so that the kernel for
 // 2 .. 8 tokens keeps its registers; LO: laid-out rows (kernels/decode.h, lo_counts), bf16 x
 template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR, bool XS,
-          bool LO = false>
+          bool LO = false, bool SH = false>
 __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
 {
     __shared__ smem_t s;
@@ -871,7 +943,7 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
         stamp(ev + 1);
         return ev;
     };
-    build_table<LO>(p, s);
+    build_table<LO, SH>(p, s);
     if (TR)
         stamp(tr + MOE_DECODE_TRACE_TABLE);
     // item i on warp i mod nw, warps numbered across the CTAs first: consecutive items (one
@@ -887,6 +959,7 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
     extern __shared__ __align__(16) uint8_t xql[];
     static_assert(!XS || local_x<F8, NG>(), "x in shared memory: fp8, one column group");
     static_assert(!LO || (!XS && !TR), "laid-out rows: x in global memory, no timeline");
+    static_assert(!SH || (!LO && !TR && !K1), "the shared MLP inside: routed tokens, GEMM 1 whole");
     if (XS) {
         int64_t *ev = event(MOE_DECODE_TRACE_XQ, 0);
         quantise_x_local<XT>(p, s, xql);
@@ -926,14 +999,15 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
             const int i = item; // (expert, column tile, k piece), the pieces adjacent
             int64_t *ev = event(MOE_DECODE_TRACE_GEMM1, i);
             const int e = s.uniq[i / (t1 * s1)], c0 = i / s1 % t1 * TILE1;
-            gemm1<F8, NG, U, XT, K1, TR, XS, LO>(p, s, e, c0, i % s1, ev ? ev + 2 : nullptr, xql);
+            gemm1<F8, NG, U, XT, K1, TR, XS, LO, SH>(p, s, e, c0, i % s1, ev ? ev + 2 : nullptr,
+                                                     xql);
             if (TR && ev)
                 stamp(ev + 3);
         } else {
             const int i = item - n1;
             const int u = i / (t2 * p.split), r = i / p.split % t2, q = i % p.split;
             int64_t *ev = event(MOE_DECODE_TRACE_GEMM2, i);
-            gemm2<F8, NG, U, K1, TR, LO>(p, s, s.uniq[u], r, q, t1, ev ? ev + 2 : nullptr);
+            gemm2<F8, NG, U, K1, TR, LO, SH>(p, s, s.uniq[u], r, q, t1, ev ? ev + 2 : nullptr);
             if (TR && ev)
                 stamp(ev + 3);
             if (warp_signal(col_done + r * COL_STRIDE) == nu * p.split - 1) {
@@ -942,7 +1016,7 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
                 if (LO)
                     rows_tile(p, s, r);
                 else
-                    combine_tile<YT>(p, r);
+                    combine_tile<YT, SH>(p, r);
                 if (TR && ev)
                     stamp(ev + 3);
             }
@@ -966,7 +1040,7 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
         const int nt = sync_tile(p.E, p.H), nh = sync_hmax(p.E, p.H, p.I, s1);
         for (int i = 1 + threadIdx.x; i < nt; i += THREADS)
             p.sync[i] = 0;
-        for (int i = nh + threadIdx.x; i < nh + (F8 ? p.T * p.k : 0); i += THREADS)
+        for (int i = nh + threadIdx.x; i < nh + (F8 ? p.T * p.k + (SH ? p.T : 0) : 0); i += THREADS)
             p.sync[i] = 0;
         __syncthreads();
         if (threadIdx.x == 0)
@@ -977,7 +1051,8 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
 // CTAs that fit on the device at once (every one must be resident: items wait on others) with
 // dyn bytes of dynamic shared memory: cached for dyn = 0; the local_x kernels' limit is raised
 // to XS_MAX once, and a launch with dynamic bytes (one fp8 token) takes its count afresh
-template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR, bool XS, bool LO>
+template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR, bool XS, bool LO,
+          bool SH>
 int resident_ctas(int dyn)
 {
     static int cached[MOE_MAX_DEVICES];
@@ -985,7 +1060,7 @@ int resident_ctas(int dyn)
     if (cudaGetDevice(&dev) != cudaSuccess)
         return 0;
     const int n = moe_device_cached(cached, dev, [](int d) {
-        const auto k = decode_kernel<F8, NG, U, XT, YT, K1, TR, XS, LO>;
+        const auto k = decode_kernel<F8, NG, U, XT, YT, K1, TR, XS, LO, SH>;
         int sms = 0, per0 = 0;
         if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d) != cudaSuccess ||
             (XS && cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, XS_MAX) !=
@@ -999,39 +1074,44 @@ int resident_ctas(int dyn)
     int sms = 0;
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &per, decode_kernel<F8, NG, U, XT, YT, K1, TR, XS, LO>, THREADS, dyn) != cudaSuccess)
+            &per, decode_kernel<F8, NG, U, XT, YT, K1, TR, XS, LO, SH>, THREADS, dyn) !=
+            cudaSuccess)
         return 0;
     return sms * per;
 }
 
 template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR, bool XS,
-          bool LO = false>
+          bool LO = false, bool SH = false>
 moe_status_t launch_xs(const params &p, int max_ctas, cudaStream_t stream)
 {
     const int dyn = XS ? (2 * p.T * p.H + 15) / 16 * 16 : 0;
-    int ctas = resident_ctas<F8, NG, U, XT, YT, K1, TR, XS, LO>(dyn);
+    int ctas = resident_ctas<F8, NG, U, XT, YT, K1, TR, XS, LO, SH>(dyn);
     if (ctas <= 0)
         return moe_error(MOE_STATUS_CUDA_ERROR, "decode: no CTA fits on the device");
     if (max_ctas > 0 && max_ctas < ctas)
         ctas = max_ctas;
-    MOE_CUDA_CHECK(moe_launch(decode_kernel<F8, NG, U, XT, YT, K1, TR, XS, LO>, dim3(ctas),
+    MOE_CUDA_CHECK(moe_launch(decode_kernel<F8, NG, U, XT, YT, K1, TR, XS, LO, SH>, dim3(ctas),
                               dim3(THREADS), dyn, stream, p));
     MOE_CUDA_CHECK_LAUNCH("decode_kernel");
     return MOE_STATUS_SUCCESS;
 }
 
-template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR = false>
+template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR = false,
+          bool SH = false>
 moe_status_t launch_k1(const params &p, int max_ctas, cudaStream_t stream)
 {
     if constexpr (local_x<F8, NG>())
         if (uses_local_x<F8, NG>(p))
-            return launch_xs<F8, NG, U, XT, YT, K1, TR, true>(p, max_ctas, stream);
-    return launch_xs<F8, NG, U, XT, YT, K1, TR, false>(p, max_ctas, stream);
+            return launch_xs<F8, NG, U, XT, YT, K1, TR, true, false, SH>(p, max_ctas, stream);
+    return launch_xs<F8, NG, U, XT, YT, K1, TR, false, false, SH>(p, max_ctas, stream);
 }
 
 template <bool F8, int NG, int U, typename XT, typename YT, bool TR = false>
 moe_status_t launch(const params &p, int max_ctas, cudaStream_t stream)
 {
+    if constexpr (!TR) // the shared MLP inside (moe_decode_launch: GEMM 1 whole)
+        if (p.nsh > 0)
+            return launch_k1<F8, NG, U, XT, YT, false, false, true>(p, max_ctas, stream);
     return p.split1 > 1 ? launch_k1<F8, NG, U, XT, YT, true, TR>(p, max_ctas, stream)
                         : launch_k1<F8, NG, U, XT, YT, false, TR>(p, max_ctas, stream);
 }
@@ -1095,11 +1175,13 @@ moe_status_t launch_y(const params &p, moe_dtype_t yt, int max_ctas, cudaStream_
 
 template <bool F8> moe_status_t prepare_f8()
 {
-#define MOE_DECODE_PREP_XS(NG, U, K1, XS)                                                          \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, float, float, K1, false, XS>));                     \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, float, __nv_bfloat16, K1, false, XS>));             \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, __nv_bfloat16, float, K1, false, XS>));             \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, __nv_bfloat16, __nv_bfloat16, K1, false, XS>));
+#define MOE_DECODE_PREP_SH(NG, U, K1, XS, SH)                                                      \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, float, float, K1, false, XS, false, SH>));          \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, float, __nv_bfloat16, K1, false, XS, false, SH>));  \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U, __nv_bfloat16, float, K1, false, XS, false, SH>));  \
+    MOE_CUDA_PREPARE(                                                                              \
+        (decode_kernel<F8, NG, U, __nv_bfloat16, __nv_bfloat16, K1, false, XS, false, SH>));
+#define MOE_DECODE_PREP_XS(NG, U, K1, XS) MOE_DECODE_PREP_SH(NG, U, K1, XS, false)
 #define MOE_DECODE_PREP(NG, U, K1) MOE_DECODE_PREP_XS(NG, U, K1, false)
 #define MOE_DECODE_PREP_NG(K1)                                                                     \
     MOE_DECODE_PREP(1, U_WIDE, K1)                                                                 \
@@ -1111,7 +1193,13 @@ template <bool F8> moe_status_t prepare_f8()
     if constexpr (local_x<F8, 1>()) {
         MOE_DECODE_PREP_XS(1, U_WIDE, false, true)
         MOE_DECODE_PREP_XS(1, U_WIDE, true, true)
+        MOE_DECODE_PREP_SH(1, U_WIDE, false, true, true)
     }
+    /* the shared MLP inside (GEMM 1 whole) */
+    MOE_DECODE_PREP_SH(1, U_WIDE, false, false, true)
+    MOE_DECODE_PREP_SH(2, U_WIDE, false, false, true)
+    MOE_DECODE_PREP_SH(4, U_WIDE, false, false, true)
+    MOE_DECODE_PREP_SH(8, U_WIDE, false, false, true)
 #define MOE_DECODE_PREP_LO(NG)                                                                     \
     MOE_CUDA_PREPARE(                                                                              \
         (decode_kernel<F8, NG, U_WIDE, __nv_bfloat16, __nv_bfloat16, false, false, false, true>)); \
@@ -1125,6 +1213,7 @@ template <bool F8> moe_status_t prepare_f8()
 #undef MOE_DECODE_PREP_NG
 #undef MOE_DECODE_PREP
 #undef MOE_DECODE_PREP_XS
+#undef MOE_DECODE_PREP_SH
     return MOE_STATUS_SUCCESS;
 }
 
@@ -1194,6 +1283,22 @@ extern "C" moe_status_t moe_decode_launch(const moe_decode_args_t *a, void *stre
                   a->top_k);
     MOE_ARG_CHECK(!lo || (a->lo_cols >= 1 && a->lo_cols <= MOE_DECODE_MAX_TOKENS),
                   "decode: lo_cols = %d (1 .. %d)", a->lo_cols, MOE_DECODE_MAX_TOKENS);
+    const int nsh = a->shared_w13 && a->inter > 0 ? a->shared_inter / a->inter : 0;
+    if (a->shared_w13) {
+        MOE_ARG_CHECK(a->shared_inter > 0 && a->shared_inter % a->inter == 0,
+                      "decode: shared_inter = %d (a multiple of inter = %d)", a->shared_inter,
+                      a->inter);
+        MOE_ARG_CHECK(a->shared_w2 && (!a->f8 || (a->shared_w13_scale && a->shared_w2_scale)),
+                      "decode: the shared MLP needs shared_w2 (and fp8 its scales)");
+        MOE_ARG_CHECK(!lo && !a->trace && !a->shared_out && a->split1 <= 1,
+                      "decode: the shared MLP inside takes no laid-out rows, trace, shared_out or "
+                      "GEMM 1 split (split1 = %d)",
+                      a->split1);
+        MOE_ARG_CHECK(((uintptr_t)a->shared_w13 & 15) == 0 && ((uintptr_t)a->shared_w2 & 15) == 0,
+                      "decode: the shared weights must be 16-byte aligned");
+        MOE_CHECK(
+            moe_decode_check(a->num_experts + nsh, a->top_k + nsh, a->hidden, a->inter, a->f8));
+    }
     MOE_ARG_CHECK(a->split >= 1 && a->split <= MOE_DECODE_MAX_SPLIT, "decode: split = %d",
                   a->split);
     MOE_ARG_CHECK(a->split1 >= 0 && a->split1 <= MOE_DECODE_MAX_SPLIT, "decode: split1 = %d",
@@ -1246,6 +1351,16 @@ extern "C" moe_status_t moe_decode_launch(const moe_decode_args_t *a, void *stre
     p.lo_cols = a->lo_cols;
     p.rank = a->sticky_rank;
     p.sticky_bits = a->sticky_bits;
+    p.Er = p.E; // the shared MLP's chunks after the routed experts and slots
+    p.kr = p.k;
+    p.nsh = nsh;
+    p.E += nsh;
+    p.k += nsh;
+    p.SI = a->shared_inter;
+    p.sw13 = static_cast<const uint8_t *>(a->shared_w13);
+    p.sw2 = static_cast<const uint8_t *>(a->shared_w2);
+    p.sw13s = a->shared_w13_scale;
+    p.sw2s = a->shared_w2_scale;
     const cudaStream_t st = (cudaStream_t)stream;
     if (lo)
         return a->f8 ? launch_lo_ng<true>(p, a->max_ctas, st)

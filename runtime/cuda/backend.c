@@ -306,12 +306,22 @@ static moe_status_t plan_decode(cuda_layer_t *s)
     MOE_CHECK(moe_gpu_sm_count(s->device, &sms));
     s->dec_ok = 1;
     s->dec_tokens = s->dec_max;
-    s->dec_split = moe_decode_split(s->E, s->k, s->H, (int)s->is, sms);
     /* MOE_DECODE_K1_SPLIT: GEMM 1's k split; 1 (default): none, 0: by the layer's shape
      * (moe_decode_split1), N: N pieces (an experiment until measured: docs/KERNELS.md) */
     s->dec_split1 = (int)moe_env_int("MOE_DECODE_K1_SPLIT", 1);
     if (s->dec_split1 == 0)
         s->dec_split1 = moe_decode_split1(s->E, s->k, s->H, (int)s->is, sms);
+    /* MOE_DECODE_SHARED=1: the shared MLP inside the kernel, as ss / is more experts (one GPU,
+     * GEMM 1 whole, a width that divides; an experiment until measured: docs/KERNELS.md) */
+    s->dec_nsh = 0;
+    if (s->world == 1 && s->ss > 0 && s->ss % s->is == 0 && s->dec_split1 <= 1 &&
+        moe_env_int("MOE_DECODE_SHARED", 0) &&
+        moe_decode_check((int)(s->E + s->ss / s->is), (int)(s->k + s->ss / s->is), s->H, (int)s->is,
+                         s->f8) == MOE_STATUS_SUCCESS)
+        s->dec_nsh = (int)(s->ss / s->is);
+    moe_error_clear();
+    s->dec_split =
+        moe_decode_split((int)(s->E + s->dec_nsh), (int)(s->k + s->dec_nsh), s->H, (int)s->is, sms);
     return MOE_STATUS_SUCCESS;
 }
 
@@ -549,7 +559,12 @@ static void cuda_explain(const moe_layer_t *l, int64_t T, char *text, size_t len
                                    : "");
     else
         moe_cuda_explain_gemm(s, rpe, routed, sizeof(routed));
-    if (s->ss > 0)
+    if (s->ss > 0 && dec && moe_cuda_decode_shared_inside(s))
+        snprintf(shared, sizeof(shared),
+                 "inside the fused decode kernel, as %d more experts of the routed width "
+                 "(MOE_DECODE_SHARED=1)",
+                 s->dec_nsh);
+    else if (s->ss > 0)
         moe_cuda_explain_gemm(s,
                               dec                                ? moe_cuda_decode_shared_rows(s)
                               : s->world > 1 && !s->shared_local ? (double)Tr * s->world

@@ -187,8 +187,11 @@ typedef struct cuda_layer {
      * MOE_FORCE_VARIANT=sm90_fused_decode, -1 another variant forced, 0 the oracle's crossover
      * (dec_tuned: from the tune file's decode table, else the built-in one).
      * Its workspace holds dec_tokens tokens; dec_sync is persistent (zero between steps).
-     * dec_split, dec_split1: GEMM 2's and GEMM 1's k splits (dec_o1: GEMM 1's pieces). */
-    int dec_ok, dec_max, dec_forced, dec_tuned, dec_tokens, dec_split, dec_split1;
+     * dec_split, dec_split1: GEMM 2's and GEMM 1's k splits (dec_o1: GEMM 1's pieces).
+     * dec_nsh: the shared MLP runs inside the kernel as dec_nsh experts of the routed width
+     * (MOE_DECODE_SHARED=1; 0: on the grouped path before it); its workspace and split count
+     * them (slots of k + dec_nsh a token). */
+    int dec_ok, dec_max, dec_forced, dec_tuned, dec_tokens, dec_split, dec_split1, dec_nsh;
     void *dec_h;
     float *dec_o, *dec_o1, *dec_xs;
     uint8_t *dec_xq;
@@ -222,7 +225,15 @@ static inline void *moe_cuda_take(carve_t *c, size_t bytes)
 /* ints of the fused decode kernel's sync array (dec_sync) */
 static inline size_t moe_cuda_decode_sync_count(const cuda_layer_t *s)
 {
-    return moe_decode_sync_count(s->E, s->H, (int)s->is, s->dec_split1, s->dec_tokens * s->k);
+    const int n = s->dec_nsh; /* the shared MLP's: one more maximum a token */
+    return moe_decode_sync_count(s->E + n, s->H, (int)s->is, s->dec_split1,
+                                 s->dec_tokens * (s->k + n + (n > 0)));
+}
+
+/* slots a token in the fused decode kernel's workspace: top_k, and the shared MLP's chunks */
+static inline int64_t moe_cuda_decode_slots(const cuda_layer_t *s)
+{
+    return s->k + s->dec_nsh;
 }
 
 /* The GEMMs' scale kind: none (bf16), per row (W8A8 per-tensor / per-channel weights, their

@@ -79,6 +79,9 @@ int moe_cuda_ep_use_decode(const cuda_layer_t *s, int64_t m);
  * it (after moe_a2a_ll_layout_launch wrote s->counts and s->offsets). */
 moe_status_t moe_cuda_decode_laid_out(const moe_layer_t *l, const void *rows, int64_t m,
                                       void *stream);
+/* Whether the fused decode step runs the shared MLP inside the kernel (dec_nsh, and no static
+ * activation scale of the shared MLP, which the kernel does not take). */
+int moe_cuda_decode_shared_inside(const cuda_layer_t *s);
 /* The fused decode kernel's wait bound, ms (runtime/cuda/step.c). */
 int moe_cuda_decode_timeout_ms(const moe_layer_t *l);
 /* The rows the fused decode step picks its shared MLP's variant for (the same at every batch). */

@@ -170,7 +170,7 @@ void moe_cuda_plan_workspace(cuda_layer_t *s, carve_t *c)
         }
     }
     if (s->dec_ok) { /* the fused decode kernel's: rows by slot, its k split's partials */
-        const size_t dr = (size_t)s->dec_tokens * (size_t)s->k;
+        const size_t dr = (size_t)s->dec_tokens * (size_t)moe_cuda_decode_slots(s);
         s->dec_h = moe_cuda_take(c, 2 * dr * (size_t)s->is);
         s->dec_o = moe_cuda_take(c, sizeof(float) * (size_t)s->dec_split * dr * (size_t)s->H);
         if (s->dec_split1 > 1)

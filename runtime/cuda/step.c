@@ -489,6 +489,11 @@ int moe_cuda_decode_timeout_ms(const moe_layer_t *l)
     return ms < 1000 ? 1000 : ms > 10000 ? 10000 : ms;
 }
 
+int moe_cuda_decode_shared_inside(const cuda_layer_t *s)
+{
+    return s->dec_nsh > 0 && !(s->f8 && (s->has_in[2] || s->has_in[3]));
+}
+
 /* The rows the fused decode step picks its shared MLP's variant for: its bound, so one variant
  * runs at every batch it takes (fp8 tiles differ in where they promote the tensor cores' sums,
  * every 128 or 512 of k, which would make the shared rows, and so a token's output, depend on
@@ -547,13 +552,15 @@ moe_status_t moe_cuda_decode_laid_out(const moe_layer_t *l, const void *rows, in
     return moe_decode_launch(&d, stream);
 }
 
-/* The fused decode step: route, the shared MLP (grouped path), then one kernel for GEMM 1, the
- * activation, GEMM 2 and the weighted sum with the shared rows. Profiled, the expert phase
- * holds the shared MLP and the sum. */
+/* The fused decode step: route, the shared MLP (grouped path; with dec_nsh, inside the kernel
+ * unless it has static activation scales, which the kernel does not take), then one kernel for
+ * GEMM 1, the activation, GEMM 2 and the weighted sum with the shared rows. Profiled, the
+ * expert phase holds the shared MLP and the sum. */
 static moe_status_t decode_forward(moe_layer_t *l, const moe_forward_args_t *a, int32_t *ids,
                                    float *w)
 {
     cuda_layer_t *s = l->state;
+    const int inside = moe_cuda_decode_shared_inside(s);
     moe_decode_args_t d;
     MOE_CHECK(moe_cuda_record(s, EV_START, a->stream));
     MOE_CHECK(moe_cuda_scan_inputs(l, a, s->sticky));
@@ -562,8 +569,9 @@ static moe_status_t decode_forward(moe_layer_t *l, const moe_forward_args_t *a, 
     MOE_CHECK(moe_cuda_record(s, EV_ROUTE, a->stream));
     MOE_CHECK(moe_cuda_record(s, EV_PERMUTE, a->stream));
     if (s->ss > 0) {
-        MOE_CHECK(shared_mlp(s, moe_cuda_variant_for(s, moe_cuda_decode_shared_rows(s)), a->x,
-                             a->dtype, a->num_tokens, a->stream));
+        if (!inside)
+            MOE_CHECK(shared_mlp(s, moe_cuda_variant_for(s, moe_cuda_decode_shared_rows(s)), a->x,
+                                 a->dtype, a->num_tokens, a->stream));
         MOE_CHECK(moe_cuda_shared_gate(l, a));
     }
     decode_common(l, &d);
@@ -571,8 +579,15 @@ static moe_status_t decode_forward(moe_layer_t *l, const moe_forward_args_t *a, 
     d.x_dtype = a->dtype;
     d.topk_ids = s->slot_ids; /* the local slots (weights per slot) */
     d.topk_weights = w;
-    d.shared_out = s->ss > 0 ? s->so : NULL;
+    d.shared_out = s->ss > 0 && !inside ? s->so : NULL;
     d.shared_gate_logit = s->ss > 0 && l->cfg.shared_expert_gate ? s->s_gate_logit : NULL;
+    if (inside) {
+        d.shared_w13 = s->sw13;
+        d.shared_w2 = s->sw2;
+        d.shared_w13_scale = s->sw13s;
+        d.shared_w2_scale = s->sw2s;
+        d.shared_inter = (int)s->ss;
+    }
     d.y = a->y;
     d.y_dtype = a->dtype;
     d.counts = s->counts;

@@ -41,6 +41,15 @@ static const dec_case_t cases[] = {
     {"odd H1040 I272 sigmoid + shared fp8 per-tensor, bf16 x", 16, 4, 1040, 272, 512, 0,
      MOE_SCORING_SIGMOID, 1, 4, 2, 2.5f, MOE_ACTIVATION_SILU, MOE_DTYPE_BF16, MOE_DTYPE_FP8_E4M3,
      MOE_SCALE_PER_TENSOR},
+    /* the shared MLP a multiple of the experts' width: inside the kernel with MOE_DECODE_SHARED=1
+     * (as 4, 1 and 2 more experts), on the grouped path before it without */
+    {"qwen2-like gated shared 4x, bf16", 16, 4, 512, 128, 512, 1, MOE_SCORING_SOFTMAX, 0, 0, 0,
+     1.0f, MOE_ACTIVATION_SILU, MOE_DTYPE_F32, MOE_DTYPE_BF16, MOE_SCALE_NONE},
+    {"dsv3-like sigmoid grouped + shared 1x fp8 per-channel, bf16 x", 16, 4, 1024, 256, 256, 0,
+     MOE_SCORING_SIGMOID, 1, 4, 2, 2.5f, MOE_ACTIVATION_SILU, MOE_DTYPE_BF16, MOE_DTYPE_FP8_E4M3,
+     MOE_SCALE_PER_CHANNEL},
+    {"gelu gated shared 2x fp8 per-tensor", 8, 2, 768, 192, 384, 1, MOE_SCORING_SOFTMAX, 0, 0, 0,
+     1.0f, MOE_ACTIVATION_GELU, MOE_DTYPE_F32, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_TENSOR},
     /* a wide hidden size: one token's fp8 x (12800 codes, 25600 bytes as f16) in each CTA's shared
      * memory, more tokens' in global memory (kernels/cuda/decode_sm90.cu, XS_TOKENS) */
     {"wide H12800 fp8 per-tensor", 8, 2, 12800, 128, 0, 0, MOE_SCORING_SOFTMAX, 0, 0, 0, 1.0f,
@@ -182,6 +191,37 @@ typedef struct layers {
     moe_layer_t *cpu, *fused, *grouped;
 } layers_t;
 
+/* The fused layers a case is run with: GEMM 1 whole, GEMM 1 split along k by the shape's rule
+ * (MOE_DECODE_K1_SPLIT=0), and where the shared MLP's width is a multiple of the experts' the
+ * shared MLP inside the kernel (MOE_DECODE_SHARED=1). NULL past the last mode or for a mode the
+ * case does not take. */
+enum { MODE_WHOLE, MODE_K1_SPLIT, MODE_SHARED_INSIDE, NUM_MODES };
+static const char *const mode_name[NUM_MODES] = {"GEMM 1 whole", "GEMM 1 split",
+                                                 "shared MLP inside"};
+
+static moe_layer_t *make_fused(const dec_case_t *c, int mode, uint64_t seed)
+{
+    moe_layer_t *l;
+    if (mode == MODE_SHARED_INSIDE && !(c->shared_I > 0 && c->shared_I % c->I == 0))
+        return NULL;
+    setenv("MOE_FORCE_VARIANT", "sm90_fused_decode", 1);
+    if (mode == MODE_K1_SPLIT)
+        setenv("MOE_DECODE_K1_SPLIT", "0", 1);
+    if (mode == MODE_SHARED_INSIDE)
+        setenv("MOE_DECODE_SHARED", "1", 1);
+    l = make(rt_gpu, c, 64, seed);
+    unsetenv("MOE_DECODE_K1_SPLIT");
+    unsetenv("MOE_DECODE_SHARED");
+    unsetenv("MOE_FORCE_VARIANT");
+    {
+        char text[2048];
+        gt_ok(moe_layer_explain(l, 1, text, sizeof(text)), "explain");
+        assert_true((strstr(text, "inside the fused decode kernel") != NULL) ==
+                    (mode == MODE_SHARED_INSIDE));
+    }
+    return l;
+}
+
 /* One case at n tokens, fused (forced up to 64 tokens) against the CPU reference and the
  * grouped path. Below 16 tokens the check runs ceil(16 / n) steps of distinct tokens and takes
  * the error over all of them (for W8A8 one token's error is one draw of an e4m3 rounding of h:
@@ -238,19 +278,16 @@ static void test_decode_against_cpu(void **state)
         ls.cpu = make(rt_cpu, c, 64, seed);
         setenv("MOE_FORCE_VARIANT", grouped_of(c), 1);
         ls.grouped = make(rt_gpu, c, 64, seed);
-        /* GEMM 1 whole, then split along k by the shape's rule (MOE_DECODE_K1_SPLIT=0) */
-        for (int k1 = 0; k1 < 2; k1++) {
-            setenv("MOE_FORCE_VARIANT", "sm90_fused_decode", 1);
-            if (k1)
-                setenv("MOE_DECODE_K1_SPLIT", "0", 1);
-            ls.fused = make(rt_gpu, c, 64, seed);
-            unsetenv("MOE_DECODE_K1_SPLIT");
-            assert_int_equal(k1_split_of(ls.fused), k1 ? k1_rule(c) : 1);
+        unsetenv("MOE_FORCE_VARIANT");
+        for (int mode = 0; mode < NUM_MODES; mode++) {
+            if (!(ls.fused = make_fused(c, mode, seed)))
+                continue;
+            assert_int_equal(k1_split_of(ls.fused), mode == MODE_K1_SPLIT ? k1_rule(c) : 1);
+            fprintf(stderr, "  (%s)\n", mode_name[mode]);
             for (size_t j = 0; j < sizeof(counts) / sizeof(counts[0]); j++)
                 fails += check_case(c, &ls, counts[j]);
             moe_layer_destroy(ls.fused);
         }
-        unsetenv("MOE_FORCE_VARIANT");
         moe_layer_destroy(ls.cpu);
         moe_layer_destroy(ls.grouped);
     }
@@ -270,13 +307,9 @@ static void test_decode_batch_invariant(void **state)
               *y1 = malloc(4 * H);
         moe_layer_t *l;
         moe_gen_tokens(seed, 0, 64, c->H, x);
-        for (int k1 = 0; k1 < 2; k1++) { /* GEMM 1 whole, then split by the shape's rule */
-            setenv("MOE_FORCE_VARIANT", "sm90_fused_decode", 1);
-            if (k1)
-                setenv("MOE_DECODE_K1_SPLIT", "0", 1);
-            l = make(rt_gpu, c, 64, seed);
-            unsetenv("MOE_DECODE_K1_SPLIT");
-            unsetenv("MOE_FORCE_VARIANT");
+        for (int mode = 0; mode < NUM_MODES; mode++) {
+            if (!(l = make_fused(c, mode, seed)))
+                continue;
             run_steps(l, c, 1, x, 64, 1, y64);
             run_steps(l, c, 1, x + 20 * H, 7, 1, y7); /* tokens 20 .. 26 */
             run_steps(l, c, 1, x + 23 * H, 1, 1, y1); /* token 23 */
@@ -284,8 +317,8 @@ static void test_decode_batch_invariant(void **state)
             assert_int_equal(tu_count_nan(y64, (int64_t)(64 * H)), 0);
             assert_memory_equal(y7, y64 + 20 * H, 4 * 7 * H);
             assert_memory_equal(y1, y64 + 23 * H, 4 * H);
-            fprintf(stderr, "  %-56s batch-invariant (1 / 7 / 64 tokens), GEMM 1 k split %d\n",
-                    c->name, k1 ? k1_rule(c) : 1);
+            fprintf(stderr, "  %-56s batch-invariant (1 / 7 / 64 tokens), %s\n", c->name,
+                    mode_name[mode]);
         }
         free(x), free(y64), free(y7), free(y1);
     }
