@@ -571,6 +571,26 @@ static void test_decode_stall_bounded(void **state)
     free(w13), free(w2), free(poison);
 }
 
+/* A launch's workspace for `rows` rows (its sync array zeroed), and its release. */
+static void workspace(moe_decode_args_t *d, int f8, int split1, int rows, size_t nsync)
+{
+    d->h = gt_dalloc(2 * (size_t)rows * (size_t)d->inter);
+    d->o = gt_dalloc(sizeof(float) * (size_t)d->split * (size_t)rows * (size_t)d->hidden);
+    d->o1 = split1 > 1
+                ? gt_dalloc(sizeof(float) * (size_t)split1 * (size_t)rows * 2 * (size_t)d->inter)
+                : NULL;
+    d->xq = f8 ? gt_dalloc((size_t)rows * (size_t)d->hidden) : NULL;
+    d->xs = f8 ? gt_dalloc(sizeof(float) * (size_t)rows) : NULL;
+    d->sync = gt_dalloc(sizeof(int32_t) * nsync);
+    gt_poison(d->sync, 0, sizeof(int32_t) * nsync);
+}
+
+static void workspace_free(moe_decode_args_t *d)
+{
+    moe_gpu_free(d->h), moe_gpu_free(d->o), moe_gpu_free(d->o1), moe_gpu_free(d->xq);
+    moe_gpu_free(d->xs), moe_gpu_free(d->sync);
+}
+
 /* Laid-out rows (kernels/decode.h, lo_counts: an EP step's low-latency layout, one GPU here):
  * each row through its expert into its own row of rows_out is bitwise the routed form's output
  * for the same rows as tokens of top_k 1 and weight 1, rounded to bf16 (no value crosses mma
@@ -636,13 +656,6 @@ static void test_decode_laid_out(void **state)
             a.w13_scale = f8 ? d_s13 : NULL;
             a.w2_scale = f8 ? d_s2 : NULL;
             a.y_dtype = MOE_DTYPE_F32;
-            a.h = gt_dalloc(2 * (size_t)ROWS * I);
-            a.o = gt_dalloc(sizeof(float) * SPLIT * ROWS * H);
-            a.o1 = k1 > 1 ? gt_dalloc(sizeof(float) * 2 * ROWS * 2 * I) : NULL;
-            a.xq = f8 ? gt_dalloc((size_t)ROWS * H) : NULL;
-            a.xs = f8 ? gt_dalloc(sizeof(float) * ROWS) : NULL;
-            a.sync = gt_dalloc(sizeof(int32_t) * nsync);
-            gt_poison(a.sync, 0, sizeof(int32_t) * nsync);
             a.num_tokens = ROWS;
             a.top_k = 1;
             a.num_experts = E;
@@ -654,6 +667,8 @@ static void test_decode_laid_out(void **state)
             a.sticky = sticky;
             a.timeout_ns = 1000 * 1000000ll;
             b = a; /* the laid-out launch: its own workspace, the same weights */
+            workspace(&a, f8, k1, ROWS, nsync);
+            workspace(&b, f8, k1, ROWS, nsync);
             a.x = d_xt;
             a.topk_ids = d_ids;
             a.topk_weights = d_w;
@@ -668,13 +683,6 @@ static void test_decode_laid_out(void **state)
             b.lo_offsets = d_off;
             b.rows_out = d_out;
             b.lo_cols = 30;
-            b.h = gt_dalloc(2 * (size_t)ROWS * I);
-            b.o = gt_dalloc(sizeof(float) * SPLIT * ROWS * H);
-            b.o1 = k1 > 1 ? gt_dalloc(sizeof(float) * 2 * ROWS * 2 * I) : NULL;
-            b.xq = f8 ? gt_dalloc((size_t)ROWS * H) : NULL;
-            b.xs = f8 ? gt_dalloc(sizeof(float) * ROWS) : NULL;
-            b.sync = gt_dalloc(sizeof(int32_t) * nsync);
-            gt_poison(b.sync, 0, sizeof(int32_t) * nsync);
             b.sticky_rank = 3;
             b.sticky_bits = 1 << 29;
             for (rep = 0; rep < 2; rep++) {
@@ -713,10 +721,8 @@ static void test_decode_laid_out(void **state)
             assert_int_equal(*sticky, 3 << 8 | (int32_t)MOE_STATUS_INTERNAL_ERROR | 1 << 29);
             assert_int_equal(got[(size_t)row_of[0] * H], 0xffff);
             *sticky = 0;
-            moe_gpu_free(a.h), moe_gpu_free(a.o), moe_gpu_free(a.o1), moe_gpu_free(a.xq);
-            moe_gpu_free(a.xs), moe_gpu_free(a.sync);
-            moe_gpu_free(b.h), moe_gpu_free(b.o), moe_gpu_free(b.o1), moe_gpu_free(b.xq);
-            moe_gpu_free(b.xs), moe_gpu_free(b.sync);
+            workspace_free(&a);
+            workspace_free(&b);
         }
     moe_gpu_free(d_xl), moe_gpu_free(d_xt), moe_gpu_free(d_w13), moe_gpu_free(d_w2);
     moe_gpu_free(d_q13), moe_gpu_free(d_q2), moe_gpu_free(d_s13), moe_gpu_free(d_s2);
