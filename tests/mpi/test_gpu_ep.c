@@ -639,6 +639,110 @@ static void test_graph_capture(void **state)
     free(y1);
 }
 
+/* Kernels of a captured graph whose names hold `what` (the graph's kernel names printed). */
+static int kernels_named(cudaGraph_t g, const char *what, const char *tag)
+{
+    size_t n = 0, i;
+    int count = 0;
+    cudaGraphNode_t *nodes;
+    assert_int_equal(cudaGraphGetNodes(g, NULL, &n), cudaSuccess);
+    nodes = calloc(n + 1, sizeof(*nodes));
+    assert_non_null(nodes);
+    assert_int_equal(cudaGraphGetNodes(g, nodes, &n), cudaSuccess);
+    for (i = 0; i < n; i++) {
+        enum cudaGraphNodeType type;
+        struct cudaKernelNodeParams kp;
+        const char *name = NULL;
+        assert_int_equal(cudaGraphNodeGetType(nodes[i], &type), cudaSuccess);
+        if (type != cudaGraphNodeTypeKernel)
+            continue;
+        assert_int_equal(cudaGraphKernelNodeGetParams(nodes[i], &kp), cudaSuccess);
+        if (!kp.func || cudaFuncGetName(&name, kp.func) != cudaSuccess || !name) {
+            (void)cudaGetLastError();
+            name = "(a kernel without a runtime name)";
+        }
+        if (tag && rank == 0)
+            print_message("  %s: kernel %s\n", tag, name);
+        count += strstr(name, what) != NULL;
+    }
+    free(nodes);
+    return count;
+}
+
+/* The low-latency layout's step with the fused decode kernel on the laid-out rows (forced, 4
+ * tokens a rank): its captured graph holds the decode kernel once and no GEMM (the experts are
+ * that one launch between the dispatch and the combine); without the kernel, GEMMs and no
+ * decode kernel. Replays give the direct step's output bitwise. sm_90, world > 1. */
+static void test_ll_fused_launches(void **state)
+{
+    const uint64_t seed = tu_seed("gpu_ll_fused");
+    moe_layer_config_t c = shape(0); /* no shared MLP: its GEMMs would run beside */
+    const int64_t n = 4, H = c.hidden;
+    const size_t bytes = sizeof(float) * (size_t)(n * H);
+    float *x = malloc(bytes), *y0 = malloc(bytes), *y1 = malloc(bytes);
+    void *dx = NULL, *dy = NULL;
+    cudaStream_t st = NULL;
+    int fused;
+    (void)state;
+    assert_true(x && y0 && y1);
+    if (world < 2 || !gt_sm90()) {
+        free(x), free(y0), free(y1);
+        return;
+    }
+    moe_gen_tokens(seed, n * rank, n, H, x);
+    assert_int_equal(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+    assert_int_equal(cudaMalloc(&dx, bytes), cudaSuccess);
+    assert_int_equal(cudaMalloc(&dy, bytes), cudaSuccess);
+    assert_int_equal(cudaMemcpy(dx, x, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    setenv("MOE_EP_TRANSPORT", "lsa", 1);
+    setenv("MOE_EP_LL", "1", 1);
+    for (fused = 1; fused >= 0; fused--) {
+        moe_layer_t *l = NULL;
+        moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
+        cudaGraph_t g = NULL;
+        cudaGraphExec_t ge = NULL;
+        if (fused)
+            setenv("MOE_FORCE_VARIANT", "sm90_fused_decode", 1);
+        else
+            unsetenv("MOE_FORCE_VARIANT");
+        TU_OK(moe_layer_create(gt_rts.gpu, &c, &l));
+        TU_OK(moe_gen_set_weights(l, &c, seed));
+        a.num_tokens = n;
+        a.x = dx;
+        a.y = dy;
+        a.stream = st;
+        a.max_tokens_across_ranks = n;
+        TU_OK(moe_layer_forward(l, &a));
+        TU_OK(moe_layer_synchronize(l, st));
+        assert_int_equal(cudaMemcpy(y0, dy, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+        assert_int_equal(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+        TU_OK(moe_layer_forward(l, &a));
+        assert_int_equal(cudaStreamEndCapture(st, &g), cudaSuccess);
+        {
+            const int dec = kernels_named(g, "decode_kernel", fused ? "fused" : "grouped");
+            const int gemm = kernels_named(g, "gemm", NULL);
+            print_message("rank %d: low-latency step, %s: %d decode kernel(s), %d GEMM(s)\n", rank,
+                          fused ? "fused decode kernel" : "grouped GEMMs", dec, gemm);
+            assert_int_equal(dec, fused ? 1 : 0);
+            assert_true(fused ? gemm == 0 : gemm >= 2);
+        }
+        assert_int_equal(cudaGraphInstantiate(&ge, g, 0), cudaSuccess);
+        assert_int_equal(cudaMemsetAsync(dy, 0xff, bytes, st), cudaSuccess);
+        assert_int_equal(cudaGraphLaunch(ge, st), cudaSuccess);
+        TU_OK(moe_layer_synchronize(l, st));
+        assert_int_equal(cudaMemcpy(y1, dy, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+        assert_memory_equal(y0, y1, bytes);
+        assert_int_equal(cudaGraphExecDestroy(ge), cudaSuccess);
+        assert_int_equal(cudaGraphDestroy(g), cudaSuccess);
+        TU_OK(moe_layer_destroy(l));
+    }
+    end_transports();
+    cudaStreamDestroy(st);
+    cudaFree(dx);
+    cudaFree(dy);
+    free(x), free(y0), free(y1);
+}
+
 /* Ranks that pass different max_tokens_across_ranks lay their regions out differently: the step
  * fails on every rank with a status (never a silent result from misread rows), and the next step
  * with an agreed value is right again. lsa and its low-latency layout. */
@@ -814,6 +918,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_shared_overlap),
     cmocka_unit_test(test_microbatch),
     cmocka_unit_test(test_graph_capture),
+    cmocka_unit_test(test_ll_fused_launches),
 };
 
 GT_MPI_MAIN(tests, gt_group_setup, gt_group_teardown, rank, world)
