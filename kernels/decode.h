@@ -129,6 +129,12 @@ typedef struct moe_decode_args {
     const void *shared_w13, *shared_w2;
     const float *shared_w13_scale, *shared_w2_scale;
     int shared_inter;
+    /* f8: static activation scales (a W8A8 checkpoint's input_scale), one per routed expert
+     * [num_experts], or NULL: GEMM 1 quantises x with input_scale13[e] and GEMM 2 h with
+     * input_scale2[e] (the grouped path's pair rule for GEMM 1 is the caller's), each as it is
+     * loaded; an expert's 0 keeps the dynamic per-row scale for that GEMM. Needs split1 <= 1, no
+     * shared MLP inside and no trace. */
+    const float *input_scale13, *input_scale2;
 } moe_decode_args_t;
 
 /* ints of the persistent sync array for a layer of these dimensions and GEMM 1 k split */

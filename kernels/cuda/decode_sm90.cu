@@ -119,6 +119,9 @@ struct params {
     const uint8_t *sw13, *sw2;
     const float *sw13s, *sw2s;
     int Er, kr, nsh, SI;
+    // ST: static activation scales per expert (W8A8 checkpoints' input_scale): x's for GEMM 1,
+    // h's for GEMM 2; 0 (or NULL) for an expert that quantises dynamically
+    const float *in13, *in2;
 };
 
 // this launch quantises x in every CTA's shared memory (a local_x kernel, XS_TOKENS, XS_MAX)
@@ -573,7 +576,8 @@ __device__ __forceinline__ int hmax_index(const params &p, int e, int slot, int 
 
 // GEMM 1 item: expert e, h columns c0 .. c0 + 7 for the expert's n tokens, k piece q of
 // p.split1 (K1: split1 > 1; pieces of a multiple of 4 x 16 bytes of k)
-template <bool F8, int NG, int U, typename XT, bool K1, bool TR, bool XLT, bool LO, bool SH>
+template <bool F8, int NG, int U, typename XT, bool K1, bool TR, bool XLT, bool LO, bool SH,
+          bool ST>
 __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, int64_t *tw,
                       const uint8_t *xql)
 {
@@ -593,13 +597,20 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
             rb = ra + up * p.H * ES;
             ws = p.sw13s;
         }
-    // this lane's B column's row of x (bf16) or xq (fp8) per group (-1: none): the token (LO:
-    // the row, or for xq the slot)
+    // ST: this expert's static scale of x (0: dynamic), x quantised with it as it is loaded
+    float sx = 0.0f, rx = 0.0f;
+    if constexpr (ST) {
+        sx = p.in13 ? __ldg(p.in13 + e) : 0.0f;
+        rx = sx > 0.0f ? __frcp_rn(sx) : 0.0f;
+    }
+    // this lane's B column's row of x (bf16, or ST's static fp8) or xq (fp8) per group (-1:
+    // none): the token (LO: the row, or for xq the slot)
     int tok[NG];
 #pragma unroll
     for (int i = 0; i < NG; i++)
         if constexpr (LO)
-            tok[i] = i * 8 + g < n ? F8 ? s.off[e] + i * 8 + g : list[i * 8 + g] : -1;
+            tok[i] =
+                i * 8 + g < n ? F8 && !(sx > 0.0f) ? s.off[e] + i * 8 + g : list[i * 8 + g] : -1;
         else
             tok[i] = i * 8 + g < n ? list[i * 8 + g] / p.k : -1;
     const XT *x = static_cast<const XT *>(p.x);
@@ -612,6 +623,9 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
             if (XL) {
                 const uint4 *v = reinterpret_cast<const uint4 *>(xql + 2 * (tok[i] * p.H + k));
                 r.a = v[0], r.b = v[1];
+            } else if (ST && sx > 0.0f) { // 16 values of x, quantised in make
+                r.a = load_x8(x + (int64_t)tok[i] * p.H, k);
+                r.b = load_x8(x + (int64_t)tok[i] * p.H, k + 8);
             } else {
                 r.a = F8 ? ld_cg(p.xq + (int64_t)tok[i] * p.H + k)
                          : load_x8(x + (int64_t)tok[i] * p.H, k);
@@ -620,13 +634,22 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
         return r;
     };
     auto make = [&](int, const raw_t &r) {
-        if constexpr (XL)
+        if constexpr (XL) {
             return r;
-        else
+        } else if constexpr (ST) {
+            if (!(sx > 0.0f))
+                return r.a;
+            return make_uint4(
+                e4m3x4(bf(r.a.x, 0), bf(r.a.x, 1), bf(r.a.y, 0), bf(r.a.y, 1), sx, rx),
+                e4m3x4(bf(r.a.z, 0), bf(r.a.z, 1), bf(r.a.w, 0), bf(r.a.w, 1), sx, rx),
+                e4m3x4(bf(r.b.x, 0), bf(r.b.x, 1), bf(r.b.y, 0), bf(r.b.y, 1), sx, rx),
+                e4m3x4(bf(r.b.z, 0), bf(r.b.z, 1), bf(r.b.w, 0), bf(r.b.w, 1), sx, rx));
+        } else {
             return r.a;
+        }
     };
     auto wait = [&]() {
-        if (F8 && !XL)
+        if (F8 && !XL && !(ST && sx > 0.0f))
             warp_wait<LO>(p, p.sync + SYNC_XQ, LO ? s.nslots : p.T);
         if (TR)
             stamp(tw);
@@ -637,8 +660,9 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
     const int k0 = !K1 ? 0 : q * per < p.H ? q * per : p.H;
     const int k1 = !K1 ? p.H : k0 + per < p.H ? k0 + per : p.H;
     float acc[NG][4];
-    // XL: 32 bytes of f16 x an operand, two a batch (as GEMM 2's fp8 h); else four of 16 bytes
-    dot_rows<F8, NG, U, XL>(acc, ra, rb, k0, k1, n, fetch, make, wait);
+    // XL: 32 bytes of f16 x an operand, two a batch (as GEMM 2's fp8 h); ST: 32 bytes of bf16
+    // x, alike; else four of 16 bytes
+    dot_rows<F8, NG, U, XL || ST>(acc, ra, rb, k0, k1, n, fetch, make, wait);
     // c0, c1: gate of column c0 + g for tokens 2t, 2t + 1 of the group; c2, c3: up
     const int col = c0 + g;
     if (K1) {
@@ -697,7 +721,9 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
                 continue;
             float gv = acc[i][j], uv = acc[i][2 + j];
             if (F8) {
-                const float xs = XL ? s.xs[slot[j] / p.k] : p.xs[slot[j] / p.k];
+                const float xs = XL                ? s.xs[slot[j] / p.k]
+                                 : ST && sx > 0.0f ? sx
+                                                   : p.xs[slot[j] / p.k];
                 gv = gv * xs * sg;
                 uv = uv * xs * su;
             }
@@ -822,7 +848,7 @@ __device__ void rows_tile(const params &p, const smem_t &s, int r)
 }
 
 // GEMM 2 item: expert e, rows r * 16 .. + 16 of hidden, k split q (K1: GEMM 1 split too)
-template <bool F8, int NG, int U, bool K1, bool TR, bool LO, bool SH>
+template <bool F8, int NG, int U, bool K1, bool TR, bool LO, bool SH, bool ST>
 __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int n1, int64_t *tw)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -862,8 +888,13 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
 #pragma unroll
             for (int i = 0; i < NG; i++)
                 if (slot[i] >= 0) {
-                    hs[i] =
-                        dynamic_scale(ld_cg_f32(hmax + hmax_index<SH>(p, e, slot[i], p.T * p.k)));
+                    if constexpr (ST) { // this expert's static scale of h where it has one
+                        const float st = p.in2 ? __ldg(p.in2 + e) : 0.0f;
+                        hs[i] = st > 0.0f ? st : dynamic_scale(ld_cg_f32(hmax + slot[i]));
+                    } else {
+                        hs[i] = dynamic_scale(
+                            ld_cg_f32(hmax + hmax_index<SH>(p, e, slot[i], p.T * p.k)));
+                    }
                     hr[i] = __frcp_rn(hs[i]);
                 }
         if (TR)
@@ -921,7 +952,7 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
 // CTA's shared memory (uses_local_x: one fp8 token), a kernel of its own, so that the kernel for
 // 2 .. 8 tokens keeps its registers; LO: laid-out rows (kernels/decode.h, lo_counts), bf16 x
 template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR, bool XS,
-          bool LO = false, bool SH = false>
+          bool LO = false, bool SH = false, bool ST = false>
 __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
 {
     __shared__ smem_t s;
@@ -960,6 +991,8 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
     static_assert(!XS || local_x<F8, NG>(), "x in shared memory: fp8, one column group");
     static_assert(!LO || (!XS && !TR), "laid-out rows: x in global memory, no timeline");
     static_assert(!SH || (!LO && !TR && !K1), "the shared MLP inside: routed tokens, GEMM 1 whole");
+    static_assert(!ST || (F8 && !XS && !TR && !K1 && !SH),
+                  "static scales: fp8, x in global memory, GEMM 1 whole, no shared MLP inside");
     if (XS) {
         int64_t *ev = event(MOE_DECODE_TRACE_XQ, 0);
         quantise_x_local<XT>(p, s, xql);
@@ -999,15 +1032,15 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
             const int i = item; // (expert, column tile, k piece), the pieces adjacent
             int64_t *ev = event(MOE_DECODE_TRACE_GEMM1, i);
             const int e = s.uniq[i / (t1 * s1)], c0 = i / s1 % t1 * TILE1;
-            gemm1<F8, NG, U, XT, K1, TR, XS, LO, SH>(p, s, e, c0, i % s1, ev ? ev + 2 : nullptr,
-                                                     xql);
+            gemm1<F8, NG, U, XT, K1, TR, XS, LO, SH, ST>(p, s, e, c0, i % s1, ev ? ev + 2 : nullptr,
+                                                         xql);
             if (TR && ev)
                 stamp(ev + 3);
         } else {
             const int i = item - n1;
             const int u = i / (t2 * p.split), r = i / p.split % t2, q = i % p.split;
             int64_t *ev = event(MOE_DECODE_TRACE_GEMM2, i);
-            gemm2<F8, NG, U, K1, TR, LO, SH>(p, s, s.uniq[u], r, q, t1, ev ? ev + 2 : nullptr);
+            gemm2<F8, NG, U, K1, TR, LO, SH, ST>(p, s, s.uniq[u], r, q, t1, ev ? ev + 2 : nullptr);
             if (TR && ev)
                 stamp(ev + 3);
             if (warp_signal(col_done + r * COL_STRIDE) == nu * p.split - 1) {
@@ -1052,7 +1085,7 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
 // dyn bytes of dynamic shared memory: cached for dyn = 0; the local_x kernels' limit is raised
 // to XS_MAX once, and a launch with dynamic bytes (one fp8 token) takes its count afresh
 template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR, bool XS, bool LO,
-          bool SH>
+          bool SH, bool ST>
 int resident_ctas(int dyn)
 {
     static int cached[MOE_MAX_DEVICES];
@@ -1060,7 +1093,7 @@ int resident_ctas(int dyn)
     if (cudaGetDevice(&dev) != cudaSuccess)
         return 0;
     const int n = moe_device_cached(cached, dev, [](int d) {
-        const auto k = decode_kernel<F8, NG, U, XT, YT, K1, TR, XS, LO, SH>;
+        const auto k = decode_kernel<F8, NG, U, XT, YT, K1, TR, XS, LO, SH, ST>;
         int sms = 0, per0 = 0;
         if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d) != cudaSuccess ||
             (XS && cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, XS_MAX) !=
@@ -1074,23 +1107,23 @@ int resident_ctas(int dyn)
     int sms = 0;
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &per, decode_kernel<F8, NG, U, XT, YT, K1, TR, XS, LO, SH>, THREADS, dyn) !=
+            &per, decode_kernel<F8, NG, U, XT, YT, K1, TR, XS, LO, SH, ST>, THREADS, dyn) !=
             cudaSuccess)
         return 0;
     return sms * per;
 }
 
 template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR, bool XS,
-          bool LO = false, bool SH = false>
+          bool LO = false, bool SH = false, bool ST = false>
 moe_status_t launch_xs(const params &p, int max_ctas, cudaStream_t stream)
 {
     const int dyn = XS ? (2 * p.T * p.H + 15) / 16 * 16 : 0;
-    int ctas = resident_ctas<F8, NG, U, XT, YT, K1, TR, XS, LO, SH>(dyn);
+    int ctas = resident_ctas<F8, NG, U, XT, YT, K1, TR, XS, LO, SH, ST>(dyn);
     if (ctas <= 0)
         return moe_error(MOE_STATUS_CUDA_ERROR, "decode: no CTA fits on the device");
     if (max_ctas > 0 && max_ctas < ctas)
         ctas = max_ctas;
-    MOE_CUDA_CHECK(moe_launch(decode_kernel<F8, NG, U, XT, YT, K1, TR, XS, LO, SH>, dim3(ctas),
+    MOE_CUDA_CHECK(moe_launch(decode_kernel<F8, NG, U, XT, YT, K1, TR, XS, LO, SH, ST>, dim3(ctas),
                               dim3(THREADS), dyn, stream, p));
     MOE_CUDA_CHECK_LAUNCH("decode_kernel");
     return MOE_STATUS_SUCCESS;
@@ -1109,9 +1142,14 @@ moe_status_t launch_k1(const params &p, int max_ctas, cudaStream_t stream)
 template <bool F8, int NG, int U, typename XT, typename YT, bool TR = false>
 moe_status_t launch(const params &p, int max_ctas, cudaStream_t stream)
 {
-    if constexpr (!TR) // the shared MLP inside (moe_decode_launch: GEMM 1 whole)
+    if constexpr (!TR) { // the shared MLP inside, static scales (moe_decode_launch: GEMM 1 whole)
         if (p.nsh > 0)
             return launch_k1<F8, NG, U, XT, YT, false, false, true>(p, max_ctas, stream);
+        if constexpr (F8)
+            if (p.in13 || p.in2)
+                return launch_xs<F8, NG, U, XT, YT, false, false, false, false, false, true>(
+                    p, max_ctas, stream);
+    }
     return p.split1 > 1 ? launch_k1<F8, NG, U, XT, YT, true, TR>(p, max_ctas, stream)
                         : launch_k1<F8, NG, U, XT, YT, false, TR>(p, max_ctas, stream);
 }
@@ -1150,6 +1188,10 @@ moe_status_t launch_ng(const params &p, int max_ctas, cudaStream_t stream)
 template <bool F8, int NG> moe_status_t launch_lo(const params &p, int max_ctas, cudaStream_t st)
 {
     using B = __nv_bfloat16;
+    if constexpr (F8) // static scales (moe_decode_launch: GEMM 1 whole)
+        if (p.in13 || p.in2)
+            return launch_xs<F8, NG, U_WIDE, B, B, false, false, false, true, false, true>(
+                p, max_ctas, st);
     return p.split1 > 1
                ? launch_xs<F8, NG, U_WIDE, B, B, true, false, false, true>(p, max_ctas, st)
                : launch_xs<F8, NG, U_WIDE, B, B, false, false, false, true>(p, max_ctas, st);
@@ -1200,6 +1242,24 @@ template <bool F8> moe_status_t prepare_f8()
     MOE_DECODE_PREP_SH(2, U_WIDE, false, false, true)
     MOE_DECODE_PREP_SH(4, U_WIDE, false, false, true)
     MOE_DECODE_PREP_SH(8, U_WIDE, false, false, true)
+    if constexpr (F8) { /* static activation scales (GEMM 1 whole), routed and laid-out rows */
+#define MOE_DECODE_PREP_ST(NG)                                                                     \
+    MOE_CUDA_PREPARE(                                                                              \
+        (decode_kernel<F8, NG, U_WIDE, float, float, false, false, false, false, false, true>));   \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U_WIDE, float, __nv_bfloat16, false, false, false,     \
+                                    false, false, true>));                                         \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U_WIDE, __nv_bfloat16, float, false, false, false,     \
+                                    false, false, true>));                                         \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U_WIDE, __nv_bfloat16, __nv_bfloat16, false, false,    \
+                                    false, false, false, true>));                                  \
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U_WIDE, __nv_bfloat16, __nv_bfloat16, false, false,    \
+                                    false, true, false, true>));
+        MOE_DECODE_PREP_ST(1)
+        MOE_DECODE_PREP_ST(2)
+        MOE_DECODE_PREP_ST(4)
+        MOE_DECODE_PREP_ST(8)
+#undef MOE_DECODE_PREP_ST
+    }
 #define MOE_DECODE_PREP_LO(NG)                                                                     \
     MOE_CUDA_PREPARE(                                                                              \
         (decode_kernel<F8, NG, U_WIDE, __nv_bfloat16, __nv_bfloat16, false, false, false, true>)); \
@@ -1299,6 +1359,11 @@ extern "C" moe_status_t moe_decode_launch(const moe_decode_args_t *a, void *stre
         MOE_CHECK(
             moe_decode_check(a->num_experts + nsh, a->top_k + nsh, a->hidden, a->inter, a->f8));
     }
+    MOE_ARG_CHECK(!a->f8 || !(a->input_scale13 || a->input_scale2) ||
+                      (a->split1 <= 1 && !a->shared_w13 && !a->trace),
+                  "decode: static activation scales take no GEMM 1 split (split1 = %d), shared "
+                  "MLP inside or trace",
+                  a->split1);
     MOE_ARG_CHECK(a->split >= 1 && a->split <= MOE_DECODE_MAX_SPLIT, "decode: split = %d",
                   a->split);
     MOE_ARG_CHECK(a->split1 >= 0 && a->split1 <= MOE_DECODE_MAX_SPLIT, "decode: split1 = %d",
@@ -1361,6 +1426,8 @@ extern "C" moe_status_t moe_decode_launch(const moe_decode_args_t *a, void *stre
     p.sw2 = static_cast<const uint8_t *>(a->shared_w2);
     p.sw13s = a->shared_w13_scale;
     p.sw2s = a->shared_w2_scale;
+    p.in13 = a->f8 ? a->input_scale13 : nullptr;
+    p.in2 = a->f8 ? a->input_scale2 : nullptr;
     const cudaStream_t st = (cudaStream_t)stream;
     if (lo)
         return a->f8 ? launch_lo_ng<true>(p, a->max_ctas, st)

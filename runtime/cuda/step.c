@@ -460,12 +460,19 @@ moe_status_t moe_cuda_combine(moe_layer_t *l, const moe_forward_args_t *a, const
     return moe_combine_launch(&c, a->stream);
 }
 
-/* The fused decode kernel's crossover, and what it cannot run: static activation scales of
- * the routed experts, x not 16-byte aligned. One GPU. */
+/* Static activation scales of the routed experts (W8A8), which the fused decode kernel takes
+ * with GEMM 1 whole */
+static int routed_static(const cuda_layer_t *s)
+{
+    return s->f8 && (s->has_in[0] || s->has_in[1]);
+}
+
+/* The fused decode kernel's crossover, and what it cannot run: static activation scales with
+ * GEMM 1 split, x not 16-byte aligned. One GPU. */
 int moe_cuda_use_decode(const cuda_layer_t *s, int64_t T, const void *x)
 {
     return s->world == 1 && s->dec_ok && T <= s->dec_max &&
-           !(s->f8 && (s->has_in[0] || s->has_in[1])) && (!x || ((uintptr_t)x & 15) == 0);
+           !(routed_static(s) && s->dec_split1 > 1) && (!x || ((uintptr_t)x & 15) == 0);
 }
 
 /* An EP step of m rows per rank takes the fused decode kernel on the rows the low-latency
@@ -474,8 +481,7 @@ int moe_cuda_use_decode(const cuda_layer_t *s, int64_t T, const void *x)
  * this rank alone (the dispatch and combine are the same either way). */
 int moe_cuda_ep_use_decode(const cuda_layer_t *s, int64_t m)
 {
-    return s->world > 1 && s->ll && m <= s->ll_rows && s->dec_ok && s->world * m <= s->dec_max &&
-           !(s->f8 && (s->has_in[0] || s->has_in[1]));
+    return s->world > 1 && s->ll && m <= s->ll_rows && s->dec_ok && s->world * m <= s->dec_max;
 }
 
 /* The bound of the fused decode kernel's waits: the runtime's timeout, at least 1 s (its own
@@ -491,7 +497,8 @@ int moe_cuda_decode_timeout_ms(const moe_layer_t *l)
 
 int moe_cuda_decode_shared_inside(const cuda_layer_t *s)
 {
-    return s->dec_nsh > 0 && !(s->f8 && (s->has_in[2] || s->has_in[3]));
+    return s->dec_nsh > 0 &&
+           !(s->f8 && (s->has_in[0] || s->has_in[1] || s->has_in[2] || s->has_in[3]));
 }
 
 /* The rows the fused decode step picks its shared MLP's variant for: its bound, so one variant
@@ -530,6 +537,12 @@ static void decode_common(const moe_layer_t *l, moe_decode_args_t *d)
      * MOE_DECODE_STICKY_STALL */
     d->sticky = s->sticky;
     d->timeout_ns = (int64_t)moe_cuda_decode_timeout_ms(l) * 1000000;
+    if (routed_static(s)) { /* per expert, 0 where one quantises dynamically; GEMM 1 whole */
+        d->input_scale13 = s->has_in[0] ? s->in13 : NULL;
+        d->input_scale2 = s->has_in[1] ? s->in2 : NULL;
+        d->split1 = 1;
+        d->o1 = NULL;
+    }
 }
 
 moe_status_t moe_cuda_decode_laid_out(const moe_layer_t *l, const void *rows, int64_t m,

@@ -234,17 +234,6 @@ moe_status_t moe_cuda_store_weight(moe_layer_t *l, moe_weight_kind_t kind, int l
         return moe_error(MOE_STATUS_INVALID_ARGUMENT, "CUDA store: weight kind %d", (int)kind);
     }
     if (s->f8) {
-        /* before anything is stored: nothing kept */
-        if (s->f8 == 1 && s->ll &&
-            (kind == MOE_WEIGHT_GATE_PROJ || kind == MOE_WEIGHT_UP_PROJ ||
-             kind == MOE_WEIGHT_DOWN_PROJ) &&
-            m->scale_kind == MOE_SCALE_PER_TENSOR && m->input_scale > 0.0f)
-            return moe_error(MOE_STATUS_NOT_SUPPORTED,
-                             "static input_scale %g of routed expert %d: this layer's low-latency "
-                             "EP steps (MOE_EP_LL=1, W8A8) run the fused decode kernel, which "
-                             "quantises with dynamic per-row scales (MOE_EP_LL=0 takes static "
-                             "scales)",
-                             (double)m->input_scale, local);
         MOE_CHECK(store_e4m3(s, kind, local, m));
         /* block layers never get an input_scale (weights.c keeps it for per-tensor only) */
         return s->f8 == 1 ? store_static_scale(s, kind, local, m) : MOE_STATUS_SUCCESS;

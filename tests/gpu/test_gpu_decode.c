@@ -24,6 +24,7 @@ typedef struct dec_case {
     moe_dtype_t xt;         /* tokens and output */
     moe_dtype_t wt;         /* BF16, or FP8_E4M3 (W8A8) */
     moe_scale_kind_t scale; /* fp8: PER_TENSOR or PER_CHANNEL */
+    int static_scales;      /* fp8 per-tensor: a checkpoint's input_scale per matrix (some 0) */
 } dec_case_t;
 
 static const dec_case_t cases[] = {
@@ -50,6 +51,10 @@ static const dec_case_t cases[] = {
      MOE_SCALE_PER_CHANNEL},
     {"gelu gated shared 2x fp8 per-tensor", 8, 2, 768, 192, 384, 1, MOE_SCORING_SOFTMAX, 0, 0, 0,
      1.0f, MOE_ACTIVATION_GELU, MOE_DTYPE_F32, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_TENSOR},
+    /* static activation scales (moe_gen_set_weights_static: some experts' GEMM 1 or GEMM 2
+     * dynamic), quantised by the kernel as it loads x and h */
+    {"mixtral-like fp8 per-tensor, static scales", 8, 2, 1024, 512, 0, 0, MOE_SCORING_SOFTMAX, 0, 0,
+     0, 1.0f, MOE_ACTIVATION_SILU, MOE_DTYPE_F32, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_TENSOR, 1},
     /* a wide hidden size: one token's fp8 x (12800 codes, 25600 bytes as f16) in each CTA's shared
      * memory, more tokens' in global memory (kernels/cuda/decode_sm90.cu, XS_TOKENS) */
     {"wide H12800 fp8 per-tensor", 8, 2, 12800, 128, 0, 0, MOE_SCORING_SOFTMAX, 0, 0, 0, 1.0f,
@@ -157,7 +162,9 @@ static moe_layer_t *make(moe_runtime_t *rt, const dec_case_t *c, int64_t cap, ui
     moe_layer_config_t cfg = config_of(c, cap);
     moe_layer_t *l = NULL;
     gt_ok(moe_layer_create(rt, &cfg, &l), c->name);
-    gt_ok(moe_gen_set_weights(l, &cfg, seed), "weights");
+    gt_ok(c->static_scales ? moe_gen_set_weights_static(l, &cfg, seed)
+                           : moe_gen_set_weights(l, &cfg, seed),
+          "weights");
     return l;
 }
 
@@ -203,6 +210,8 @@ static moe_layer_t *make_fused(const dec_case_t *c, int mode, uint64_t seed)
 {
     moe_layer_t *l;
     if (mode == MODE_SHARED_INSIDE && !(c->shared_I > 0 && c->shared_I % c->I == 0))
+        return NULL;
+    if (mode == MODE_K1_SPLIT && c->static_scales) /* static scales take GEMM 1 whole */
         return NULL;
     setenv("MOE_FORCE_VARIANT", "sm90_fused_decode", 1);
     if (mode == MODE_K1_SPLIT)

@@ -5,8 +5,8 @@
  * 0/1/7/64/512 tokens (and 4096 for two), on one GPU and under EP = world; the W8A8 error
  * against W8A16 on the same weights is reported; a forced variant of the wrong dtype is refused
  * at create. EP's low-latency layout (MOE_EP_LL=1) with the fused decode kernel on the rows it
- * lays out, per-row scales, 1 and 7 tokens a rank; refused without the kernel, and static
- * activation scales refused there before any weight is kept. */
+ * lays out, per-row scales, dynamic and static, 1 and 7 tokens a rank; refused without the
+ * kernel. */
 #include "gpu_mpi.h"
 
 #include <cuda_runtime.h>
@@ -126,10 +126,10 @@ static void test_fp8_w8a8_shapes(void **state)
     assert_int_equal(failures, 0);
 }
 
-/* The low-latency EP layout with W8A8 (per-row scales): every step of at most 64 / world tokens
- * a rank through the fused decode kernel on the rows the dispatch laid out (forced), against
- * the CPU's W8A8 at 1 and 7 tokens a rank, told (the layout needs max_tokens_across_ranks); the
- * layer without the kernel, and a static input scale there, are refused. sm_90, world > 1. */
+/* The low-latency EP layout with W8A8 (per-row scales, dynamic and static activation scales):
+ * every step of at most 64 / world tokens a rank through the fused decode kernel on the rows the
+ * dispatch laid out (forced), against the CPU's W8A8 at 1 and 7 tokens a rank, told (the layout
+ * needs max_tokens_across_ranks); the layer without the kernel is refused. sm_90, world > 1. */
 static void test_fp8_w8a8_low_latency_fused(void **state)
 {
     static const int64_t counts[] = {1, 7};
@@ -152,7 +152,7 @@ static void test_fp8_w8a8_low_latency_fused(void **state)
     setenv("MOE_FORCE_VARIANT", "sm90_fused_decode", 1);
     for (i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
         const fp8_shape_t *s = &shapes[i];
-        if (s->scales == MOE_SCALE_BLOCK_128 || s->static_scales)
+        if (s->scales == MOE_SCALE_BLOCK_128)
             continue;
         for (j = 0; j < sizeof(counts) / sizeof(counts[0]); j++) {
             const int64_t n = counts[j];
@@ -163,9 +163,9 @@ static void test_fp8_w8a8_low_latency_fused(void **state)
             double e;
             assert_true(x && ref && y);
             moe_gen_tokens(seed, n * rank, n, s->hidden, x);
-            gt_run_layer_steps(gt_rts.cpu_self, c, seed, 0, x, n, 1, NULL, ref, 0);
+            gt_run_layer_steps(gt_rts.cpu_self, c, seed, s->static_scales, x, n, 1, NULL, ref, 0);
             c.ep_size = world;
-            gt_run_layer_steps(gt_rts.gpu, c, seed, 0, x, n, 1, NULL, y, n);
+            gt_run_layer_steps(gt_rts.gpu, c, seed, s->static_scales, x, n, 1, NULL, y, n);
             assert_int_equal(tu_count_nan(y, n * s->hidden), 0);
             e = tu_rel_err(y, ref, n * s->hidden);
             print_message("rank %d: %-38s %lld tokens: low-latency EP %d, fused decode kernel: "
@@ -176,15 +176,6 @@ static void test_fp8_w8a8_low_latency_fused(void **state)
             free(ref);
             free(y);
         }
-    }
-    {
-        moe_layer_config_t c = config_of(&shapes[0], MOE_FP8_MATH_W8A8, 64);
-        moe_layer_t *l = NULL;
-        c.ep_size = world;
-        TU_OK(moe_layer_create(gt_rts.gpu, &c, &l));
-        assert_int_equal(moe_gen_set_weights_static(l, &c, seed), MOE_STATUS_NOT_SUPPORTED);
-        assert_non_null(strstr(moe_last_error(), "static input_scale"));
-        TU_OK(moe_layer_destroy(l));
     }
     unsetenv("MOE_FORCE_VARIANT");
     unsetenv("MOE_EP_LL");
