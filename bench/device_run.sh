@@ -17,7 +17,8 @@
 #                    8192, each transport), weak scaling, first call
 #   ep-layer         DeepSeek-V3's whole layer at 8 and 4096 tokens per rank, all GPUs vs one;
 #                    at 1 and 8 tokens lsa, its low-latency layout, and that with the fused
-#                    decode kernel on the laid-out rows
+#                    decode kernel on the laid-out rows (bf16; fp8 per-tensor: lsa and the
+#                    fused kernel, which W8A8 with the layout needs)
 #   ep-wide          (4+ GPUs) DeepSeek-V3's layer as EP N x TP 1 against EP N/2 x TP 2 at 128
 #                    and 4096 tokens per rank, then the memory plan of a whole model: 61 layers
 #                    of DeepSeek-V3 in fp8 (W8A8), 8 tokens per rank (the dispatch at 1 .. 128
@@ -324,6 +325,17 @@ ep-layer)
                 grep -E "phase|tokens/s|step|rror"
         done
     done 2>&1 | tee "$OUT/ep_ll_fused.log"
+    # W8A8 per-tensor: the low-latency layout takes fp8 only through the fused kernel
+    for v in lsa ll-fused; do
+        echo "== deepseek-v3 fp8 per-tensor, $ngpu GPUs, 1 and 8 tokens per rank, $v"
+        ll=0 fenv=MOE_FUSED_DECODE=1 xf=""
+        [ $v = lsa ] || ll=1 fenv=MOE_FORCE_VARIANT=sm90_fused_decode xf="-x MOE_FORCE_VARIANT"
+        # shellcheck disable=SC2086 # $xf: an option or none
+        env "$fenv" MOE_EP_TRANSPORT=lsa MOE_EP_LL=$ll timeout 120 mpirun -np "$ngpu" $xf \
+            -x MOE_EP_TRANSPORT -x MOE_EP_LL $B/moe-bench --preset deepseek-v3 --dtype fp8 \
+            --scales tensor --tokens 1,8 --capacity 8 --explain 2>&1 | quiet |
+            grep -E "^ +[0-9]|fused|rror" | head -8
+    done 2>&1 | tee -a "$OUT/ep_ll_fused.log"
     ;;
 ep-wide)
     [ "$ngpu" -ge 4 ] || { echo "ep-wide: needs 4+ GPUs (this machine has $ngpu)"; exit 1; }
