@@ -104,12 +104,13 @@ typedef struct moe_decode_args {
      * into the same row of rows_out (bf16 [rows][hidden], as the grouped GEMM 2 writes it; other
      * rows untouched): rows_out[r] = W2_e (act(W1_e x_r) * (W3_e x_r)), the numbers of the
      * routed form's per-slot rows. topk_ids, topk_weights, shared_*, y, counts and trace unused;
-     * top_k must be 1, num_tokens the workspace's rows (h, o, xq and the sync array's maxima
-     * hold that many; the rows of every expert together must not pass it), at most
-     * MOE_DECODE_MAX_ROWS, and lo_cols the most rows one expert may have (1 ..
-     * MOE_DECODE_MAX_TOKENS: each source token sends an expert at most one row, so world x rows
-     * per rank). An expert past lo_cols, or rows past num_tokens, run no item: the launch marks
-     * the sticky word MOE_STATUS_INTERNAL_ERROR and leaves rows_out as it was. */
+     * GEMM 1 whole (split1 ignored); top_k must be 1, num_tokens the workspace's rows (h, o, xq
+     * and the sync array's maxima hold that many; the rows of every expert together must not
+     * pass it), at most MOE_DECODE_MAX_ROWS, and lo_cols the rows one expert is expected to have
+     * (1 .. MOE_DECODE_MAX_TOKENS): an item takes an expert's rows in passes of 8 (lo_cols <= 8)
+     * or 16, so an expert with more costs more passes over its weights, never a wrong row. Rows
+     * past num_tokens, or a negative count, run no item: the launch marks the sticky word
+     * MOE_STATUS_INTERNAL_ERROR and leaves rows_out as it was. */
     const int32_t *lo_counts, *lo_offsets;
     void *rows_out;
     int lo_cols;

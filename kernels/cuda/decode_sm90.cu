@@ -134,7 +134,7 @@ extern "C" moe_status_t moe_decode_launch(const moe_decode_args_t *a, void *stre
     p.H = a->hidden;
     p.I = a->inter;
     p.split = a->split;
-    p.split1 = a->split1 > 1 ? a->split1 : 1;
+    p.split1 = a->split1 > 1 && !lo ? a->split1 : 1; /* laid-out rows: GEMM 1 whole */
     p.o1 = a->o1;
     p.y_f32 = a->y_dtype == MOE_DTYPE_F32;
     p.gelu = a->gelu;

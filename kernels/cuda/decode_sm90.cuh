@@ -341,7 +341,7 @@ __device__ __forceinline__ float act_mul(bool gelu, float g, float u)
 // the mma column of a slot depends on it, never a value).
 // LO (laid-out rows, kernels/decode.h): the counts are given; expert e's m-th row is row
 // p.lo_off[e] + m of x and rows_out, and its slot (h, o, xq, the maxima) s.off[e] + m, so
-// s.slots[slot] is the slot's row. Counts past lo_cols or rows past p.T: an empty table, the
+// s.slots[slot] is the slot's row. A negative count or rows past p.T: an empty table, the
 // step's sticky word marked (every CTA reads the same counts, so every CTA agrees).
 // SH: slot i = t k + j of token t is routed slot j of ids (j < kr) or shared chunk j - kr, the
 // table's expert Er + j - kr; counts (profiling) for the routed experts alone.
@@ -362,7 +362,7 @@ template <bool LO, bool SH = false> __device__ void build_table(const params &p,
     int bad = 0; // LO: a count out of bounds
     for (int e = threadIdx.x; e < p.E; e += THREADS) {
         s.cnt[e] = LO ? p.lo_cnt[e] : 0;
-        bad |= LO && (s.cnt[e] < 0 || s.cnt[e] > p.lo_cols);
+        bad |= LO && s.cnt[e] < 0;
     }
     if (LO)
         bad = __syncthreads_or(bad);
@@ -562,12 +562,24 @@ __device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra,
     }
 }
 
-// The slot (h, o, the maxima and, LO, xq) of expert e's m-th token: list[m], or LO (laid-out
-// rows: list[m] is the row) s.off[e] + m
+// The slot (h, o, the maxima and, LO, xq) of the m-th token of an item's list: list[m], or LO
+// (laid-out rows: list[m] is the row, and s.slots is indexed by slot) its index in s.slots
 template <bool LO>
 __device__ __forceinline__ int slot_of(const smem_t &s, const int *list, int e, int m)
 {
-    return LO ? s.off[e] + m : list[m];
+    return LO ? (int)(list - s.slots) + m : list[m];
+}
+
+// LO: an expert's rows in passes of 8 NG columns (the launch's NG follows the expected rows an
+// expert, lo_cols; an expert with more runs more passes, each streaming its weights again): the
+// item's tokens from `base` on
+template <bool LO, int NG>
+__device__ __forceinline__ int pass_tokens(const smem_t &s, int e, int base)
+{
+    if (!LO)
+        return s.cnt[e];
+    const int left = s.cnt[e] - base;
+    return left < 8 * NG ? left : 8 * NG;
 }
 
 // SH: the |h| maximum of a shared chunk's slot is its token's over the whole shared MLP (one
@@ -580,14 +592,15 @@ __device__ __forceinline__ int hmax_index(const params &p, int e, int slot, int 
 
 // GEMM 1 item: expert e, h columns c0 .. c0 + 7 for the expert's n tokens, k piece q of
 // p.split1 (K1: split1 > 1; pieces of a multiple of 4 x 16 bytes of k)
+// (LO: the pass of the expert's tokens from `base` on; `last`: its last pass, which signals)
 template <bool F8, int NG, int U, typename XT, bool K1, bool TR, bool XLT, bool LO, bool SH,
           bool ST>
 __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, int64_t *tw,
-                      const uint8_t *xql)
+                      const uint8_t *xql, int base, bool last)
 {
     constexpr bool XL = local_x<F8, NG>() && XLT; // the quantised x in this CTA's xql
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int n = s.cnt[e], *list = s.slots + s.off[e];
+    const int n = pass_tokens<LO, NG>(s, e, base), *list = s.slots + s.off[e] + (LO ? base : 0);
     constexpr int ES = F8 ? 1 : 2;
     int64_t rg = (int64_t)e * 2 * p.I + c0 + g; // gate row; up row rg + I
     const uint8_t *ra = p.w13 + rg * p.H * ES, *rb = p.w13 + (rg + p.I) * p.H * ES;
@@ -613,8 +626,9 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
 #pragma unroll
     for (int i = 0; i < NG; i++)
         if constexpr (LO)
-            tok[i] =
-                i * 8 + g < n ? F8 && !(sx > 0.0f) ? s.off[e] + i * 8 + g : list[i * 8 + g] : -1;
+            tok[i] = i * 8 + g < n
+                         ? F8 && !(sx > 0.0f) ? slot_of<LO>(s, list, e, i * 8 + g) : list[i * 8 + g]
+                         : -1;
         else
             tok[i] = i * 8 + g < n ? list[i * 8 + g] / p.k : -1;
     const XT *x = static_cast<const XT *>(p.x);
@@ -748,7 +762,8 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
             }
         }
     }
-    warp_signal(p.sync + SYNC_E1 + e * E1_STRIDE);
+    if (!LO || last)
+        warp_signal(p.sync + SYNC_E1 + e * E1_STRIDE);
 }
 
 __device__ __forceinline__ float4 ld_cg_f4(const float *p)
@@ -853,10 +868,11 @@ __device__ inline void rows_tile(const params &p, const smem_t &s, int r)
 
 // GEMM 2 item: expert e, rows r * 16 .. + 16 of hidden, k split q (K1: GEMM 1 split too)
 template <bool F8, int NG, int U, bool K1, bool TR, bool LO, bool SH, bool ST>
-__device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int n1, int64_t *tw)
+__device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int n1, int64_t *tw,
+                      int base)
 {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int n = s.cnt[e], *list = s.slots + s.off[e];
+    const int n = pass_tokens<LO, NG>(s, e, base), *list = s.slots + s.off[e] + (LO ? base : 0);
     constexpr int ES = F8 ? 1 : 2, CK = F8 ? 64 : 32;
     const int row0 = r * TILE2 + g, row1 = row0 + 8 < p.H ? row0 + 8 : row0;
     const uint8_t *ra = p.w2 + ((int64_t)e * p.H + row0) * p.I * ES;
@@ -993,7 +1009,8 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
     // tokens b, b + CTAs, ... into global memory (either waits on nothing)
     extern __shared__ __align__(16) uint8_t xql[];
     static_assert(!XS || local_x<F8, NG>(), "x in shared memory: fp8, one column group");
-    static_assert(!LO || (!XS && !TR), "laid-out rows: x in global memory, no timeline");
+    static_assert(!LO || (!XS && !TR && !K1),
+                  "laid-out rows: x in global memory, no timeline, GEMM 1 whole");
     static_assert(!SH || (!LO && !TR && !K1), "the shared MLP inside: routed tokens, GEMM 1 whole");
     static_assert(!ST || (F8 && !XS && !TR && !K1 && !SH),
                   "static scales: fp8, x in global memory, GEMM 1 whole, no shared MLP inside");
@@ -1036,15 +1053,25 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
             const int i = item; // (expert, column tile, k piece), the pieces adjacent
             int64_t *ev = event(MOE_DECODE_TRACE_GEMM1, i);
             const int e = s.uniq[i / (t1 * s1)], c0 = i / s1 % t1 * TILE1;
-            gemm1<F8, NG, U, XT, K1, TR, XS, LO, SH, ST>(p, s, e, c0, i % s1, ev ? ev + 2 : nullptr,
-                                                         xql);
+            if constexpr (LO) // passes of 8 NG of the expert's rows
+                for (int b = 0; b < s.cnt[e]; b += 8 * NG)
+                    gemm1<F8, NG, U, XT, K1, TR, XS, LO, SH, ST>(p, s, e, c0, i % s1, nullptr, xql,
+                                                                 b, b + 8 * NG >= s.cnt[e]);
+            else
+                gemm1<F8, NG, U, XT, K1, TR, XS, LO, SH, ST>(p, s, e, c0, i % s1,
+                                                             ev ? ev + 2 : nullptr, xql, 0, true);
             if (TR && ev)
                 stamp(ev + 3);
         } else {
             const int i = item - n1;
             const int u = i / (t2 * p.split), r = i / p.split % t2, q = i % p.split;
             int64_t *ev = event(MOE_DECODE_TRACE_GEMM2, i);
-            gemm2<F8, NG, U, K1, TR, LO, SH, ST>(p, s, s.uniq[u], r, q, t1, ev ? ev + 2 : nullptr);
+            if constexpr (LO)
+                for (int b = 0; b < s.cnt[s.uniq[u]]; b += 8 * NG)
+                    gemm2<F8, NG, U, K1, TR, LO, SH, ST>(p, s, s.uniq[u], r, q, t1, nullptr, b);
+            else
+                gemm2<F8, NG, U, K1, TR, LO, SH, ST>(p, s, s.uniq[u], r, q, t1,
+                                                     ev ? ev + 2 : nullptr, 0);
             if (TR && ev)
                 stamp(ev + 3);
             if (warp_signal(col_done + r * COL_STRIDE) == nu * p.split - 1) {
@@ -1189,27 +1216,22 @@ moe_status_t launch_ng(const params &p, int max_ctas, cudaStream_t stream)
 }
 
 // laid-out rows (bf16 x): the column groups for the most rows an expert may have
+// laid-out rows (bf16 x, GEMM 1 whole): 8 columns a pass where an expert is expected to get at
+// most 8 rows (lo_cols), else 16; an expert with more runs more passes
 template <bool F8, int NG> moe_status_t launch_lo(const params &p, int max_ctas, cudaStream_t st)
 {
     using B = __nv_bfloat16;
-    if constexpr (F8) // static scales (moe_decode_launch: GEMM 1 whole)
+    if constexpr (F8) // static scales
         if (p.in13 || p.in2)
             return launch_xs<F8, NG, U_WIDE, B, B, false, false, false, true, false, true>(
                 p, max_ctas, st);
-    return p.split1 > 1
-               ? launch_xs<F8, NG, U_WIDE, B, B, true, false, false, true>(p, max_ctas, st)
-               : launch_xs<F8, NG, U_WIDE, B, B, false, false, false, true>(p, max_ctas, st);
+    return launch_xs<F8, NG, U_WIDE, B, B, false, false, false, true>(p, max_ctas, st);
 }
 
 template <bool F8> moe_status_t launch_lo_ng(const params &p, int max_ctas, cudaStream_t stream)
 {
-    if (p.lo_cols <= 8)
-        return launch_lo<F8, 1>(p, max_ctas, stream);
-    if (p.lo_cols <= 16)
-        return launch_lo<F8, 2>(p, max_ctas, stream);
-    if (p.lo_cols <= 32)
-        return launch_lo<F8, 4>(p, max_ctas, stream);
-    return launch_lo<F8, 8>(p, max_ctas, stream);
+    return p.lo_cols <= 8 ? launch_lo<F8, 1>(p, max_ctas, stream)
+                          : launch_lo<F8, 2>(p, max_ctas, stream);
 }
 
 template <bool F8, typename XT>
@@ -1267,14 +1289,11 @@ template <bool F8> moe_status_t prepare_laid_out()
     using B = __nv_bfloat16;
 #define MOE_DECODE_PREP_LO(NG)                                                                     \
     MOE_CUDA_PREPARE((decode_kernel<F8, NG, U_WIDE, B, B, false, false, false, true>));            \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U_WIDE, B, B, true, false, false, true>));             \
     if constexpr (F8) /* static activation scales */                                               \
         MOE_CUDA_PREPARE(                                                                          \
             (decode_kernel<F8, NG, U_WIDE, B, B, false, false, false, true, false, true>));
     MOE_DECODE_PREP_LO(1)
     MOE_DECODE_PREP_LO(2)
-    MOE_DECODE_PREP_LO(4)
-    MOE_DECODE_PREP_LO(8)
 #undef MOE_DECODE_PREP_LO
     return MOE_STATUS_SUCCESS;
 }

@@ -557,7 +557,12 @@ moe_status_t moe_cuda_decode_laid_out(const moe_layer_t *l, const void *rows, in
     d.lo_counts = s->counts;
     d.lo_offsets = s->offsets;
     d.rows_out = s->o;
-    d.lo_cols = (int)(s->world * m);
+    { /* the kernel's columns a pass: twice the rows an expert gets on average (an expert with
+       * more takes more passes), at most world x m (one row a source token) */
+        const int64_t most = s->world * m, k = s->k, E = l->cfg.num_experts;
+        const int64_t twice = 2 * ((most * k + E - 1) / E);
+        d.lo_cols = (int)(twice < 1 ? 1 : twice > most ? most : twice);
+    }
     d.num_tokens = (int64_t)s->dec_tokens * s->k; /* the workspace's rows (plan.c) */
     d.top_k = 1;
     d.sticky_rank = l->plan.rank;
