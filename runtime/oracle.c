@@ -419,7 +419,10 @@ moe_status_t moe_oracle_forced_transport(const char **name, const char **env)
  *   token) 0.87 / 0.85 / 0.86 / 0.92, Mixtral-8x7B and the shard (352 MB) 1.12-1.14 and
  *   1.06-1.09, Qwen2-MoE-A2.7B (35 MB and a shared expert) 1.01; the bound, 192 MiB, lies between
  *   151 and 352 MB, below where the Qwen3 shapes' line crosses 1 (~250 MB). At two tokens only the
- *   smallest two won (0.88, 0.98; I = 1536 / 3072 1.05 / 1.09), so one token.
+ *   smallest two won (0.88, 0.98; I = 1536 / 3072 1.05 / 1.09), so one token. A shared MLP
+ *   the kernel streams itself (MOE_DECODE_SHARED, the default: q->shared is 0 then) counts as
+ *   none: Qwen2-MoE-A2.7B fp8 per-tensor, one token, 48.4 us fused against 79.9 grouped
+ *   (2026-12-05, 019bc91; bench/RESULTS.md, "Fused decode").
  * One GPU only (the kernel does not run with EP or TP). */
 static const struct {
     moe_dtype_t dtype;

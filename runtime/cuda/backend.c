@@ -265,7 +265,7 @@ static void init_shape(moe_layer_t *l, cuda_layer_t *s)
  * whose experts the kernel cannot run keeps the grouped path (forced: the create fails). */
 static moe_status_t plan_decode(cuda_layer_t *s)
 {
-    int sms = 0;
+    int sms = 0, split1 = 1, nsh = 0;
     s->dec_ok = 0;
     s->dec_max = 0;
     /* MOE_FUSED_DECODE=0: the grouped path at every size, unless the kernel is forced */
@@ -286,6 +286,22 @@ static moe_status_t plan_decode(cuda_layer_t *s)
         moe_error_clear();
         return MOE_STATUS_SUCCESS;
     }
+    MOE_CHECK(moe_gpu_sm_count(s->device, &sms));
+    /* MOE_DECODE_K1_SPLIT: GEMM 1's k split; 1 (default): none, 0: by the layer's shape
+     * (moe_decode_split1), N: N pieces (an experiment until measured: docs/KERNELS.md) */
+    split1 = (int)moe_env_int("MOE_DECODE_K1_SPLIT", 1);
+    if (split1 == 0)
+        split1 = moe_decode_split1(s->E, s->k, s->H, (int)s->is, sms);
+    /* MOE_DECODE_SHARED=0|1 (default 1): the shared MLP inside the kernel, as ss / is more
+     * experts (one GPU, GEMM 1 whole, a width that divides: docs/KERNELS.md); the built-in
+     * crossover then counts the layer as one without a shared MLP left on the grouped path */
+    if (s->world == 1 && s->ss > 0 && s->ss % s->is == 0 && split1 <= 1 &&
+        moe_env_int("MOE_DECODE_SHARED", 1) &&
+        moe_decode_check((int)(s->E + s->ss / s->is), (int)(s->k + s->ss / s->is), s->H, (int)s->is,
+                         s->f8) == MOE_STATUS_SUCCESS)
+        nsh = (int)(s->ss / s->is);
+    moe_error_clear();
+    s->oq.shared = s->ss > 0 && nsh == 0;
     if (s->dec_forced > 0) {
         s->dec_max = MOE_DECODE_MAX_TOKENS;
     } else {
@@ -303,25 +319,11 @@ static moe_status_t plan_decode(cuda_layer_t *s)
         return MOE_STATUS_SUCCESS;
     if (s->world > 1 && s->f8 && s->ll_rows > s->dec_max / s->world)
         s->ll_rows = s->dec_max / s->world; /* W8A8: every low-latency step through the kernel */
-    MOE_CHECK(moe_gpu_sm_count(s->device, &sms));
     s->dec_ok = 1;
     s->dec_tokens = s->dec_max;
-    /* MOE_DECODE_K1_SPLIT: GEMM 1's k split; 1 (default): none, 0: by the layer's shape
-     * (moe_decode_split1), N: N pieces (an experiment until measured: docs/KERNELS.md) */
-    s->dec_split1 = (int)moe_env_int("MOE_DECODE_K1_SPLIT", 1);
-    if (s->dec_split1 == 0)
-        s->dec_split1 = moe_decode_split1(s->E, s->k, s->H, (int)s->is, sms);
-    /* MOE_DECODE_SHARED=1: the shared MLP inside the kernel, as ss / is more experts (one GPU,
-     * GEMM 1 whole, a width that divides; an experiment until measured: docs/KERNELS.md) */
-    s->dec_nsh = 0;
-    if (s->world == 1 && s->ss > 0 && s->ss % s->is == 0 && s->dec_split1 <= 1 &&
-        moe_env_int("MOE_DECODE_SHARED", 0) &&
-        moe_decode_check((int)(s->E + s->ss / s->is), (int)(s->k + s->ss / s->is), s->H, (int)s->is,
-                         s->f8) == MOE_STATUS_SUCCESS)
-        s->dec_nsh = (int)(s->ss / s->is);
-    moe_error_clear();
-    s->dec_split =
-        moe_decode_split((int)(s->E + s->dec_nsh), (int)(s->k + s->dec_nsh), s->H, (int)s->is, sms);
+    s->dec_split1 = split1;
+    s->dec_nsh = nsh;
+    s->dec_split = moe_decode_split((int)(s->E + nsh), (int)(s->k + nsh), s->H, (int)s->is, sms);
     return MOE_STATUS_SUCCESS;
 }
 

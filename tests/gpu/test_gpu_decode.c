@@ -216,8 +216,7 @@ static moe_layer_t *make_fused(const dec_case_t *c, int mode, uint64_t seed)
     setenv("MOE_FORCE_VARIANT", "sm90_fused_decode", 1);
     if (mode == MODE_K1_SPLIT)
         setenv("MOE_DECODE_K1_SPLIT", "0", 1);
-    if (mode == MODE_SHARED_INSIDE)
-        setenv("MOE_DECODE_SHARED", "1", 1);
+    setenv("MOE_DECODE_SHARED", mode == MODE_SHARED_INSIDE ? "1" : "0", 1);
     l = make(rt_gpu, c, 64, seed);
     unsetenv("MOE_DECODE_K1_SPLIT");
     unsetenv("MOE_DECODE_SHARED");
@@ -368,8 +367,13 @@ static void test_decode_graph_explain_refusals(void **state)
     assert_true(runs_fused(l, 1));
     assert_false(runs_fused(l, 2));
     moe_layer_destroy(l);
-    l = make(rt_gpu, &cases[5], 4096, seed); /* fp8 with a shared expert: the grouped path */
+    l = make(rt_gpu, &cases[5], 4096, seed); /* fp8, a shared MLP left outside: the grouped path */
     assert_false(runs_fused(l, 1));
+    moe_layer_destroy(l);
+    l = make(rt_gpu, &cases[7], 4096, seed); /* fp8, the shared MLP inside (the default) */
+    assert_true(cases[7].shared_I % cases[7].I == 0);
+    assert_true(runs_fused(l, 1));
+    assert_false(runs_fused(l, 2));
     moe_layer_destroy(l);
     setenv("MOE_FORCE_VARIANT", "sm90_fused_decode", 1);
     l = make(rt_gpu, c, 4096, seed);
