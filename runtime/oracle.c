@@ -60,7 +60,14 @@ static const moe_oracle_group_t defaults[] = {
      * interval"). Past 320 rows m192n128_p4 as well (it was m128n128_p4): forced against it at 512
      * and 2048 rows per expert (2026-12-04, 3e6d478, two runs, bench/RESULTS.md, "Layer step, FP8
      * W8A8"), Mixtral 0.89-0.91 / 0.96, the DeepSeek-V3 shard 0.97-0.99 / 0.93, Qwen3 at 512 0.98:
-     * a weight tile read once per 192 rows instead of 128 (the L2's bytes per flop) */
+     * a weight tile read once per 192 rows instead of 128 (the L2's bytes per flop). Past 724.1
+     * rows (halfway between 512 and 1024) the n192 tile (two consumer warpgroups, 96 outputs a
+     * row each): forced against the table before (2026-12-05, 2f6a09f, two runs, capacity 8192,
+     * bench/RESULTS.md, "Wider promoted tiles"), Mixtral 0.944-0.955 at 1024 / 2048 rows per
+     * expert and 1.02-1.04 at 256 / 512, the DeepSeek-V3 shard 0.937-0.988 at 1024 / 2048 and
+     * 0.97-1.00 at 256 / 512. Block scales keep m192n128: their n192 tile (a promotion every 128
+     * of k over 96 partial sums) was 1.01-1.19 at every one of those points. Not in the short-k
+     * table: Qwen3's GEMM 2 (n 2048, k 768) lost with it in gemm_bench at every count. */
     /* FP8, hidden <= 2048 (GEMM 1's k 16 slices of 128, GEMM 2's the intermediate): the ping-pong
      * m64n128 tiles (two consumer warpgroups on alternate 64-row items: one's promotions and
      * epilogue under the other's wgmmas) against the tables below, forced at 16..512 rows per
@@ -80,10 +87,11 @@ static const moe_oracle_group_t defaults[] = {
         {5.66, "sm90_fp8_block_swapab_n8_pp", 0, 0}, {11.3, "sm90_fp8_block_swapab_n16_pp", 0, 0},
         {90.5, "sm90_fp8_block_m64n128_pp", 0, 0}, {119.7, "sm90_fp8_block_m128n128", 0, 0},
         {OPEN, "sm90_fp8_block_m192n128", 0, 0}),
-    BUILTIN(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, 7, {11.3, "sm90_fp8_swapab_n8_pp", 0, 0},
+    BUILTIN(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, 8, {11.3, "sm90_fp8_swapab_n8_pp", 0, 0},
             {22.6, "sm90_fp8_swapab_n16_pp", 0, 0}, {55.4, "sm90_fp8_swapab_n32_pp_p4", 0, 0},
             {119.7, "sm90_fp8_m128n128_p4", 0, 0}, {207.4, "sm90_fp8_m192n128_p4", 0, 0},
-            {286.2, "sm90_fp8_m128n128_p4", 0, 0}, {OPEN, "sm90_fp8_m192n128_p4", 0, 0}),
+            {286.2, "sm90_fp8_m128n128_p4", 0, 0}, {724.1, "sm90_fp8_m192n128_p4", 0, 0},
+            {OPEN, "sm90_fp8_m128n192_p4", 0, 0}),
     /* FP8 128x128 blocks: the bf16 table's first crossovers (not tuned), m192n128 at 136..184
      * rows per expert, 10-20% faster there (measured as the per-row table's); the swap-AB tiles
      * as ping-pong, n16 0-5% faster, n32 6% on Qwen3 at 32 rows per expert and level on the other

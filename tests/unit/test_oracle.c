@@ -32,7 +32,7 @@ static const old_bucket_t old_fp8[] = {
     {11.3, "sm90_fp8_swapab_n8_pp"},     {22.6, "sm90_fp8_swapab_n16_pp"},
     {55.4, "sm90_fp8_swapab_n32_pp_p4"}, {119.7, "sm90_fp8_m128n128_p4"},
     {207.4, "sm90_fp8_m192n128_p4"},     {286.2, "sm90_fp8_m128n128_p4"},
-    {1e300, "sm90_fp8_m192n128_p4"}};
+    {724.1, "sm90_fp8_m192n128_p4"},     {1e300, "sm90_fp8_m128n192_p4"}};
 static const old_bucket_t old_fp8b[] = {
     {5.66, "sm90_fp8_block_swapab_n8_pp"},  {16.0, "sm90_fp8_block_swapab_n16_pp"},
     {32.0, "sm90_fp8_block_swapab_n32_pp"}, {55.4, "sm90_fp8_block_m64n128"},
@@ -287,6 +287,11 @@ static void test_defaults_short_k(void **state)
         {MOE_SCALE_PER_CHANNEL, 64, 0, "sm90_fp8_m128n128_p4"},
         {MOE_SCALE_PER_CHANNEL, 8, 2048, "sm90_fp8_swapab_n8_pp"},
         {MOE_SCALE_PER_CHANNEL, 512, 2048, "sm90_fp8_m192n128_p4"},
+        /* the n192 tile past 724.1 rows, but not on the short-k shapes */
+        {MOE_SCALE_PER_CHANNEL, 1000, 2048, "sm90_fp8_m192n128_p4"},
+        {MOE_SCALE_PER_CHANNEL, 1000, 4096, "sm90_fp8_m128n192_p4"},
+        {MOE_SCALE_PER_CHANNEL, 724, 7168, "sm90_fp8_m192n128_p4"},
+        {MOE_SCALE_BLOCK_128, 2048, 7168, "sm90_fp8_block_m192n128"},
         {MOE_SCALE_BLOCK_128, 64, 2048, "sm90_fp8_block_m64n128_pp"},
         {MOE_SCALE_BLOCK_128, 48, 7168, "sm90_fp8_block_m64n128"},
         {MOE_SCALE_BLOCK_128, 64, 7168, "sm90_fp8_block_m128n128"},
@@ -932,6 +937,7 @@ static void test_shipped_h200_file(void **state)
         /* fp8 Mixtral and DeepSeek-V3 shard: no table in the file, the built-in choice */
         {{4096, 14336, 8, 2}, MOE_DTYPE_FP8_E4M3, 1, "sm90_fp8_swapab_n8_pp", MOE_ORACLE_DEFAULT},
         {{7168, 2048, 32, 8}, MOE_DTYPE_FP8_E4M3, 320, "sm90_fp8_m192n128_p4", MOE_ORACLE_DEFAULT},
+        {{7168, 2048, 32, 8}, MOE_DTYPE_FP8_E4M3, 2048, "sm90_fp8_m128n192_p4", MOE_ORACLE_DEFAULT},
         /* fp8 Qwen3: the file's table was measured before the ping-pong normal tiles and dropped
          * (2026-12-03); the built-in short-k table answers (hidden 2048) */
         {{2048, 768, 128, 8}, MOE_DTYPE_FP8_E4M3, 8, "sm90_fp8_swapab_n8_pp", MOE_ORACLE_DEFAULT},
