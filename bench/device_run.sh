@@ -118,9 +118,16 @@ export LIBRARY_PATH=/opt/dep/usr/lib/x86_64-linux-gnu:${LIBRARY_PATH:-}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 # the commit moe-bench --json records: the carried tree's, as bench/device_commit.sh wrote it
-# here before the call (this machine's copy of .git may be another checkout's)
+# here before the call (this machine's copy of .git may be another checkout's), if the tracked
+# files are still the ones it summed
 if [ -s .device/commit ]; then
     MOE_BENCH_COMMIT=$(cat .device/commit)
+    if [ ! -s .device/commit.files ] || [ ! -s .device/commit.sum ] ||
+        [ "$(bash bench/tree_sum.sh .device/commit.files)" != "$(cat .device/commit.sum)" ]; then
+        echo "device_run: the tree is not the one .device/commit ($MOE_BENCH_COMMIT) was written" \
+            "for (run bench/device_commit.sh before the call): --json records 'unknown'"
+        MOE_BENCH_COMMIT="unknown (not $MOE_BENCH_COMMIT)"
+    fi
     export MOE_BENCH_COMMIT
 fi
 modes=${*:-tests}
