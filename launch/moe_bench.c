@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "dispatch_bench.h"
@@ -649,8 +650,57 @@ static const char *bench_commit(void)
 #endif
 }
 
-/* The JSON reports' opening: "{", when and from what, and the layer's shape and weight types,
- * ending in ", ". */
+/* `text` as the characters of a JSON string (moe_json_escape_byte). */
+static void json_string_body(FILE *f, const char *text)
+{
+    for (const char *c = text; *c; c++) {
+        char e[7];
+        moe_json_escape_byte((unsigned char)*c, e);
+        fputs(e, f);
+    }
+}
+
+static int env_name_cmp(const void *a, const void *b)
+{
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+/* "env": every MOE_* variable of the environment but MOE_BENCH_COMMIT (the "commit" field), in
+ * name order: the knobs and forced choices a run had (MOE_FORCE_VARIANT, MOE_FUSED_DECODE, ...),
+ * which its numbers depend on. Then ", ". */
+static void json_env(FILE *f)
+{
+    size_t n = 0, i;
+    for (char **e = environ; e && *e; e++)
+        n += !strncmp(*e, "MOE_", 4);
+    const char **v = n ? malloc(n * sizeof(*v)) : NULL;
+    fputs("\"env\": {", f);
+    if (v) {
+        n = 0;
+        for (char **e = environ; *e; e++)
+            if (!strncmp(*e, "MOE_", 4) && strncmp(*e, "MOE_BENCH_COMMIT=", 17))
+                v[n++] = *e;
+        qsort(v, n, sizeof(*v), env_name_cmp);
+        for (i = 0; i < n; i++) {
+            const char *eq = strchr(v[i], '=');
+            const size_t len = eq ? (size_t)(eq - v[i]) : strlen(v[i]);
+            fputs(i ? ", \"" : "\"", f);
+            for (size_t j = 0; j < len; j++) {
+                char esc[7];
+                moe_json_escape_byte((unsigned char)v[i][j], esc);
+                fputs(esc, f);
+            }
+            fputs("\": \"", f);
+            json_string_body(f, eq ? eq + 1 : "");
+            fputs("\"", f);
+        }
+        free(v);
+    }
+    fputs("}, ", f);
+}
+
+/* The JSON reports' opening: "{", when and from what, the MOE_* environment, and the layer's
+ * shape and weight types, ending in ", ". */
 static void json_shape(FILE *f, const options_t *o)
 {
     const moe_layer_config_t *c = &o->cfg;
@@ -671,16 +721,7 @@ static void json_shape(FILE *f, const options_t *o)
             !fp8            ? "none"
             : o->act_static ? "static"
                             : "dynamic");
-}
-
-/* `text` as the characters of a JSON string (moe_json_escape_byte). */
-static void json_string_body(FILE *f, const char *text)
-{
-    for (const char *c = text; *c; c++) {
-        char e[7];
-        moe_json_escape_byte((unsigned char)*c, e);
-        fputs(e, f);
-    }
+    json_env(f);
 }
 
 /* Into the file opened at start; nonzero if a write failed. */

@@ -109,8 +109,9 @@ for t,m in zip(tables,META):
 import glob,os
 for f in sorted(glob.glob('bench/results/moe-bench/*.json')):
     r=json.load(open(f)); r['topic']='moe_bench_json'; r['file']=os.path.relpath(f)
-    # the fused-decode comparison's files: which path ran (moe-bench does not record the
-    # environment; "fused" ran with MOE_FORCE_VARIANT=sm90_fused_decode)
+    # the fused-decode comparison's files: which path ran (moe-bench did not record the
+    # environment before 2026-12-05; later files carry "env"; "fused" ran with
+    # MOE_FORCE_VARIANT=sm90_fused_decode)
     if '-decode-' in f:
         r['decode_path']=('sm90_fused_decode (forced)' if '-fused-' in f else
                           'the built-in choice (each point\'s explain names it)' if '-builtin-' in f

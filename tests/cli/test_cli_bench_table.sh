@@ -2,8 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # moe-bench's table on the CPU backend, one rank and two: the header's rotation line (forced by
 # --rotate, else 1 copy: no GPU L2), a row and a phases line per token count, the JSON's rotate
-# and points, each with the layer's explain text; fp8 with static activation scales and its
-# refusals; never the timings.
+# and points, each with the layer's explain text, and the MOE_* environment it ran with; fp8
+# with static activation scales and its refusals; never the timings.
 #   test_cli_bench_table.sh MOE_BENCH
 set -u
 moe_bench=$1
@@ -21,7 +21,8 @@ for run in "1 2 rotated over 2 copies (L2 0.0 MB): --rotate 2" \
     out=$tmp/out json=$tmp/t.json
     opt=()
     [ "$rot" = - ] || opt=(--rotate "$rot")
-    timeout 120 mpirun --oversubscribe --bind-to none -x MOE_BACKEND -np "$np" "$moe_bench" \
+    MOE_BENCH_TEST='a"b' MOE_BENCH_COMMIT=c0ffee timeout 120 mpirun --oversubscribe --bind-to none \
+        -x MOE_BACKEND -x MOE_BENCH_TEST -x MOE_BENCH_COMMIT -np "$np" "$moe_bench" \
         --experts 4 --top-k 2 --hidden 32 --intermediate 32 --tokens 1,8,64 --seconds 0.01 \
         "${opt[@]}" --json "$json" >"$out" 2>&1
     rc=$?
@@ -34,6 +35,8 @@ for run in "1 2 rotated over 2 copies (L2 0.0 MB): --rotate 2" \
     check "$name: JSON of 3 points" [ "$(grep -o '"m": ' "$json" | wc -l)" -eq 3 ]
     check "$name: each point says what ran" \
         [ "$(grep -o '"explain": "cpu backend: reference kernels' "$json" | wc -l)" -eq 3 ]
+    check "$name: JSON has the MOE_* environment, not the commit's variable" \
+        grep -q '"env": {"MOE_BACKEND": "cpu", "MOE_BENCH_TEST": "a\\"b"}' "$json"
     ! command -v python3 >/dev/null ||
         check "$name: JSON parses" python3 -c 'import json, sys; json.load(open(sys.argv[1]))' "$json"
     [ $fail -eq 0 ] || cat "$out"
