@@ -650,14 +650,19 @@ static const char *bench_commit(void)
 #endif
 }
 
-/* `text` as the characters of a JSON string (moe_json_escape_byte). */
-static void json_string_body(FILE *f, const char *text)
+/* The first len bytes of `text` as the characters of a JSON string (moe_json_escape_byte). */
+static void json_chars(FILE *f, const char *text, size_t len)
 {
-    for (const char *c = text; *c; c++) {
+    for (size_t i = 0; i < len; i++) {
         char e[7];
-        moe_json_escape_byte((unsigned char)*c, e);
+        moe_json_escape_byte((unsigned char)text[i], e);
         fputs(e, f);
     }
+}
+
+static void json_string_body(FILE *f, const char *text)
+{
+    json_chars(f, text, strlen(text));
 }
 
 static int env_name_cmp(const void *a, const void *b)
@@ -665,31 +670,32 @@ static int env_name_cmp(const void *a, const void *b)
     return strcmp(*(const char *const *)a, *(const char *const *)b);
 }
 
-/* "env": every MOE_* variable of the environment but MOE_BENCH_COMMIT (the "commit" field), in
- * name order: the knobs and forced choices a run had (MOE_FORCE_VARIANT, MOE_FUSED_DECODE, ...),
- * which its numbers depend on. Then ", ". */
+/* A NAME=VALUE entry "env" records: MOE_*, but MOE_BENCH_COMMIT (the "commit" field). */
+static int env_recorded(const char *entry)
+{
+    return !strncmp(entry, "MOE_", 4) && strncmp(entry, "MOE_BENCH_COMMIT=", 17);
+}
+
+/* "env": the recorded variables of the environment (env_recorded) in name order: the knobs and
+ * forced choices a run had (MOE_FORCE_VARIANT, MOE_FUSED_DECODE, ...), which its numbers depend
+ * on. Then ", ". */
 static void json_env(FILE *f)
 {
     size_t n = 0, i;
     for (char **e = environ; e && *e; e++)
-        n += !strncmp(*e, "MOE_", 4);
+        n += (size_t)env_recorded(*e);
     const char **v = n ? malloc(n * sizeof(*v)) : NULL;
     fputs("\"env\": {", f);
     if (v) {
         n = 0;
         for (char **e = environ; *e; e++)
-            if (!strncmp(*e, "MOE_", 4) && strncmp(*e, "MOE_BENCH_COMMIT=", 17))
+            if (env_recorded(*e))
                 v[n++] = *e;
         qsort(v, n, sizeof(*v), env_name_cmp);
         for (i = 0; i < n; i++) {
             const char *eq = strchr(v[i], '=');
-            const size_t len = eq ? (size_t)(eq - v[i]) : strlen(v[i]);
             fputs(i ? ", \"" : "\"", f);
-            for (size_t j = 0; j < len; j++) {
-                char esc[7];
-                moe_json_escape_byte((unsigned char)v[i][j], esc);
-                fputs(esc, f);
-            }
+            json_chars(f, v[i], eq ? (size_t)(eq - v[i]) : strlen(v[i]));
             fputs("\": \"", f);
             json_string_body(f, eq ? eq + 1 : "");
             fputs("\"", f);
