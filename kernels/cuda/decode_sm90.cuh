@@ -333,7 +333,7 @@ __device__ __forceinline__ float act_mul(bool gelu, float g, float u)
         const float k0 = 0.7978845608028654f; /* sqrt(2/pi), as kernels/cpu */
         return 0.5f * g * (1.0f + tanhf(k0 * (g + 0.044715f * g * g * g))) * u;
     }
-    return g / (1.0f + __expf(-g)) * u;
+    return __fdividef(g, 1.0f + __expf(-g)) * u; /* as moe_gemm_silu */
 }
 
 // The expert table of this launch, built by every CTA alike: tokens per expert, the experts

@@ -73,9 +73,13 @@ __device__ __forceinline__ void moe_gemm_amax_put(const moe_gemm_kparams &p, flo
     atomicMax(reinterpret_cast<unsigned int *>(at), __float_as_uint(m));
 }
 
+/* x / (1 + e^-x) with the fast division (2 ulp): the IEEE one compiles to a range check and a
+ * slow-path call per element, about half of the SiLU epilogue's instructions in the large fp8
+ * tiles (docs/KERNELS.md "Missing / next"). For x < -87, e^-x is inf and the quotient 0, as
+ * the limit is. */
 __device__ __forceinline__ float moe_gemm_silu(float x)
 {
-    return x / (1.0f + __expf(-x));
+    return __fdividef(x, 1.0f + __expf(-x));
 }
 
 /* gelu with the tanh approximation, as kernels/cpu computes it. */
