@@ -485,10 +485,11 @@ ab)
     for p in ${AB_PRESETS:-$presets}; do
         for i in "${!sets[@]}"; do
             for side in new base; do
-                bin=$B/moe-bench
-                [ $side = base ] && bin=/tmp/ab-base-build/launch/moe-bench
+                bin=$B/moe-bench commit=${MOE_BENCH_COMMIT:-}
+                [ $side = base ] && bin=/tmp/ab-base-build/launch/moe-bench &&
+                    commit=$(cat "$base/.ab-rev" 2>/dev/null || echo "unknown (the A/B base)")
                 # shellcheck disable=SC2086 # the set's options
-                timeout 120 "$bin" --preset "$p" ${sets[$i]} --tokens "${AB_TOKENS:-1,8,64,512,2048,8192}" \
+                MOE_BENCH_COMMIT=$commit timeout 120 "$bin" --preset "$p" ${sets[$i]} --tokens "${AB_TOKENS:-1,8,64,512,2048,8192}" \
                     --seconds "${AB_SECONDS:-0.1}" --json "$j/$side.$p.$i.json" >"$j/$side.$p.$i.txt" 2>&1 ||
                     echo "ab: $side, $p, ${sets[$i]}: failed (tail of $j/$side.$p.$i.txt: $(tail -1 "$j/$side.$p.$i.txt"))"
             done
