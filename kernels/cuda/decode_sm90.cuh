@@ -29,6 +29,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
+#include "kernels/cuda/act.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_cache.cuh"
 #include "kernels/cuda/pdl.cuh"
@@ -329,11 +330,9 @@ template <typename XT> __device__ __forceinline__ uint4 load_x8(const XT *x, int
 
 __device__ __forceinline__ float act_mul(bool gelu, float g, float u)
 {
-    if (gelu) {
-        const float k0 = 0.7978845608028654f; /* sqrt(2/pi), as kernels/cpu */
-        return 0.5f * g * (1.0f + tanhf(k0 * (g + 0.044715f * g * g * g))) * u;
-    }
-    return __fdividef(g, 1.0f + __expf(-g)) * u; /* as moe_gemm_silu */
+    if (gelu)
+        return moe_act_gelu_tanh(g) * u;
+    return moe_act_silu(g) * u;
 }
 
 // The expert table of this launch, built by every CTA alike: tokens per expert, the experts

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "kernels/cuda/act.cuh"
 #include "kernels/cuda/device_cache.cuh"
 #include "kernels/expert_gemm.h"
 #include "base/diag.h"
@@ -73,28 +74,11 @@ __device__ __forceinline__ void moe_gemm_amax_put(const moe_gemm_kparams &p, flo
     atomicMax(reinterpret_cast<unsigned int *>(at), __float_as_uint(m));
 }
 
-/* x / (1 + e^-x) with the fast division (2 ulp): the IEEE one compiles to a range check and a
- * slow-path call per element, about half of the SiLU epilogue's instructions in the large fp8
- * tiles (docs/KERNELS.md "Missing / next"). For x < -87, e^-x is inf and the quotient 0, as
- * the limit is. */
-__device__ __forceinline__ float moe_gemm_silu(float x)
-{
-    return __fdividef(x, 1.0f + __expf(-x));
-}
-
-/* gelu with the tanh approximation, as kernels/cpu computes it. */
-__device__ __forceinline__ float moe_gemm_gelu_tanh(float x)
-{
-    const float k0 = 0.7978845608028654f; /* sqrt(2/pi) */
-    float u = k0 * (x + 0.044715f * x * x * x);
-    return 0.5f * x * (1.0f + tanhf(u));
-}
-
 template <int EPI> __device__ __forceinline__ float moe_gemm_act_mul(float g, float u)
 {
     if (EPI == MOE_GEMM_EPI_SILU_MUL)
-        return moe_gemm_silu(g) * u;
-    return moe_gemm_gelu_tanh(g) * u;
+        return moe_act_silu(g) * u;
+    return moe_act_gelu_tanh(g) * u;
 }
 
 /* Row r's epilogue scale (1 without row_scale). Loaded once per row and item: c may alias
