@@ -20,16 +20,19 @@ struct moe_gemm_kparams {
     const float *row_scale;
     const int32_t *block_expert;
     const int32_t *num_blocks;
-    int max_blocks, num_experts, n, k, n_out, c_f32, n_tiles;
     const float *a_scale; /* FP8: [rows] per A row (block: [rows][ceil(k/128)]) */
     const float *b_scale; /* FP8: [num_experts][n] per weight row (block: [..][ceil(k/128)]) */
-    int tma_store;        /* sm_90a normal layout: bf16 c through shared memory and TMA */
     const int32_t *expert_counts, *expert_offsets; /* optional: see moe_gemm_args_t */
+    float *amax; /* moe_gemm_args_t.row_amax (sm_90a *_MUL epilogues) */
+    int max_blocks, num_experts, n, k, n_out, c_f32, n_tiles;
+    int tma_store; /* sm_90a normal layout: bf16 c through shared memory and TMA */
     int group; /* sm_90a: row blocks swept together over the weight tiles (0: by the step; < 0: one
                 * expert's blocks a sweep, the normal layout with the permute's counts) */
     int swap_fold; /* sm_90a swap-AB, per-row fp8 scales: multiplied in after the main loop */
     int promo_pi;  /* sm_90a fp8 per-row scales (F8 = 4): 128-k slices a promotion sums */
-    float *amax;   /* moe_gemm_args_t.row_amax (sm_90a *_MUL epilogues) */
+    /* sm_90a normal layout, per-row fp8 scales: b_scale is one value a half of each expert
+     * (moe_gemm_args_t.b_scale_uniform, with MOE_GEMM_B_UNIFORM=1): the epilogue reads one */
+    int b_uniform;
 };
 /* Past 128 bytes of parameters ptxas spilled 20-110 more bytes in the m192 and fast fp8 tiles,
  * whose code had not changed (two more pointers, 2026-12-03: docs/KERNELS.md, "The variants"). */
@@ -55,6 +58,7 @@ static inline moe_gemm_kparams moe_gemm_base_params(const moe_gemm_args_t *a)
     p.group = 0;
     p.swap_fold = 0;
     p.promo_pi = 1;
+    p.b_uniform = 0;
     p.expert_counts = a->expert_counts; /* both or neither: moe_gemm_check_common */
     p.expert_offsets = a->expert_offsets;
     p.a_scale = a->a_scale;

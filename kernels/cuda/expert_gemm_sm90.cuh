@@ -690,7 +690,8 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
          * their latency); else (m192's 128 registers a thread, the fast tiles' 64 scales) their
          * lines are asked into L1 here and read after the loop, two columns at a time. Loaded
          * per output between the epilogue's stores (which may alias them), each waited in turn:
-         * Nsight Compute had Qwen3's GEMM 2 at M = 8192 stalled on them half its cycles. */
+         * Nsight Compute had Qwen3's GEMM 2 at M = 8192 stalled on them half its cycles.
+         * p.b_uniform (per-tensor weights): one weight scale a set, read after the loop. */
         constexpr int NG = ERS ? C::ACC / 4 : 1;
         constexpr bool EARLY = C::NWG <= 2 && NG <= 8;
         const int64_t frow = row0 + (PING ? 0 : wg * 64) + 16 * warp + (lane >> 2); /* +0, +8 */
@@ -707,19 +708,21 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
         if (ERS && EARLY) {
             fa[0] = ldg_at(p.a_scale + frow);
             fa[1] = ldg_at(p.a_scale + frow + 8);
+            if (!p.b_uniform) {
 #pragma unroll
-            for (int h = 0; h < C::NACC; h++)
+                for (int h = 0; h < C::NACC; h++)
 #pragma unroll
-                for (int g = 0; g < NG; g++)
+                    for (int g = 0; g < NG; g++)
 #pragma unroll
-                    for (int u = 0; u < 2; u++) {
-                        const int col = fcol(h, g, u);
-                        fb[h][g][u] = col < p.n_out ? ldg_at(fptr(h, col)) : 0.0f;
-                    }
+                        for (int u = 0; u < 2; u++) {
+                            const int col = fcol(h, g, u);
+                            fb[h][g][u] = col < p.n_out ? ldg_at(fptr(h, col)) : 0.0f;
+                        }
+            }
         } else if (ERS) {
             /* 32 scales a 128-byte line: the set's WR columns, the warpgroup's 64 rows */
             constexpr int LINES = WR / 32;
-            if (tid < C::NACC * LINES) {
+            if (tid < (p.b_uniform ? 1 : C::NACC * LINES)) {
                 const int h = tid / LINES,
                           col = (EPI == MOE_GEMM_EPI_STORE ? jt * HALVES * WR + h * WR : jt * WR) +
                                 32 * (tid % LINES);
@@ -844,11 +847,26 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 for (int i = 0; i < C::ACC; i++) /* row 8 ((i % 4) / 2), token 8 (i / 4) + i % 2 */
                     acc[j][i] *= sa[i >> 2][i & 1] * sb[j][(i & 3) >> 1];
         }
-        if (ERS) {
-            if (!EARLY) {
-                fa[0] = ldg_at(p.a_scale + frow);
-                fa[1] = ldg_at(p.a_scale + frow + 8);
-            }
+        if (ERS && !EARLY) {
+            fa[0] = ldg_at(p.a_scale + frow);
+            fa[1] = ldg_at(p.a_scale + frow + 8);
+        }
+        if (ERS && p.b_uniform) {
+            /* one weight scale a set (fptr(h, 0): the expert's first row of set h; STORE's
+             * sets share it), columns past n_out times 0 as below */
+            float bu[C::NACC];
+#pragma unroll
+            for (int h = 0; h < C::NACC; h++)
+                bu[h] = ldg_at(fptr(h, 0));
+#pragma unroll
+            for (int h = 0; h < C::NACC; h++)
+#pragma unroll
+                for (int g = 0; g < NG; g++)
+#pragma unroll
+                    for (int v = 0; v < 4; v++)
+                        acc[h][4 * g + v] *=
+                            fcol(h, g, v & 1) < p.n_out ? fa[v >> 1] * bu[h] : 0.0f;
+        } else if (ERS) {
 #pragma unroll
             for (int h = 0; h < C::NACC; h++)
 #pragma unroll
@@ -1110,6 +1128,16 @@ static int swap_fold_enabled(void)
     return moe_env_once(&cached, "MOE_GEMM_SWAP_FOLD", 1) != 0;
 }
 
+/* MOE_GEMM_B_UNIFORM=1: the normal tiles read one weight scale a half where the caller says
+ * b_scale is uniform (moe_gemm_args_t.b_scale_uniform) instead of one a column after the main
+ * loop, two at a time (5.5 % of the n192 SiLU tile's stall samples: bench/RESULTS.md, "SiLU and
+ * scale loads"). Off until measured on the GPU against the per-column reads. */
+static int b_uniform_enabled(void)
+{
+    static int cached = -1;
+    return moe_env_once(&cached, "MOE_GEMM_B_UNIFORM", 0) != 0;
+}
+
 /* MOE_GEMM_PROMO_SLICES=N: the slices of 128 k a promotion of the F8 = 4 tiles sums (default
  * F8_PI; the swap-AB tiles promote at whole stages, so at least their KB). An A/B knob: more
  * slices, fewer drains of the wgmma pipeline and fewer bits kept (docs/KERNELS.md, "Promotion
@@ -1235,6 +1263,7 @@ static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, co
     if (!p.group && !SWAP && a->expert_counts && a->expert_offsets && expert_groups_enabled())
         p.group = -1; /* one expert's blocks a sweep */
     p.swap_fold = SWAP && f8_row_scales(F8) && swap_fold_enabled();
+    p.b_uniform = !SWAP && f8_row_scales(F8) && a->b_scale_uniform && b_uniform_enabled();
     p.promo_pi = F8 == 4 ? promo_slices() : F8_PI;
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[2];

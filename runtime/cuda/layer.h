@@ -51,8 +51,13 @@ typedef struct cuda_layer {
     void *sw2;                        /* bf16 [H][ss] */
     float *sgate;                     /* f32 [H] */
     float *w13s, *w2s, *sw13s, *sw2s; /* W8A8: [E][2 is], [E][H], [2 ss], [H] row scales */
-    int32_t *iota;                    /* EP: [tm k], row of slot (t, j) in `mine` */
-    float *ones;                      /* EP: [tm] */
+    /* W8A8 per-row: a gate / up, down, shared gate / up, shared down matrix whose scales differ
+     * along its rows was stored (sticky). While 0, each expert's gate, up and down rows have
+     * one scale each (per-tensor weights), which the GEMMs may read once a half
+     * (moe_gemm_args_t.b_scale_uniform). */
+    int scales_vary[4];
+    int32_t *iota; /* EP: [tm k], row of slot (t, j) in `mine` */
+    float *ones;   /* EP: [tm] */
     /* The placement on the device (runtime/cuda/placement.c): each logical expert's slots
      * replica_slot[replica_begin[e] .. replica_begin[e + 1]), ascending, and the rows each
      * logical expert got from this rank's tokens since the load window began */

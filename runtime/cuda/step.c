@@ -41,6 +41,8 @@ typedef struct mlp_io {
     /* W8A8 (optional): h's maxima, zeroed by GEMM 1's input quantisation, taken by GEMM 1's
      * epilogue, read by h's quantisation (one pass instead of two) */
     float *hamax;
+    /* W8A8 per-row: w13s / w2s hold one scale a matrix (moe_gemm_args_t.b_scale_uniform) */
+    int w13s_uniform, w2s_uniform;
 } mlp_io_t;
 
 /* h's maxima taken by GEMM 1 (mlp_io_t.hamax) where that measured faster than the
@@ -102,6 +104,7 @@ static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_
         g.a = m->a8;
         g.a_scale = m->as;
         g.b_scale = m->w13s;
+        g.b_scale_uniform = s->f8 == 1 && m->w13s_uniform;
         g.ab_dtype = MOE_DTYPE_FP8_E4M3;
         g.scale_kind = f8_scale_kind(s);
     }
@@ -126,6 +129,7 @@ static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_
         g.a = m->h8;
         g.a_scale = m->hs;
         g.b_scale = m->w2s;
+        g.b_scale_uniform = s->f8 == 1 && m->w2s_uniform;
     }
     return v->launch(&g, stream);
 }
@@ -236,9 +240,25 @@ static moe_status_t routed_gemms(cuda_layer_t *s, const moe_gemm_variant_t *v, c
                                  void *stream)
 {
     const float *in13 = s->has_in[0] ? s->in13 : NULL, *in2 = s->has_in[1] ? s->in2 : NULL;
-    mlp_io_t m = {
-        a,      NULL,  MOE_DTYPE_INVALID, NULL,   0,    s->h, s->o,  s->a8, s->h8,   s->as, s->hs,
-        s->w13, s->w2, s->w13s,           s->w2s, in13, in2,  s->is, s->E,  s->hamax};
+    mlp_io_t m = {.a = a,
+                  .x_dtype = MOE_DTYPE_INVALID,
+                  .h = s->h,
+                  .o = s->o,
+                  .a8 = s->a8,
+                  .h8 = s->h8,
+                  .as = s->as,
+                  .hs = s->hs,
+                  .w13 = s->w13,
+                  .w2 = s->w2,
+                  .w13s = s->w13s,
+                  .w2s = s->w2s,
+                  .in13 = in13,
+                  .in2 = in2,
+                  .inter = s->is,
+                  .num_experts = s->E,
+                  .hamax = s->hamax,
+                  .w13s_uniform = !s->scales_vary[0],
+                  .w2s_uniform = !s->scales_vary[1]};
     if (!a) {
         m.x = x;
         m.x_dtype = x_dtype;
@@ -369,10 +389,25 @@ static moe_status_t shared_mlp(cuda_layer_t *s, const moe_gemm_variant_t *v, con
     MOE_CHECK(moe_rows_launch(&r, stream));
     {
         const float *in13 = s->has_in[2] ? s->sin13 : NULL, *in2 = s->has_in[3] ? s->sin2 : NULL;
-        const mlp_io_t m = {
-            s->sa,  NULL,     MOE_DTYPE_INVALID, NULL,   0,        s->sh,   s->so, s->sa8, s->sh8,
-            s->sas, s->shs,   s->sw13,           s->sw2, s->sw13s, s->sw2s, in13,  in2,    s->ss,
-            1,      s->shamax};
+        const mlp_io_t m = {.a = s->sa,
+                            .x_dtype = MOE_DTYPE_INVALID,
+                            .h = s->sh,
+                            .o = s->so,
+                            .a8 = s->sa8,
+                            .h8 = s->sh8,
+                            .as = s->sas,
+                            .hs = s->shs,
+                            .w13 = s->sw13,
+                            .w2 = s->sw2,
+                            .w13s = s->sw13s,
+                            .w2s = s->sw2s,
+                            .in13 = in13,
+                            .in2 = in2,
+                            .inter = s->ss,
+                            .num_experts = 1,
+                            .hamax = s->shamax,
+                            .w13s_uniform = !s->scales_vary[2],
+                            .w2s_uniform = !s->scales_vary[3]};
         return run_mlp_gemms(s, v, &m, s->s_block_expert, s->s_num_blocks, mb, NULL, NULL, stream);
     }
 }

@@ -144,6 +144,15 @@ static moe_status_t store_e4m3(cuda_layer_t *s, moe_weight_kind_t kind, int loca
             rs[r * g + b] = m->scale_kind == MOE_SCALE_BLOCK_128    ? m->scale[(r / 128) * g + b]
                             : m->scale_kind == MOE_SCALE_PER_TENSOR ? m->scale[0]
                                                                     : m->scale[r];
+    /* one value down the rows (per-tensor, or per-channel alike): the GEMM may read one */
+    for (r = 1; r < rows * g; r++)
+        if (memcmp(&rs[r], &rs[0], sizeof(float)) != 0) {
+            s->scales_vary[kind == MOE_WEIGHT_GATE_PROJ || kind == MOE_WEIGHT_UP_PROJ ? 0
+                           : kind == MOE_WEIGHT_DOWN_PROJ                             ? 1
+                           : kind == MOE_WEIGHT_SHARED_DOWN_PROJ                      ? 3
+                                                                                      : 2] = 1;
+            break;
+        }
     st = moe_gpu_memcpy_h2d(dst, m->data, rows * cols);
     if (st == MOE_STATUS_SUCCESS)
         st = moe_gpu_memcpy_h2d(sdst, rs, sizeof(float) * rows * g);

@@ -136,6 +136,10 @@ typedef struct inputs {
     float *d_bs;    /* device [num_experts * n] scales of the weight rows */
     void *d_b8b;    /* device e4m3 weights for block scales */
     float *d_bsb;   /* device [num_experts * n][kbn] block scales (expanded per weight row) */
+    /* device [num_experts * n] one scale for all rows (per-tensor weights expanded: the runs with
+     * moe_gemm_args_t.b_scale_uniform), 2^wexp where d_bs has 2^(wexp - row % 3): the product of
+     * weight row `row` with a row of x is ref's times 2^(row % 3) */
+    float *d_bsu;
 } inputs_t;
 
 static void make_inputs(const shape_t *s, inputs_t *in)
@@ -192,6 +196,11 @@ static void make_inputs(const shape_t *s, inputs_t *in)
     CUDA_OK(cudaMalloc((void **)&in->d_bs, sizeof(float) * (size_t)s->num_experts * n));
     CUDA_OK(cudaMemcpy(in->d_bs, ws, sizeof(float) * (size_t)s->num_experts * n,
                        cudaMemcpyHostToDevice));
+    for (size_t row = 0; row < (size_t)s->num_experts * n; row++)
+        ws[row] = ldexpf(1.0f, wexp);
+    CUDA_OK(cudaMalloc((void **)&in->d_bsu, sizeof(float) * (size_t)s->num_experts * n));
+    CUDA_OK(cudaMemcpy(in->d_bsu, ws, sizeof(float) * (size_t)s->num_experts * n,
+                       cudaMemcpyHostToDevice));
     CUDA_OK(cudaMalloc(&in->d_b8b, wcount));
     CUDA_OK(cudaMemcpy(in->d_b8b, w8b, wcount, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMalloc((void **)&in->d_bsb, sizeof(float) * (size_t)s->num_experts * n * kbn));
@@ -240,6 +249,7 @@ static void free_inputs(inputs_t *in)
     cudaFree(in->d_bs);
     cudaFree(in->d_b8b);
     cudaFree(in->d_bsb);
+    cudaFree(in->d_bsu);
 }
 
 static int failures, checks;
@@ -367,6 +377,13 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
                     args.expert_counts = d_counts;
                     args.expert_offsets = d_offsets;
                 }
+                /* per-row fp8, bf16 out with row_scale: one weight scale for every row, said
+                 * (MOE_GEMM_B_UNIFORM=1 from main: the normal tiles read one) */
+                const int uni = f8 && !blk && use_scale && !f32;
+                if (uni) {
+                    args.b_scale = in->d_bsu;
+                    args.b_scale_uniform = 1;
+                }
                 const int take_amax = f8 && epi != MOE_GEMM_EPI_STORE;
                 if (take_amax) {
                     args.row_amax = d_amax;
@@ -409,9 +426,14 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
                         if (lr < 0)
                             continue;
                         const float *rr = in->ref + (size_t)lr * n;
-                        float want = epi == MOE_GEMM_EPI_STORE
-                                         ? rr[j]
-                                         : act_mul((moe_gemm_epilogue_t)epi, rr[j], rr[n / 2 + j]);
+                        /* uni: weight row (expert, col)'s scale 2^(row % 3) times d_bs's */
+                        const size_t wrow = (size_t)be[b] * n;
+                        const float fg = uni ? ldexpf(1.0f, (int)((wrow + j) % 3)) : 1.0f,
+                                    fu = uni ? ldexpf(1.0f, (int)((wrow + n / 2 + j) % 3)) : 1.0f;
+                        float want =
+                            epi == MOE_GEMM_EPI_STORE
+                                ? rr[j] * fg
+                                : act_mul((moe_gemm_epilogue_t)epi, rr[j] * fg, rr[n / 2 + j] * fu);
                         if (use_scale)
                             want *= scale[pr];
                         if (isnan(got)) {
@@ -427,13 +449,15 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
                          bad_amax == 0 && rel <= TOL;
                 checks++;
                 failures += !ok;
-                printf("%-26s %-12s %-5s %-4s %-5s rel %.2e nan %ld stray %ld amax %ld %s%s%s\n",
+                printf("%-26s %-12s %-5s %-4s %-5s %-3s rel %.2e nan %ld stray %ld amax %ld "
+                       "%s%s%s\n",
                        v->name, s->name,
                        epi == 0   ? "store"
                        : epi == 1 ? "silu"
                                   : "gelu",
-                       f32 ? "f32" : "bf16", use_scale ? "scale" : "-", rel, bad_nan, bad_written,
-                       bad_amax, ok ? "ok" : "FAIL", st ? " " : "", st ? moe_last_error() : "");
+                       f32 ? "f32" : "bf16", use_scale ? "scale" : "-", uni ? "uni" : "-", rel,
+                       bad_nan, bad_written, bad_amax, ok ? "ok" : "FAIL", st ? " " : "",
+                       st ? moe_last_error() : "");
             }
     free(c);
     free(amax);
@@ -596,6 +620,9 @@ static void check_rejects(const moe_gemm_variant_t *v, const inputs_t *in)
 int main(int argc, char **argv)
 {
     const int small = argc > 1 && !strcmp(argv[1], "--small");
+    /* the uniform weight scales' read (moe_gemm_args_t.b_scale_uniform) on, before any launch
+     * reads the knob: the runs that say so check it */
+    setenv("MOE_GEMM_B_UNIFORM", "1", 1);
     int gate = gt_gpu_gate(1);
     if (gate)
         return gate;

@@ -4,9 +4,9 @@
  * static activation scales (a checkpoint's input_scale; some experts' dynamic), seven shapes,
  * 0/1/7/64/512 tokens (and 4096 for two), on one GPU and under EP = world; the W8A8 error
  * against W8A16 on the same weights is reported; a forced variant of the wrong dtype is refused
- * at create. EP's low-latency layout (MOE_EP_LL=1) with the fused decode kernel on the rows it
- * lays out, per-row scales, dynamic and static, 1 and 7 tokens a rank; refused without the
- * kernel. */
+ * at create; the per-tensor shapes with MOE_GEMM_B_UNIFORM=1. EP's low-latency layout (MOE_EP_LL=1)
+ * with the fused decode kernel on the rows it lays out, per-row scales, dynamic and static, 1 and 7
+ * tokens a rank; refused without the kernel. */
 #include "gpu_mpi.h"
 
 #include <cuda_runtime.h>
@@ -117,6 +117,10 @@ static void test_fp8_w8a8_shapes(void **state)
     /* MOE_TEST_FP8_SHAPE=<text>: only the shapes whose name holds it, at 1 to 64 tokens (a
      * quick look at one); MOE_TEST_MAX_TOKENS bounds the counts */
     const char *only = getenv("MOE_TEST_FP8_SHAPE");
+    /* the per-tensor shapes' GEMMs read one weight scale a half (moe_gemm_args_t.b_scale_uniform;
+     * the library's default is off until measured, test_gpu_shapes runs that): set before the
+     * first GEMM launch of the process reads it */
+    setenv("MOE_GEMM_B_UNIFORM", "1", 1);
     for (i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++)
         for (j = 0; j < sizeof(counts) / sizeof(counts[0]); j++)
             if (counts[j] <= gt_max_tokens() &&
