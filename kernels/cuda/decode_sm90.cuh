@@ -1233,20 +1233,15 @@ template <bool F8> moe_status_t launch_lo_ng(const params &p, int max_ctas, cuda
                           : launch_lo<F8, 2>(p, max_ctas, stream);
 }
 
-template <bool F8, typename XT>
-moe_status_t launch_y(const params &p, moe_dtype_t yt, int max_ctas, cudaStream_t stream)
-{
-    return yt == MOE_DTYPE_F32 ? launch_ng<F8, XT, float>(p, max_ctas, stream)
-                               : launch_ng<F8, XT, __nv_bfloat16>(p, max_ctas, stream);
-}
-
 // The kernel's instances are compiled in translation units of their own, side by side
-// (decode_*_sm90.cu: routed tokens by weight type and x dtype, and the laid-out rows), each
-// holding the explicit instantiations of one pair of these; kernels/cuda/decode_sm90.cu calls them.
-template <bool F8, typename XT>
-moe_status_t run_routed(const params &p, moe_dtype_t yt, int max_ctas, cudaStream_t stream)
+// (decode_*_sm90.cu: routed tokens by weight type, x dtype and y dtype, and the laid-out rows),
+// each holding the explicit instantiations of one set of these (split by y dtype since
+// 2026-12-05: an fp8 unit with both took 51 s alone, the build's longest, its halves 27 and 31 s);
+// kernels/cuda/decode_sm90.cu calls them.
+template <bool F8, typename XT, typename YT>
+moe_status_t run_routed_y(const params &p, int max_ctas, cudaStream_t stream)
 {
-    return launch_y<F8, XT>(p, yt, max_ctas, stream);
+    return launch_ng<F8, XT, YT>(p, max_ctas, stream);
 }
 
 template <bool F8> moe_status_t run_laid_out(const params &p, int max_ctas, cudaStream_t stream)
@@ -1254,13 +1249,12 @@ template <bool F8> moe_status_t run_laid_out(const params &p, int max_ctas, cuda
     return launch_lo_ng<F8>(p, max_ctas, stream);
 }
 
-// Every instance a step of routed tokens with x of type XT can launch, loaded now
-template <bool F8, typename XT> moe_status_t prepare_routed()
+// Every instance a step of routed tokens with x of type XT and y of type YT can launch, loaded
+// now
+template <bool F8, typename XT, typename YT> moe_status_t prepare_routed_y()
 {
 #define MOE_DECODE_PREP(NG, K1, XS, SH, ST)                                                        \
-    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U_WIDE, XT, float, K1, false, XS, false, SH, ST>));    \
-    MOE_CUDA_PREPARE(                                                                              \
-        (decode_kernel<F8, NG, U_WIDE, XT, __nv_bfloat16, K1, false, XS, false, SH, ST>));
+    MOE_CUDA_PREPARE((decode_kernel<F8, NG, U_WIDE, XT, YT, K1, false, XS, false, SH, ST>));
 #define MOE_DECODE_PREP_NG(K1, SH, ST)                                                             \
     MOE_DECODE_PREP(1, K1, false, SH, ST)                                                          \
     MOE_DECODE_PREP(2, K1, false, SH, ST)                                                          \
@@ -1297,25 +1291,38 @@ template <bool F8> moe_status_t prepare_laid_out()
     return MOE_STATUS_SUCCESS;
 }
 
+// One routed set: weights (F8), x and y types; instantiated (X empty) in its own translation unit
+#define MOE_DECODE_ROUTED(X, F8, XT, YT)                                                           \
+    X template moe_status_t run_routed_y<F8, XT, YT>(const params &, int, cudaStream_t);           \
+    X template moe_status_t prepare_routed_y<F8, XT, YT>();
 #define MOE_DECODE_PARTS(X)                                                                        \
-    X template moe_status_t run_routed<false, float>(const params &, moe_dtype_t, int,             \
-                                                     cudaStream_t);                                \
-    X template moe_status_t run_routed<false, __nv_bfloat16>(const params &, moe_dtype_t, int,     \
-                                                             cudaStream_t);                        \
-    X template moe_status_t run_routed<true, float>(const params &, moe_dtype_t, int,              \
-                                                    cudaStream_t);                                 \
-    X template moe_status_t run_routed<true, __nv_bfloat16>(const params &, moe_dtype_t, int,      \
-                                                            cudaStream_t);                         \
+    MOE_DECODE_ROUTED(X, false, float, float)                                                      \
+    MOE_DECODE_ROUTED(X, false, float, __nv_bfloat16)                                              \
+    MOE_DECODE_ROUTED(X, false, __nv_bfloat16, float)                                              \
+    MOE_DECODE_ROUTED(X, false, __nv_bfloat16, __nv_bfloat16)                                      \
+    MOE_DECODE_ROUTED(X, true, float, float)                                                       \
+    MOE_DECODE_ROUTED(X, true, float, __nv_bfloat16)                                               \
+    MOE_DECODE_ROUTED(X, true, __nv_bfloat16, float)                                               \
+    MOE_DECODE_ROUTED(X, true, __nv_bfloat16, __nv_bfloat16)                                       \
     X template moe_status_t run_laid_out<false>(const params &, int, cudaStream_t);                \
     X template moe_status_t run_laid_out<true>(const params &, int, cudaStream_t);                 \
-    X template moe_status_t prepare_routed<false, float>();                                        \
-    X template moe_status_t prepare_routed<false, __nv_bfloat16>();                                \
-    X template moe_status_t prepare_routed<true, float>();                                         \
-    X template moe_status_t prepare_routed<true, __nv_bfloat16>();                                 \
     X template moe_status_t prepare_laid_out<false>();                                             \
     X template moe_status_t prepare_laid_out<true>();
 // instantiated only in their own translation units
 MOE_DECODE_PARTS(extern)
+
+// What kernels/cuda/decode_sm90.cu calls: the y dtype's set
+template <bool F8, typename XT>
+moe_status_t run_routed(const params &p, moe_dtype_t yt, int max_ctas, cudaStream_t stream)
+{
+    return yt == MOE_DTYPE_F32 ? run_routed_y<F8, XT, float>(p, max_ctas, stream)
+                               : run_routed_y<F8, XT, __nv_bfloat16>(p, max_ctas, stream);
+}
+template <bool F8, typename XT> moe_status_t prepare_routed()
+{
+    MOE_CHECK((prepare_routed_y<F8, XT, float>()));
+    return prepare_routed_y<F8, XT, __nv_bfloat16>();
+}
 
 } // namespace moe_dec
 
