@@ -87,6 +87,9 @@ static const moe_gemm_variant_t variants[] = {
     /* n192: 96 gate + 96 up weight rows a tile (two consumer warpgroups at most) */
     {"sm90_fp8_m128n192_p4", 90, 128, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
      L(moe_gemm_sm90_fp8i_m128w_launch), 0},
+    /* _la: each warpgroup's epilogue under the first stage of its next item's wgmmas */
+    {"sm90_fp8_m128n192_p4_la", 90, 128, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
+     L(moe_gemm_sm90_fp8i_m128wla_launch), 0},
     {"sm90_fp8_m64n192_pp_p4", 90, 64, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
      L(moe_gemm_sm90_fp8i_m64wpp_launch), 0},
     /* no promotion (fast_accum): forced or tuned with MOE_FP8_FAST_ACCUM=1 only */

@@ -25,6 +25,7 @@ moe_status_t moe_gemm_sm90_fp8_m64_launch(const moe_gemm_args_t *args, void *str
 moe_status_t moe_gemm_sm90_fp8f_m128_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8i_m128_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8i_m128w_launch(const moe_gemm_args_t *args, void *stream);
+moe_status_t moe_gemm_sm90_fp8i_m128wla_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8i_m64wpp_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8b_m128w_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8b_m64wpp_launch(const moe_gemm_args_t *args, void *stream);

@@ -289,7 +289,7 @@ __device__ __forceinline__ float sm90_f8_scale(const moe_gemm_kparams &p, int64_
  * both (docs/KERNELS.md, "Token-tile multicast"): a CTA reads TOK / 2 token rows a stage from
  * the L2 instead of TOK. */
 template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB, int F8, int PING,
-          int MC>
+          int MC, int LA>
 __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8, PING>::THREADS, 1)
     moe_gemm_sm90_kernel(const __grid_constant__ CUtensorMap tm_tok,
                          const __grid_constant__ CUtensorMap tm_w,
@@ -631,6 +631,20 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
         } else
             mbar_arrive(&empty[stage]);
     };
+    /* A consumer warpgroup whose 64 rows of item (e, row0) are all padding (below) */
+    auto pad_of = [&](int e, int64_t row0) {
+        return !PING && C::NWG > 1 && wg > 0 && p.expert_counts &&
+               __ldg(p.expert_counts + e) - (int)(row0 - __ldg(p.expert_offsets + e)) <= wg * 64;
+    };
+    /* LA (promoted every F8_PI slices, cooperative, no cluster): once an item's main loop is
+     * done, the warpgroup issues the first stage of its next item's wgmmas into the partial
+     * sums and runs the epilogue (on acc) while the tensor cores compute them; `pre`: the
+     * current item's first stage is in flight (ring stage pre_stage), its main loop starts at
+     * the second. docs/KERNELS.md, "Epilogue under the next item's first stage". */
+    constexpr bool LAH = LA && F8 == 4 && !SWAP && !PING && !MC;
+    static_assert(!LA || LAH, "LA: the per-row fp8 tiles promoted every F8_PI slices only");
+    bool pre = false;
+    int pre_stage = 0;
     int s = 0, ph = 0, mine = 0, tph = 0;
     for (int t = first; t < total; t += stride) {
         int b, jt;
@@ -666,9 +680,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
          * (130 rows: 128 + 2). A consumer warpgroup whose 64 rows are all padding passes the
          * item's stages through (the other one runs the tensor cores alone, about twice as
          * fast) and stores nothing: padding rows of c are never read. */
-        const bool pad =
-            !PING && C::NWG > 1 && wg > 0 && p.expert_counts &&
-            __ldg(p.expert_counts + e) - (int)(row0 - __ldg(p.expert_offsets + e)) <= wg * 64;
+        const bool pad = pad_of(e, row0);
         /* MC: so does every warpgroup of a pair's second tile past n */
         if (pad || (MC && jt >= p.n_tiles)) {
             for (int kt = 0; kt < kt_count; kt += KB) {
@@ -764,7 +776,28 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
          * bench/RESULTS.md, "Tried and rejected") */
         int pcnt = 0;
         bool pfresh = true; /* the partial's next slice overwrites it */
-        for (int kt = 0; kt < kt_count; kt += KB) {
+        int kt0 = 0;
+        if constexpr (LAH) {
+            if (__all_sync(0xffffffffu, pre)) { /* the first stage went out under the epilogue */
+                pre = false;
+                kt0 = KB;
+                pcnt = KB;
+                pfresh = false;
+                s_prev = pre_stage;
+                if (pcnt >= p.promo_pi) { /* an interval of one stage: promote it now */
+                    wgmma_wait<0>();
+                    if (lane == 0)
+                        release(s_prev);
+                    s_prev = -1;
+                    pcnt = 0;
+                    pfresh = true;
+                    const float sb[NSB] = {}, sa[NA] = {};
+                    const int bc[NBC] = {};
+                    apply(acc, reinterpret_cast<acc_t>(part), sb, sa, bc);
+                }
+            }
+        }
+        for (int kt = kt0; kt < kt_count; kt += KB) {
             mbar_wait(&full[s], ph);
             const uint32_t st = smem_u32(smem + s * C::STAGE_BYTES);
             if (PRO) {
@@ -840,6 +873,41 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 reg_fence(acc[h][i]);
         if (s_prev >= 0 && lane == 0)
             release(s_prev);
+        if constexpr (LAH) {
+            /* the next item this warpgroup computes (items of no expert skipped, as the loop
+             * does), unless its rows are padding here or its k is one stage */
+            int t2 = t + stride, b2 = 0, jt2 = 0, e2 = -1;
+            for (; t2 < total; t2 += stride) {
+                item_of(t2, &b2, &jt2);
+                e2 = __ldg(p.block_expert + b2);
+                if (e2 >= 0 && e2 < p.num_experts)
+                    break;
+            }
+            /* a vote: ptxas must see the branches as uniform, or it serializes every wgmma of
+             * the kernel (C7518) */
+            const bool go = __all_sync(0xffffffffu, t2 < total && kt_count > KB &&
+                                                        !pad_of(e2, (int64_t)b2 * TOK));
+            if (go)
+                mbar_wait(&full[s], ph);
+            /* Issued either way: the partial sums defined on one path only would need a copy
+             * where the paths join, and ptxas waits for the wgmmas before it (C7517), so the
+             * epilogue would not run under them. Without a next item the group reads this
+             * item's last stage again (released, perhaps being refilled): its sums are never
+             * read (a later item's first wgmma starts the partial afresh, behind it). */
+            const int sx = go ? s : (s + STAGES - 1) % STAGES;
+            const uint32_t st = smem_u32(smem + sx * C::STAGE_BYTES);
+            wgmma_fence();
+#pragma unroll
+            for (int sub = 0; sub < KB; sub++)
+                mma_slice(reinterpret_cast<acc_t>(part), st, sub, wg, sub == 0);
+            wgmma_commit();
+            pre = go;
+            pre_stage = s;
+            if (go && ++s == STAGES) {
+                s = 0;
+                ph ^= 1;
+            }
+        }
         if (sfold) {
 #pragma unroll
             for (int j = 0; j < (SRS ? C::WM : 1); j++)
@@ -1053,6 +1121,8 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
             }
         }
     }
+    if constexpr (LAH) /* the last item's look-ahead group: done before the CTA goes */
+        wgmma_wait<0>();
     /* the last boxes must be written before the CTA (and its shared memory) goes */
     if (C::TS && p.tma_store && tid == 0)
         asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
@@ -1206,12 +1276,12 @@ static int mc_clusters(const void *kernel, int smem, int threads, int dev, int *
 }
 
 template <int SWAP, int TOK, int WR, int HALVES, int EPI, int STAGES, int KB = 1, int F8 = 0,
-          int PING = 0, int MC = 0>
+          int PING = 0, int MC = 0, int LA = 0>
 static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, const char *name)
 {
     using C = sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8, PING>;
     static int smem_done[MOE_MAX_DEVICES], clusters[MOE_MAX_DEVICES];
-    auto kernel = moe_gemm_sm90_kernel<SWAP, TOK, WR, HALVES, EPI, STAGES, KB, F8, PING, MC>;
+    auto kernel = moe_gemm_sm90_kernel<SWAP, TOK, WR, HALVES, EPI, STAGES, KB, F8, PING, MC, LA>;
     int dev, sms;
     MOE_CHECK(moe_gemm_device_sms(name, &dev, &sms));
     MOE_CHECK(moe_gemm_smem_once(name, (const void *)kernel, C::SMEM, dev, smem_done));
@@ -1293,7 +1363,7 @@ static constexpr int stages_for(int stage_bytes, int budget, int cap)
 /* Normal layout: TOK tokens (64 per consumer warpgroup; PING: two warpgroups on alternate
  * 64-row items) x 2 x WR weight rows: WRB, or where it is 0 the kind's own (bf16 and F8 = 3:
  * 128; 64 for three and four consumer warpgroups is given). */
-template <int TOK, int F8 = 0, int WRB = 0, int PING = 0, int MC = 0>
+template <int TOK, int F8 = 0, int WRB = 0, int PING = 0, int MC = 0, int LA = 0>
 static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const char *name)
 {
     /* FP8 with promotion (F8 = 1, 2, 4) keeps a second set of accumulators: 64 weight rows a
@@ -1314,11 +1384,13 @@ static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const 
     cudaStream_t s = (cudaStream_t)stream;
     switch (a->epilogue) {
     case MOE_GEMM_EPI_STORE:
-        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_STORE, ST, 1, F8, PING, MC>(a, s, name);
+        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_STORE, ST, 1, F8, PING, MC, LA>(a, s, name);
     case MOE_GEMM_EPI_SILU_MUL:
-        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_SILU_MUL, ST, 1, F8, PING, MC>(a, s, name);
+        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_SILU_MUL, ST, 1, F8, PING, MC, LA>(a, s,
+                                                                                         name);
     case MOE_GEMM_EPI_GELU_MUL:
-        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_GELU_MUL, ST, 1, F8, PING, MC>(a, s, name);
+        return launch_one<0, TOK, WR, 2, MOE_GEMM_EPI_GELU_MUL, ST, 1, F8, PING, MC, LA>(a, s,
+                                                                                         name);
     default:
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: epilogue %d", name, (int)a->epilogue);
     }
