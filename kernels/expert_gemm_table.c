@@ -137,6 +137,24 @@ const moe_gemm_variant_t *moe_gemm_variants(int *count)
     return variants;
 }
 
+/* Variants on trial (moe_gemm_variant_on_trial), each with the date it was built and what
+ * clears it: test_gpu_expert_gemm on a GPU and a measurement (then it leaves this list). */
+static const char *const on_trial[] = {
+    /* 2026-12-05, no GPU lent: bench/device_run.sh tests, then the vs A/B in docs/KERNELS.md,
+     * "Epilogue under the next item's first stage" */
+    "sm90_fp8_m128n192_p4_la",
+};
+
+int moe_gemm_variant_on_trial(const moe_gemm_variant_t *v)
+{
+    if (!v)
+        return 0;
+    for (size_t i = 0; i < sizeof(on_trial) / sizeof(on_trial[0]); i++)
+        if (strcmp(v->name, on_trial[i]) == 0)
+            return 1;
+    return 0;
+}
+
 int moe_gemm_variant_runs_on(const moe_gemm_variant_t *v, int arch)
 {
     /* sm_90a code runs on compute capability 9.0 alone; the sm_80 family carries PTX that

@@ -18,6 +18,10 @@ const moe_gemm_variant_t *moe_gemm_variant_by_name(const char *name);
 /* 1 if the variant has an image that runs on a device of compute capability `arch` (90, 100,
  * ...): sm_90a variants on 90 only, sm_80 ones (SASS + PTX) on 80 and newer. */
 int moe_gemm_variant_runs_on(const moe_gemm_variant_t *v, int arch);
+/* 1 if the variant is on trial: built, but not yet checked on a GPU against the CPU reference
+ * nor measured (its note in kernels/expert_gemm_table.c). MOE_FORCE_VARIANT and the GPU tests run
+ * it; moe-tune leaves it out unless MOE_TUNE_TRIAL=1; no built-in table names it. */
+int moe_gemm_variant_on_trial(const moe_gemm_variant_t *v);
 
 #ifdef __cplusplus
 }

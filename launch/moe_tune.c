@@ -386,11 +386,14 @@ static void tune_gemm(const bench_t *b, options_t *o, int arch, moe_oracle_group
     const int64_t E = o->cfg.num_experts, k = o->cfg.top_k, W = b->world;
     moe_layer_config_t cfg = o->cfg;
 
-    /* variants that sum FP8 products on the tensor cores alone change the numerics: asked for */
+    /* variants that sum FP8 products on the tensor cores alone change the numerics, and those
+     * on trial are not yet checked on a GPU: both asked for */
     const int fast = moe_env_int("MOE_FP8_FAST_ACCUM", 0) != 0;
+    const int trial = moe_env_int("MOE_TUNE_TRIAL", 0) != 0;
     for (i = 0; i < count && nc < MAX_CAND; i++)
         if (moe_gemm_variant_runs_on(&v[i], arch) && v[i].ab_dtype == g->dtype &&
-            v[i].scale_kind == g->scale && (!v[i].fast_accum || fast))
+            v[i].scale_kind == g->scale && (!v[i].fast_accum || fast) &&
+            (!moe_gemm_variant_on_trial(&v[i]) || trial))
             snprintf(names[nc++], MOE_ORACLE_NAME_LEN, "%s", v[i].name);
     for (i = 0; i < o->num_rows; i++) { /* tokens per rank giving about that many rows */
         int64_t t = (int64_t)ceil(o->rows[i] * (double)E / (double)(k * W));

@@ -14,8 +14,8 @@ moe_status_t moe_gemm_sm90_fp8i_m128w_launch(const moe_gemm_args_t *a, void *str
     return launch_normal<128, 4, 96>(a, stream, "sm90_fp8_m128n192_p4");
 }
 /* the same, each warpgroup's epilogue run while the tensor cores compute the first stage of
- * its next item (LA: docs/KERNELS.md, "Epilogue under the next item's first stage"); forced or
- * tuned only until measured */
+ * its next item (LA: docs/KERNELS.md, "Epilogue under the next item's first stage"); on trial
+ * (kernels/expert_gemm_table.c) until tested and measured on a GPU */
 moe_status_t moe_gemm_sm90_fp8i_m128wla_launch(const moe_gemm_args_t *a, void *stream)
 {
     return launch_normal<128, 4, 96, 0, 0, 1>(a, stream, "sm90_fp8_m128n192_p4_la");

@@ -271,6 +271,26 @@ static void test_defaults_never_fast_accum(void **state)
         }
 }
 
+/* A variant on trial (built, not yet checked on a GPU) is in the table by a name that exists and
+ * in no built-in table. */
+static void test_defaults_never_on_trial(void **state)
+{
+    int ng = 0, nv = 0, trial = 0;
+    const moe_oracle_group_t *g = moe_oracle_defaults(&ng);
+    const moe_gemm_variant_t *v = moe_gemm_variants(&nv);
+    (void)state;
+    for (int i = 0; i < nv; i++)
+        trial += moe_gemm_variant_on_trial(&v[i]);
+    assert_true(trial >= 1);
+    assert_int_equal(moe_gemm_variant_on_trial(moe_gemm_variant_by_name("sm90_fp8_m128n192_p4")),
+                     0);
+    assert_int_equal(moe_gemm_variant_on_trial(NULL), 0);
+    for (int i = 0; i < ng; i++)
+        for (int b = 0; b < g[i].num_buckets; b++)
+            assert_int_equal(
+                moe_gemm_variant_on_trial(moe_gemm_variant_by_name(g[i].bucket[b].name)), 0);
+}
+
 /* The fp8 tables for hidden <= 2048 answer only layers whose hidden is known and that short;
  * the rest get the tables for any shape. */
 static void test_defaults_short_k(void **state)
@@ -1047,6 +1067,7 @@ int main(void)
         cmocka_unit_test(test_buckets_from_points),
         cmocka_unit_test(test_fifo_tune_file),
         cmocka_unit_test(test_defaults_never_fast_accum),
+        cmocka_unit_test(test_defaults_never_on_trial),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
