@@ -76,6 +76,11 @@ static const moe_gemm_variant_t variants[] = {
      L(moe_gemm_sm90_fp8i_m128_launch), 0},
     {"sm90_fp8_m192n128_p4", 90, 192, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
      L(moe_gemm_sm90_fp8i_m192_launch), 0},
+    /* _la: each warpgroup's epilogue under the first stage of its next item's wgmmas */
+    {"sm90_fp8_m128n128_p4_la", 90, 128, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
+     L(moe_gemm_sm90_fp8i_m128la_launch), 0},
+    {"sm90_fp8_m192n128_p4_la", 90, 192, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
+     L(moe_gemm_sm90_fp8i_m192la_launch), 0},
     /* _mc: 2-CTA clusters on two weight tiles of one row block, the token tile multicast */
     {"sm90_fp8_m128n128_p4_mc", 90, 128, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
      L(moe_gemm_sm90_fp8i_m128mc_launch), 0},
@@ -142,6 +147,8 @@ const moe_gemm_variant_t *moe_gemm_variants(int *count)
 static const char *const on_trial[] = {
     /* 2026-12-05, no GPU lent: bench/device_run.sh tests, then the vs A/B in docs/KERNELS.md,
      * "Epilogue under the next item's first stage" */
+    "sm90_fp8_m128n128_p4_la",
+    "sm90_fp8_m192n128_p4_la",
     "sm90_fp8_m128n192_p4_la",
 };
 

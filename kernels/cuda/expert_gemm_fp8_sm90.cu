@@ -28,6 +28,16 @@ moe_status_t moe_gemm_sm90_fp8i_m192_launch(const moe_gemm_args_t *a, void *stre
 {
     return launch_normal<192, 4>(a, stream, "sm90_fp8_m192n128_p4");
 }
+/* each warpgroup's epilogue under the first stage of its next item (LA; on trial:
+ * kernels/expert_gemm_table.c) */
+moe_status_t moe_gemm_sm90_fp8i_m192la_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<192, 4, 0, 0, 0, 1>(a, stream, "sm90_fp8_m192n128_p4_la");
+}
+moe_status_t moe_gemm_sm90_fp8i_m128la_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<128, 4, 0, 0, 0, 1>(a, stream, "sm90_fp8_m128n128_p4_la");
+}
 /* The _p4 promotion with two consumer warpgroups on alternate 64-row items (ping-pong, as the
  * bf16 m64n256_pp tile): one's promotions and epilogue run while the other's wgmmas do. */
 moe_status_t moe_gemm_sm90_fp8i_m64pp_launch(const moe_gemm_args_t *a, void *stream)
