@@ -118,6 +118,11 @@ static const moe_gemm_variant_t variants[] = {
      L(moe_gemm_sm90_fp8b_m128_launch), 0},
     {"sm90_fp8_block_m192n128", 90, 192, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
      L(moe_gemm_sm90_fp8b_m192_launch), 0},
+    /* _la: each warpgroup's epilogue under the first slice of its next item's wgmmas */
+    {"sm90_fp8_block_m128n128_la", 90, 128, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
+     L(moe_gemm_sm90_fp8b_m128la_launch), 0},
+    {"sm90_fp8_block_m192n128_la", 90, 192, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
+     L(moe_gemm_sm90_fp8b_m192la_launch), 0},
     {"sm90_fp8_block_m128n128_mc", 90, 128, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
      L(moe_gemm_sm90_fp8b_m128mc_launch), 0},
     {"sm90_fp8_block_m192n128_mc", 90, 192, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
@@ -147,9 +152,8 @@ const moe_gemm_variant_t *moe_gemm_variants(int *count)
 static const char *const on_trial[] = {
     /* 2026-12-05, no GPU lent: bench/device_run.sh tests, then the vs A/B in docs/KERNELS.md,
      * "Epilogue under the next item's first stage" */
-    "sm90_fp8_m128n128_p4_la",
-    "sm90_fp8_m192n128_p4_la",
-    "sm90_fp8_m128n192_p4_la",
+    "sm90_fp8_m128n128_p4_la",    "sm90_fp8_m192n128_p4_la",    "sm90_fp8_m128n192_p4_la",
+    "sm90_fp8_block_m128n128_la", "sm90_fp8_block_m192n128_la",
 };
 
 int moe_gemm_variant_on_trial(const moe_gemm_variant_t *v)

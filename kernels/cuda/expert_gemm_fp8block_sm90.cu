@@ -14,6 +14,16 @@ moe_status_t moe_gemm_sm90_fp8b_m192_launch(const moe_gemm_args_t *a, void *stre
 {
     return launch_normal<192, 2>(a, stream, "sm90_fp8_block_m192n128");
 }
+/* each warpgroup's epilogue under the first slice of its next item (LA; on trial:
+ * kernels/expert_gemm_table.c) */
+moe_status_t moe_gemm_sm90_fp8b_m128la_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<128, 2, 0, 0, 0, 1>(a, stream, "sm90_fp8_block_m128n128_la");
+}
+moe_status_t moe_gemm_sm90_fp8b_m192la_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<192, 2, 0, 0, 0, 1>(a, stream, "sm90_fp8_block_m192n128_la");
+}
 moe_status_t moe_gemm_sm90_fp8b_m64_launch(const moe_gemm_args_t *a, void *stream)
 {
     return launch_normal<64, 2>(a, stream, "sm90_fp8_block_m64n128");

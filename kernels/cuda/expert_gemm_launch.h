@@ -28,6 +28,8 @@ moe_status_t moe_gemm_sm90_fp8i_m128w_launch(const moe_gemm_args_t *args, void *
 moe_status_t moe_gemm_sm90_fp8i_m128wla_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8i_m192la_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8i_m128la_launch(const moe_gemm_args_t *args, void *stream);
+moe_status_t moe_gemm_sm90_fp8b_m128la_launch(const moe_gemm_args_t *args, void *stream);
+moe_status_t moe_gemm_sm90_fp8b_m192la_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8i_m64wpp_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8b_m128w_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8b_m64wpp_launch(const moe_gemm_args_t *args, void *stream);

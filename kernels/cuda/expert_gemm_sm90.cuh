@@ -641,8 +641,8 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
      * sums and runs the epilogue (on acc) while the tensor cores compute them; `pre`: the
      * current item's first stage is in flight (ring stage pre_stage), its main loop starts at
      * the second. docs/KERNELS.md, "Epilogue under the next item's first stage". */
-    constexpr bool LAH = LA && F8 == 4 && !SWAP && !PING && !MC;
-    static_assert(!LA || LAH, "LA: the per-row fp8 tiles promoted every F8_PI slices only");
+    constexpr bool LAH = LA && (F8 == 4 || (F8 == 2 && KB == 1)) && !SWAP && !PING && !MC;
+    static_assert(!LA || LAH, "LA: the promoted fp8 tiles (block scales: one slice a stage)");
     bool pre = false;
     int pre_stage = 0;
     int s = 0, ph = 0, mine = 0, tph = 0;
@@ -784,7 +784,16 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 pcnt = KB;
                 pfresh = false;
                 s_prev = pre_stage;
-                if (pcnt >= p.promo_pi) { /* an interval of one stage: promote it now */
+                if constexpr (PRO) { /* block scales: its slice promoted now, with its scales */
+                    float sb[NSB], sa[NA];
+                    int bc[NBC];
+                    load_scales(sb, sa, bc, 0, e, row0, jt, sc_of(pre_stage, 0));
+                    wgmma_wait<0>();
+                    if (lane == 0)
+                        release(pre_stage);
+                    s_prev = -1;
+                    apply(acc, reinterpret_cast<acc_t>(part), sb, sa, bc);
+                } else if (pcnt >= p.promo_pi) { /* an interval of one stage: promote it now */
                     wgmma_wait<0>();
                     if (lane == 0)
                         release(s_prev);
