@@ -381,6 +381,13 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
         if (MC)
             *jt = 2 * *jt + (int)rank;
     };
+    /* item t's (row block, weight tile) and the block's expert, or -1 for a block of no expert
+     * (skipped alike by the producer, the consumers and the consumers' look-ahead) */
+    auto item_expert = [&](int t, int *b, int *jt) {
+        item_of(t, b, jt);
+        const int e = __ldg(p.block_expert + *b);
+        return e >= 0 && e < p.num_experts ? e : -1;
+    };
     constexpr int BKE = sm90_elem<F8>::BKE;
     const int kt_count = (p.k + BKE - 1) / BKE; /* the k tail: TMA zero fill */
 
@@ -394,9 +401,8 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
             const int nlim = EPI == MOE_GEMM_EPI_STORE ? p.n : p.n / 2;
             for (int t = first; t < total; t += stride) {
                 int b, jt;
-                item_of(t, &b, &jt);
-                int e = __ldg(p.block_expert + b);
-                if (e < 0 || e >= p.num_experts)
+                const int e = item_expert(t, &b, &jt);
+                if (e < 0)
                     continue;
                 /* MC: a pair's second tile past n (odd n_tiles) loads its token half alone */
                 const bool wload = !MC || jt < p.n_tiles;
@@ -648,9 +654,8 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
     int s = 0, ph = 0, mine = 0, tph = 0;
     for (int t = first; t < total; t += stride) {
         int b, jt;
-        item_of(t, &b, &jt);
-        int e = __ldg(p.block_expert + b);
-        if (e < 0 || e >= p.num_experts)
+        const int e = item_expert(t, &b, &jt);
+        if (e < 0)
             continue;
         /* PING: the other warpgroup's item; its stages go by in the ring (same count for every
          * item: k is the same). Then this one's main loop waits for its turn: the other's main
@@ -734,11 +739,11 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
         } else if (ERS) {
             /* 32 scales a 128-byte line: the set's WR columns, the warpgroup's 64 rows */
             constexpr int LINES = WR / 32;
-            if (tid < (p.b_uniform ? 1 : C::NACC * LINES)) {
+            if (tid < C::NACC * LINES) {
                 const int h = tid / LINES,
                           col = (EPI == MOE_GEMM_EPI_STORE ? jt * HALVES * WR + h * WR : jt * WR) +
                                 32 * (tid % LINES);
-                if (col < p.n_out)
+                if (col < p.n_out && !p.b_uniform) /* b_uniform: one scale a set, read after */
                     asm volatile("prefetch.global.L1 [%0];" ::"l"(fptr(h, col)));
             } else if (tid >= 64 && tid < 66)
                 asm volatile("prefetch.global.L1 [%0];" ::"l"(
@@ -784,24 +789,18 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                 pcnt = KB;
                 pfresh = false;
                 s_prev = pre_stage;
-                if constexpr (PRO) { /* block scales: its slice promoted now, with its scales */
-                    float sb[NSB], sa[NA];
-                    int bc[NBC];
-                    load_scales(sb, sa, bc, 0, e, row0, jt, sc_of(pre_stage, 0));
-                    wgmma_wait<0>();
-                    if (lane == 0)
-                        release(pre_stage);
-                    s_prev = -1;
-                    apply(acc, reinterpret_cast<acc_t>(part), sb, sa, bc);
-                } else if (pcnt >= p.promo_pi) { /* an interval of one stage: promote it now */
+                /* promoted now where the stage is a whole interval: block scales' every slice
+                 * (with its scales), or a per-row interval of one stage */
+                if (PRO || pcnt >= p.promo_pi) {
+                    float sb[NSB] = {}, sa[NA] = {};
+                    int bc[NBC] = {};
+                    load_scales(sb, sa, bc, 0, e, row0, jt, sc_of(pre_stage, 0)); /* PRO only */
                     wgmma_wait<0>();
                     if (lane == 0)
                         release(s_prev);
                     s_prev = -1;
                     pcnt = 0;
                     pfresh = true;
-                    const float sb[NSB] = {}, sa[NA] = {};
-                    const int bc[NBC] = {};
                     apply(acc, reinterpret_cast<acc_t>(part), sb, sa, bc);
                 }
             }
@@ -886,12 +885,8 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
             /* the next item this warpgroup computes (items of no expert skipped, as the loop
              * does), unless its rows are padding here or its k is one stage */
             int t2 = t + stride, b2 = 0, jt2 = 0, e2 = -1;
-            for (; t2 < total; t2 += stride) {
-                item_of(t2, &b2, &jt2);
-                e2 = __ldg(p.block_expert + b2);
-                if (e2 >= 0 && e2 < p.num_experts)
-                    break;
-            }
+            while (t2 < total && (e2 = item_expert(t2, &b2, &jt2)) < 0)
+                t2 += stride;
             /* a vote: ptxas must see the branches as uniform, or it serializes every wgmma of
              * the kernel (C7518) */
             const bool go = __all_sync(0xffffffffu, t2 < total && kt_count > KB &&
