@@ -105,6 +105,7 @@ static moe_status_t store_e4m3(cuda_layer_t *s, moe_weight_kind_t kind, int loca
     const size_t rows = (size_t)m->rows, cols = (size_t)m->cols, g = f8_groups(s, m->cols);
     char *dst;
     float *sdst, *rs;
+    int *vary; /* the matrix's cuda_layer_t.scales_vary */
     moe_status_t st;
     size_t r, b;
     if (m->dtype != MOE_DTYPE_FP8_E4M3 || (s->f8 == 2 ? m->scale_kind != MOE_SCALE_BLOCK_128
@@ -121,19 +122,23 @@ static moe_status_t store_e4m3(cuda_layer_t *s, moe_weight_kind_t kind, int loca
         sdst = s->w13s + (size_t)local * 2 * is * g;
         if (kind == MOE_WEIGHT_UP_PROJ)
             dst += is * H, sdst += is * g;
+        vary = &s->scales_vary[0];
         break;
     case MOE_WEIGHT_DOWN_PROJ:
         dst = (char *)s->w2 + (size_t)local * H * is;
         sdst = s->w2s + (size_t)local * H * g;
+        vary = &s->scales_vary[1];
         break;
     case MOE_WEIGHT_SHARED_GATE_PROJ:
     case MOE_WEIGHT_SHARED_UP_PROJ:
         dst = (char *)s->sw13 + (kind == MOE_WEIGHT_SHARED_UP_PROJ ? ss * H : 0);
         sdst = s->sw13s + (kind == MOE_WEIGHT_SHARED_UP_PROJ ? ss * g : 0);
+        vary = &s->scales_vary[2];
         break;
     default:
         dst = (char *)s->sw2;
         sdst = s->sw2s;
+        vary = &s->scales_vary[3];
         break;
     }
     rs = malloc(sizeof(float) * (rows ? rows * g : 1));
@@ -147,10 +152,7 @@ static moe_status_t store_e4m3(cuda_layer_t *s, moe_weight_kind_t kind, int loca
     /* one value down the rows (per-tensor, or per-channel alike): the GEMM may read one */
     for (r = 1; r < rows * g; r++)
         if (memcmp(&rs[r], &rs[0], sizeof(float)) != 0) {
-            s->scales_vary[kind == MOE_WEIGHT_GATE_PROJ || kind == MOE_WEIGHT_UP_PROJ ? 0
-                           : kind == MOE_WEIGHT_DOWN_PROJ                             ? 1
-                           : kind == MOE_WEIGHT_SHARED_DOWN_PROJ                      ? 3
-                                                                                      : 2] = 1;
+            *vary = 1;
             break;
         }
     st = moe_gpu_memcpy_h2d(dst, m->data, rows * cols);
