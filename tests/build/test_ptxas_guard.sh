@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # cmake/ptxas_guard.sh, the library's CUDA compiler launcher: a kernel whose wgmma ptxas
-# serializes (here: issued on a divergent path, C7520) fails its compile, naming the function, and
-# leaves no object; the same wgmma on a uniform path compiles; a compile error keeps nvcc's status.
+# serializes (here: issued on a divergent path, C7520) fails its compile under --fail, naming the
+# function, and leaves no object, and compiles with a warning under --warn; the same wgmma on a
+# uniform path compiles; a compile error keeps nvcc's status; no mode is a usage error.
 #   test_ptxas_guard.sh NVCC GUARD
 set -u
 nvcc=$1 guard=$2
@@ -31,9 +32,9 @@ __global__ void k_$1(float *out, uint64_t da, uint64_t db, int n)
 }
 SRC
 }
-compile() { # NAME: compiles $tmp/NAME.cu through the guard into $tmp/NAME.o; output in $tmp/NAME.log
-    bash "$guard" "$nvcc" -gencode=arch=compute_90a,code=sm_90a -c "$tmp/$1.cu" -o "$tmp/$1.o" \
-        >"$tmp/$1.log" 2>&1
+compile() { # NAME [MODE]: $tmp/NAME.cu through the guard (--fail) into $tmp/NAME.o; $tmp/NAME.log
+    bash "$guard" "${2:---fail}" "$nvcc" -gencode=arch=compute_90a,code=sm_90a -c "$tmp/$1.cu" \
+        -o "$tmp/$1.o" >"$tmp/$1.log" 2>&1
 }
 kernel divergent "threadIdx.x < n" >"$tmp/divergent.cu"
 kernel uniform "n > 0" >"$tmp/uniform.cu"
@@ -47,6 +48,14 @@ check "divergent wgmma: ptxas's line kept" grep -q "instructions are serialized.
 check "divergent wgmma: the guard says why" grep -q "^ptxas_guard: ptxas serialized" \
     "$tmp/divergent.log"
 check "divergent wgmma: no object left" [ ! -e "$tmp/divergent.o" ]
+cp "$tmp/divergent.cu" "$tmp/warned.cu"
+sed -i 's/k_divergent/k_warned/' "$tmp/warned.cu"
+compile warned --warn
+rc=$?
+check "divergent wgmma, --warn: compiles (rc $rc)" [ $rc -eq 0 ]
+check "divergent wgmma, --warn: the object" [ -s "$tmp/warned.o" ]
+check "divergent wgmma, --warn: the warning" grep -q "^ptxas_guard: warning: ptxas serialized" \
+    "$tmp/warned.log"
 compile uniform
 rc=$?
 check "uniform wgmma: compiles (rc $rc)" [ $rc -eq 0 ]
@@ -58,5 +67,9 @@ rc=$?
 check "a compile error: nvcc's failure kept (rc $rc)" [ $rc -ne 0 ]
 check "a compile error: nvcc's message" grep -q "undefined_name" "$tmp/bad.log"
 check "a compile error: not blamed on ptxas" bash -c "! grep -q 'ptxas_guard' '$tmp/bad.log'"
+bash "$guard" "$nvcc" --version >"$tmp/usage.log" 2>&1
+rc=$?
+check "no mode: a usage error (rc $rc)" [ $rc -eq 2 ]
+check "no mode: says so" grep -q "usage: ptxas_guard.sh --fail|--warn" "$tmp/usage.log"
 [ $fail -eq 0 ] || cat "$tmp"/*.log
 [ $fail -eq 0 ]
