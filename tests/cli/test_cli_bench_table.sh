@@ -35,9 +35,10 @@ for run in "1 2 rotated over 2 copies (L2 0.0 MB): --rotate 2" \
     check "$name: JSON of 3 points" [ "$(grep -o '"m": ' "$json" | wc -l)" -eq 3 ]
     check "$name: each point says what ran" \
         [ "$(grep -o '"explain": "cpu backend: reference kernels' "$json" | wc -l)" -eq 3 ]
-    # (the environment may hold other MOE_* variables: a CI run's MOE_REQUIRE_TORCH)
+    # (the environment may hold other MOE_* variables, digits in their names and escaped quotes
+    # in their values: a CI run's MOE_REQUIRE_TORCH)
     check "$name: JSON has the MOE_* environment" \
-        grep -qE '"env": \{("MOE_[A-Z_]+": "[^"]*", )*"MOE_BACKEND": "cpu", ("MOE_[A-Z_]+": "[^"]*", )*"MOE_BENCH_TEST": "a\\"b"' "$json"
+        grep -qE '"env": \{("MOE_[A-Z0-9_]+": "([^"\\]|\\.)*", )*"MOE_BACKEND": "cpu", ("MOE_[A-Z0-9_]+": "([^"\\]|\\.)*", )*"MOE_BENCH_TEST": "a\\"b"' "$json"
     check "$name: JSON's env leaves the commit's variable to \"commit\"" \
         grep -q '"commit": "c0ffee", .*"env": {' "$json"
     ! grep -q '"MOE_BENCH_COMMIT"' "$json" || check "$name: no MOE_BENCH_COMMIT in env" false
