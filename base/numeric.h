@@ -43,6 +43,18 @@ uint8_t moe_fp8e4m3_quantize(float v, float scale);
 /* The dynamic scale of a group whose largest |value| is `amax`: max(amax, 1e-10) / 448. */
 float moe_fp8_dynamic_scale(float amax);
 
+/* moe_fp8_dynamic_scale for an amax that is a bf16 value (|h| as GEMM 1 stores it), without a
+ * division: the quotient by 1/448 rounded, then one FMA step on its exact remainder (as
+ * moe_fp8_quotient). Equal to it for every bf16 value, infinity included (tests/unit/
+ * test_numeric.c checks all of them); on a GPU no slow-path call (a division has one), for the
+ * fused decode kernel's per-group scales inside its k loop. */
+static inline MOE_HOST_DEVICE float moe_fp8_dynamic_scale_bf16(float amax)
+{
+    const float a = amax > MOE_FP8_ACT_AMAX_MIN ? amax : MOE_FP8_ACT_AMAX_MIN;
+    const float r = 1.0f / MOE_FP8_E4M3_MAX, q = a * r;
+    return isinf(a) ? a : fmaf(fmaf(-q, MOE_FP8_E4M3_MAX, a), r, q);
+}
+
 /* v / scale for an e4m3 quantisation, from recip = 1 / scale rounded to nearest: the quotient
  * rounded by recip, then one FMA step on its exact remainder (Markstein's correction: the
  * correctly rounded quotient wherever it is a normal f32), the sign of v kept for zeros. Three

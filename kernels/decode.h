@@ -55,20 +55,25 @@ enum {
  * rounded to bf16 (as GEMM 1 writes it on the grouped path), GEMM 2 rows in f32. f8 = 1 (W8A8
  * with one scale per weight row: per-tensor or per-channel): x and h quantised per row with
  * the dynamic scale max(amax, 1e-10) / 448 from their bf16 values (kernels/quant.h), e4m3
- * products, the two scales applied once per output. The routing weight and the shared rows are
- * added in f32 in slot order, as moe_combine_launch does; every element of y is written. A
- * token's output does not depend on the other tokens of the launch (no value crosses mma
+ * products, the two scales applied once per output. f8 = 2 (W8A8 with 128 x 128 weight blocks,
+ * one token a launch, the routed form: no laid-out rows, shared MLP inside, static scales, GEMM 1
+ * split or trace): x and h quantised per token and 128-wide group, each 128 of k's e4m3
+ * partial sum added times its two scales in k order, as the CPU's W8A8. The routing weight and the
+ * shared rows are added in f32 in slot order, as moe_combine_launch does; every element of y is
+ * written. A token's output does not depend on the other tokens of the launch (no value crosses mma
  * columns; GEMM 2's k split depends on the layer's shape only). */
 typedef struct moe_decode_args {
-    const void *x;                  /* device [T][hidden], x_dtype F32 or BF16, 16-byte aligned */
-    moe_dtype_t x_dtype;            /* F32 or BF16 */
-    const int32_t *topk_ids;        /* device [T][top_k]: local expert ids; < 0: not here */
-    const float *topk_weights;      /* device [T][top_k] */
-    const void *w13;                /* device [E][2 inter][hidden]: gate rows, then up rows */
-    const void *w2;                 /* device [E][hidden][inter] */
-    const float *w13_scale;         /* f8: device [E][2 inter], one scale per weight row */
-    const float *w2_scale;          /* f8: device [E][hidden] */
-    const void *shared_out;         /* optional device bf16 [T][hidden], added (gated) to y */
+    const void *x;             /* device [T][hidden], x_dtype F32 or BF16, 16-byte aligned */
+    moe_dtype_t x_dtype;       /* F32 or BF16 */
+    const int32_t *topk_ids;   /* device [T][top_k]: local expert ids; < 0: not here */
+    const float *topk_weights; /* device [T][top_k] */
+    const void *w13;           /* device [E][2 inter][hidden]: gate rows, then up rows */
+    const void *w2;            /* device [E][hidden][inter] */
+    const float *w13_scale;    /* f8 1: device [E][2 inter], one scale per weight row;
+                                * f8 2: [E][2 inter][ceil(hidden / 128)], each row's
+                                * block's scale per 128 of k */
+    const float *w2_scale;     /* f8 1: device [E][hidden]; 2: [E][hidden][ceil(inter / 128)] */
+    const void *shared_out;    /* optional device bf16 [T][hidden], added (gated) to y */
     const float *shared_gate_logit; /* optional device [T]: shared rows times its sigmoid */
     void *y;                        /* device [T][hidden], y_dtype (F32 or BF16) */
     moe_dtype_t y_dtype;
@@ -79,12 +84,13 @@ typedef struct moe_decode_args {
     float *o1;     /* split1 > 1: f32 [split1][T top_k][2 inter]: GEMM 1's gate and up sums by
                     * slot, per k split (NULL with split1 = 1) */
     uint8_t *xq;   /* f8: e4m3 [T][hidden] */
-    float *xs;     /* f8: [T] */
+    float *xs;     /* f8: [T] (f8 2 keeps its one token's group scales in shared memory) */
     int32_t *sync; /* device, moe_decode_sync_count ints, zero between launches (the last CTA
                     * of each launch leaves them so; zero them once at create) */
     int64_t num_tokens;
     int top_k, num_experts, hidden, inter;
-    int f8;              /* 0: bf16 weights; 1: e4m3 weights with per-row scales */
+    int f8;              /* 0: bf16 weights; 1: e4m3 weights with per-row scales; 2: with
+                          * 128 x 128 block scales (above) */
     int gelu;            /* 1: gelu (tanh) * up, else silu * up */
     int split;           /* GEMM 2's k split, moe_decode_split (1 .. MOE_DECODE_MAX_SPLIT) */
     int split1;          /* GEMM 1's k split (1 .. MOE_DECODE_MAX_SPLIT; moe_decode_split1 gives one
@@ -138,7 +144,8 @@ typedef struct moe_decode_args {
     const float *input_scale13, *input_scale2;
 } moe_decode_args_t;
 
-/* ints of the persistent sync array for a layer of these dimensions and GEMM 1 k split */
+/* ints of the persistent sync array for a layer of these dimensions and GEMM 1 k split (with room
+ * for block scales' maxima: max_rows x ceil(inter / 128)) */
 size_t moe_decode_sync_count(int num_experts, int hidden, int inter, int split1, int max_rows);
 /* GEMM 2's k split for a layer: enough (expert, row tile, split) items for every warp of the
  * GPU when one token's top_k experts are touched; from the shape only, so a token's sums do not

@@ -194,9 +194,10 @@ moe_status_t moe_oracle_forced_transport(const char **name, const char **env);
  * on a device of `arch`: MOE_STATUS_INVALID_ARGUMENT for an unknown name, NOT_SUPPORTED for a
  * variant built for another arch or of another dtype or scale kind; the message names
  * ENV=NAME and the mismatch. simt_ref: bf16 layers, any arch. */
-/* Whether the fused decode kernel runs a layer of this arch, dtype and scale kind (sm_90, bf16
- * or per-row fp8): the one rule moe_oracle_check_variant, the tune file reader and moe-tune
- * apply. */
+/* Whether the fused decode kernel runs a layer of this arch, dtype and scale kind by a table
+ * (sm_90, bf16 or per-row fp8): the rule the tune file reader and moe-tune apply;
+ * moe_oracle_check_variant also lets it be forced on fp8 with 128 x 128 blocks (one token a
+ * step, not measured yet). */
 int moe_oracle_fused_decode_runs(int arch, moe_dtype_t dtype, moe_scale_kind_t scale);
 /* The crossover of the fused decode kernel: the most tokens per step (one GPU) at which it runs
  * instead of the grouped path (route, permute, GEMM 1, GEMM 2, combine) for a layer of this

@@ -10,7 +10,9 @@ using namespace moe_dec;
 extern "C" size_t moe_decode_sync_count(int num_experts, int hidden, int inter, int split1,
                                         int max_rows)
 {
-    return (size_t)sync_hmax(num_experts, hidden, inter, split1) + (size_t)max_rows;
+    /* the maxima: one a row, or (block scales) one a row and 128-wide group of inter */
+    return (size_t)sync_hmax(num_experts, hidden, inter, split1) +
+           (size_t)max_rows * (size_t)((inter + 127) / 128);
 }
 
 // A k split for `items` items of a step of one token: enough items for every warp of the GPU,
@@ -51,6 +53,15 @@ extern "C" moe_status_t moe_decode_check(int num_experts, int top_k, int hidden,
         return moe_error(MOE_STATUS_NOT_SUPPORTED,
                          "decode: hidden = %d, inter = %d (multiples of %d expected)", hidden,
                          inter, align);
+    if (f8 < 0 || f8 > 2)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                         "decode: f8 = %d (0 bf16, 1 per-row scales, 2 block scales)", f8);
+    /* block scales: one token's x as f16 and its group scales in every CTA's shared memory */
+    if (f8 == 2 && (2 * hidden + 15) / 16 * 16 + 4 * ((hidden + 127) / 128) > XS_MAX)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                         "decode: hidden = %d with block scales (one token's x and its scales "
+                         "must fit %d bytes of shared memory)",
+                         hidden, XS_MAX);
     return MOE_STATUS_SUCCESS;
 }
 
@@ -92,6 +103,11 @@ extern "C" moe_status_t moe_decode_launch(const moe_decode_args_t *a, void *stre
                   "decode: static activation scales take no GEMM 1 split (split1 = %d), shared "
                   "MLP inside or trace",
                   a->split1);
+    MOE_ARG_CHECK(a->f8 != 2 || (a->num_tokens <= 1 && !lo && !a->shared_w13 && !a->input_scale13 &&
+                                 !a->input_scale2 && a->split1 <= 1 && !a->trace),
+                  "decode: block scales take one token a launch (not %lld), the routed form: no "
+                  "laid-out rows, shared MLP inside, static scales, GEMM 1 split or trace",
+                  (long long)a->num_tokens);
     MOE_ARG_CHECK(a->split >= 1 && a->split <= MOE_DECODE_MAX_SPLIT, "decode: split = %d",
                   a->split);
     MOE_ARG_CHECK(a->split1 >= 0 && a->split1 <= MOE_DECODE_MAX_SPLIT, "decode: split1 = %d",
@@ -156,6 +172,8 @@ extern "C" moe_status_t moe_decode_launch(const moe_decode_args_t *a, void *stre
     p.sw2s = a->shared_w2_scale;
     p.in13 = a->f8 ? a->input_scale13 : nullptr;
     p.in2 = a->f8 ? a->input_scale2 : nullptr;
+    p.G1 = a->f8 == 2 ? (p.H + 127) / 128 : 0;
+    p.G2 = a->f8 == 2 ? (p.I + 127) / 128 : 0;
     const cudaStream_t st = (cudaStream_t)stream;
     if (lo)
         return a->f8 ? run_laid_out<true>(p, a->max_ctas, st)

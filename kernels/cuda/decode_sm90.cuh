@@ -127,6 +127,9 @@ struct params {
     // ST: static activation scales per expert (W8A8 checkpoints' input_scale): x's for GEMM 1,
     // h's for GEMM 2; 0 (or NULL) for an expert that quantises dynamically
     const float *in13, *in2;
+    // BS (f8 = 2): 128 x 128 weight blocks; G1, G2: the 128-wide groups of H and of I (the
+    // weights' scales [row][G], x's [G1] a token, h's maxima [slot][G2]); 0 with per-row scales
+    int G1, G2;
 };
 
 // this launch quantises x in every CTA's shared memory (a local_x kernel, XS_TOKENS, XS_MAX)
@@ -288,6 +291,15 @@ __device__ __forceinline__ void mma_op(float *c, uint4 ra, uint4 rb, const raw_t
     mma2(c, ra, rb, b);
 }
 
+// 1 / x rounded to nearest for a normal x with a normal reciprocal (every dynamic scale: 1e-10 /
+// 448 .. bf16's largest / 448): __frcp_rn's result without its slow-path call for subnormals
+__device__ __forceinline__ float rcp_rn_normal(float x)
+{
+    float r;
+    asm("rcp.rn.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
 __device__ __forceinline__ float dynamic_scale(float amax)
 {
     return __fdiv_rn(amax > MOE_FP8_ACT_AMAX_MIN ? amax : MOE_FP8_ACT_AMAX_MIN, MOE_FP8_E4M3_MAX);
@@ -425,6 +437,39 @@ template <bool LO, bool SH = false> __device__ void build_table(const params &p,
     __syncthreads();
 }
 
+// the largest |value| of 8 bf16 values
+__device__ __forceinline__ float amax8(float m, uint4 v)
+{
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        m = fmaxf(m, fmaxf(fabsf(bf(w[i], 0)), fabsf(bf(w[i], 1))));
+    return m;
+}
+
+// 8 bf16 values over scale sc (rs = 1 / sc rounded) as e4m3 codes: lo, hi
+__device__ __forceinline__ uint2 e4m3x8(uint4 v, float sc, float rs)
+{
+    return make_uint2(e4m3x4(bf(v.x, 0), bf(v.x, 1), bf(v.y, 0), bf(v.y, 1), sc, rs),
+                      e4m3x4(bf(v.z, 0), bf(v.z, 1), bf(v.w, 0), bf(v.w, 1), sc, rs));
+}
+
+// 16 bf16 values (a token operand as loaded) over scale sc as e4m3 codes
+__device__ __forceinline__ uint4 e4m3x16(const raw_t &r, float sc, float rs)
+{
+    return make_uint4(e4m3x4(bf(r.a.x, 0), bf(r.a.x, 1), bf(r.a.y, 0), bf(r.a.y, 1), sc, rs),
+                      e4m3x4(bf(r.a.z, 0), bf(r.a.z, 1), bf(r.a.w, 0), bf(r.a.w, 1), sc, rs),
+                      e4m3x4(bf(r.b.x, 0), bf(r.b.x, 1), bf(r.b.y, 0), bf(r.b.y, 1), sc, rs),
+                      e4m3x4(bf(r.b.z, 0), bf(r.b.z, 1), bf(r.b.w, 0), bf(r.b.w, 1), sc, rs));
+}
+
+// 8 e4m3 codes (lo, hi) as their values in f16
+__device__ __forceinline__ uint4 f16x8_of_e4m3x8(uint2 q)
+{
+    return make_uint4(f16x2_of_e4m3x2(q.x), f16x2_of_e4m3x2(q.x >> 16), f16x2_of_e4m3x2(q.y),
+                      f16x2_of_e4m3x2(q.y >> 16));
+}
+
 // fp8: token t's row of x (as bf16) quantised with its dynamic scale by a whole CTA into dst (a
 // row of hidden bytes: global or shared memory), before the CTA's items (GEMM 1 waits on it: one
 // warp a row took 4.4 us at hidden 2048 and 9.6 at 7168, bench/decode_trace, 2026-12-04): each
@@ -456,15 +501,11 @@ __device__ float quantise_row(const params &p, smem_t &s, int t, uint8_t *dst)
     const float sc = dynamic_scale(m), rs = __frcp_rn(sc);
 #pragma unroll 4
     for (int c = threadIdx.x * 8; c < p.H; c += THREADS * 8) {
-        const uint4 v = load_x8(x, c);
-        const uint32_t lo = e4m3x4(bf(v.x, 0), bf(v.x, 1), bf(v.y, 0), bf(v.y, 1), sc, rs),
-                       hi = e4m3x4(bf(v.z, 0), bf(v.z, 1), bf(v.w, 0), bf(v.w, 1), sc, rs);
+        const uint2 q = e4m3x8(load_x8(x, c), sc, rs);
         if (HALF) // the codes' values as f16, 2 bytes each
-            *reinterpret_cast<uint4 *>(dst + 2 * c) =
-                make_uint4(f16x2_of_e4m3x2(lo), f16x2_of_e4m3x2(lo >> 16), f16x2_of_e4m3x2(hi),
-                           f16x2_of_e4m3x2(hi >> 16));
+            *reinterpret_cast<uint4 *>(dst + 2 * c) = f16x8_of_e4m3x8(q);
         else
-            *reinterpret_cast<uint2 *>(dst + c) = make_uint2(lo, hi);
+            *reinterpret_cast<uint2 *>(dst + c) = q;
     }
     __syncthreads(); // every thread's stores (and reads of s.amax) before the caller's release
     return sc;
@@ -482,13 +523,49 @@ template <typename XT> __device__ void quantise_x(const params &p, smem_t &s, in
     }
 }
 
-// local_x: the one token's row into this CTA's shared memory xq (the codes' values as f16, as
-// GEMM 1's mmas take them), its scale in s.xs
-template <typename XT> __device__ void quantise_x_local(const params &p, smem_t &s, uint8_t *xq)
+// BS: token t's row quantised per 128-wide group (the grouped path's 1 x 128 activation groups)
+// into dst as the codes' values in f16, each group's scale into gs[group]: a pass of the CTA
+// covers 2048 values, 16 threads' 8 a group, so a group's maximum is four shuffles within the
+// half-warp and each thread converts its 8 values in the same pass.
+template <typename XT>
+__device__ void quantise_row_groups(const params &p, int t, uint8_t *dst, float *gs)
 {
-    const float sc = quantise_row<XT, true>(p, s, 0, xq);
-    if (threadIdx.x == 0)
-        s.xs[0] = sc;
+    const XT *x = static_cast<const XT *>(p.x) + (int64_t)t * p.H;
+    for (int base = 0; base < p.H; base += THREADS * 8) { // every lane of a warp goes round
+        const int c = base + threadIdx.x * 8;
+        const bool in = c < p.H; // H is a multiple of 16: 8 values in or out
+        const uint4 v = in ? load_x8(x, c) : make_uint4(0, 0, 0, 0);
+        float m = amax8(0.0f, v);
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1)
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        const float sc = dynamic_scale(m), rs = __frcp_rn(sc);
+        if (in) {
+            *reinterpret_cast<uint4 *>(dst + 2 * c) = f16x8_of_e4m3x8(e4m3x8(v, sc, rs));
+            if ((threadIdx.x & 15) == 0)
+                gs[c / 128] = sc;
+        }
+    }
+}
+
+// BS, local_x: x's group scales in the dynamic shared memory after the one token's codes
+__device__ __forceinline__ float *x_group_scales(const params &p, uint8_t *xql)
+{
+    return reinterpret_cast<float *>(xql + (2 * p.H + 15) / 16 * 16);
+}
+
+// local_x: the one token's row into this CTA's shared memory xq (the codes' values as f16, as
+// GEMM 1's mmas take them), its scale in s.xs (BS: its groups' scales after the codes)
+template <typename XT, bool BS = false>
+__device__ void quantise_x_local(const params &p, smem_t &s, uint8_t *xq)
+{
+    if constexpr (BS) {
+        quantise_row_groups<XT>(p, 0, xq, x_group_scales(p, xq));
+    } else {
+        const float sc = quantise_row<XT, true>(p, s, 0, xq);
+        if (threadIdx.x == 0)
+            s.xs[0] = sc;
+    }
     __syncthreads();
 }
 
@@ -502,14 +579,31 @@ template <int NG, bool TWO> constexpr int fetch_pairs()
     return NG > 1 ? 1 : TWO ? 2 : 4;
 }
 
+// no block scales (dot_rows without PB)
+struct no_scales {
+    template <typename... A> __device__ void operator()(A &&...) const
+    {
+    }
+};
+
 // One weight-row pair's dot products with up to NG x 8 token columns over k in [k0, k1):
 // rows ra / rb (byte pointers at k = 0), B columns from make(ng, fetch(ng, k)) (16 bytes for this
 // lane's column, zero where the column or k is past its end: fetch loads, make converts).
 // wait() runs after the first loads.
-template <bool F8, int NG, int U, bool TWO, typename Fetch, typename Make, typename W>
+// PB (fp8, 128 x 128 weight blocks; k0 a multiple of 128): the mmas of each 128 of k go into a
+// partial, then acc += part * (weight row's scale * column's scale) for that group, in k order
+// (the CPU's W8A8 and DeepGEMM's promotion). For the two groups of the batch from kb on (zero past
+// k1): wscales(kb, ws) gives ws[q][0 / 1], rows ra / rb's (L1 lines: asked as the batch starts);
+// cscales(kb, cs) gives cs[q][g], this lane's B column's of group g (the C columns take theirs
+// from the lanes that hold those B columns), asked one batch ahead with the weights (the first
+// batch's after wait()); make(g, raw, cs) converts with it.
+template <bool F8, int NG, int U, bool TWO, bool PB = false, typename Fetch, typename Make,
+          typename W, typename WS = no_scales, typename CS = no_scales>
 __device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra, const uint8_t *rb,
-                                         int k0, int k1, int ncols, Fetch fetch, Make make, W wait)
+                                         int k0, int k1, int ncols, Fetch fetch, Make make, W wait,
+                                         WS wscales = WS(), CS cscales = CS())
 {
+    static_assert(!PB || (F8 && U == 4), "block scales: fp8, two 128-wide groups a batch");
     constexpr int EPT = F8 ? 16 : 8; // k per 16-byte load
     constexpr int CK = 4 * EPT;      // k per load of the 4 lanes of a row
     constexpr int ES = F8 ? 1 : 2;   // bytes per weight
@@ -534,11 +628,32 @@ __device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra,
             }
         }
     };
+    // PB: the partial sums of the group, and the scales of this batch's two groups (ws, cs) and
+    // the next batch's column scales (ncs)
+    float part[PB ? NG : 1][4] = {}, ws[2][2] = {}, cs[2][PB ? NG : 1] = {};
+    auto promote = [&](int q) {
+#pragma unroll
+        for (int g = 0; g < NG; g++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                // C column 2t + c % 2 is the B column of lanes 4 (2t + c % 2) ..
+                const float sc = __shfl_sync(0xffffffffu, cs[q][g], (2 * t + (c & 1)) * 4);
+                acc[g][c] += part[g][c] * (ws[q][c >> 1] * sc);
+                part[g][c] = 0.0f;
+            }
+    };
     load(k0, ca, cb);
     wait();
+    if constexpr (PB)
+        cscales(k0, cs);
     for (int kb = k0; kb < k1; kb += U * CK) {
         uint4 na[U], nb[U];
+        float ncs[2][PB ? NG : 1];
         load(kb + U * CK, na, nb);
+        if constexpr (PB) {
+            cscales(kb + U * CK, ncs);
+            wscales(kb, ws);
+        }
 #pragma unroll
         for (int p0 = 0; p0 < NP; p0 += FP) {
             raw_t r[FP];
@@ -551,13 +666,27 @@ __device__ __forceinline__ void dot_rows(float (&acc)[NG][4], const uint8_t *ra,
 #pragma unroll
             for (int j = 0; j < FP; j++) {
                 const int i = (p0 + j) / NG, g = (p0 + j) % NG;
-                if (p0 + j < NP && g * 8 < ncols)
-                    mma_op<F8>(acc[g], ca[i], cb[i], make(g, r[j]));
+                if constexpr (PB) {
+                    if (p0 + j < NP && g * 8 < ncols)
+                        mma_op<F8>(part[g], ca[i], cb[i], make(g, r[j], cs[i / 2][g]));
+                    // a 128-wide group is two loads of the row's four lanes (CK = 64)
+                    if (p0 + j < NP && g == NG - 1 && (i & 1))
+                        promote(i / 2);
+                } else {
+                    if (p0 + j < NP && g * 8 < ncols)
+                        mma_op<F8>(acc[g], ca[i], cb[i], make(g, r[j]));
+                }
             }
         }
 #pragma unroll
         for (int i = 0; i < U; i++)
             ca[i] = na[i], cb[i] = nb[i];
+        if constexpr (PB)
+#pragma unroll
+            for (int q = 0; q < 2; q++)
+#pragma unroll
+                for (int g = 0; g < NG; g++)
+                    cs[q][g] = ncs[q][g];
     }
 }
 
@@ -592,8 +721,10 @@ __device__ __forceinline__ int hmax_index(const params &p, int e, int slot, int 
 // GEMM 1 item: expert e, h columns c0 .. c0 + 7 for the expert's n tokens, k piece q of
 // p.split1 (K1: split1 > 1; pieces of a multiple of 4 x 16 bytes of k)
 // (LO: the pass of the expert's tokens from `base` on; `last`: its last pass, which signals)
+// BS (one token, x in shared memory): each 128 of k promoted with the rows' block scales and x's
+// group scale; |h| max per slot and 128-wide group of columns
 template <bool F8, int NG, int U, typename XT, bool K1, bool TR, bool XLT, bool LO, bool SH,
-          bool ST>
+          bool ST, bool BS = false>
 __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, int64_t *tw,
                       const uint8_t *xql, int base, bool last)
 {
@@ -656,11 +787,7 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
         } else if constexpr (ST) {
             if (!(sx > 0.0f))
                 return r.a;
-            return make_uint4(
-                e4m3x4(bf(r.a.x, 0), bf(r.a.x, 1), bf(r.a.y, 0), bf(r.a.y, 1), sx, rx),
-                e4m3x4(bf(r.a.z, 0), bf(r.a.z, 1), bf(r.a.w, 0), bf(r.a.w, 1), sx, rx),
-                e4m3x4(bf(r.b.x, 0), bf(r.b.x, 1), bf(r.b.y, 0), bf(r.b.y, 1), sx, rx),
-                e4m3x4(bf(r.b.z, 0), bf(r.b.z, 1), bf(r.b.w, 0), bf(r.b.w, 1), sx, rx));
+            return e4m3x16(r, sx, rx);
         } else {
             return r.a;
         }
@@ -679,7 +806,32 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
     float acc[NG][4];
     // XL: 32 bytes of f16 x an operand, two a batch (as GEMM 2's fp8 h); ST: 32 bytes of bf16
     // x, alike; else four of 16 bytes
-    dot_rows<F8, NG, U, XL || ST>(acc, ra, rb, k0, k1, n, fetch, make, wait);
+    if constexpr (BS) {
+        static_assert(XL && !K1 && !LO && !SH && !ST, "block scales: one token, GEMM 1 whole");
+        const float *xg = x_group_scales(p, const_cast<uint8_t *>(xql));
+        auto make_bs = [&](int, const raw_t &r, float) { return r; };
+        // the gate and up rows' block scales, and x's group scale (every column: one token)
+        auto wscales = [&](int kb, float(&w)[2][2]) {
+#pragma unroll
+            for (int q = 0; q < 2; q++) {
+                const int kk = kb + 128 * q, gi = kk / 128;
+                const bool in = kk < k1;
+                w[q][0] = in ? __ldg(ws + rg * p.G1 + gi) : 0.0f;
+                w[q][1] = in ? __ldg(ws + (rg + up) * p.G1 + gi) : 0.0f;
+            }
+        };
+        auto cscales = [&](int kb, float(&c)[2][NG]) {
+#pragma unroll
+            for (int q = 0; q < 2; q++)
+#pragma unroll
+                for (int i = 0; i < NG; i++)
+                    c[q][i] = kb + 128 * q < k1 ? xg[(kb + 128 * q) / 128] : 0.0f;
+        };
+        dot_rows<F8, NG, U, true, true>(acc, ra, rb, k0, k1, n, fetch, make_bs, wait, wscales,
+                                        cscales);
+    } else {
+        dot_rows<F8, NG, U, XL || ST>(acc, ra, rb, k0, k1, n, fetch, make, wait);
+    }
     // c0, c1: gate of column c0 + g for tokens 2t, 2t + 1 of the group; c2, c3: up
     const int col = c0 + g;
     if (K1) {
@@ -722,7 +874,7 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
     float sg = 1.0f, su = 1.0f;
     if (F8 && SH)
         sg = __ldg(ws + rg), su = __ldg(ws + rg + up);
-    else if (F8)
+    else if (F8 && !BS) // BS: every group's scales applied in the sums
         sg = __ldg(p.w13s + rg), su = __ldg(p.w13s + rg + p.I);
 #pragma unroll
     for (int i = 0; i < NG; i++) {
@@ -737,7 +889,7 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
             if (slot[j] < 0)
                 continue;
             float gv = acc[i][j], uv = acc[i][2 + j];
-            if (F8) {
+            if (F8 && !BS) {
                 const float xs = XL                ? s.xs[slot[j] / p.k]
                                  : ST && sx > 0.0f ? sx
                                                    : p.xs[slot[j] / p.k];
@@ -756,7 +908,8 @@ __device__ void gemm1(const params &p, const smem_t &s, int e, int c0, int q, in
                     hm[j] = fmaxf(hm[j], __shfl_xor_sync(0xffffffffu, hm[j], o));
                 if (g == 0 && slot[j] >= 0)
                     atomicMax(p.sync + sync_hmax(p.E, p.H, p.I, s1) +
-                                  hmax_index<SH>(p, e, slot[j], p.T * p.k),
+                                  (BS ? slot[j] * p.G2 + c0 / 128
+                                      : hmax_index<SH>(p, e, slot[j], p.T * p.k)),
                               __float_as_int(hm[j]));
             }
         }
@@ -866,7 +1019,9 @@ __device__ inline void rows_tile(const params &p, const smem_t &s, int r)
 }
 
 // GEMM 2 item: expert e, rows r * 16 .. + 16 of hidden, k split q (K1: GEMM 1 split too)
-template <bool F8, int NG, int U, bool K1, bool TR, bool LO, bool SH, bool ST>
+// BS: h quantised per slot and 128-wide group (its maxima from GEMM 1's epilogues), each 128 of k
+// promoted with the rows' block scales and the group's scale; pieces of a multiple of 128
+template <bool F8, int NG, int U, bool K1, bool TR, bool LO, bool SH, bool ST, bool BS = false>
 __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int n1, int64_t *tw,
                       int base)
 {
@@ -882,7 +1037,8 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
             ra = p.sw2 + ((int64_t)row0 * p.SI + (int64_t)(e - p.Er) * p.I) * ES;
             rb = p.sw2 + ((int64_t)row1 * p.SI + (int64_t)(e - p.Er) * p.I) * ES;
         }
-    const int per = ((p.I + p.split - 1) / p.split + CK - 1) / CK * CK;
+    constexpr int PK = BS ? 128 : CK; // a piece's granule
+    const int per = ((p.I + p.split - 1) / p.split + PK - 1) / PK * PK;
     const int k0 = q * per, k1 = k0 + per < p.I ? k0 + per : p.I;
     const float *hmax =
         reinterpret_cast<const float *>(p.sync + sync_hmax(p.E, p.H, p.I, K1 ? p.split1 : 1));
@@ -903,7 +1059,7 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
         } else {
             warp_wait<LO>(p, p.sync + SYNC_E1 + e * E1_STRIDE, n1);
         }
-        if (F8)
+        if (F8 && !BS) // BS: the groups' scales come with the weights (scales below)
 #pragma unroll
             for (int i = 0; i < NG; i++)
                 if (slot[i] >= 0) {
@@ -932,18 +1088,44 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
     auto make = [&](int i, const raw_t &r) -> uint4 {
         if (!F8)
             return r.a;
-        const float sc = hs[i], rc = hr[i];
-        return make_uint4(e4m3x4(bf(r.a.x, 0), bf(r.a.x, 1), bf(r.a.y, 0), bf(r.a.y, 1), sc, rc),
-                          e4m3x4(bf(r.a.z, 0), bf(r.a.z, 1), bf(r.a.w, 0), bf(r.a.w, 1), sc, rc),
-                          e4m3x4(bf(r.b.x, 0), bf(r.b.x, 1), bf(r.b.y, 0), bf(r.b.y, 1), sc, rc),
-                          e4m3x4(bf(r.b.z, 0), bf(r.b.z, 1), bf(r.b.w, 0), bf(r.b.w, 1), sc, rc));
+        return e4m3x16(r, hs[i], hr[i]);
     };
     float acc[NG][4];
-    dot_rows<F8, NG, U, F8>(acc, ra, rb, k0, k1, n, fetch, make, wait);
+    if constexpr (BS) {
+        static_assert(F8 && !K1 && !LO && !SH && !ST, "block scales: the routed form alone");
+        // the 16 values of r quantised with their group's scale sc
+        auto make_bs = [&](int, const raw_t &r, float sc) -> uint4 {
+            return e4m3x16(r, sc, rcp_rn_normal(sc));
+        };
+        // the item's block scale (its 16 rows lie in one 128-row block: row0 and row1 share it)
+        auto wscales = [&](int kb, float(&w)[2][2]) {
+#pragma unroll
+            for (int q = 0; q < 2; q++)
+                w[q][0] = w[q][1] =
+                    kb + 128 * q < k1
+                        ? __ldg(p.w2s + ((int64_t)e * p.H + row0) * p.G2 + (kb + 128 * q) / 128)
+                        : 0.0f;
+        };
+        // each column's h scale (1 for a column without a token: its operand is zero)
+        auto cscales = [&](int kb, float(&c)[2][NG]) {
+#pragma unroll
+            for (int q = 0; q < 2; q++)
+#pragma unroll
+                for (int i = 0; i < NG; i++)
+                    c[q][i] = kb + 128 * q < k1 && slot[i] >= 0
+                                  ? moe_fp8_dynamic_scale_bf16(
+                                        ld_cg_f32(hmax + slot[i] * p.G2 + (kb + 128 * q) / 128))
+                                  : 1.0f;
+        };
+        dot_rows<F8, NG, U, F8, true>(acc, ra, rb, k0, k1, n, fetch, make_bs, wait, wscales,
+                                      cscales);
+    } else {
+        dot_rows<F8, NG, U, F8>(acc, ra, rb, k0, k1, n, fetch, make, wait);
+    }
     float s0 = 1.0f, s1 = 1.0f;
     if (F8 && SH && shx)
         s0 = __ldg(p.sw2s + row0), s1 = __ldg(p.sw2s + row1);
-    else if (F8)
+    else if (F8 && !BS)
         s0 = __ldg(p.w2s + (int64_t)e * p.H + row0), s1 = __ldg(p.w2s + (int64_t)e * p.H + row1);
     const int rows = p.T * p.k;
     float *o = p.o + (int64_t)q * rows * p.H;
@@ -954,8 +1136,9 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             const int m = i * 8 + 2 * t + j;
-            // slot m's h scale: lane (2t + j) * 4 took it in wait() (column g = 2t + j)
-            const float sc = F8 ? __shfl_sync(0xffffffffu, hs[i], (2 * t + j) * 4) : 1.0f;
+            // slot m's h scale: lane (2t + j) * 4 took it in wait() (column g = 2t + j); BS: in
+            // the sums
+            const float sc = F8 && !BS ? __shfl_sync(0xffffffffu, hs[i], (2 * t + j) * 4) : 1.0f;
             if (m >= n)
                 continue;
             const int sl = slot_of<LO>(s, list, e, m);
@@ -969,9 +1152,10 @@ __device__ void gemm2(const params &p, const smem_t &s, int e, int r, int q, int
 // K1: GEMM 1 split along k (p.split1 > 1), a kernel of its own so that the others keep their
 // registers; TR: with the timeline (p.trace), a kernel of its own too; XS: x quantised into every
 // CTA's shared memory (uses_local_x: one fp8 token), a kernel of its own, so that the kernel for
-// 2 .. 8 tokens keeps its registers; LO: laid-out rows (kernels/decode.h, lo_counts), bf16 x
+// 2 .. 8 tokens keeps its registers; LO: laid-out rows (kernels/decode.h, lo_counts), bf16 x;
+// BS: 128 x 128 weight blocks (f8 = 2), one token (XS) of the routed form
 template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR, bool XS,
-          bool LO = false, bool SH = false, bool ST = false>
+          bool LO = false, bool SH = false, bool ST = false, bool BS = false>
 __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
 {
     __shared__ smem_t s;
@@ -1013,9 +1197,11 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
     static_assert(!SH || (!LO && !TR && !K1), "the shared MLP inside: routed tokens, GEMM 1 whole");
     static_assert(!ST || (F8 && !XS && !TR && !K1 && !SH),
                   "static scales: fp8, x in global memory, GEMM 1 whole, no shared MLP inside");
+    static_assert(!BS || (F8 && XS && !TR && !K1 && !LO && !SH && !ST),
+                  "block scales: fp8, one token (x in shared memory), the routed form alone");
     if (XS) {
         int64_t *ev = event(MOE_DECODE_TRACE_XQ, 0);
-        quantise_x_local<XT>(p, s, xql);
+        quantise_x_local<XT, BS>(p, s, xql);
         if (TR && ev)
             stamp(ev + 3);
     } else if (F8 && LO) { // slot i's row, s.slots[i], each claimed by a resident CTA
@@ -1054,11 +1240,11 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
             const int e = s.uniq[i / (t1 * s1)], c0 = i / s1 % t1 * TILE1;
             if constexpr (LO) // passes of 8 NG of the expert's rows
                 for (int b = 0; b < s.cnt[e]; b += 8 * NG)
-                    gemm1<F8, NG, U, XT, K1, TR, XS, LO, SH, ST>(p, s, e, c0, i % s1, nullptr, xql,
-                                                                 b, b + 8 * NG >= s.cnt[e]);
+                    gemm1<F8, NG, U, XT, K1, TR, XS, LO, SH, ST, BS>(
+                        p, s, e, c0, i % s1, nullptr, xql, b, b + 8 * NG >= s.cnt[e]);
             else
-                gemm1<F8, NG, U, XT, K1, TR, XS, LO, SH, ST>(p, s, e, c0, i % s1,
-                                                             ev ? ev + 2 : nullptr, xql, 0, true);
+                gemm1<F8, NG, U, XT, K1, TR, XS, LO, SH, ST, BS>(
+                    p, s, e, c0, i % s1, ev ? ev + 2 : nullptr, xql, 0, true);
             if (TR && ev)
                 stamp(ev + 3);
         } else {
@@ -1067,10 +1253,10 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
             int64_t *ev = event(MOE_DECODE_TRACE_GEMM2, i);
             if constexpr (LO)
                 for (int b = 0; b < s.cnt[s.uniq[u]]; b += 8 * NG)
-                    gemm2<F8, NG, U, K1, TR, LO, SH, ST>(p, s, s.uniq[u], r, q, t1, nullptr, b);
+                    gemm2<F8, NG, U, K1, TR, LO, SH, ST, BS>(p, s, s.uniq[u], r, q, t1, nullptr, b);
             else
-                gemm2<F8, NG, U, K1, TR, LO, SH, ST>(p, s, s.uniq[u], r, q, t1,
-                                                     ev ? ev + 2 : nullptr, 0);
+                gemm2<F8, NG, U, K1, TR, LO, SH, ST, BS>(p, s, s.uniq[u], r, q, t1,
+                                                         ev ? ev + 2 : nullptr, 0);
             if (TR && ev)
                 stamp(ev + 3);
             if (warp_signal(col_done + r * COL_STRIDE) == nu * p.split - 1) {
@@ -1103,7 +1289,8 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
         const int nt = sync_tile(p.E, p.H), nh = sync_hmax(p.E, p.H, p.I, s1);
         for (int i = 1 + threadIdx.x; i < nt; i += THREADS)
             p.sync[i] = 0;
-        for (int i = nh + threadIdx.x; i < nh + (F8 ? p.T * p.k + (SH ? p.T : 0) : 0); i += THREADS)
+        for (int i = nh + threadIdx.x;
+             i < nh + (F8 ? p.T * p.k * (BS ? p.G2 : 1) + (SH ? p.T : 0) : 0); i += THREADS)
             p.sync[i] = 0;
         __syncthreads();
         if (threadIdx.x == 0)
@@ -1115,7 +1302,7 @@ __global__ void __launch_bounds__(THREADS, 2) decode_kernel(params p)
 // dyn bytes of dynamic shared memory: cached for dyn = 0; the local_x kernels' limit is raised
 // to XS_MAX once, and a launch with dynamic bytes (one fp8 token) takes its count afresh
 template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR, bool XS, bool LO,
-          bool SH, bool ST>
+          bool SH, bool ST, bool BS>
 int resident_ctas(int dyn)
 {
     static int cached[MOE_MAX_DEVICES];
@@ -1123,7 +1310,7 @@ int resident_ctas(int dyn)
     if (cudaGetDevice(&dev) != cudaSuccess)
         return 0;
     const int n = moe_device_cached(cached, dev, [](int d) {
-        const auto k = decode_kernel<F8, NG, U, XT, YT, K1, TR, XS, LO, SH, ST>;
+        const auto k = decode_kernel<F8, NG, U, XT, YT, K1, TR, XS, LO, SH, ST, BS>;
         int sms = 0, per0 = 0;
         if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d) != cudaSuccess ||
             (XS && cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, XS_MAX) !=
@@ -1137,24 +1324,30 @@ int resident_ctas(int dyn)
     int sms = 0;
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &per, decode_kernel<F8, NG, U, XT, YT, K1, TR, XS, LO, SH, ST>, THREADS, dyn) !=
+            &per, decode_kernel<F8, NG, U, XT, YT, K1, TR, XS, LO, SH, ST, BS>, THREADS, dyn) !=
             cudaSuccess)
         return 0;
     return sms * per;
 }
 
 template <bool F8, int NG, int U, typename XT, typename YT, bool K1, bool TR, bool XS,
-          bool LO = false, bool SH = false, bool ST = false>
+          bool LO = false, bool SH = false, bool ST = false, bool BS = false>
 moe_status_t launch_xs(const params &p, int max_ctas, cudaStream_t stream)
 {
-    const int dyn = XS ? (2 * p.T * p.H + 15) / 16 * 16 : 0;
-    int ctas = resident_ctas<F8, NG, U, XT, YT, K1, TR, XS, LO, SH, ST>(dyn);
+    // XS: the codes as f16 (BS: then x's group scales, x_group_scales)
+    const int dyn = XS ? (2 * p.T * p.H + 15) / 16 * 16 + (BS ? 4 * p.G1 : 0) : 0;
+    if (dyn > XS_MAX)
+        return moe_error(MOE_STATUS_NOT_SUPPORTED,
+                         "decode: hidden = %d: one token's x and its scales take %d bytes of "
+                         "shared memory (at most %d)",
+                         p.H, dyn, XS_MAX);
+    int ctas = resident_ctas<F8, NG, U, XT, YT, K1, TR, XS, LO, SH, ST, BS>(dyn);
     if (ctas <= 0)
         return moe_error(MOE_STATUS_CUDA_ERROR, "decode: no CTA fits on the device");
     if (max_ctas > 0 && max_ctas < ctas)
         ctas = max_ctas;
-    MOE_CUDA_CHECK(moe_launch(decode_kernel<F8, NG, U, XT, YT, K1, TR, XS, LO, SH, ST>, dim3(ctas),
-                              dim3(THREADS), dyn, stream, p));
+    MOE_CUDA_CHECK(moe_launch(decode_kernel<F8, NG, U, XT, YT, K1, TR, XS, LO, SH, ST, BS>,
+                              dim3(ctas), dim3(THREADS), dyn, stream, p));
     MOE_CUDA_CHECK_LAUNCH("decode_kernel");
     return MOE_STATUS_SUCCESS;
 }
@@ -1201,6 +1394,10 @@ template <bool F8> struct traced<F8, __nv_bfloat16, __nv_bfloat16> {
 template <bool F8, typename XT, typename YT>
 moe_status_t launch_ng(const params &p, int max_ctas, cudaStream_t stream)
 {
+    if constexpr (F8) // block scales: one token, the routed form (moe_decode_launch checks it)
+        if (p.G1 > 0)
+            return launch_xs<true, 1, U_WIDE, XT, YT, false, false, true, false, false, false,
+                             true>(p, max_ctas, stream);
     if (p.trace)
         return p.T <= 8 ? traced<F8, XT, YT>::run(p, max_ctas, stream)
                         : moe_error(MOE_STATUS_NOT_SUPPORTED,
@@ -1270,6 +1467,9 @@ template <bool F8, typename XT, typename YT> moe_status_t prepare_routed_y()
     MOE_DECODE_PREP_NG(false, true, false) /* the shared MLP inside (GEMM 1 whole) */
     if constexpr (F8) {                    /* static activation scales (GEMM 1 whole) */
         MOE_DECODE_PREP_NG(false, false, true)
+        /* 128 x 128 weight blocks: one token */
+        MOE_CUDA_PREPARE(
+            (decode_kernel<F8, 1, U_WIDE, XT, YT, false, false, true, false, false, false, true>));
     }
 #undef MOE_DECODE_PREP_NG
 #undef MOE_DECODE_PREP

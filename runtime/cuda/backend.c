@@ -262,7 +262,10 @@ static void init_shape(moe_layer_t *l, cuda_layer_t *s)
  * per-row W8A8, not deterministic: that mode keeps one path at every batch; one GPU, or an EP
  * step of the low-latency layout, where the kernel runs the rows the sources laid out:
  * dec_max then bounds world x rows per rank, the most rows one expert can receive). A layer
- * whose experts the kernel cannot run keeps the grouped path (forced: the create fails). */
+ * whose experts the kernel cannot run keeps the grouped path (forced: the create fails).
+ * W8A8 with 128 x 128 blocks: only forced (not measured yet: docs/KERNELS.md, "Fused decode",
+ * "Block scales in the kernel"), one GPU, one token a step, the shared MLP on the grouped path,
+ * GEMM 1 whole. */
 static moe_status_t plan_decode(cuda_layer_t *s)
 {
     int sms = 0, split1 = 1, nsh = 0;
@@ -271,16 +274,19 @@ static moe_status_t plan_decode(cuda_layer_t *s)
     /* MOE_FUSED_DECODE=0: the grouped path at every size, unless the kernel is forced */
     if (!s->dec_forced && !moe_env_int("MOE_FUSED_DECODE", 1))
         return MOE_STATUS_SUCCESS;
-    if (s->dec_forced < 0 || (s->world > 1 && !s->ll) || s->deterministic || s->arch != 90 ||
-        s->f8 == 2 || moe_decode_check(s->E, s->k, s->H, (int)s->is, s->f8) != MOE_STATUS_SUCCESS) {
+    if (s->f8 == 2 && s->dec_forced <= 0) /* block scales: the kernel only where forced */
+        return MOE_STATUS_SUCCESS;
+    if (s->dec_forced < 0 || (s->world > 1 && (!s->ll || s->f8 == 2)) || s->deterministic ||
+        s->arch != 90 ||
+        moe_decode_check(s->E, s->k, s->H, (int)s->is, s->f8) != MOE_STATUS_SUCCESS) {
         if (s->dec_forced > 0)
             return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s=%s: this layer cannot run it (%s)",
                              s->forced_env, MOE_ORACLE_FUSED_DECODE,
-                             s->world > 1 && !s->ll
+                             s->world > 1 && s->f8 == 2 ? "block scales: one GPU only"
+                             : s->world > 1 && !s->ll
                                  ? "expert parallelism: only with the low-latency layout "
                                    "(MOE_EP_TRANSPORT=lsa, MOE_EP_LL=1)"
                              : s->deterministic ? "deterministic mode"
-                             : s->f8 == 2       ? "block scales"
                              : s->arch != 90    ? "sm_90 only"
                                                 : moe_last_error());
         moe_error_clear();
@@ -289,13 +295,13 @@ static moe_status_t plan_decode(cuda_layer_t *s)
     MOE_CHECK(moe_gpu_sm_count(s->device, &sms));
     /* MOE_DECODE_K1_SPLIT: GEMM 1's k split; 1 (default): none, 0: by the layer's shape
      * (moe_decode_split1), N: N pieces (an experiment until measured: docs/KERNELS.md) */
-    split1 = (int)moe_env_int("MOE_DECODE_K1_SPLIT", 1);
+    split1 = s->f8 == 2 ? 1 : (int)moe_env_int("MOE_DECODE_K1_SPLIT", 1);
     if (split1 == 0)
         split1 = moe_decode_split1(s->E, s->k, s->H, (int)s->is, sms);
     /* MOE_DECODE_SHARED=0|1 (default 1): the shared MLP inside the kernel, as ss / is more
      * experts (one GPU, GEMM 1 whole, a width that divides: docs/KERNELS.md); the built-in
      * crossover then counts the layer as one without a shared MLP left on the grouped path */
-    if (s->world == 1 && s->ss > 0 && s->ss % s->is == 0 && split1 <= 1 &&
+    if (s->world == 1 && s->ss > 0 && s->ss % s->is == 0 && split1 <= 1 && s->f8 != 2 &&
         moe_env_int("MOE_DECODE_SHARED", 1) &&
         moe_decode_check((int)(s->E + s->ss / s->is), (int)(s->k + s->ss / s->is), s->H, (int)s->is,
                          s->f8) == MOE_STATUS_SUCCESS)
@@ -303,7 +309,7 @@ static moe_status_t plan_decode(cuda_layer_t *s)
     moe_error_clear();
     s->oq.shared = s->ss > 0 && nsh == 0;
     if (s->dec_forced > 0) {
-        s->dec_max = MOE_DECODE_MAX_TOKENS;
+        s->dec_max = s->f8 == 2 ? 1 : MOE_DECODE_MAX_TOKENS; /* block scales: one token */
     } else {
         moe_oracle_choice_t c;
         s->dec_max = moe_oracle_decode_tokens(&s->oracle, &s->oq, &c);
@@ -551,7 +557,11 @@ static void cuda_explain(const moe_layer_t *l, int64_t T, char *text, size_t len
                  ep_dec ? "each received row's expert output, on the rows as the low-latency "
                           "dispatch laid them out"
                         : "the weighted sum",
-                 s->f8 ? ", x and h quantised inside" : "", s->dec_split1, s->dec_split, s->dec_max,
+                 s->f8 == 2 ? ", x and h quantised inside per 128-wide group, each 128 of k "
+                              "promoted with its block scales"
+                 : s->f8    ? ", x and h quantised inside"
+                            : "",
+                 s->dec_split1, s->dec_split, s->dec_max,
                  ep_dec ? "rows an expert (ranks x tokens per rank)" : "tokens",
                  s->dec_forced > 0 ? "forced by "
                  : s->dec_tuned    ? "crossover tuned from "

@@ -23,7 +23,7 @@ typedef struct dec_case {
     moe_activation_t act;
     moe_dtype_t xt;         /* tokens and output */
     moe_dtype_t wt;         /* BF16, or FP8_E4M3 (W8A8) */
-    moe_scale_kind_t scale; /* fp8: PER_TENSOR or PER_CHANNEL */
+    moe_scale_kind_t scale; /* fp8: PER_TENSOR, PER_CHANNEL (cases), BLOCK_128 (block_cases) */
     int static_scales;      /* fp8 per-tensor: a checkpoint's input_scale per matrix (some 0) */
 } dec_case_t;
 
@@ -61,6 +61,17 @@ static const dec_case_t cases[] = {
      MOE_ACTIVATION_SILU, MOE_DTYPE_F32, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_TENSOR},
 };
 #define NUM_CASES ((int)(sizeof(cases) / sizeof(cases[0])))
+
+/* 128 x 128 weight blocks: the kernel forced runs them one token a step (kernels/decode.h), so
+ * these are checked at one token only (test_decode_block_scales); I and H past a multiple of 128
+ * in the second (a last group of 16) */
+static const dec_case_t block_cases[] = {
+    {"qwen3-like fp8 block", 32, 8, 1024, 384, 0, 0, MOE_SCORING_SOFTMAX, 0, 0, 0, 1.0f,
+     MOE_ACTIVATION_SILU, MOE_DTYPE_F32, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128},
+    {"odd H1040 I272 sigmoid grouped gelu fp8 block, bf16 x", 16, 4, 1040, 272, 0, 0,
+     MOE_SCORING_SIGMOID, 1, 4, 2, 2.5f, MOE_ACTIVATION_GELU, MOE_DTYPE_BF16, MOE_DTYPE_FP8_E4M3,
+     MOE_SCALE_BLOCK_128},
+};
 
 static moe_runtime_t *rt_gpu, *rt_cpu;
 static int arch; /* the kernel is built for sm_90a: the tests skip elsewhere */
@@ -267,7 +278,10 @@ static int check_case(const dec_case_t *c, const layers_t *ls, int64_t n)
 /* the grouped path's variant beside the kernel: the built-in table's at a few rows per expert */
 static const char *grouped_of(const dec_case_t *c)
 {
-    return c->wt == MOE_DTYPE_FP8_E4M3 ? "sm90_fp8_swapab_n16_pp" : "sm90_swapab_n8";
+    if (c->wt == MOE_DTYPE_FP8_E4M3)
+        return c->scale == MOE_SCALE_BLOCK_128 ? "sm90_fp8_block_swapab_n16_pp"
+                                               : "sm90_fp8_swapab_n16_pp";
+    return "sm90_swapab_n8";
 }
 
 static void test_decode_against_cpu(void **state)
@@ -296,6 +310,35 @@ static void test_decode_against_cpu(void **state)
                 fails += check_case(c, &ls, counts[j]);
             moe_layer_destroy(ls.fused);
         }
+        moe_layer_destroy(ls.cpu);
+        moe_layer_destroy(ls.grouped);
+    }
+    assert_int_equal(fails, 0);
+}
+
+/* 128 x 128 weight blocks, the kernel forced: one token a step runs it (16 steps of distinct
+ * tokens against the CPU's W8A8 and the grouped path, outputs poisoned first), two tokens the
+ * grouped path; without the force it stays on the grouped path (not in a table until measured). */
+static void test_decode_block_scales(void **state)
+{
+    const uint64_t seed = tu_seed("gpu_decode_block");
+    int fails = 0;
+    (void)state;
+    REQUIRE_SM90();
+    for (size_t i = 0; i < sizeof(block_cases) / sizeof(block_cases[0]); i++) {
+        const dec_case_t *c = &block_cases[i];
+        layers_t ls;
+        moe_layer_t *plain = make(rt_gpu, c, 64, seed);
+        assert_false(runs_fused(plain, 1));
+        moe_layer_destroy(plain);
+        ls.cpu = make(rt_cpu, c, 64, seed);
+        setenv("MOE_FORCE_VARIANT", grouped_of(c), 1);
+        ls.grouped = make(rt_gpu, c, 64, seed);
+        ls.fused = make_fused(c, MODE_WHOLE, seed);
+        assert_int_equal(k1_split_of(ls.fused), 1);
+        assert_false(runs_fused(ls.fused, 2));
+        fails += check_case(c, &ls, 1);
+        moe_layer_destroy(ls.fused);
         moe_layer_destroy(ls.cpu);
         moe_layer_destroy(ls.grouped);
     }
@@ -411,13 +454,8 @@ static void test_decode_graph_explain_refusals(void **state)
     moe_layer_destroy(l);
     moe_gpu_free(dx), moe_gpu_free(dy);
 
-    /* block scales: not this kernel */
-    cfg = config_of(c, 64);
-    cfg.scale_kind = MOE_SCALE_BLOCK_128;
-    setenv("MOE_FORCE_VARIANT", "sm90_fused_decode", 1);
-    assert_int_equal(moe_layer_create(rt_gpu, &cfg, &bad), MOE_STATUS_NOT_SUPPORTED);
-    assert_non_null(strstr(moe_last_error(), "sm90_fused_decode"));
     /* deterministic mode keeps one path at every batch */
+    setenv("MOE_FORCE_VARIANT", "sm90_fused_decode", 1);
     cfg = config_of(&cases[0], 64);
     cfg.deterministic = 1;
     assert_int_equal(moe_layer_create(rt_gpu, &cfg, &bad), MOE_STATUS_NOT_SUPPORTED);
@@ -489,6 +527,22 @@ static void test_decode_split_rules(void **state)
     a.o1 = &o;
     a.split1 = -1;
     assert_int_equal(moe_decode_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
+    /* block scales (f8 = 2): one token a launch of the routed form; the maxima of h per 128-wide
+     * group of inter in the sync array; one token's x and scales within shared memory */
+    a.split1 = 1;
+    a.f8 = 2;
+    a.num_tokens = 2;
+    assert_int_equal(moe_decode_launch(&a, NULL), MOE_STATUS_INVALID_ARGUMENT);
+    assert_non_null(strstr(moe_last_error(), "block scales take one token a launch (not 2)"));
+    a.f8 = 3;
+    assert_int_equal(moe_decode_launch(&a, NULL), MOE_STATUS_NOT_SUPPORTED);
+    assert_non_null(strstr(moe_last_error(), "f8 = 3"));
+    assert_int_equal(moe_decode_check(8, 2, 1024, 256, 2), MOE_STATUS_SUCCESS);
+    assert_int_equal(moe_decode_check(8, 2, 49152, 256, 2), MOE_STATUS_NOT_SUPPORTED);
+    assert_non_null(strstr(moe_last_error(), "hidden = 49152 with block scales"));
+    assert_int_equal(moe_decode_check(8, 2, 49152, 256, 1), MOE_STATUS_SUCCESS);
+    assert_true(moe_decode_sync_count(8, 1024, 384, 1, 64) ==
+                moe_decode_sync_count(8, 1024, 256, 1, 64) + 64);
 }
 
 /* Every wait of the kernel is bounded (kernels/decode.h, MOE_DECODE_STICKY_STALL): with its
@@ -750,6 +804,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_decode_graph_explain_refusals),
     cmocka_unit_test(test_decode_batch_invariant),
     cmocka_unit_test(test_decode_against_cpu),
+    cmocka_unit_test(test_decode_block_scales),
 };
 
 int main(void)

@@ -65,6 +65,24 @@ static void test_fp8_rounding_and_saturation(void **state)
     assert_int_equal(moe_f32_to_fp8e4m3(1e-30f), 0x00);
 }
 
+/* moe_fp8_dynamic_scale_bf16 (the fused decode kernel's per-group scale of h without a division)
+ * equals moe_fp8_dynamic_scale for every bf16 value: zero, subnormals, the smallest maxima (below
+ * 1e-10), the largest and infinity. */
+static void test_fp8_dynamic_scale_bf16(void **state)
+{
+    uint32_t v;
+    (void)state;
+    for (v = 0; v <= 0x7f80; v++) {
+        const float a = moe_bf16_to_f32((uint16_t)v);
+        const float want = moe_fp8_dynamic_scale(a), got = moe_fp8_dynamic_scale_bf16(a);
+        if (memcmp(&want, &got, sizeof(float)) != 0)
+            fail_msg("amax %g (bf16 0x%04x): %a by the FMA step, %a by division", (double)a, v,
+                     (double)got, (double)want);
+    }
+    assert_true(moe_fp8_dynamic_scale_bf16(INFINITY) == INFINITY);
+    assert_true(moe_fp8_dynamic_scale_bf16(0.0f) == moe_fp8_dynamic_scale(MOE_FP8_ACT_AMAX_MIN));
+}
+
 /* Nearest-value property against a brute-force search over all codes. */
 /* moe_fp8_quotient (the GPU kernels' division for e4m3 quantisation: a reciprocal and one FMA
  * step) gives the e4m3 code of the correctly rounded quotient for bf16 values up to the group's
@@ -243,6 +261,7 @@ int main(void)
         cmocka_unit_test(test_fp8_rounding_and_saturation),
         cmocka_unit_test(test_fp8_nearest_random),
         cmocka_unit_test(test_fp8_quotient_by_reciprocal),
+        cmocka_unit_test(test_fp8_dynamic_scale_bf16),
         cmocka_unit_test(test_bf16_all_codes_round_trip),
         cmocka_unit_test(test_bf16_rounding),
         cmocka_unit_test(test_f16_all_codes_round_trip),

@@ -871,13 +871,16 @@ static void test_forced(void **state)
                                    MOE_SCALE_NONE));
     TU_OK(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_fp8_block_m64n128", 90,
                                    MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128));
-    /* the fused decode kernel: sm_90, bf16 or per-row fp8; by the built-in table for bf16 steps
-     * of one token only */
+    /* the fused decode kernel: sm_90, bf16 or per-row fp8 (fp8 with block scales forced only);
+     * by the built-in table for bf16 steps of one token only */
     TU_OK(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_fused_decode", 90, MOE_DTYPE_BF16,
                                    MOE_SCALE_NONE));
     TU_OK(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_fused_decode", 90, MOE_DTYPE_FP8_E4M3,
                                    MOE_SCALE_PER_CHANNEL));
-    expect_error(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_fused_decode", 90,
+    TU_OK(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_fused_decode", 90, MOE_DTYPE_FP8_E4M3,
+                                   MOE_SCALE_BLOCK_128));
+    assert_false(moe_oracle_fused_decode_runs(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128));
+    expect_error(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_fused_decode", 80,
                                           MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128),
                  MOE_STATUS_NOT_SUPPORTED, "MOE_FORCE_VARIANT=sm90_fused_decode runs on sm_90");
     expect_error(moe_oracle_check_variant("MOE_GEMM_VARIANT", "sm90_fused_decode", 80,
