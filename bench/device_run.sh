@@ -9,6 +9,9 @@
 #                    share it: MOE_TEST_SHARED_GPU=1, NCCL between them over loopback sockets,
 #                    and test_gpu_ep runs with 4 ranks on it as well)
 #   quick            the same
+#   ptests           (PREBUILT=1) the GPU test binaries packed by bench/device_pack.sh, without
+#                    CTest: test_gpu_decode alone (its items wait on each other), then the other
+#                    packed tests/gpu binaries side by side; logs in $OUT/ptests/
 #   ep               a stopped peer under allgather, p2p and p2p-hdr; the dispatch bench at a
 #                    serving capacity, every transport, told, not and asked (one GPU: the
 #                    ranks share it, NCCL over loopback sockets; smoke runs, told only, and
@@ -193,6 +196,23 @@ ab_finish() {
 for mode in $modes; do
 case $mode in
 build) ;; # the build above only
+ptests)
+    mkdir -p "$OUT/ptests"
+    for t in build-gpu/tests/gpu/test_gpu_decode build-gpu/tests/gpu/test_gpu_*; do
+        [ -x "$t" ] || continue
+        n=$(basename "$t")
+        if [ "$n" = test_gpu_decode ]; then
+            [ -e "$OUT/ptests/$n.log" ] && continue
+            timeout 300 "$t" >"$OUT/ptests/$n.log" 2>&1
+            echo "$n: rc $?"
+        else
+            [ -e "$OUT/ptests/$n.log" ] ||
+                (timeout 300 "$t" >"$OUT/ptests/$n.log" 2>&1; echo "$n: rc $?") &
+        fi
+    done
+    wait
+    grep -HE "PASSED|FAILED|checks, " "$OUT"/ptests/*.log | head -40
+    ;;
 tests | quick)
     timeout 540 ctest --test-dir build-gpu -L gpu -R "${GPU_TESTS:-.}" -j3 --output-on-failure \
         --timeout 400 >"$OUT/ctest_gpu.log" 2>&1
