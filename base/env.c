@@ -38,7 +38,6 @@ static const struct knob {
     {"MOE_GEMM_MAX_CTAS", 0, 4096},   /* sm_90 GEMM grid cap (an experiment); 0: the SMs */
     {"MOE_DECODE_K1_SPLIT", 0, 8},    /* fused decode's GEMM 1 k split; 0: by shape, 1: none */
     {"MOE_DECODE_SHARED", 0, 1},      /* fused decode: the shared MLP inside (default 1) */
-    {"MOE_FP8_FAST_ACCUM", 0, 1},     /* moe-tune: try the FP8 tiles without promotion */
     {"MOE_GEMM_PROMO_SLICES", 1, 64}, /* the _p4 fp8 tiles' promotion interval (an A/B knob) */
     {"MOE_QUANT_GROUP_HELD", 0, 1},   /* long rows' 1 x 128 group quantisation held (A/B knob) */
     {"MOE_QUANT_H_AMAX", 0, 1},       /* W8A8 GEMM 1 takes h's maxima for its quantisation */

@@ -69,9 +69,9 @@ typedef struct moe_gemm_variant {
      * launches on `stream` (cudaStream_t); checks the launch. Never synchronises. */
     moe_status_t (*launch)(const moe_gemm_args_t *args, void *stream);
     /* 1: FP8 products summed over all of k by the tensor cores alone (no promotion to f32 every
-     * 128 of k; fewer bits kept: docs/KERNELS.md, "Fast accumulation"). The built-in tables
-     * never name such a variant; MOE_FORCE_VARIANT runs it, moe-tune tries it only with
-     * MOE_FP8_FAST_ACCUM=1. */
+     * 128 of k; fewer bits kept: docs/KERNELS.md, "Fast accumulation"). Only the oracle's
+     * fast-accumulation tables name such a variant (fp8_math W8A8_FAST layers: their built-in
+     * table, and moe-tune --accum fast); MOE_FORCE_VARIANT runs it on any W8A8 layer. */
     int fast_accum;
 } moe_gemm_variant_t;
 

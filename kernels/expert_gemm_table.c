@@ -97,7 +97,7 @@ static const moe_gemm_variant_t variants[] = {
      L(moe_gemm_sm90_fp8i_m128wla_launch), 0},
     {"sm90_fp8_m64n192_pp_p4", 90, 64, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
      L(moe_gemm_sm90_fp8i_m64wpp_launch), 0},
-    /* no promotion (fast_accum): forced or tuned with MOE_FP8_FAST_ACCUM=1 only */
+    /* no promotion (fast_accum): the W8A8_FAST tables (runtime/oracle.c), or forced */
     {"sm90_fp8_fast_m64n256", 90, 64, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
      L(moe_gemm_sm90_fp8f_m64_launch), 1},
     {"sm90_fp8_fast_m128n256", 90, 128, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,

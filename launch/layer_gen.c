@@ -419,8 +419,16 @@ int moe_gen_shape_option(const char *opt, const char *value, moe_layer_config_t 
 }
 
 int moe_gen_fp8_option(const char *opt, const char *value, int *fp8, moe_scale_kind_t *scales,
-                       char *err, size_t err_len)
+                       int *fast, char *err, size_t err_len)
 {
+    if (!strcmp(opt, "--accum")) {
+        if (strcmp(value, "promoted") && strcmp(value, "fast")) {
+            snprintf(err, err_len, "--accum %s: expected promoted or fast", value);
+            return 0;
+        }
+        *fast = !strcmp(value, "fast");
+        return 1;
+    }
     if (!strcmp(opt, "--dtype")) {
         if (strcmp(value, "bf16") && strcmp(value, "fp8")) {
             snprintf(err, err_len, "--dtype %s: expected bf16 or fp8", value);
@@ -444,12 +452,21 @@ int moe_gen_fp8_option(const char *opt, const char *value, int *fp8, moe_scale_k
     return 1;
 }
 
-void moe_gen_apply_fp8(moe_layer_config_t *cfg, int fp8, moe_scale_kind_t scales)
+int moe_gen_fp8_check(int fp8, moe_scale_kind_t scales, int fast, char *err, size_t err_len)
+{
+    if (!fp8 && (scales || fast)) {
+        snprintf(err, err_len, "%s needs --dtype fp8", scales ? "--scales" : "--accum fast");
+        return 0;
+    }
+    return 1;
+}
+
+void moe_gen_apply_fp8(moe_layer_config_t *cfg, int fp8, moe_scale_kind_t scales, int fast)
 {
     cfg->weight_dtype = MOE_DTYPE_BF16;
     if (!fp8)
         return;
     cfg->weight_dtype = MOE_DTYPE_FP8_E4M3;
     cfg->scale_kind = scales ? scales : MOE_SCALE_PER_TENSOR;
-    cfg->fp8_math = MOE_FP8_MATH_W8A8;
+    cfg->fp8_math = fast ? MOE_FP8_MATH_W8A8_FAST : MOE_FP8_MATH_W8A8;
 }

@@ -58,13 +58,17 @@ moe_status_t moe_gen_set_weights_static(moe_layer_t *layer, const moe_layer_conf
 int moe_gen_shape_option(const char *opt, const char *value, moe_layer_config_t *cfg,
                          const char **preset, char *err, size_t err_len);
 
-/* The tools' arithmetic options: --dtype bf16|fp8 (*fp8) and --scales tensor|channel|block
- * (*scales). Same returns as moe_gen_shape_option. */
+/* The tools' arithmetic options: --dtype bf16|fp8 (*fp8), --scales tensor|channel|block
+ * (*scales) and --accum promoted|fast (*fast: fp8_math W8A8_FAST). Same returns as
+ * moe_gen_shape_option. */
 int moe_gen_fp8_option(const char *opt, const char *value, int *fp8, moe_scale_kind_t *scales,
-                       char *err, size_t err_len);
-/* The layer's weights as the tools measure them: bf16, or (fp8) e4m3 W8A8 with `scales`
- * (per-tensor when 0). */
-void moe_gen_apply_fp8(moe_layer_config_t *cfg, int fp8, moe_scale_kind_t scales);
+                       int *fast, char *err, size_t err_len);
+/* The arithmetic options together: 0 with err where --scales or --accum fast come without
+ * --dtype fp8, else 1. */
+int moe_gen_fp8_check(int fp8, moe_scale_kind_t scales, int fast, char *err, size_t err_len);
+/* The layer's weights as the tools measure them: bf16, or (fp8) e4m3 W8A8 (W8A8_FAST where
+ * `fast`) with `scales` (per-tensor when 0). */
+void moe_gen_apply_fp8(moe_layer_config_t *cfg, int fp8, moe_scale_kind_t scales, int fast);
 
 /* Uniform random bf16 in [-a, a) (the top half of an f32: truncation is fine for timing). */
 void moe_gen_fill_bf16(uint16_t *p, size_t n, float a, uint64_t *state);

@@ -70,6 +70,7 @@ typedef struct options {
     int fp8;                 /* --dtype fp8: W8A8 */
     int rotate;              /* --rotate: copies of the layer (0: enough to defeat the L2) */
     moe_scale_kind_t scales; /* --scales (fp8; default per-tensor) */
+    int fast;                /* --accum fast: fp8_math W8A8_FAST */
     int act_static;          /* --act-scales static: static activation scales (fp8 tensor) */
     FILE *json_file;         /* opened before the run, so a bad path fails before minutes of work */
     char err[512];           /* why this rank rejected its options */
@@ -87,9 +88,10 @@ static void usage(void)
            "                 [--tokens 1,8,64,512,2048,8192] [--graph-max M] [--seconds S]\n"
            "                 [--json FILE] [--explain] [--dtype bf16|fp8 [--scales "
            "tensor|channel|block]]\n"
-           "                 [--act-scales dynamic|static]\n"
+           "                 [--accum promoted|fast] [--act-scales dynamic|static]\n"
            "                 [--capacity C] [--rotate R] [--round-tokens N]\n"
-           "         (fp8: e4m3 weights and activations, W8A8, f32 accumulation; --act-scales\n"
+           "         (fp8: e4m3 weights and activations, W8A8, f32 accumulation; --accum fast:\n"
+           "         W8A8_FAST, the tensor cores may sum a whole k; --act-scales\n"
            "         static: the activations quantised with each matrix's static scale (a\n"
            "         checkpoint's input_scale) instead of per token, --scales tensor only; "
            "--capacity:\n"
@@ -171,7 +173,7 @@ static int parse(int argc, char **argv, options_t *o)
         i++;
         ok = moe_gen_shape_option(a, v, &o->cfg, &o->preset, o->err, sizeof(o->err));
         if (ok < 0)
-            ok = moe_gen_fp8_option(a, v, &o->fp8, &o->scales, o->err, sizeof(o->err));
+            ok = moe_gen_fp8_option(a, v, &o->fp8, &o->scales, &o->fast, o->err, sizeof(o->err));
         if (ok >= 0) { /* a shape or arithmetic option (0: bad value, o->err says why) */
             if (!ok)
                 return 0;
@@ -297,7 +299,9 @@ static int resolve(options_t *o, int rank)
         return REJECT("--round-tokens %lld is over the capacity %lld", (long long)o->round_tokens,
                       (long long)o->capacity);
     o->cfg.ep_round_tokens = o->round_tokens;
-    moe_gen_apply_fp8(&o->cfg, o->fp8, o->scales);
+    if (!moe_gen_fp8_check(o->fp8, o->scales, o->fast, o->err, sizeof(o->err)))
+        return 0;
+    moe_gen_apply_fp8(&o->cfg, o->fp8, o->scales, o->fast);
     if (o->act_static && (!o->fp8 || o->cfg.scale_kind != MOE_SCALE_PER_TENSOR))
         return REJECT("--act-scales static: static activation scales need --dtype fp8 --scales "
                       "tensor (W8A8 on per-tensor weights)");
@@ -324,6 +328,7 @@ static int agree_options(const options_t *o, int bad)
         {"--capacity", o->capacity, 0}, /* after --tokens: its default is their largest */
         {"--dtype", o->fp8, 0},
         {"--scales", o->scales, 0},
+        {"--accum", o->fast, 0},
         {"--act-scales", o->act_static, 0},
         {"--round-tokens", o->round_tokens, 0},
     };
@@ -717,13 +722,17 @@ static void json_shape(FILE *f, const options_t *o)
     fprintf(f,
             "{\"date\": \"%s\", \"commit\": \"%s\", \"preset\": \"%s\", \"experts\": %d, "
             "\"top_k\": %d, \"hidden\": %d, \"intermediate\": %d, \"dtype\": \"%s\", "
-            "\"scales\": \"%s\", \"act_scales\": \"%s\", ",
+            "\"scales\": \"%s\", \"accum\": \"%s\", \"act_scales\": \"%s\", ",
             date, bench_commit(), o->preset, c->num_experts, c->top_k, c->hidden, c->intermediate,
             fp8 ? "fp8_e4m3" : "bf16",
             !fp8                                     ? "none"
             : c->scale_kind == MOE_SCALE_PER_CHANNEL ? "per_channel"
             : c->scale_kind == MOE_SCALE_BLOCK_128   ? "block_128"
                                                      : "per_tensor",
+            !fp8 ? "none"
+            : c->fp8_math == MOE_FP8_MATH_W8A8_FAST && c->scale_kind != MOE_SCALE_BLOCK_128
+                ? "fast"
+                : "promoted",
             !fp8            ? "none"
             : o->act_static ? "static"
                             : "dynamic");
@@ -803,13 +812,14 @@ static void print_title(const options_t *o)
     time_t now = time(NULL);
     char date[32];
     strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", gmtime(&now));
-    printf("# moe-bench %s: %s E%d k%d H%d I%d%s, %s weights%s, x/y bf16\n", date, o->preset,
+    printf("# moe-bench %s: %s E%d k%d H%d I%d%s, %s weights%s%s, x/y bf16\n", date, o->preset,
            c->num_experts, c->top_k, c->hidden, c->intermediate,
            c->num_shared_experts ? " + shared" : "",
            !o->fp8                                  ? "bf16"
            : c->scale_kind == MOE_SCALE_PER_CHANNEL ? "fp8 e4m3 W8A8 per-channel"
            : c->scale_kind == MOE_SCALE_BLOCK_128   ? "fp8 e4m3 W8A8 128x128-block"
                                                     : "fp8 e4m3 W8A8 per-tensor",
+           c->fp8_math == MOE_FP8_MATH_W8A8_FAST && o->fp8 ? " (fast accumulation)" : "",
            o->act_static ? " (static activation scales)" : "");
 }
 

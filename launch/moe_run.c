@@ -165,8 +165,9 @@ static void usage(void)
            "                       --dtype f32|bf16 converts its weights at load)\n"
            "  --x-dtype f32|bf16   the tokens' dtype in and out of the layer (default f32;\n"
            "                       bf16 is what serving engines pass)\n"
-           "  --fp8-math w8a16|w8a8   FP8 layers' arithmetic (default: the backend's, W8A16\n"
-           "                       today; w8a8: CPU, and CUDA on sm_90)\n"
+           "  --fp8-math w8a16|w8a8|w8a8-fast   FP8 layers' arithmetic (default: the\n"
+           "                       backend's, W8A16 today; w8a8: CPU, and CUDA on sm_90;\n"
+           "                       w8a8-fast: W8A8 whose sums a GPU need not promote)\n"
            "  --layers N           N layers (a model's worth), run in turn each step; reports\n"
            "                       the memory per rank (weights + the one shared workspace)\n"
            "  --redundant-experts R   R redundant expert slots (EPLB; a multiple of the EP\n"
@@ -424,8 +425,10 @@ static int parse(int argc, char **argv, opts_t *o)
         o->fp8_math = MOE_FP8_MATH_W8A16;
     else if (!strcmp(o->fp8_math_name, "w8a8"))
         o->fp8_math = MOE_FP8_MATH_W8A8;
+    else if (!strcmp(o->fp8_math_name, "w8a8-fast"))
+        o->fp8_math = MOE_FP8_MATH_W8A8_FAST;
     else
-        return REJECT("--fp8-math %s: expected w8a16 or w8a8", o->fp8_math_name);
+        return REJECT("--fp8-math %s: expected w8a16, w8a8 or w8a8-fast", o->fp8_math_name);
     if (o->eplb && o->warmup < 1)
         return REJECT("--eplb rebalances from the warm-up steps' load: it needs --warmup >= 1");
     if (o->skew > 0.0 && o->model)
@@ -859,10 +862,11 @@ static int resolve(opts_t *o, int world)
         return REJECT("--%s: this build has no safetensors support", o->input ? "input" : "output");
 #endif
     o->cfg.fp8_math = o->fp8_math;
-    if (o->fp8_math == MOE_FP8_MATH_W8A8 && o->cfg.weight_dtype != MOE_DTYPE_FP8_E4M3)
-        return REJECT("--fp8-math w8a8: the layer's weights are %s, not FP8 (--dtype fp8, or an "
+    if ((o->fp8_math == MOE_FP8_MATH_W8A8 || o->fp8_math == MOE_FP8_MATH_W8A8_FAST) &&
+        o->cfg.weight_dtype != MOE_DTYPE_FP8_E4M3)
+        return REJECT("--fp8-math %s: the layer's weights are %s, not FP8 (--dtype fp8, or an "
                       "FP8 checkpoint without --dtype)",
-                      moe_dtype_name(o->cfg.weight_dtype));
+                      o->fp8_math_name, moe_dtype_name(o->cfg.weight_dtype));
     per_rank = (o->tokens + world - 1) / world;
     if (per_rank > (INT64_C(1) << 30))
         return REJECT("--tokens %lld: %lld per rank over %d rank(s); at most %lld",
@@ -994,9 +998,10 @@ int main(int argc, char **argv)
             o.model ? o.model : o.preset, o.cfg.num_experts, o.cfg.top_k, o.cfg.hidden,
             o.cfg.intermediate, o.cfg.num_shared_experts, o.cfg.shared_intermediate,
             moe_dtype_name(o.cfg.weight_dtype),
-            o.cfg.fp8_math == MOE_FP8_MATH_W8A8    ? " (W8A8)"
-            : o.cfg.fp8_math == MOE_FP8_MATH_W8A16 ? " (W8A16)"
-                                                   : "",
+            o.cfg.fp8_math == MOE_FP8_MATH_W8A8        ? " (W8A8)"
+            : o.cfg.fp8_math == MOE_FP8_MATH_W8A8_FAST ? " (W8A8_FAST)"
+            : o.cfg.fp8_math == MOE_FP8_MATH_W8A16     ? " (W8A16)"
+                                                       : "",
             o.cfg.scoring == MOE_SCORING_SIGMOID ? "sigmoid" : "softmax",
             o.cfg.n_group > 1 ? " grouped" : "", moe_dtype_name(o.x_dtype), (long long)o.tokens,
             (unsigned long long)o.seed);

@@ -49,7 +49,7 @@ typedef struct options {
     int num_tokens;
     int64_t decode[MAX_POINTS]; /* fused-decode points: tokens per step (one GPU) */
     int num_decode;
-    int tp, iters, fp8, help, no_transport, no_decode;
+    int tp, iters, fp8, fast, help, no_transport, no_decode;
     moe_scale_kind_t scales;
     moe_oracle_table_t keep; /* --out's tables that this run does not replace */
     char err[512];
@@ -61,7 +61,8 @@ static void usage(void)
 {
     printf("usage: mpirun -np N moe-tune --out FILE [--preset NAME]\n"
            "                [--experts E --top-k K --hidden H --intermediate I] [--tp T]\n"
-           "                [--dtype bf16|fp8 [--scales tensor|channel|block]]\n"
+           "                [--dtype bf16|fp8 [--scales tensor|channel|block]\n"
+           "                [--accum promoted|fast]]\n"
            "                [--rows 1,2,4,8,16,32,64,96,128,160,192,224,256,320]\n"
            "                [--tokens 1,8,64,512,4096]\n"
            "                [--decode 1,2,4,8,16,32,64] [--iters N] [--no-transport]\n"
@@ -156,7 +157,8 @@ static int parse_value(options_t *o, const char *a, const char *v, const moe_lay
         return 1;
     }
     {
-        const int f = moe_gen_fp8_option(a, v, &o->fp8, &o->scales, o->err, sizeof(o->err));
+        const int f =
+            moe_gen_fp8_option(a, v, &o->fp8, &o->scales, &o->fast, o->err, sizeof(o->err));
         if (f >= 0)
             return f;
     }
@@ -200,9 +202,7 @@ static int parse(int argc, char **argv, options_t *o)
     }
     if (!o->out)
         return REJECT("--out FILE is required (the tune file to write)");
-    if (o->scales && !o->fp8)
-        return REJECT("--scales needs --dtype fp8");
-    return 1;
+    return moe_gen_fp8_check(o->fp8, o->scales, o->fast, o->err, sizeof(o->err));
 }
 
 /* The GEMMs' dtype and scale kind for this layer (per-tensor weights run per-row GEMMs). */
@@ -219,7 +219,8 @@ static int same_key(const moe_oracle_group_t *a, const moe_oracle_group_t *b)
     return a->kind == b->kind && !memcmp(&a->shape, &b->shape, sizeof(a->shape)) &&
            a->ep_size == b->ep_size && a->tp_size == b->tp_size &&
            (a->kind == MOE_ORACLE_TRANSPORT ||
-            (a->dtype == b->dtype && a->scale == b->scale && a->transport == b->transport));
+            (a->dtype == b->dtype && a->scale == b->scale && a->transport == b->transport &&
+             (a->kind != MOE_ORACLE_GEMM || a->accum == b->accum)));
 }
 
 /* Rank 0, before any measuring: an existing --out must be a tune file of this GPU (its tables
@@ -276,6 +277,7 @@ static int agree_options(const options_t *o, int bad)
             {"--iters", o->iters, 0},
             {"--dtype", o->fp8, 0},
             {"--scales", o->scales, 0},
+            {"--accum", o->fast, 0},
             {"--no-transport", o->no_transport, 0},
             {"--no-decode", o->no_decode, 0},
             {"--rows/--tokens/--decode", (int64_t)(h >> 1), 1},
@@ -386,9 +388,10 @@ static void tune_gemm(const bench_t *b, options_t *o, int arch, moe_oracle_group
     const int64_t E = o->cfg.num_experts, k = o->cfg.top_k, W = b->world;
     moe_layer_config_t cfg = o->cfg;
 
-    /* variants that sum FP8 products on the tensor cores alone change the numerics, and those
-     * on trial are not yet checked on a GPU: both asked for */
-    const int fast = moe_env_int("MOE_FP8_FAST_ACCUM", 0) != 0;
+    /* variants that sum FP8 products on the tensor cores alone change the numerics: a
+     * W8A8_FAST layer's table (--accum fast) alone; those on trial are not yet checked on a
+     * GPU: asked for */
+    const int fast = g->accum == MOE_ORACLE_ACCUM_FAST;
     const int trial = moe_env_int("MOE_TUNE_TRIAL", 0) != 0;
     for (i = 0; i < count && nc < MAX_CAND; i++)
         if (moe_gemm_variant_runs_on(&v[i], arch) && v[i].ab_dtype == g->dtype &&
@@ -430,8 +433,8 @@ static void tune_gemm(const bench_t *b, options_t *o, int arch, moe_oracle_group
     for (i = 0; i < np; i++) {
         /* the built-in table's pick here, and what tuning gains over it */
         const moe_oracle_query_t q = {
-            arch,           g->dtype, g->scale,        g->ep_size, g->tp_size,
-            MOE_ORACLE_ANY, at[i],    g->shape.hidden, 0.0,        0};
+            arch,  g->dtype,        g->scale, g->ep_size, g->tp_size, MOE_ORACLE_ANY,
+            at[i], g->shape.hidden, 0.0,      0,          g->accum};
         moe_oracle_choice_t c;
         int d = -1, fastest = -1;
         if (moe_oracle_pick_gemm(NULL, &q, &c))
@@ -655,7 +658,7 @@ int main(int argc, char **argv)
     unsetenv("MOE_FORCE_TRANSPORT");
     unsetenv("MOE_EP_TRANSPORT");
     o.cfg.tp_size = o.tp;
-    moe_gen_apply_fp8(&o.cfg, o.fp8, o.scales);
+    moe_gen_apply_fp8(&o.cfg, o.fp8, o.scales, o.fast);
     rc.backend = MOE_BACKEND_CUDA;
     MOE_OK(moe_runtime_create_mpi(&rc, MPI_COMM_WORLD, &b.rt));
     CUDA_OK(cudaStreamCreateWithFlags(&b.stream, cudaStreamNonBlocking));
@@ -695,6 +698,9 @@ int main(int argc, char **argv)
     g[0].ep_size = b.world / o.tp;
     g[0].tp_size = o.tp;
     g[0].transport = MOE_ORACLE_ANY;
+    g[0].accum = o.cfg.fp8_math == MOE_FP8_MATH_W8A8_FAST && g[0].scale == MOE_SCALE_PER_CHANNEL
+                     ? MOE_ORACLE_ACCUM_FAST
+                     : MOE_ORACLE_ACCUM_PROMOTED;
     tune_gemm(&b, &o, arch, &g[0], rank);
     ng = 1;
     if (g[0].num_buckets == 0) { /* the same on every rank: the times were agreed */

@@ -171,7 +171,7 @@ static moe_cpu_matrix_t view(const moe_matrix_t *m)
 static moe_status_t run_mlp(const moe_layer_t *l, const moe_cpu_mlp_t *w, const float *x, int64_t n,
                             float *out)
 {
-    if (l->cfg.weight_dtype == MOE_DTYPE_FP8_E4M3 && l->cfg.fp8_math == MOE_FP8_MATH_W8A8)
+    if (moe_cfg_w8a8(&l->cfg)) /* W8A8_FAST too: f32 sums are the W8A8 numbers */
         return moe_cpu_mlp_w8a8(w, l->cfg.activation, x, n, out);
     return moe_cpu_mlp(w, l->cfg.activation, x, n, out);
 }

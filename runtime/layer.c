@@ -94,11 +94,13 @@ static moe_status_t validate_dtype(const moe_layer_config_t *c)
         MOE_ARG_CHECK(c->scale_kind == MOE_SCALE_NONE,
                       "scale_kind = %d: only FP8_E4M3 weights take scales", (int)c->scale_kind);
     MOE_ARG_CHECK(c->fp8_math == MOE_FP8_MATH_AUTO || c->fp8_math == MOE_FP8_MATH_W8A16 ||
-                      c->fp8_math == MOE_FP8_MATH_W8A8,
-                  "fp8_math = %d: not a moe_fp8_math_t (AUTO 0, W8A16 1, W8A8 2)",
+                      c->fp8_math == MOE_FP8_MATH_W8A8 || c->fp8_math == MOE_FP8_MATH_W8A8_FAST,
+                  "fp8_math = %d: not a moe_fp8_math_t (AUTO 0, W8A16 1, W8A8 2, W8A8_FAST 3)",
                   (int)c->fp8_math);
-    MOE_ARG_CHECK(c->fp8_math != MOE_FP8_MATH_W8A8 || c->weight_dtype == MOE_DTYPE_FP8_E4M3,
-                  "fp8_math = MOE_FP8_MATH_W8A8 needs weight_dtype FP8_E4M3 (got %s)",
+    MOE_ARG_CHECK((c->fp8_math != MOE_FP8_MATH_W8A8 && c->fp8_math != MOE_FP8_MATH_W8A8_FAST) ||
+                      c->weight_dtype == MOE_DTYPE_FP8_E4M3,
+                  "fp8_math = MOE_FP8_MATH_%s needs weight_dtype FP8_E4M3 (got %s)",
+                  c->fp8_math == MOE_FP8_MATH_W8A8 ? "W8A8" : "W8A8_FAST",
                   moe_dtype_name(c->weight_dtype));
     if (c->weight_dtype != MOE_DTYPE_F32) {
         /* 16-byte rows for vector loads and TMA on the GPU; the CPU checks the same so that

@@ -56,6 +56,20 @@ typedef struct moe_plan {
 } moe_plan_t;
 
 /* The slice [begin, end) of `n` held by part `i` of `parts` (equal, floor-split). */
+/* Whether a layer's configuration asks for W8A8 arithmetic (fp8_math W8A8 or W8A8_FAST on FP8
+ * weights), and for the fast form's accumulation: per-row weight scales only (block scales
+ * promote their sums anyway). */
+static inline int moe_cfg_w8a8(const moe_layer_config_t *c)
+{
+    return c->weight_dtype == MOE_DTYPE_FP8_E4M3 &&
+           (c->fp8_math == MOE_FP8_MATH_W8A8 || c->fp8_math == MOE_FP8_MATH_W8A8_FAST);
+}
+static inline int moe_cfg_fast_accum(const moe_layer_config_t *c)
+{
+    return moe_cfg_w8a8(c) && c->fp8_math == MOE_FP8_MATH_W8A8_FAST &&
+           c->scale_kind != MOE_SCALE_BLOCK_128;
+}
+
 static inline int64_t moe_split_begin(int64_t n, int parts, int i)
 {
     return (n * i) / parts;

@@ -20,12 +20,18 @@
 
 /* A built-in GEMM table for layers whose hidden (GEMM 1's k) is at most h (0: any shape, any
  * layout); a bounded table is placed before the one for any shape, which answers the rest. */
-#define BUILTIN_SHORT_K(h, arch, dtype, scale, n, ...)                                             \
+#define BUILTIN_GROUP(h, accum, arch, dtype, scale, n, ...)                                        \
     {                                                                                              \
         MOE_ORACLE_GEMM, arch, {0, 0, 0, 0}, dtype, scale, 0, 0, MOE_ORACLE_ANY, n, {__VA_ARGS__}, \
-            h, ""                                                                                  \
+            h, "", accum                                                                           \
     }
+#define BUILTIN_SHORT_K(h, arch, dtype, scale, n, ...)                                             \
+    BUILTIN_GROUP(h, MOE_ORACLE_ACCUM_PROMOTED, arch, dtype, scale, n, __VA_ARGS__)
 #define BUILTIN(arch, dtype, scale, n, ...) BUILTIN_SHORT_K(0, arch, dtype, scale, n, __VA_ARGS__)
+/* fp8_math W8A8_FAST, per-row scales: MOE_ORACLE_PROMOTED_PATH where the promoted tables decide */
+#define BUILTIN_FAST(h, n, ...)                                                                    \
+    BUILTIN_GROUP(h, MOE_ORACLE_ACCUM_FAST, 90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL, n,      \
+                  __VA_ARGS__)
 #define OPEN HUGE_VAL
 
 static const moe_oracle_group_t defaults[] = {
@@ -110,6 +116,18 @@ static const moe_oracle_group_t defaults[] = {
             {16.0, "sm90_fp8_block_swapab_n16_pp", 0, 0},
             {32.0, "sm90_fp8_block_swapab_n32_pp", 0, 0}, {55.4, "sm90_fp8_block_m64n128", 0, 0},
             {119.7, "sm90_fp8_block_m128n128", 0, 0}, {OPEN, "sm90_fp8_block_m192n128", 0, 0}),
+    /* fp8_math W8A8_FAST (no promotion allowed) with per-row scales: the fast m128n256 tile
+     * (no second accumulator set, so 128 gate + 128 up weight rows an item) past 256 rows per
+     * expert, halfway (geometrically) between the measured points: forced for every GEMM of the
+     * step against the built-in tiles, Mixtral-8x7B / the DeepSeek-V3 shard at 128 rows per
+     * expert 1.03 / 0.99, at 512 0.81 / 0.81, at 2048 0.77 / 0.79 (2026-12-02, d8b75f0), and at
+     * Mixtral's 2048 0.81-0.83 of m128n128_p4 (2026-12-04), of which the m192n128_p4 and n192
+     * tiles since took 4-11 % (bench/RESULTS.md, "Layer step, FP8 W8A8"). Not measured with
+     * hidden <= 2048 (Qwen3-30B-A3B: GEMM 2's k is 768), so those shapes run the promoted
+     * tables' tiles. */
+    BUILTIN_FAST(2048, 1, {OPEN, MOE_ORACLE_PROMOTED_PATH, 0, 0}),
+    BUILTIN_FAST(0, 2, {256.0, MOE_ORACLE_PROMOTED_PATH, 0, 0},
+                 {OPEN, "sm90_fp8_fast_m128n256", 0, 0}),
     /* sm_80 .. sm_89 and anything newer than sm_90 (the sm_80 family's PTX) */
     BUILTIN(80, MOE_DTYPE_BF16, MOE_SCALE_NONE, 2, {32.0, "sm80_mma_m32n128", 0, 0},
             {OPEN, "sm80_mma_m64n128", 0, 0}),
@@ -137,8 +155,9 @@ static void builtin_id_init(void)
     char item[128];
     for (int i = 0; i < NUM_DEFAULTS; i++) {
         const moe_oracle_group_t *g = &defaults[i];
-        snprintf(item, sizeof(item), "%d %d %d %d %d %d %d|", (int)g->kind, g->arch, (int)g->dtype,
-                 (int)g->scale, g->transport, g->max_hidden, g->num_buckets);
+        snprintf(item, sizeof(item), "%d %d %d %d %d %d %d %d|", (int)g->kind, g->arch,
+                 (int)g->dtype, (int)g->scale, g->transport, g->max_hidden, g->num_buckets,
+                 g->accum);
         fnv(&h, item);
         for (int j = 0; j < g->num_buckets; j++) {
             snprintf(item, sizeof(item), "%.9g %s|", g->bucket[j].max, g->bucket[j].name);
@@ -234,6 +253,8 @@ static int key_fits(const moe_oracle_group_t *g, const moe_oracle_query_t *q, in
     if (g->kind == MOE_ORACLE_GEMM && g->transport != MOE_ORACLE_ANY &&
         g->transport != q->transport)
         return 0;
+    if (g->kind == MOE_ORACLE_GEMM && g->accum != q->accum)
+        return 0;
     if (g->max_hidden > 0 && (q->hidden <= 0 || q->hidden > g->max_hidden))
         return 0;
     return (!g->ep_size || g->ep_size == q->ep_size) && (!g->tp_size || g->tp_size == q->tp_size);
@@ -255,8 +276,8 @@ static int pick_in(const moe_oracle_group_t *g, double value, moe_oracle_choice_
     return 0;
 }
 
-static int pick(const moe_oracle_t *o, moe_oracle_kind_t kind, const moe_oracle_query_t *q,
-                moe_oracle_choice_t *c)
+static int pick_key(const moe_oracle_t *o, moe_oracle_kind_t kind, const moe_oracle_query_t *q,
+                    moe_oracle_choice_t *c)
 {
     memset(c, 0, sizeof(*c));
     c->arch = q->arch;
@@ -274,6 +295,22 @@ static int pick(const moe_oracle_t *o, moe_oracle_kind_t kind, const moe_oracle_
             c->max_hidden = defaults[i].max_hidden;
             return 1;
         }
+    c->name = NULL;
+    return 0;
+}
+
+/* pick_key; a fast-accumulation query that no fast table answers, or whose table defers
+ * (MOE_ORACLE_PROMOTED_PATH), takes the promoted tables' answer. */
+static int pick(const moe_oracle_t *o, moe_oracle_kind_t kind, const moe_oracle_query_t *q,
+                moe_oracle_choice_t *c)
+{
+    if (pick_key(o, kind, q, c) && strcmp(c->name, MOE_ORACLE_PROMOTED_PATH))
+        return 1;
+    if (kind == MOE_ORACLE_GEMM && q->accum == MOE_ORACLE_ACCUM_FAST) {
+        moe_oracle_query_t p = *q;
+        p.accum = MOE_ORACLE_ACCUM_PROMOTED;
+        return pick_key(o, kind, &p, c);
+    }
     c->name = NULL;
     return 0;
 }
@@ -313,7 +350,8 @@ static int push_bucket(moe_oracle_group_t *g, double max, const char *name, doub
 static int push_builtin(moe_oracle_group_t *g, double lo, double hi, const char *fallback)
 {
     moe_oracle_query_t q = {g->arch,      g->dtype, g->scale,        g->ep_size, g->tp_size,
-                            g->transport, 0,        g->shape.hidden, 0.0,        0};
+                            g->transport, 0,        g->shape.hidden, 0.0,        0,
+                            g->accum};
     const double end = isinf(hi) ? HUGE_VAL : nextafter(hi, 0.0);
     double x = lo;
     while (x < end) {
@@ -634,6 +672,24 @@ static int parse_gemm_key(pctx_t *p, const moe_json_t *g, const char *where, moe
     return 0;
 }
 
+/* A GEMM table's "accum": "promoted" (also when absent) or "fast" (FP8 per-row scales only). */
+static int parse_accum(pctx_t *p, const moe_json_t *g, const char *where, moe_oracle_group_t *o)
+{
+    const char *a = NULL;
+    if (get_str(p, g, where, "accum", &a) < 0)
+        return -1;
+    o->accum = MOE_ORACLE_ACCUM_PROMOTED;
+    if (!a || !strcmp(a, "promoted"))
+        return 0;
+    if (strcmp(a, "fast"))
+        return bad(p, "%s\"accum\" \"%.32s\": expected promoted or fast", where, a);
+    if (o->dtype != MOE_DTYPE_FP8_E4M3 || o->scale != MOE_SCALE_PER_CHANNEL)
+        return bad(p, "%s\"accum\" \"fast\" is for fp8_e4m3/per_channel tables (this one: %s/%s)",
+                   where, moe_oracle_dtype_name(o->dtype), moe_oracle_scale_name(o->scale));
+    o->accum = MOE_ORACLE_ACCUM_FAST;
+    return 0;
+}
+
 /* Whether a GEMM table's variant fits its key and the file's arch (a stale name fails). */
 static int check_name(pctx_t *p, const moe_oracle_group_t *g, const char *where, const char *name)
 {
@@ -661,6 +717,11 @@ static int check_name(pctx_t *p, const moe_oracle_group_t *g, const char *where,
         v->scale_kind != g->scale)
         return bad(p, "%svariant \"%s\" does not run %s/%s on sm_%d", where, name,
                    moe_oracle_dtype_name(g->dtype), moe_oracle_scale_name(g->scale), g->arch);
+    if (v->fast_accum && g->accum != MOE_ORACLE_ACCUM_FAST)
+        return bad(p,
+                   "%svariant \"%s\" accumulates without promotion: only a table with "
+                   "\"accum\": \"fast\" (fp8_math W8A8_FAST layers) may name it",
+                   where, name);
     return 0;
 }
 
@@ -746,6 +807,8 @@ static int parse_group(pctx_t *p, const moe_json_t *g, moe_oracle_kind_t kind, i
                 return bad(p, "%s\"builtin\" = \"%.40s\" is not 16 hex digits", where, id);
             memcpy(o->builtin, id, 17);
         }
+        if (parse_accum(p, g, where, o) < 0)
+            return -1;
     }
     if (get_int(p, g, where, "ep_size", 1, 65536, &o->ep_size) < 0 ||
         get_int(p, g, where, "tp_size", 1, 65536, &o->tp_size) < 0)
@@ -984,6 +1047,8 @@ static void put_group(out_t *w, const moe_oracle_group_t *g)
         put(w, "\"transport\": \"%s\", ", moe_oracle_transport_name(g->transport));
     if (g->kind == MOE_ORACLE_GEMM && g->builtin[0])
         put(w, "\"builtin\": \"%s\", ", g->builtin);
+    if (g->kind == MOE_ORACLE_GEMM && g->accum == MOE_ORACLE_ACCUM_FAST)
+        put(w, "\"accum\": \"fast\", ");
     if (g->ep_size)
         put(w, "\"ep_size\": %d, ", g->ep_size);
     if (g->tp_size)
@@ -1054,7 +1119,7 @@ moe_status_t moe_oracle_write(const char *path, const moe_oracle_table_t *t)
 static int pick_default(int arch, moe_dtype_t dtype, moe_scale_kind_t scale, double rows,
                         moe_oracle_choice_t *c)
 {
-    const moe_oracle_query_t q = {arch, dtype, scale, 1, 1, MOE_ORACLE_ANY, rows, 0, 0.0, 0};
+    const moe_oracle_query_t q = {arch, dtype, scale, 1, 1, MOE_ORACLE_ANY, rows, 0, 0.0, 0, 0};
     return moe_oracle_pick_gemm(NULL, &q, c);
 }
 

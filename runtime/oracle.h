@@ -31,6 +31,15 @@ extern "C" {
 #define MOE_ORACLE_FUSED_DECODE "sm90_fused_decode"
 /* A decode table's other path: route, permute, the grouped GEMMs, combine. */
 #define MOE_ORACLE_GROUPED_PATH "grouped"
+/* A built-in fast-accumulation table's bucket that defers to the promoted tables (whatever a
+ * W8A8 layer runs there). Not a name a tune file may give. */
+#define MOE_ORACLE_PROMOTED_PATH "promoted"
+
+/* The accumulation a GEMM table's variants may use (moe_gemm_variant_t.fast_accum): a layer
+ * with fp8_math W8A8_FAST and per-row scales asks the FAST tables first (tuned, then built in),
+ * then, where none answers or one answers MOE_ORACLE_PROMOTED_PATH, the PROMOTED ones; every
+ * other layer asks the PROMOTED ones alone, which never name a fast variant. */
+enum { MOE_ORACLE_ACCUM_PROMOTED = 0, MOE_ORACLE_ACCUM_FAST = 1 };
 
 /* Where a choice came from. */
 typedef enum moe_oracle_source {
@@ -85,6 +94,7 @@ typedef struct moe_oracle_group {
      * recorded); another id at load gives a warning (the built-in choices they were compared
      * with have changed since) */
     char builtin[17];
+    int accum; /* GEMM tables: MOE_ORACLE_ACCUM_*; a tune file's "accum" ("promoted" if absent) */
 } moe_oracle_group_t;
 
 /* What a tune file holds (moe_oracle_write / moe_oracle_parse). */
@@ -124,6 +134,7 @@ typedef struct moe_oracle_query {
      * decode kernel leaves it on the grouped path) */
     double token_bytes;
     int shared;
+    int accum; /* GEMM: MOE_ORACLE_ACCUM_FAST for a W8A8_FAST layer with per-row scales */
 } moe_oracle_query_t;
 
 typedef struct moe_oracle_choice {

@@ -433,11 +433,11 @@ moe_status_t moe_layer_set_weight_with_input_scale(moe_layer_t *l, moe_weight_ki
     if (input_scale != 0.0f) {
         char what[96];
         MOE_ARG_CHECK(l->cfg.weight_dtype == MOE_DTYPE_FP8_E4M3 &&
-                          l->cfg.scale_kind == MOE_SCALE_PER_TENSOR &&
-                          l->cfg.fp8_math == MOE_FP8_MATH_W8A8,
+                          l->cfg.scale_kind == MOE_SCALE_PER_TENSOR && moe_cfg_w8a8(&l->cfg),
                       "%s: input_scale = %g: static activation scales are read by W8A8 "
                       "arithmetic on per-tensor FP8 weights only (this layer: weight_dtype %s, "
-                      "scale_kind %d, fp8_math %d; want FP8_E4M3, PER_TENSOR 1, W8A8 2)",
+                      "scale_kind %d, fp8_math %d; want FP8_E4M3, PER_TENSOR 1, W8A8 2 or "
+                      "W8A8_FAST 3)",
                       kind_names[kind], (double)input_scale, moe_dtype_name(l->cfg.weight_dtype),
                       (int)l->cfg.scale_kind, (int)l->cfg.fp8_math);
         snprintf(what, sizeof(what), "%s: input_scale", kind_names[kind]);

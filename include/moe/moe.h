@@ -82,7 +82,15 @@ typedef enum moe_fp8_math {
      * K with 128x128 block weights; or the matrix's static input scale), f32 accumulation of
      * e4m3 x e4m3 products. The CPU backend and the CUDA backend on sm_90 (e4m3 wgmma; sm_80
      * refuses it at create). Needs weight_dtype FP8_E4M3. */
-    MOE_FP8_MATH_W8A8 = 2
+    MOE_FP8_MATH_W8A8 = 2,
+    /* W8A8 whose e4m3 products a GPU may sum over the whole of K in the tensor cores' own
+     * accumulator (fewer bits than f32), the scales applied once after it: what CUTLASS's
+     * "fast accumulation" FP8 kernels and Triton's FP8 dot on sm_90 (vLLM's fused_moe with
+     * per-tensor or per-channel weights) compute. Faster at large batches; off the W8A8
+     * numbers by up to ~2e-2 relative (docs/SEMANTICS.md, "FP8 W8A8"). With 128x128 block
+     * scales it is W8A8 (a block's scale changes every 128 of K, so its sums are promoted
+     * anyway). The CPU backend computes W8A8. Needs FP8_E4M3 weights. */
+    MOE_FP8_MATH_W8A8_FAST = 3
 } moe_fp8_math_t;
 
 typedef enum moe_backend {
@@ -217,10 +225,11 @@ typedef struct moe_layer_config {
      * scales that are not finite and > 0 (MOE_STATUS_NUMERIC_ERROR naming the tensor and the
      * first bad element); 1: skip that scan of every weight (faster loads of trusted files). */
     int skip_weight_check;
-    /* FP8 layers: W8A16 or W8A8 arithmetic (MOE_FP8_MATH_AUTO: the backend's choice, today
-     * W8A16). W8A8 with a weight_dtype other than FP8_E4M3 is rejected (INVALID_ARGUMENT); W8A16
-     * and AUTO are what every non-FP8 layer computes anyway. The CUDA backend computes W8A8 on
-     * sm_90a GPUs and rejects it on older ones (MOE_STATUS_NOT_SUPPORTED). */
+    /* FP8 layers: W8A16, W8A8 or W8A8_FAST arithmetic (MOE_FP8_MATH_AUTO: the backend's
+     * choice, today W8A16). W8A8 and W8A8_FAST with a weight_dtype other than FP8_E4M3 are
+     * rejected (INVALID_ARGUMENT); W8A16 and AUTO are what every non-FP8 layer computes anyway.
+     * The CUDA backend computes W8A8 on sm_90a GPUs and rejects it on older ones
+     * (MOE_STATUS_NOT_SUPPORTED). */
     moe_fp8_math_t fp8_math;
     /* Expert parallelism on the CUDA backend: a forward step runs in rounds of at most this
      * many tokens per rank, and the EP buffers (received rows, their GEMM rows and partials)

@@ -47,7 +47,7 @@ moe_status_t moe_gemm_sm90_fp8i_m64pp_launch(const moe_gemm_args_t *a, void *str
 /* FP8 per-row scales without promotion: the tensor cores accumulate the whole k (their FP8
  * accumulation keeps fewer bits than f32: docs/KERNELS.md, "Fast accumulation"), so a
  * warpgroup holds one m64n256 accumulator set as bf16 does. Chosen only where the layer
- * allows it (MOE_FP8_FAST_ACCUM). */
+ * allows it (fp8_math W8A8_FAST) or forced. */
 moe_status_t moe_gemm_sm90_fp8f_m128_launch(const moe_gemm_args_t *a, void *stream)
 {
     return launch_normal<128, 3>(a, stream, "sm90_fp8_fast_m128n256");

@@ -14,7 +14,7 @@ STATUS_NAMES = [
 ]
 DTYPE = {"f32": 1, "bf16": 2, "f16": 3, "fp8_e4m3": 4}
 SCALE = {"none": 0, "tensor": 1, "block": 2, "channel": 3}
-FP8_MATH = {"auto": 0, "w8a16": 1, "w8a8": 2}
+FP8_MATH = {"auto": 0, "w8a16": 1, "w8a8": 2, "w8a8_fast": 3}
 BACKEND = {"auto": 0, "cpu": 1, "cuda": 2}
 BACKEND_NAME = {v: k for k, v in BACKEND.items()}
 ACTIVATION = {"silu": 0, "gelu": 1, "gelu_tanh": 1, "gelu_pytorch_tanh": 1}

@@ -65,7 +65,7 @@ def _act_scales(scale, E, name):
 
 
 def _build(runtime, w1, w2, activation, fp8, w1_scale, w2_scale, block_shape, per_channel,
-           max_tokens):
+           max_tokens, fp8_accum="promoted"):
     E, I2, H = w1.shape
     if I2 % 2 or tuple(w2.shape) != (E, H, I2 // 2):
         raise ValueError(f"w1.shape = {tuple(w1.shape)}, w2.shape = {tuple(w2.shape)}: want "
@@ -85,7 +85,8 @@ def _build(runtime, w1, w2, activation, fp8, w1_scale, w2_scale, block_shape, pe
         if k1 == "block" and I % 128:
             raise NotImplementedError(f"block scales with I = {I} (not a multiple of 128): "
                                       "gate and up would share a block")
-        kw.update(dtype="fp8_e4m3", scale_kind=k1, fp8_math="w8a8")
+        kw.update(dtype="fp8_e4m3", scale_kind=k1,
+                  fp8_math="w8a8_fast" if fp8_accum == "fast" else "w8a8")
     else:
         if w1.dtype not in (torch.float32, torch.bfloat16, torch.float16) or w2.dtype != w1.dtype:
             raise TypeError(f"w1.dtype = {w1.dtype}, w2.dtype = {w2.dtype}: float32, bfloat16 "
@@ -121,7 +122,7 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False,
                   activation="silu", apply_router_weight_on_input=False, use_fp8_w8a8=False,
                   per_channel_quant=False, global_num_experts=-1, expert_map=None,
                   w1_scale=None, w2_scale=None, a1_scale=None, a2_scale=None, block_shape=None,
-                  runtime=None, max_tokens=4096, **unsupported):
+                  runtime=None, max_tokens=4096, fp8_accum="promoted", **unsupported):
     """vLLM's fused_experts on libmoe: y[t] = sum_j topk_weights[t, j] *
     W2_e act(W1_e[:I] x) * (W1_e[I:] x), e = topk_ids[t, j]. hidden_states [T, H] f32 or bf16;
     w1 [E, 2I, H] (gate then up), w2 [E, H, I]; topk_weights [T, k], topk_ids [T, k] (int32 or
@@ -133,7 +134,11 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False,
     scales by a1_scale (GEMM 1's input) and a2_scale (GEMM 2's), static activation scales: one
     for every expert, as vLLM passes them, or one per expert ([E]). The layer made for a set of
     weights is cached (keyed by the tensors and their versions): the first call with new weights
-    copies them (collective under mpirun: EP over the ranks, the same weights on every rank)."""
+    copies them (collective under mpirun: EP over the ranks, the same weights on every rank).
+    fp8_accum="fast" (libmoe's own keyword): fp8_math W8A8_FAST, the tensor cores may sum the
+    e4m3 products over the whole k without promotion, as vLLM's Triton kernel does on sm_90 with
+    per-tensor and per-channel scales (faster at large batches, less exact); "promoted" (the
+    default) keeps W8A8's f32 promotion. Block scales promote either way."""
     for name in ("use_int8_w8a8", "use_int8_w8a16", "use_int4_w4a16", "use_mxfp4_w4a4",
                  "w1_zp", "w2_zp", "w1_bias", "w2_bias"):
         if unsupported.get(name):
@@ -142,6 +147,10 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False,
                                   "use_mxfp4_w4a4", "w1_zp", "w2_zp", "w1_bias", "w2_bias"}
     if unknown:
         raise TypeError(f"libmoe.fused_experts: unexpected arguments {sorted(unknown)}")
+    if fp8_accum not in ("promoted", "fast"):
+        raise ValueError(f"fp8_accum = {fp8_accum!r}: 'promoted' or 'fast'")
+    if fp8_accum == "fast" and not use_fp8_w8a8:
+        raise ValueError("libmoe.fused_experts: fp8_accum='fast' needs use_fp8_w8a8=True")
     if expert_map is not None:
         raise NotImplementedError("libmoe.fused_experts: expert_map (libmoe places experts "
                                   "over the runtime's ranks itself)")
@@ -187,13 +196,13 @@ def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, inplace=False,
         a if isinstance(a, torch.Tensor) else None for a in acts)
     key = _key(runtime, hidden_states.dtype, weights,
                (activation, bool(use_fp8_w8a8), bool(per_channel_quant),
-                tuple(block_shape) if block_shape else None, k, cap) +
+                tuple(block_shape) if block_shape else None, k, cap, fp8_accum) +
                tuple(None if a is None or isinstance(a, torch.Tensor) else float(a) for a in acts))
     entry = _cache.get(key)
     layer = entry[0] if entry is not None and _alive(entry, weights) else None
     if layer is None:
         E, I, kw, s1, s2 = _build(runtime, w1, w2, activation, use_fp8_w8a8, w1_scale, w2_scale,
-                                  block_shape, per_channel_quant, cap)
+                                  block_shape, per_channel_quant, cap, fp8_accum)
         a1 = _act_scales(a1_scale, E, "a1_scale")
         a2 = _act_scales(a2_scale, E, "a2_scale")
         kw["top_k"] = k

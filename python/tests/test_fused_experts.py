@@ -117,6 +117,9 @@ def test_fp8(rt, kind):
     y = libmoe.fused_experts(x, q1, q2, tw, ti, **kw)
     # W8A8: activations quantised per token too; within e4m3's rounding of the dequantised ref
     assert rel(y, ref(x, d1, d2, tw, ti)) <= 6e-2
+    # fp8_accum="fast" (W8A8_FAST): a layer of its own; the CPU backend sums in f32 as W8A8 does
+    fast = libmoe.fused_experts(x, q1, q2, tw, ti, fp8_accum="fast", **kw)
+    assert torch.equal(fast, y)
 
 
 def ref_static(x, q1, s1, q2, s2, a1, a2, tw, ti):
@@ -207,6 +210,10 @@ def test_bad_arguments(rt):
                    a1_scale=torch.tensor(-1.0), runtime=rt), libmoe.MoEError,
          "input_scale"),
         (lambda: f(x, "w1", w2, tw, ti, runtime=rt), TypeError, "torch.Tensor"),
+        (lambda: f(x, q1, q2, tw, ti, use_fp8_w8a8=True, w1_scale=t1, w2_scale=t2,
+                   fp8_accum="sloppy", runtime=rt), ValueError, "'promoted' or 'fast'"),
+        (lambda: f(x, w1, w2, tw, ti, fp8_accum="fast", runtime=rt), ValueError,
+         "needs use_fp8_w8a8=True"),
     ]
     for i, (call, exc, words) in enumerate(cases):
         with pytest.raises(exc) as info:

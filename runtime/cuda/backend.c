@@ -139,7 +139,7 @@ static moe_status_t check_supported(const moe_layer_t *l)
                          "CUDA backend: weight_dtype = %s; use BF16, F32 or FP8_E4M3 "
                          "(converted to BF16 at load) or MOE_BACKEND=cpu",
                          moe_dtype_name(c->weight_dtype));
-    if (c->fp8_math == MOE_FP8_MATH_W8A8) { /* e4m3 rows: k in whole 16-byte units */
+    if (moe_cfg_w8a8(c)) { /* e4m3 rows: k in whole 16-byte units */
         const int64_t is = l->plan.i_end - l->plan.i_begin, ss = l->plan.s_end - l->plan.s_begin;
         if (c->hidden % 16 || is % 16 || ss % 16)
             return moe_error(MOE_STATUS_NOT_SUPPORTED,
@@ -210,6 +210,7 @@ static void load_oracle(const moe_layer_t *l, cuda_layer_t *s)
     s->oq.token_bytes =
         (double)l->cfg.top_k * 3.0 * l->cfg.hidden * l->cfg.intermediate * (s->f8 ? 1.0 : 2.0);
     s->oq.shared = l->plan.shared_intermediate > 0;
+    s->oq.accum = moe_cfg_fast_accum(&l->cfg) ? MOE_ORACLE_ACCUM_FAST : MOE_ORACLE_ACCUM_PROMOTED;
     moe_oracle_init(&s->oracle);
     if (!moe_env_str("MOE_TUNE_FILE", NULL))
         return;
@@ -250,9 +251,7 @@ static void init_shape(moe_layer_t *l, cuda_layer_t *s)
     l->ep_round_tokens = s->tm;
     s->step_rows = s->cap; /* EP rows per rank until a step says otherwise */
     s->m = s->tm;
-    s->f8 = l->cfg.weight_dtype == MOE_DTYPE_FP8_E4M3 && l->cfg.fp8_math == MOE_FP8_MATH_W8A8
-                ? (l->cfg.scale_kind == MOE_SCALE_BLOCK_128 ? 2 : 1)
-                : 0;
+    s->f8 = moe_cfg_w8a8(&l->cfg) ? (l->cfg.scale_kind == MOE_SCALE_BLOCK_128 ? 2 : 1) : 0;
     /* With EP every rank computes over all ranks' (padded) tokens. */
     s->max_tokens = s->tm * s->world;
     s->act = l->cfg.activation;

@@ -241,7 +241,10 @@ void moe_cuda_explain_gemm(const cuda_layer_t *s, double rows_per_expert, char *
         return;
     }
     /* deterministic mode pins the variant of one row per expert: see oracle_choice */
-    moe_oracle_describe(&c, s->f8 ? "W8A8, rows/expert" : "rows/expert",
+    moe_oracle_describe(&c,
+                        s->oq.accum == MOE_ORACLE_ACCUM_FAST ? "W8A8_FAST, rows/expert"
+                        : s->f8                              ? "W8A8, rows/expert"
+                                                             : "rows/expert",
                         s->deterministic ? 1.0 : rows_per_expert, text, len);
     if (s->deterministic && strlen(text) + 1 < len)
         snprintf(text + strlen(text), len - strlen(text), ", pinned by deterministic mode");

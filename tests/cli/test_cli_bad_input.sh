@@ -43,9 +43,11 @@ expect unknown-option 2 "unknown option --frobnicate" run1 --frobnicate 1
 expect dispatch-unknown 2 "--dispatch nope: expected auto, all-to-all or all-gather" \
     run1 --dispatch nope
 expect backend-unknown 2 "--backend gpu: expected auto, cpu or cuda" run1 --backend gpu
-expect fp8-math-unknown 2 "--fp8-math w4a8: expected w8a16 or w8a8" run1 --fp8-math w4a8
+expect fp8-math-unknown 2 "--fp8-math w4a8: expected w8a16, w8a8 or w8a8-fast" run1 --fp8-math w4a8
 expect fp8-math-bf16 2 "--fp8-math w8a8: the layer's weights are bf16, not FP8" \
     run1 --dtype bf16 --fp8-math w8a8
+expect fp8-math-fast-bf16 2 "--fp8-math w8a8-fast: the layer's weights are bf16, not FP8" \
+    run1 --dtype bf16 --fp8-math w8a8-fast
 expect x-dtype-unknown 2 "--x-dtype f16: expected f32 or bf16" run1 --x-dtype f16
 expect route-skew-junk 2 "--route-skew 1.2x: not a number" run1 --route-skew 1.2x
 expect route-skew-negative 2 "--route-skew -1: must be a finite number in 0..16" run1 --route-skew -1
@@ -212,6 +214,11 @@ if [ -n "$moe_bench" ]; then
         b --first-call --capacity 30
     expect bench-first-call-no-probe 2 "--tokens lists every count in 1..3" \
         b --first-call --tokens 1,2,3
+    expect bench-accum-unknown 2 "--accum sloppy: expected promoted or fast" b --accum sloppy
+    expect bench-accum-bf16 2 "--accum fast needs --dtype fp8" b --accum fast
+    expect bench-scales-bf16 2 "--scales needs --dtype fp8" b --scales block
+    expect bench-mpmd-accum 2 "--accum is 1 on rank 0 but 0 on rank 1" \
+        "${mpirun[@]}" -np 1 "$moe_bench" --dtype fp8 --accum fast : -np 1 "$moe_bench" --dtype fp8
 fi
 
 # ---- moe-tune (parsed before any GPU work) -----------------------------------------------------
@@ -226,6 +233,9 @@ if [ -n "$moe_tune" ]; then
         t --out "$tmp/t.json" --decode 1,2.5
     expect tune-tokens-fraction 2 "--tokens 3.5: 3.5 is not a whole number of tokens" \
         t --out "$tmp/t.json" --tokens 3.5
+    expect tune-accum-unknown 2 "--accum sloppy: expected promoted or fast" \
+        t --out "$tmp/t.json" --accum sloppy
+    expect tune-accum-bf16 2 "--accum fast needs --dtype fp8" t --out "$tmp/t.json" --accum fast
 fi
 
 echo "$pass passed, $fail failed"

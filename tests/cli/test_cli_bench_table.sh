@@ -3,7 +3,7 @@
 # moe-bench's table on the CPU backend, one rank and two: the header's rotation line (forced by
 # --rotate, else 1 copy: no GPU L2), a row and a phases line per token count, the JSON's rotate
 # and points, each with the layer's explain text, and the MOE_* environment it ran with; fp8
-# with static activation scales and its refusals; never the timings.
+# with static activation scales and its refusals, fp8 with fast accumulation; never the timings.
 #   test_cli_bench_table.sh MOE_BENCH
 set -u
 moe_bench=$1
@@ -56,7 +56,18 @@ rc=$?
 check "static: exit 0 (got $rc)" [ $rc -eq 0 ]
 check "static: 3 rows" [ "$(grep -cE "$row" "$out")" -eq 3 ]
 check "static: the title says so" grep -q "W8A8 per-tensor weights (static activation scales)" "$out"
-check "static: JSON act_scales" grep -q '"scales": "per_tensor", "act_scales": "static"' "$json"
+check "static: JSON act_scales" grep -q '"scales": "per_tensor", "accum": "promoted", "act_scales": "static"' "$json"
+# fp8 with --accum fast (W8A8_FAST): said in the title and the JSON; block scales promote anyway
+for run in "channel fast" "block promoted"; do
+    read -r scales accum <<<"$run"
+    timeout 120 mpirun --oversubscribe --bind-to none -x MOE_BACKEND -np 1 "$moe_bench" \
+        --experts 4 --top-k 2 --hidden 32 --intermediate 32 --tokens 1,8 --seconds 0.01 \
+        --dtype fp8 --scales "$scales" --accum fast --json "$json" >"$out" 2>&1
+    rc=$?
+    check "fast $scales: exit 0 (got $rc)" [ $rc -eq 0 ]
+    check "fast $scales: the title says so" grep -q "W8A8 .* weights (fast accumulation)" "$out"
+    check "fast $scales: JSON accum $accum" grep -q "\"accum\": \"$accum\"" "$json"
+done
 for bad in "" "--dtype fp8 --scales block"; do
     # shellcheck disable=SC2086 # $bad: options
     timeout 60 mpirun --oversubscribe --bind-to none -x MOE_BACKEND -np 1 "$moe_bench" \

@@ -6,7 +6,8 @@
  * against W8A16 on the same weights is reported; a forced variant of the wrong dtype is refused
  * at create; the per-tensor shapes with MOE_GEMM_B_UNIFORM=1. EP's low-latency layout (MOE_EP_LL=1)
  * with the fused decode kernel on the rows it lays out, per-row scales, dynamic and static, 1 and 7
- * tokens a rank; refused without the kernel. */
+ * tokens a rank; refused without the kernel. fp8_math W8A8_FAST (the fast-accumulation tables)
+ * with its own bound. */
 #include "gpu_mpi.h"
 
 #include <cuda_runtime.h>
@@ -187,6 +188,69 @@ static void test_fp8_w8a8_low_latency_fused(void **state)
     assert_int_equal(failures, 0);
 }
 
+/* fp8_math W8A8_FAST (per-row scales: the oracle's fast-accumulation tables) against the CPU's
+ * W8A8, per-tensor and per-channel, on one GPU and under EP = world, with its own bound (the
+ * tensor cores' accumulator over a whole k: docs/SEMANTICS.md, "W8A8 with fast accumulation"),
+ * at a step whose rows per expert take the fast tile (hidden > 2048, more than 256 rows per
+ * expert: its explain names it) and at one that defers to the promoted tables (W8A8's 1e-2
+ * bound holds there); block scales compute W8A8 (promoted variants). sm_90. */
+static void test_fp8_w8a8_fast_accum(void **state)
+{
+    static const struct {
+        const char *name;
+        moe_scale_kind_t scales;
+        int64_t n; /* tokens a rank */
+        int fast;  /* whether the step runs sm90_fp8_fast_m128n256 */
+    } cases[] = {
+        {"per-tensor", MOE_SCALE_PER_TENSOR, 1200, 1},
+        {"per-channel", MOE_SCALE_PER_CHANNEL, 1200, 1},
+        {"per-channel", MOE_SCALE_PER_CHANNEL, 40, 0},
+        {"block", MOE_SCALE_BLOCK_128, 1200, 0},
+    };
+    const uint64_t seed = tu_seed("gpu_fp8_fast");
+    int dev = 0, arch = 0;
+    (void)state;
+    if (cudaGetDevice(&dev) != cudaSuccess || moe_gpu_arch(dev, &arch) || arch != 90)
+        return;
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        /* E 4, top-1, H 2304: 1200 tokens a rank give 300 x world rows per expert under EP and
+         * 300 on one GPU */
+        const fp8_shape_t s = {"fast", 4, 1, 2304, 512, 0, cases[i].scales, 0, 0};
+        const int64_t n = cases[i].n;
+        moe_layer_config_t c = config_of(&s, MOE_FP8_MATH_W8A8_FAST, n);
+        const size_t len = (size_t)(n * s.hidden + 1);
+        float *x = malloc(sizeof(float) * len), *ref = malloc(sizeof(float) * len);
+        float *y = malloc(sizeof(float) * len);
+        double e1, e2;
+        char why[1024];
+        moe_layer_t *l = NULL;
+        assert_true(x && ref && y);
+        moe_gen_tokens(seed, n * rank, n, s.hidden, x);
+        gt_run_layer_steps(gt_rts.cpu_self, c, seed, 0, x, n, 1, NULL, ref, 0);
+        assert_int_equal(moe_layer_create(gt_rts.gpu_self, &c, &l), MOE_STATUS_SUCCESS);
+        assert_int_equal(moe_layer_explain(l, n, why, sizeof(why)), MOE_STATUS_SUCCESS);
+        moe_layer_destroy(l);
+        if ((strstr(why, "sm90_fp8_fast_m128n256") != NULL) != cases[i].fast)
+            fail_msg("%s, %lld tokens: explain '%s'", cases[i].name, (long long)n, why);
+        gt_run_layer_steps(gt_rts.gpu_self, c, seed, 0, x, n, 1, NULL, y, 0);
+        assert_int_equal(tu_count_nan(y, n * s.hidden), 0);
+        e1 = tu_rel_err(y, ref, n * s.hidden);
+        c.ep_size = world;
+        gt_run_layer_steps(gt_rts.gpu, c, seed, 0, x, n, 1, NULL, y, 0);
+        assert_int_equal(tu_count_nan(y, n * s.hidden), 0);
+        e2 = tu_rel_err(y, ref, n * s.hidden);
+        print_message("rank %d: W8A8_FAST %-11s %4lld tokens (%s): GPU vs CPU W8A8 rel err %.3g "
+                      "(one GPU), %.3g (EP %d)\n",
+                      rank, cases[i].name, (long long)n, cases[i].fast ? "fast tile" : "promoted",
+                      e1, e2, world);
+        failures += !(e1 <= (cases[i].fast ? 3e-2 : 1e-2) && e2 <= 3e-2);
+        free(x);
+        free(ref);
+        free(y);
+    }
+    assert_int_equal(failures, 0);
+}
+
 /* A forced bf16 variant on a W8A8 layer is refused at create, naming both. */
 static void test_fp8_w8a8_forced_bf16_refused(void **state)
 {
@@ -204,6 +268,7 @@ static const struct CMUnitTest tests[] = {
     cmocka_unit_test(test_fp8_w8a8_shapes),
     cmocka_unit_test(test_fp8_w8a8_forced_bf16_refused),
     cmocka_unit_test(test_fp8_w8a8_low_latency_fused),
+    cmocka_unit_test(test_fp8_w8a8_fast_accum),
 };
 
 GT_MPI_MAIN(tests, gt_group_setup, gt_group_teardown, rank, world)

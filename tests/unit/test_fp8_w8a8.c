@@ -807,12 +807,17 @@ static void test_config(void **state)
     c.hidden = 128;
     c.intermediate = 128;
     c.max_tokens_per_rank = 4;
-    c.fp8_math = (moe_fp8_math_t)3;
+    c.fp8_math = (moe_fp8_math_t)4;
     assert_int_equal(moe_layer_create(tu_rt, &c, &l), MOE_STATUS_INVALID_ARGUMENT);
-    assert_non_null(strstr(moe_last_error(), "fp8_math = 3"));
+    assert_non_null(strstr(moe_last_error(), "fp8_math = 4"));
+    assert_non_null(strstr(moe_last_error(), "W8A8_FAST 3"));
     c.fp8_math = MOE_FP8_MATH_W8A8; /* BF16 weights */
     assert_int_equal(moe_layer_create(tu_rt, &c, &l), MOE_STATUS_INVALID_ARGUMENT);
-    assert_non_null(strstr(moe_last_error(), "needs weight_dtype FP8_E4M3"));
+    assert_non_null(strstr(moe_last_error(), "MOE_FP8_MATH_W8A8 needs weight_dtype FP8_E4M3"));
+    c.fp8_math = MOE_FP8_MATH_W8A8_FAST;
+    assert_int_equal(moe_layer_create(tu_rt, &c, &l), MOE_STATUS_INVALID_ARGUMENT);
+    assert_non_null(
+        strstr(moe_last_error(), "MOE_FP8_MATH_W8A8_FAST needs weight_dtype FP8_E4M3 (got bf16)"));
     c.fp8_math = MOE_FP8_MATH_W8A16;
     TU_OK(moe_layer_create(tu_rt, &c, &l));
     TU_OK(moe_layer_destroy(l));
@@ -821,6 +826,45 @@ static void test_config(void **state)
     c.fp8_math = MOE_FP8_MATH_W8A8;
     TU_OK(moe_layer_create(tu_rt, &c, &l));
     TU_OK(moe_layer_destroy(l));
+    c.fp8_math = MOE_FP8_MATH_W8A8_FAST; /* block scales: W8A8 */
+    TU_OK(moe_layer_create(tu_rt, &c, &l));
+    TU_OK(moe_layer_destroy(l));
+}
+
+/* W8A8_FAST on the CPU backend: W8A8's numbers, bitwise (its f32 sums are what the GPU's
+ * promotion approximates), for every scale kind, with a shared MLP; and not W8A16's. */
+static void test_fast_accum_cpu_is_w8a8(void **state)
+{
+    static const moe_scale_kind_t kinds[3] = {MOE_SCALE_PER_TENSOR, MOE_SCALE_PER_CHANNEL,
+                                              MOE_SCALE_BLOCK_128};
+    const uint64_t seed = tu_seed("w8a8_fast_cpu");
+    enum { T = 13, H = 256 };
+    float *y8 = malloc(sizeof(float) * T * H), *yf = malloc(sizeof(float) * T * H);
+    float *y16 = malloc(sizeof(float) * T * H);
+    (void)state;
+    assert_true(y8 && yf && y16);
+    for (int ki = 0; ki < 3; ki++) {
+        moe_layer_config_t c = MOE_LAYER_CONFIG_INIT;
+        c.num_experts = 8;
+        c.top_k = 2;
+        c.hidden = H;
+        c.intermediate = 384;
+        c.num_shared_experts = 1;
+        c.max_tokens_per_rank = T;
+        c.weight_dtype = MOE_DTYPE_FP8_E4M3;
+        c.scale_kind = kinds[ki];
+        c.fp8_math = MOE_FP8_MATH_W8A8;
+        run_gen_layer(c, T, seed + (uint64_t)ki, 0, y8);
+        c.fp8_math = MOE_FP8_MATH_W8A8_FAST;
+        run_gen_layer(c, T, seed + (uint64_t)ki, 0, yf);
+        c.fp8_math = MOE_FP8_MATH_W8A16;
+        run_gen_layer(c, T, seed + (uint64_t)ki, 0, y16);
+        assert_memory_equal(y8, yf, sizeof(float) * T * H);
+        assert_true(tu_rel_err(yf, y16, T * H) > 1e-3); /* activations quantised */
+    }
+    free(y8);
+    free(yf);
+    free(y16);
 }
 
 /* Scales at set time: an FP8 tensor's block scale of +Inf is refused (naming it); an f32 matrix
@@ -877,7 +921,7 @@ int main(void)
         cmocka_unit_test(test_static_scales),        cmocka_unit_test(test_input_scale_api),
         cmocka_unit_test(test_w8a8_vs_w8a16),        cmocka_unit_test(test_pair_static_scale),
         cmocka_unit_test(test_gen_static_scales),    cmocka_unit_test(test_config),
-        cmocka_unit_test(test_set_time_scales),
+        cmocka_unit_test(test_set_time_scales),      cmocka_unit_test(test_fast_accum_cpu_is_w8a8),
     };
     return cmocka_run_group_tests(tests, tu_group_setup_cpu, tu_group_teardown);
 }

@@ -114,8 +114,8 @@ static void test_defaults_match_old_table(void **state)
                 const double r = rows_list[i];
                 const char *want = old_select(arch, kinds[k].d, kinds[k].s, r);
                 const moe_gemm_variant_t *v = moe_gemm_select(arch, kinds[k].d, kinds[k].s, r);
-                const moe_oracle_query_t q = {arch,           kinds[k].d, kinds[k].s, 4,   2,
-                                              MOE_ORACLE_LSA, r,          0,          0.0, 0};
+                const moe_oracle_query_t q = {arch, kinds[k].d, kinds[k].s, 4, 2, MOE_ORACLE_LSA,
+                                              r,    0,          0.0,        0, 0};
                 moe_oracle_choice_t c;
                 assert_same_name(v ? v->name : NULL, want, "moe_gemm_select", arch, r);
                 moe_oracle_pick_gemm(&o, &q, &c);
@@ -132,7 +132,7 @@ static void test_defaults_match_old_table(void **state)
     /* no built-in transport table: the backend's own rule */
     {
         const moe_oracle_query_t q = {
-            90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 8, 1, MOE_ORACLE_ANY, 64, 0, 0.0, 0};
+            90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 8, 1, MOE_ORACLE_ANY, 64, 0, 0.0, 0, 0};
         moe_oracle_choice_t c;
         assert_int_equal(moe_oracle_pick_transport(&o, &q, &c), 0);
         assert_null(c.name);
@@ -226,6 +226,7 @@ static void assert_same_picks(const moe_oracle_t *a, const moe_oracle_t *b)
                                               rows_list[i],
                                               0,
                                               0.0,
+                                              0,
                                               0};
                 moe_oracle_choice_t ca, cb;
                 assert_int_equal(moe_oracle_pick_gemm(a, &q, &ca),
@@ -248,12 +249,13 @@ static char *temp_path(const char *name)
     return path;
 }
 
-/* No built-in table names a variant that sums FP8 products on the tensor cores alone
- * (fast_accum: those change the layer's numerics and run only when asked for) or one on trial
- * (built, not yet checked on a GPU). */
+/* No built-in promoted table names a variant that sums FP8 products on the tensor cores alone
+ * (fast_accum: those change the layer's numerics and run only in the tables fp8_math W8A8_FAST
+ * layers ask, fp8 per-row scales alone), and no built-in table one on trial (built, not yet
+ * checked on a GPU). */
 static void test_defaults_never_fast_accum(void **state)
 {
-    int ng = 0, nv = 0, fast = 0;
+    int ng = 0, nv = 0, fast = 0, fast_tables = 0;
     const moe_oracle_group_t *g = moe_oracle_defaults(&ng);
     const moe_gemm_variant_t *v = moe_gemm_variants(&nv);
     (void)state;
@@ -264,13 +266,117 @@ static void test_defaults_never_fast_accum(void **state)
             assert_int_equal(v[i].scale_kind, MOE_SCALE_PER_CHANNEL);
         }
     assert_true(fast >= 1);
-    for (int i = 0; i < ng; i++)
+    for (int i = 0; i < ng; i++) {
+        if (g[i].accum == MOE_ORACLE_ACCUM_FAST) {
+            fast_tables++;
+            assert_int_equal(g[i].kind, MOE_ORACLE_GEMM);
+            assert_int_equal(g[i].dtype, MOE_DTYPE_FP8_E4M3);
+            assert_int_equal(g[i].scale, MOE_SCALE_PER_CHANNEL);
+        } else {
+            assert_int_equal(g[i].accum, MOE_ORACLE_ACCUM_PROMOTED);
+        }
         for (int b = 0; b < g[i].num_buckets; b++) {
             const moe_gemm_variant_t *bv = moe_gemm_variant_by_name(g[i].bucket[b].name);
-            if (bv)
+            if (bv && g[i].accum != MOE_ORACLE_ACCUM_FAST)
                 assert_int_equal(bv->fast_accum, 0);
+            if (!bv && g[i].kind == MOE_ORACLE_GEMM) /* a fast table's deferral alone */
+                assert_string_equal(g[i].bucket[b].name, MOE_ORACLE_PROMOTED_PATH);
             assert_int_equal(moe_gemm_variant_on_trial(bv), 0);
         }
+    }
+    assert_true(fast_tables >= 1);
+}
+
+static moe_oracle_query_t fp8_query(moe_scale_kind_t s, int accum, double rows, int hidden)
+{
+    moe_oracle_query_t q;
+    memset(&q, 0, sizeof(q));
+    q.arch = 90;
+    q.dtype = MOE_DTYPE_FP8_E4M3;
+    q.scale = s;
+    q.ep_size = q.tp_size = 1;
+    q.transport = MOE_ORACLE_ANY;
+    q.value = rows;
+    q.hidden = hidden;
+    q.accum = accum;
+    return q;
+}
+
+/* A W8A8_FAST layer's query: the fast tile past 256 rows per expert where hidden > 2048 (or is
+ * not known), the promoted tables' choice everywhere else (the deferral resolved, never
+ * returned); promoted queries never get a fast variant; block scales have no fast table. */
+static void test_fast_accum_picks(void **state)
+{
+    static const double rows[] = {0.5, 8, 64, 200, 256, 256.5, 1000, 8192, 1e9};
+    static const int hidden[] = {0, 1024, 2048, 2049, 4096, 7168};
+    (void)state;
+    for (size_t h = 0; h < sizeof(hidden) / sizeof(hidden[0]); h++)
+        for (size_t r = 0; r < sizeof(rows) / sizeof(rows[0]); r++) {
+            const moe_oracle_query_t f = fp8_query(MOE_SCALE_PER_CHANNEL, MOE_ORACLE_ACCUM_FAST,
+                                                   rows[r], hidden[h]),
+                                     p = fp8_query(MOE_SCALE_PER_CHANNEL, MOE_ORACLE_ACCUM_PROMOTED,
+                                                   rows[r], hidden[h]),
+                                     bf = fp8_query(MOE_SCALE_BLOCK_128, MOE_ORACLE_ACCUM_FAST,
+                                                    rows[r], hidden[h]),
+                                     bp = fp8_query(MOE_SCALE_BLOCK_128, MOE_ORACLE_ACCUM_PROMOTED,
+                                                    rows[r], hidden[h]);
+            const int fast_here = rows[r] > 256.0 && (hidden[h] == 0 || hidden[h] > 2048);
+            moe_oracle_choice_t cf, cp, cbf, cbp;
+            assert_int_equal(moe_oracle_pick_gemm(NULL, &f, &cf), 1);
+            assert_int_equal(moe_oracle_pick_gemm(NULL, &p, &cp), 1);
+            assert_int_equal(moe_oracle_pick_gemm(NULL, &bf, &cbf), 1);
+            assert_int_equal(moe_oracle_pick_gemm(NULL, &bp, &cbp), 1);
+            assert_int_equal(moe_gemm_variant_by_name(cp.name)->fast_accum, 0);
+            assert_same_name(cf.name, fast_here ? "sm90_fp8_fast_m128n256" : cp.name, "fast query",
+                             90, rows[r]);
+            assert_int_equal(cf.source, MOE_ORACLE_DEFAULT);
+            assert_same_name(cbf.name, cbp.name, "block, fast query", 90, rows[r]);
+        }
+}
+
+/* A tune file's fast table: read and written with "accum": "fast", answers fast queries only;
+ * a promoted query beside it gets the built-in choice. */
+static void test_fast_accum_tune_table(void **state)
+{
+    static const char text[] =
+        "{\"libmoe_tune\": 1, \"gpu\": \"NVIDIA H200\", \"arch\": 90, \"gemm\": [{\"dtype\": "
+        "\"fp8_e4m3\", \"scales\": \"per_channel\", \"accum\": \"fast\", \"buckets\": "
+        "[{\"max_rows_per_expert\": 100, \"variant\": \"sm90_fp8_swapab_n16_pp\"}, {\"variant\": "
+        "\"sm90_fp8_fast_m64n256\"}]}]}";
+    moe_oracle_t o, back;
+    moe_oracle_choice_t c;
+    moe_oracle_query_t f = fp8_query(MOE_SCALE_PER_CHANNEL, MOE_ORACLE_ACCUM_FAST, 50, 4096);
+    const moe_oracle_query_t p =
+        fp8_query(MOE_SCALE_PER_CHANNEL, MOE_ORACLE_ACCUM_PROMOTED, 500, 4096);
+    char *out;
+    size_t n;
+    (void)state;
+    moe_oracle_init(&o);
+    assert_int_equal(moe_oracle_load_text(&o, text, strlen(text), "fast fixture", &h200), 1);
+    assert_int_equal(o.tuned.group[0].accum, MOE_ORACLE_ACCUM_FAST);
+    assert_int_equal(moe_oracle_pick_gemm(&o, &f, &c), 1);
+    assert_string_equal(c.name, "sm90_fp8_swapab_n16_pp");
+    assert_int_equal(c.source, MOE_ORACLE_TUNED);
+    f.value = 500;
+    assert_int_equal(moe_oracle_pick_gemm(&o, &f, &c), 1);
+    assert_string_equal(c.name, "sm90_fp8_fast_m64n256");
+    assert_int_equal(moe_oracle_pick_gemm(&o, &p, &c), 1);
+    assert_int_equal(c.source, MOE_ORACLE_DEFAULT);
+    assert_int_equal(moe_gemm_variant_by_name(c.name)->fast_accum, 0);
+    /* written back with its key, read back the same */
+    n = moe_oracle_format(&o.tuned, NULL, 0);
+    out = malloc(n + 1);
+    assert_non_null(out);
+    moe_oracle_format(&o.tuned, out, n + 1);
+    assert_non_null(strstr(out, "\"accum\": \"fast\""));
+    moe_oracle_init(&back);
+    assert_int_equal(moe_oracle_load_text(&back, out, n, "round trip", &h200), 1);
+    assert_int_equal(back.tuned.group[0].accum, MOE_ORACLE_ACCUM_FAST);
+    assert_int_equal(moe_oracle_pick_gemm(&back, &f, &c), 1);
+    assert_string_equal(c.name, "sm90_fp8_fast_m64n256");
+    free(out);
+    moe_oracle_free(&back);
+    moe_oracle_free(&o);
 }
 
 /* A variant on trial is in the table by a name that exists (test_defaults_never_fast_accum: in
@@ -329,6 +435,7 @@ static void test_defaults_short_k(void **state)
                                       cases[i].rows,
                                       cases[i].hidden,
                                       0.0,
+                                      0,
                                       0};
         moe_oracle_choice_t c;
         assert_int_equal(moe_oracle_pick_gemm(NULL, &q, &c), 1);
@@ -343,8 +450,8 @@ static void test_defaults_short_k(void **state)
     /* bf16 has no such table: hidden changes nothing */
     {
         const moe_oracle_query_t
-            a = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 64, 2048, 0.0, 0},
-            b = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 64, 0, 0.0, 0};
+            a = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 64, 2048, 0.0, 0, 0},
+            b = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 64, 0, 0.0, 0, 0};
         moe_oracle_choice_t ca, cb;
         assert_int_equal(moe_oracle_pick_gemm(NULL, &a, &ca), 1);
         assert_int_equal(moe_oracle_pick_gemm(NULL, &b, &cb), 1);
@@ -446,8 +553,8 @@ static void test_round_trip(void **state)
     assert_same_picks(&direct, &from_file);
 
     { /* what the tuned tables say, and that the explanation names the file */
-        moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 8, 1, MOE_ORACLE_LSA, 3, 0, 0.0,
-                                0};
+        moe_oracle_query_t q = {
+            90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 8, 1, MOE_ORACLE_LSA, 3, 0, 0.0, 0, 0};
         moe_oracle_choice_t c;
         char why[512];
         assert_int_equal(moe_oracle_pick_gemm(&from_file, &q, &c), 1);
@@ -484,7 +591,7 @@ static void test_round_trip(void **state)
         moe_oracle_target_t ds = h200;
         moe_oracle_t o;
         moe_oracle_query_t q = {
-            90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 500, 0, 0.0, 0};
+            90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 500, 0, 0.0, 0, 0};
         moe_oracle_choice_t c;
         ds.shape = (moe_oracle_shape_t){7168, 2048, 256, 8};
         moe_oracle_init(&o);
@@ -552,6 +659,23 @@ static const char *const bad_files[] = {
               "\"sm90_fp8_m64n128\"}]}]}",
     GOOD_HEAD "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"buckets\": [{\"variant\": "
               "\"simt_ref\"}]}]}",
+    /* fast accumulation: a promoted table naming a fast variant (a file moe-tune wrote before
+     * "accum" existed, asked to try the fast tiles), "accum" on another key, an unknown one, the
+     * built-in tables' deferral as a name */
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"fp8_e4m3\", \"scales\": \"per_channel\", \"buckets\": "
+              "[{\"variant\": \"sm90_fp8_fast_m128n256\"}]}]}",
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"fp8_e4m3\", \"scales\": \"per_channel\", \"accum\": "
+              "\"promoted\", \"buckets\": [{\"variant\": \"sm90_fp8_fast_m128n256\"}]}]}",
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"accum\": \"fast\", "
+              "\"buckets\": [{\"variant\": \"sm90_swapab_n32\"}]}]}",
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"fp8_e4m3\", \"scales\": \"block_128\", \"accum\": "
+              "\"fast\", \"buckets\": [{\"variant\": \"sm90_fp8_block_m128n128\"}]}]}",
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"fp8_e4m3\", \"scales\": \"per_channel\", \"accum\": "
+              "\"sloppy\", \"buckets\": [{\"variant\": \"sm90_fp8_fast_m128n256\"}]}]}",
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"fp8_e4m3\", \"scales\": \"per_channel\", \"accum\": "
+              "7, \"buckets\": [{\"variant\": \"sm90_fp8_fast_m128n256\"}]}]}",
+    GOOD_HEAD "\"gemm\": [{\"dtype\": \"fp8_e4m3\", \"scales\": \"per_channel\", \"accum\": "
+              "\"fast\", \"buckets\": [{\"variant\": \"promoted\"}]}]}",
     GOOD_HEAD "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"buckets\": [{\"variant\": "
               "7}]}]}",
     GOOD_HEAD "\"gemm\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"buckets\": [{\"variant\": "
@@ -700,7 +824,8 @@ static void test_decode_table(void **state)
         "\"sm90_fused_decode\", \"at\": 8, \"time_us\": 120.5}, {\"path\": \"grouped\"}]}, "
         "{\"dtype\": \"fp8_e4m3\", \"scales\": \"per_channel\", \"buckets\": "
         "[{\"path\": \"sm90_fused_decode\"}]}]}";
-    moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 0, 0, 0.0, 0};
+    moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 0, 0, 0.0, 0,
+                            0};
     moe_oracle_choice_t c;
     moe_oracle_table_t t;
     moe_oracle_t o, back;
@@ -888,8 +1013,9 @@ static void test_forced(void **state)
                  MOE_STATUS_NOT_SUPPORTED, "this layer: sm_80");
     {
         const moe_oracle_query_t
-            q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 1, 0, 0.0, 0},
-            f8 = {90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_TENSOR, 1, 1, MOE_ORACLE_ANY, 1, 0, 0.0, 0};
+            q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 1, 0, 0.0, 0, 0},
+            f8 = {90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_TENSOR, 1, 1, MOE_ORACLE_ANY, 1, 0, 0.0, 0,
+                  0};
         assert_int_equal(moe_oracle_decode_tokens(NULL, &q, NULL), 1);
         assert_int_equal(moe_oracle_decode_tokens(NULL, &f8, NULL), 0);
     }
@@ -979,6 +1105,7 @@ static void test_shipped_h200_file(void **state)
                                       cases[i].rows,
                                       cases[i].shape.hidden,
                                       0.0,
+                                      0,
                                       0};
         moe_oracle_init(&o);
         assert_int_equal(moe_oracle_load(&o, MOE_TUNE_H200, &t), 1); /* one bf16 GEMM table */
@@ -1067,6 +1194,8 @@ int main(void)
         cmocka_unit_test(test_buckets_from_points),
         cmocka_unit_test(test_fifo_tune_file),
         cmocka_unit_test(test_defaults_never_fast_accum),
+        cmocka_unit_test(test_fast_accum_picks),
+        cmocka_unit_test(test_fast_accum_tune_table),
         cmocka_unit_test(test_on_trial_named),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
