@@ -32,14 +32,16 @@
 #   bf16             moe-bench bf16 tables with phases (three presets, M = 1 .. 8192), JSON in
 #                    $OUT/bf16json.tgz, and the torch peers beside them (BF16_PEERS=0: none)
 #   fp8              moe-bench fp8 tables (three presets, per-tensor and block) + torch peers
-#                    ($FP8_PRESETS set: those presets, no peers); JSON in $OUT/fp8json.tgz
+#                    ($FP8_PRESETS set: those presets, no peers; $FP8_ACCUM=fast: W8A8_FAST);
+#                    JSON in $OUT/fp8json.tgz
 #   ab               an A/B of this tree against .device/ab-base (bench/ab_base.sh REV writes it
 #                    here; carry .device): the base's moe-bench is built beside, then per preset
 #                    ($AB_PRESETS) and option set ($AB_ARGS, sets split by ';', default fp8
 #                    tensor;fp8 block) both sides in turn at $AB_TOKENS, --seconds $AB_SECONDS;
 #                    bench/ab_compare.py prints new / base per point and geometric means
-#   fp8-fast         moe-bench fp8 per-tensor at M = 512 .. 8192 with the fast-accumulation
-#                    tile forced (MOE_FORCE_VARIANT=sm90_fp8_fast_m128n256) beside the built-in
+#   fp8-fast         moe-bench fp8 per-tensor at a serving capacity, M = 512 .. 8192
+#                    ($FAST_TOKENS), --accum promoted then fast (W8A8_FAST: the oracle's fast
+#                    table), with --explain
 #   vs               a forced variant against the built-in choice, in turn ($VS_REPS times,
 #                    default 2): $VS_CASES, cases split by ';', each
 #                    "preset|moe-bench options|variant|tokens"; bench/ab_compare.py prints
@@ -476,8 +478,8 @@ fp8)
     for p in ${FP8_PRESETS:-$presets}; do
         for s in ${FP8_SCALES:-tensor block}; do
             timeout 90 $B/moe-bench --preset "$p" --dtype fp8 --scales "$s" \
-                --tokens 1,8,64,512,2048,8192 --seconds "${FP8_SECONDS:-0.2}" \
-                --json "$j/$p.$s.json" 2>&1 | quiet |
+                --accum "${FP8_ACCUM:-promoted}" --tokens 1,8,64,512,2048,8192 \
+                --seconds "${FP8_SECONDS:-0.2}" --json "$j/$p.$s.json" 2>&1 | quiet |
                 grep -vE "^#  *(limit|time)" | head -20
         done
     done
@@ -520,11 +522,11 @@ ab)
     ;;
 fp8-fast)
     for p in ${FP8_PRESETS:-$presets}; do
-        for v in "" sm90_fp8_fast_m128n256; do
-            echo "== $p fp8 tensor, ${v:-built-in variants}"
-            MOE_FORCE_VARIANT=$v timeout 90 $B/moe-bench --preset "$p" --dtype fp8 \
-                --scales tensor --tokens "${FAST_TOKENS:-512,2048,8192}" --seconds 0.2 2>&1 |
-                quiet | grep -vE "^#  *(limit|time)" | head -12
+        for a in promoted fast; do
+            echo "== $p fp8 tensor, --accum $a"
+            timeout 90 $B/moe-bench --preset "$p" --dtype fp8 --scales tensor --accum "$a" \
+                --capacity 8192 --tokens "${FAST_TOKENS:-512,1024,2048,8192}" --seconds 0.2 \
+                --explain 2>&1 | quiet | grep -vE "^#  *(limit|time)" | head -16
         done
     done
     ;;
