@@ -102,6 +102,12 @@ static const moe_gemm_variant_t variants[] = {
      L(moe_gemm_sm90_fp8f_m64_launch), 1},
     {"sm90_fp8_fast_m128n256", 90, 128, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
      L(moe_gemm_sm90_fp8f_m128_launch), 1},
+    {"sm90_fp8_fast_swapab_n8_pp", 90, 8, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
+     L(moe_gemm_sm90_fp8f_swap8pp_launch), 1},
+    {"sm90_fp8_fast_swapab_n16_pp", 90, 16, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
+     L(moe_gemm_sm90_fp8f_swap16pp_launch), 1},
+    {"sm90_fp8_fast_swapab_n32_pp", 90, 32, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
+     L(moe_gemm_sm90_fp8f_swap32pp_launch), 1},
     {"sm90_fp8_block_swapab_n16", 90, 16, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
      L(moe_gemm_sm90_fp8b_swap16_launch), 0},
     {"sm90_fp8_block_swapab_n32", 90, 32, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128,
@@ -152,8 +158,15 @@ const moe_gemm_variant_t *moe_gemm_variants(int *count)
 static const char *const on_trial[] = {
     /* 2026-12-05, no GPU lent: bench/device_run.sh tests, then the vs A/B in docs/KERNELS.md,
      * "Epilogue under the next item's first stage" */
-    "sm90_fp8_m128n128_p4_la",    "sm90_fp8_m192n128_p4_la",    "sm90_fp8_m128n192_p4_la",
-    "sm90_fp8_block_m128n128_la", "sm90_fp8_block_m192n128_la",
+    "sm90_fp8_m128n128_p4_la",
+    "sm90_fp8_m192n128_p4_la",
+    "sm90_fp8_m128n192_p4_la",
+    "sm90_fp8_block_m128n128_la",
+    "sm90_fp8_block_m192n128_la",
+    /* 2026-12-05: swap-AB tiles without promotion (fp8_math W8A8_FAST) */
+    "sm90_fp8_fast_swapab_n8_pp",
+    "sm90_fp8_fast_swapab_n16_pp",
+    "sm90_fp8_fast_swapab_n32_pp",
 };
 
 int moe_gemm_variant_on_trial(const moe_gemm_variant_t *v)

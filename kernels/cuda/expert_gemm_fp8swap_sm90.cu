@@ -48,4 +48,19 @@ moe_status_t moe_gemm_sm90_fp8_swap64_launch(const moe_gemm_args_t *a, void *str
 {
     return launch_swap<64, 2, 1, 1>(a, stream, "sm90_fp8_swapab_n64");
 }
+/* Without promotion (F8 = 3, fast_accum: fp8_math W8A8_FAST layers): the ping-pong tiles with
+ * one stage's wgmma group kept in flight across stages, as the bf16 ones, instead of a wait and
+ * the adds after every 128 of k */
+moe_status_t moe_gemm_sm90_fp8f_swap8pp_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<8, 4, 1, 3, 1>(a, stream, "sm90_fp8_fast_swapab_n8_pp");
+}
+moe_status_t moe_gemm_sm90_fp8f_swap16pp_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<16, 4, 1, 3, 1>(a, stream, "sm90_fp8_fast_swapab_n16_pp");
+}
+moe_status_t moe_gemm_sm90_fp8f_swap32pp_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_swap<32, 2, 1, 3, 1>(a, stream, "sm90_fp8_fast_swapab_n32_pp");
+}
 }

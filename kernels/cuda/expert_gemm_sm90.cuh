@@ -249,7 +249,6 @@ struct sm90_cfg {
     static_assert(SMEM <= 227 * 1024, "shared memory");
     static_assert(EPI_BYTES % 1024 == 0 || SWAP, "TMA store buffers: 1024 B aligned");
     static_assert(!PING || SWAP || TOK == 64, "ping-pong: swap-AB, or 64-row normal items");
-    static_assert(F8 != 3 || !SWAP, "fast accumulation: normal layout");
     static_assert(F8 != 4 || F8_PI % KB == 0, "promotion interval: whole stages");
 };
 
