@@ -300,16 +300,23 @@ static int pick_key(const moe_oracle_t *o, moe_oracle_kind_t kind, const moe_ora
 }
 
 /* pick_key; a fast-accumulation query that no fast table answers, or whose table defers
- * (MOE_ORACLE_PROMOTED_PATH), takes the promoted tables' answer. */
+ * (MOE_ORACLE_PROMOTED_PATH), takes the promoted tables' answer, its bucket cut to the
+ * deferring one's (the range where that variant is what the layer runs). */
 static int pick(const moe_oracle_t *o, moe_oracle_kind_t kind, const moe_oracle_query_t *q,
                 moe_oracle_choice_t *c)
 {
-    if (pick_key(o, kind, q, c) && strcmp(c->name, MOE_ORACLE_PROMOTED_PATH))
+    const int hit = pick_key(o, kind, q, c);
+    if (hit && strcmp(c->name, MOE_ORACLE_PROMOTED_PATH))
         return 1;
     if (kind == MOE_ORACLE_GEMM && q->accum == MOE_ORACLE_ACCUM_FAST) {
+        const double lo = hit ? c->lo : 0.0, hi = hit ? c->hi : HUGE_VAL;
         moe_oracle_query_t p = *q;
         p.accum = MOE_ORACLE_ACCUM_PROMOTED;
-        return pick_key(o, kind, &p, c);
+        if (!pick_key(o, kind, &p, c))
+            return 0;
+        c->lo = c->lo > lo ? c->lo : lo;
+        c->hi = c->hi < hi ? c->hi : hi;
+        return 1;
     }
     c->name = NULL;
     return 0;

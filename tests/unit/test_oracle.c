@@ -330,6 +330,14 @@ static void test_fast_accum_picks(void **state)
             assert_same_name(cf.name, fast_here ? "sm90_fp8_fast_m128n256" : cp.name, "fast query",
                              90, rows[r]);
             assert_int_equal(cf.source, MOE_ORACLE_DEFAULT);
+            /* the bucket holds the value and, deferred, stays inside the promoted one and, with
+             * hidden > 2048, below the fast tile's bound */
+            assert_true(cf.lo < rows[r] && rows[r] <= cf.hi);
+            if (!fast_here) {
+                assert_true(cf.lo >= cp.lo && cf.hi <= cp.hi);
+                if (hidden[h] == 0 || hidden[h] > 2048)
+                    assert_true(cf.hi <= 256.0);
+            }
             assert_same_name(cbf.name, cbp.name, "block, fast query", 90, rows[r]);
         }
 }
