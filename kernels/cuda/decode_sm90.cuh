@@ -457,10 +457,8 @@ __device__ __forceinline__ uint2 e4m3x8(uint4 v, float sc, float rs)
 // 16 bf16 values (a token operand as loaded) over scale sc as e4m3 codes
 __device__ __forceinline__ uint4 e4m3x16(const raw_t &r, float sc, float rs)
 {
-    return make_uint4(e4m3x4(bf(r.a.x, 0), bf(r.a.x, 1), bf(r.a.y, 0), bf(r.a.y, 1), sc, rs),
-                      e4m3x4(bf(r.a.z, 0), bf(r.a.z, 1), bf(r.a.w, 0), bf(r.a.w, 1), sc, rs),
-                      e4m3x4(bf(r.b.x, 0), bf(r.b.x, 1), bf(r.b.y, 0), bf(r.b.y, 1), sc, rs),
-                      e4m3x4(bf(r.b.z, 0), bf(r.b.z, 1), bf(r.b.w, 0), bf(r.b.w, 1), sc, rs));
+    const uint2 lo = e4m3x8(r.a, sc, rs), hi = e4m3x8(r.b, sc, rs);
+    return make_uint4(lo.x, lo.y, hi.x, hi.y);
 }
 
 // 8 e4m3 codes (lo, hi) as their values in f16
