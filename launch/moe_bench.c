@@ -819,7 +819,10 @@ static void print_title(const options_t *o)
            : c->scale_kind == MOE_SCALE_PER_CHANNEL ? "fp8 e4m3 W8A8 per-channel"
            : c->scale_kind == MOE_SCALE_BLOCK_128   ? "fp8 e4m3 W8A8 128x128-block"
                                                     : "fp8 e4m3 W8A8 per-tensor",
-           c->fp8_math == MOE_FP8_MATH_W8A8_FAST && o->fp8 ? " (fast accumulation)" : "",
+           c->fp8_math == MOE_FP8_MATH_W8A8_FAST && o->fp8 ? c->scale_kind == MOE_SCALE_BLOCK_128
+                                                                 ? " (W8A8_FAST: promoted)"
+                                                                 : " (fast accumulation)"
+                                                           : "",
            o->act_static ? " (static activation scales)" : "");
 }
 
