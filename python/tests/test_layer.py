@@ -141,6 +141,11 @@ def test_bad_inputs_raise(rt, weights):
                                  scoring="nope"), ValueError, "scoring"),
         (lambda: libmoe.MoELayer(rt, num_experts=4, top_k=1, hidden=H, intermediate=I,
                                  dtype=torch.int8), TypeError, "dtype"),
+        (lambda: libmoe.MoELayer(rt, num_experts=4, top_k=1, hidden=H, intermediate=I,
+                                 fp8_math="w8a8_fast"), libmoe.MoEError,
+         "MOE_FP8_MATH_W8A8_FAST needs weight_dtype FP8_E4M3"),
+        (lambda: libmoe.MoELayer(rt, num_experts=4, top_k=1, hidden=H, intermediate=I,
+                                 fp8_math="fast"), ValueError, "fp8_math"),
     ]
     if torch.cuda.is_available():
         bad.append((lambda: layer(x.cuda()), ValueError, "is on cuda"))
