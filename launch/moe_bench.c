@@ -25,6 +25,7 @@
 #include "layer_gen.h"
 #include "base/json.h"
 #include "runtime/formats/file.h"
+#include "runtime/layer.h"
 #include "tool_check.h"
 #include "moe/moe.h"
 #include "moe/moe_mpi.h"
@@ -729,10 +730,9 @@ static void json_shape(FILE *f, const options_t *o)
             : c->scale_kind == MOE_SCALE_PER_CHANNEL ? "per_channel"
             : c->scale_kind == MOE_SCALE_BLOCK_128   ? "block_128"
                                                      : "per_tensor",
-            !fp8 ? "none"
-            : c->fp8_math == MOE_FP8_MATH_W8A8_FAST && c->scale_kind != MOE_SCALE_BLOCK_128
-                ? "fast"
-                : "promoted",
+            !fp8                    ? "none"
+            : moe_cfg_fast_accum(c) ? "fast"
+                                    : "promoted",
             !fp8            ? "none"
             : o->act_static ? "static"
                             : "dynamic");
@@ -819,10 +819,9 @@ static void print_title(const options_t *o)
            : c->scale_kind == MOE_SCALE_PER_CHANNEL ? "fp8 e4m3 W8A8 per-channel"
            : c->scale_kind == MOE_SCALE_BLOCK_128   ? "fp8 e4m3 W8A8 128x128-block"
                                                     : "fp8 e4m3 W8A8 per-tensor",
-           c->fp8_math == MOE_FP8_MATH_W8A8_FAST && o->fp8 ? c->scale_kind == MOE_SCALE_BLOCK_128
-                                                                 ? " (W8A8_FAST: promoted)"
-                                                                 : " (fast accumulation)"
-                                                           : "",
+           moe_cfg_fast_accum(c)                             ? " (fast accumulation)"
+           : c->fp8_math == MOE_FP8_MATH_W8A8_FAST && o->fp8 ? " (W8A8_FAST: promoted)"
+                                                             : "",
            o->act_static ? " (static activation scales)" : "");
 }
 

@@ -24,6 +24,7 @@
 #include "cli.h"
 #include "kernels/decode.h"
 #include "kernels/expert_gemm_table.h"
+#include "runtime/layer.h"
 #include "runtime/oracle.h"
 #include "layer_gen.h"
 #include "runtime/formats/file.h"
@@ -698,9 +699,7 @@ int main(int argc, char **argv)
     g[0].ep_size = b.world / o.tp;
     g[0].tp_size = o.tp;
     g[0].transport = MOE_ORACLE_ANY;
-    g[0].accum = o.cfg.fp8_math == MOE_FP8_MATH_W8A8_FAST && g[0].scale == MOE_SCALE_PER_CHANNEL
-                     ? MOE_ORACLE_ACCUM_FAST
-                     : MOE_ORACLE_ACCUM_PROMOTED;
+    g[0].accum = moe_cfg_fast_accum(&o.cfg) ? MOE_ORACLE_ACCUM_FAST : MOE_ORACLE_ACCUM_PROMOTED;
     tune_gemm(&b, &o, arch, &g[0], rank);
     ng = 1;
     if (g[0].num_buckets == 0) { /* the same on every rank: the times were agreed */
