@@ -54,7 +54,7 @@ typedef struct moe_gemm_args {
     /* optional, per-row fp8 scales (scale_kind PER_CHANNEL): 1 says b_scale holds one value for
      * each expert's rows (STORE) or for each of its halves (*_MUL: gate rows, up rows), as
      * per-tensor weights expanded per row do; a variant may then read one scale instead of one
-     * a column (the sm_90a normal tiles, with MOE_GEMM_B_UNIFORM=1). 0: no promise. */
+     * a column (the sm_90a normal tiles, unless MOE_GEMM_B_UNIFORM=0). 0: no promise. */
     int b_scale_uniform;
 } moe_gemm_args_t;
 

@@ -31,7 +31,7 @@ struct moe_gemm_kparams {
     int swap_fold; /* sm_90a swap-AB, per-row fp8 scales: multiplied in after the main loop */
     int promo_pi;  /* sm_90a fp8 per-row scales (F8 = 4): 128-k slices a promotion sums */
     /* sm_90a normal layout, per-row fp8 scales: b_scale is one value a half of each expert
-     * (moe_gemm_args_t.b_scale_uniform, with MOE_GEMM_B_UNIFORM=1): the epilogue reads one */
+     * (moe_gemm_args_t.b_scale_uniform; MOE_GEMM_B_UNIFORM=0: not): the epilogue reads one */
     int b_uniform;
 };
 /* Past 128 bytes of parameters ptxas spilled 20-110 more bytes in the m192 and fast fp8 tiles,

@@ -1201,14 +1201,17 @@ static int swap_fold_enabled(void)
     return moe_env_once(&cached, "MOE_GEMM_SWAP_FOLD", 1) != 0;
 }
 
-/* MOE_GEMM_B_UNIFORM=1: the normal tiles read one weight scale a half where the caller says
- * b_scale is uniform (moe_gemm_args_t.b_scale_uniform) instead of one a column after the main
- * loop, two at a time (5.5 % of the n192 SiLU tile's stall samples: bench/RESULTS.md, "SiLU and
- * scale loads"). Off until measured on the GPU against the per-column reads. */
+/* The normal tiles read one weight scale a half where the caller says b_scale is uniform
+ * (moe_gemm_args_t.b_scale_uniform) instead of one a column after the main loop, two at a time
+ * (5.5 % of the n192 SiLU tile's stall samples: bench/RESULTS.md, "SiLU and scale loads").
+ * Measured against the per-column reads (2026-12-05, 8631004, one H100, two runs, capacity
+ * 8192): per-tensor Mixtral-8x7B 0.98 / 0.98-0.99 and Qwen3-30B-A3B 0.99 / 0.95 at 2048 / 8192
+ * tokens (bench/RESULTS.md, "Uniform weight scales"). MOE_GEMM_B_UNIFORM=0 (an A/B knob) keeps
+ * the per-column reads. */
 static int b_uniform_enabled(void)
 {
     static int cached = -1;
-    return moe_env_once(&cached, "MOE_GEMM_B_UNIFORM", 0) != 0;
+    return moe_env_once(&cached, "MOE_GEMM_B_UNIFORM", 1) != 0;
 }
 
 /* MOE_GEMM_PROMO_SLICES=N: the slices of 128 k a promotion of the F8 = 4 tiles sums (default

@@ -620,8 +620,9 @@ static void check_rejects(const moe_gemm_variant_t *v, const inputs_t *in)
 int main(int argc, char **argv)
 {
     const int small = argc > 1 && !strcmp(argv[1], "--small");
-    /* the uniform weight scales' read (moe_gemm_args_t.b_scale_uniform) on, before any launch
-     * reads the knob: the runs that say so check it */
+    /* the uniform weight scales' read (moe_gemm_args_t.b_scale_uniform, the default) on even
+     * where the environment says MOE_GEMM_B_UNIFORM=0, before any launch reads the knob: the
+     * runs that say so check it */
     setenv("MOE_GEMM_B_UNIFORM", "1", 1);
     int gate = gt_gpu_gate(1);
     if (gate)
