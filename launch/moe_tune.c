@@ -526,12 +526,22 @@ static void tune_decode(const bench_t *b, const options_t *o, moe_oracle_group_t
 {
     static const char *const names[2] = {MOE_ORACLE_GROUPED_PATH, MOE_ORACLE_FUSED_DECODE};
     double us[2][MAX_POINTS];
-    int i, j, last = -1;
+    int i, j, last = -1, np = o->num_decode;
     moe_layer_config_t cfg = o->cfg;
 
-    cfg.max_tokens_per_rank = o->decode[o->num_decode - 1];
+    /* block scales: the kernel runs one token a step, so only the points of one token */
+    if (g->scale == MOE_SCALE_BLOCK_128)
+        for (np = 0; np < o->num_decode && o->decode[np] <= 1; np++)
+            ;
+    if (np == 0) {
+        if (rank == 0)
+            printf("# decode: no point of one token (block scales: the kernel runs one a step)\n");
+        g->num_buckets = 0;
+        return;
+    }
+    cfg.max_tokens_per_rank = o->decode[np - 1];
     if (rank == 0)
-        printf("# decode: %d points (%s, scales %s)\n#  %12s %12s %18s\n", o->num_decode,
+        printf("# decode: %d points (%s, scales %s)\n#  %12s %12s %18s\n", np,
                moe_oracle_dtype_name(g->dtype), moe_oracle_scale_name(g->scale), "tokens", names[0],
                names[1]);
     for (j = 0; j < 2; j++) {
@@ -543,12 +553,12 @@ static void tune_decode(const bench_t *b, const options_t *o, moe_oracle_group_t
         unsetenv("MOE_FUSED_DECODE");
         if (!made && rank == 0)
             printf("# %s: not run (%s)\n", names[j], moe_last_error());
-        for (i = 0; i < o->num_decode; i++)
+        for (i = 0; i < np; i++)
             us[j][i] = made ? time_steps(b, layer, o->decode[i]) : HUGE_VAL;
         if (made)
             moe_layer_destroy(layer);
     }
-    for (i = 0; i < o->num_decode; i++) {
+    for (i = 0; i < np; i++) {
         const int fused = us[1][i] < us[0][i];
         if (fused && last == i - 1)
             last = i;
@@ -569,7 +579,7 @@ static void tune_decode(const bench_t *b, const options_t *o, moe_oracle_group_t
         memset(k, 0, sizeof(*k));
         snprintf(k->name, sizeof(k->name), "%s", MOE_ORACLE_GROUPED_PATH);
         k->max = HUGE_VAL;
-        if (last + 1 < o->num_decode && us[0][last + 1] < HUGE_VAL) {
+        if (last + 1 < np && us[0][last + 1] < HUGE_VAL) {
             k->at = (double)o->decode[last + 1];
             k->time_us = us[0][last + 1];
         }
@@ -719,7 +729,7 @@ int main(int argc, char **argv)
         tune_transport(&b, &o, &g[1], rank);
         ng = 2;
     }
-    /* the fused decode kernel: one GPU, sm_90, bf16 or per-row fp8 (what it runs) */
+    /* the fused decode kernel: one GPU, sm_90 (bf16, fp8 per-row and, one token, block scales) */
     if (ng && b.world == 1 && !o.no_decode &&
         moe_oracle_fused_decode_runs(arch, g[0].dtype, g[0].scale)) {
         g[ng] = g[0];

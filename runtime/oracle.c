@@ -110,22 +110,29 @@ static const moe_oracle_group_t defaults[] = {
      * Qwen3 at 128 / 512 0.96 / 0.91-0.92. m128n128 from 55.4 rows (it was 96: the bf16 table's
      * crossover), halfway between measured points: forced against m64n128 (2026-12-04, 4b498e6,
      * two runs, bench/RESULTS.md, "Layer step, FP8 W8A8"), Mixtral 1.10-1.13 / 0.98-1.00 / 0.78 at
-     * 48 / 64 / 96 rows per expert, the DeepSeek-V3 shard 1.01-1.09 / 0.92-0.94 / 0.76-0.77 */
-    BUILTIN(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128, 6,
-            {5.66, "sm90_fp8_block_swapab_n8_pp", 0, 0},
-            {16.0, "sm90_fp8_block_swapab_n16_pp", 0, 0},
-            {32.0, "sm90_fp8_block_swapab_n32_pp", 0, 0}, {55.4, "sm90_fp8_block_m64n128", 0, 0},
-            {119.7, "sm90_fp8_block_m128n128", 0, 0}, {OPEN, "sm90_fp8_block_m192n128", 0, 0}),
+     * 48 / 64 / 96 rows per expert, the DeepSeek-V3 shard 1.01-1.09 / 0.92-0.94 / 0.76-0.77.
+     * Past 362 rows (halfway, geometrically, between 256 and 512) m192n128_la, the same tile with
+     * each consumer warpgroup's next item's first stage issued before its epilogue: forced
+     * against the table (2026-12-05, 8631004, one H100, two runs, capacity 8192; bench/RESULTS.md,
+     * "Epilogue under the next item"), the DeepSeek-V3 shard 1.01-1.04 / 0.96 / 0.94 / 0.91-0.95
+     * at 256 / 512 / 1024 / 2048 rows per expert, Mixtral 0.91-0.96 / 0.93-0.95 at 512 / 2048.
+     * Not in the short-k table (Qwen3-30B-A3B's block layer unmeasured with it). */
+    BUILTIN(
+        90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128, 7, {5.66, "sm90_fp8_block_swapab_n8_pp", 0, 0},
+        {16.0, "sm90_fp8_block_swapab_n16_pp", 0, 0}, {32.0, "sm90_fp8_block_swapab_n32_pp", 0, 0},
+        {55.4, "sm90_fp8_block_m64n128", 0, 0}, {119.7, "sm90_fp8_block_m128n128", 0, 0},
+        {362.0, "sm90_fp8_block_m192n128", 0, 0}, {OPEN, "sm90_fp8_block_m192n128_la", 0, 0}),
     /* fp8_math W8A8_FAST (no promotion allowed) with per-row scales: the fast m128n256 tile
      * (no second accumulator set, so 128 gate + 128 up weight rows an item) past 256 rows per
      * expert, halfway (geometrically) between the measured points: forced for every GEMM of the
      * step against the built-in tiles, Mixtral-8x7B / the DeepSeek-V3 shard at 128 rows per
      * expert 1.03 / 0.99, at 512 0.81 / 0.81, at 2048 0.77 / 0.79 (2026-12-02, d8b75f0), and at
      * Mixtral's 2048 0.81-0.83 of m128n128_p4 (2026-12-04), of which the m192n128_p4 and n192
-     * tiles since took 4-11 % (bench/RESULTS.md, "Layer step, FP8 W8A8"). Not measured with
-     * hidden <= 2048 (Qwen3-30B-A3B: GEMM 2's k is 768), so those shapes run the promoted
-     * tables' tiles. */
-    BUILTIN_FAST(2048, 1, {OPEN, MOE_ORACLE_PROMOTED_PATH, 0, 0}),
+     * tiles since took 4-11 % (bench/RESULTS.md, "Layer step, FP8 W8A8"). Against the built-in
+     * W8A8 choice at a capacity of 8192 (2026-12-05, 8631004, one H100, bench/RESULTS.md, "Fast
+     * accumulation"): Mixtral 0.89 / 0.90 and the DeepSeek-V3 shard 0.87 / 0.93 at 512 / 2048
+     * rows per expert; forced on Qwen3-30B-A3B (hidden 2048, GEMM 2's k 768) 1.05 at 128 and
+     * 0.82 at 512 rows (two runs), so the one bound holds for every hidden. */
     BUILTIN_FAST(0, 2, {256.0, MOE_ORACLE_PROMOTED_PATH, 0, 0},
                  {OPEN, "sm90_fp8_fast_m128n256", 0, 0}),
     /* sm_80 .. sm_89 and anything newer than sm_90 (the sm_80 family's PTX) */
@@ -476,6 +483,10 @@ moe_status_t moe_oracle_forced_transport(const char **name, const char **env)
  *   the kernel streams itself (MOE_DECODE_SHARED, the default: q->shared is 0 then) counts as
  *   none: Qwen2-MoE-A2.7B fp8 per-tensor, one token, 48.4 us fused against 79.9 grouped
  *   (2026-12-05, 019bc91; bench/RESULTS.md, "Fused decode").
+ * - fp8 with 128 x 128 blocks (the kernel runs one token a step with them): the same rule,
+ *   forced against the grouped path (2026-12-05, 8631004, one H100, two runs each): Qwen3-30B-A3B
+ *   (38 MB a token) 0.92, Mixtral-8x7B 1.07, the DeepSeek-V3 shard 1.05 (352 MB each). A shared
+ *   MLP stays on the grouped path with block scales, so such a layer keeps the grouped path.
  * One GPU only (the kernel does not run with EP or TP). */
 static const struct {
     moe_dtype_t dtype;
@@ -526,7 +537,8 @@ int moe_oracle_decode_tokens(const moe_oracle_t *o, const moe_oracle_query_t *q,
 
 int moe_oracle_fused_decode_runs(int arch, moe_dtype_t dtype, moe_scale_kind_t scale)
 {
-    return arch == 90 && !(dtype == MOE_DTYPE_FP8_E4M3 && scale == MOE_SCALE_BLOCK_128);
+    (void)dtype, (void)scale; /* bf16, per-row fp8 and fp8 with 128 x 128 blocks alike */
+    return arch == 90;
 }
 
 moe_status_t moe_oracle_check_variant(const char *env, const char *name, int arch,
@@ -536,10 +548,7 @@ moe_status_t moe_oracle_check_variant(const char *env, const char *name, int arc
     if (!name)
         return moe_error(MOE_STATUS_INVALID_ARGUMENT, "%s: no variant name", env);
     if (!strcmp(name, MOE_ORACLE_FUSED_DECODE)) {
-        /* forced, it also runs fp8 with 128 x 128 blocks (one token a step: not in a table
-         * until measured) */
-        if (!moe_oracle_fused_decode_runs(arch, dtype, scale) &&
-            !(arch == 90 && dtype == MOE_DTYPE_FP8_E4M3 && scale == MOE_SCALE_BLOCK_128))
+        if (!moe_oracle_fused_decode_runs(arch, dtype, scale))
             return moe_error(MOE_STATUS_NOT_SUPPORTED,
                              "%s=%s runs on sm_90 with bf16 or fp8 weights; this layer: "
                              "sm_%d, %s (scales %s)",
@@ -775,6 +784,11 @@ static int parse_buckets(pctx_t *p, const moe_json_t *g, const char *where, moe_
             return bad(p, "%s\"%s\" is too long", at, namekey);
         if (check_name(p, o, at, name) < 0)
             return -1;
+        /* block scales: the kernel runs steps of one token */
+        if (o->kind == MOE_ORACLE_DECODE && o->scale == MOE_SCALE_BLOCK_128 &&
+            !strcmp(name, MOE_ORACLE_FUSED_DECODE) && k->max > 1.0)
+            return bad(p, "%s%s with block_128 scales runs one token a step: \"%s\" must be 1 (%s)",
+                       at, name, bound, last ? "the last bucket is open" : "it is larger");
         /* a layer runs the fused kernel up to one bound: its buckets lead */
         if (o->kind == MOE_ORACLE_DECODE && i > 0 && !strcmp(name, MOE_ORACLE_FUSED_DECODE) &&
             strcmp(o->bucket[i - 1].name, MOE_ORACLE_FUSED_DECODE))

@@ -262,9 +262,9 @@ static void init_shape(moe_layer_t *l, cuda_layer_t *s)
  * step of the low-latency layout, where the kernel runs the rows the sources laid out:
  * dec_max then bounds world x rows per rank, the most rows one expert can receive). A layer
  * whose experts the kernel cannot run keeps the grouped path (forced: the create fails).
- * W8A8 with 128 x 128 blocks: only forced (not measured yet: docs/KERNELS.md, "Fused decode",
- * "Block scales in the kernel"), one GPU, one token a step, the shared MLP on the grouped path,
- * GEMM 1 whole. */
+ * W8A8 with 128 x 128 blocks (docs/KERNELS.md, "Fused decode", "Block scales in the kernel"):
+ * one GPU, one token a step, the shared MLP on the grouped path, GEMM 1 whole; the oracle's
+ * built-in rule as for per-row scales (runtime/oracle.c, decode_builtin). */
 static moe_status_t plan_decode(cuda_layer_t *s)
 {
     int sms = 0, split1 = 1, nsh = 0;
@@ -272,8 +272,6 @@ static moe_status_t plan_decode(cuda_layer_t *s)
     s->dec_max = 0;
     /* MOE_FUSED_DECODE=0: the grouped path at every size, unless the kernel is forced */
     if (!s->dec_forced && !moe_env_int("MOE_FUSED_DECODE", 1))
-        return MOE_STATUS_SUCCESS;
-    if (s->f8 == 2 && s->dec_forced <= 0) /* block scales: the kernel only where forced */
         return MOE_STATUS_SUCCESS;
     if (s->dec_forced < 0 || (s->world > 1 && (!s->ll || s->f8 == 2)) || s->deterministic ||
         s->arch != 90 ||
@@ -315,6 +313,8 @@ static moe_status_t plan_decode(cuda_layer_t *s)
         s->dec_tuned = c.source == MOE_ORACLE_TUNED;
         if (s->dec_max > MOE_DECODE_MAX_TOKENS) /* a table's open bucket: as far as it goes */
             s->dec_max = MOE_DECODE_MAX_TOKENS;
+        if (s->f8 == 2 && s->dec_max > 1) /* block scales: one token a step */
+            s->dec_max = 1;
     }
     if (s->world > 1 && s->dec_max > s->world * s->ll_rows) /* rows one expert can receive */
         s->dec_max = (int)(s->world * s->ll_rows);

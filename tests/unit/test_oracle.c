@@ -36,7 +36,8 @@ static const old_bucket_t old_fp8[] = {
 static const old_bucket_t old_fp8b[] = {
     {5.66, "sm90_fp8_block_swapab_n8_pp"},  {16.0, "sm90_fp8_block_swapab_n16_pp"},
     {32.0, "sm90_fp8_block_swapab_n32_pp"}, {55.4, "sm90_fp8_block_m64n128"},
-    {119.7, "sm90_fp8_block_m128n128"},     {1e300, "sm90_fp8_block_m192n128"}};
+    {119.7, "sm90_fp8_block_m128n128"},     {362.0, "sm90_fp8_block_m192n128"},
+    {1e300, "sm90_fp8_block_m192n128_la"}};
 static const old_bucket_t old_sm80[] = {{32.0, "sm80_mma_m32n128"}, {1e300, "sm80_mma_m64n128"}};
 #define OLD_N(b) ((int)(sizeof(b) / sizeof((b)[0])))
 
@@ -302,9 +303,9 @@ static moe_oracle_query_t fp8_query(moe_scale_kind_t s, int accum, double rows, 
     return q;
 }
 
-/* A W8A8_FAST layer's query: the fast tile past 256 rows per expert where hidden > 2048 (or is
- * not known), the promoted tables' choice everywhere else (the deferral resolved, never
- * returned); promoted queries never get a fast variant; block scales have no fast table. */
+/* A W8A8_FAST layer's query: the fast tile past 256 rows per expert whatever the hidden, the
+ * promoted tables' choice below (the deferral resolved, never returned); promoted queries never
+ * get a fast variant; block scales have no fast table. */
 static void test_fast_accum_picks(void **state)
 {
     static const double rows[] = {0.5, 8, 64, 200, 256, 256.5, 1000, 8192, 1e9};
@@ -320,7 +321,7 @@ static void test_fast_accum_picks(void **state)
                                                     rows[r], hidden[h]),
                                      bp = fp8_query(MOE_SCALE_BLOCK_128, MOE_ORACLE_ACCUM_PROMOTED,
                                                     rows[r], hidden[h]);
-            const int fast_here = rows[r] > 256.0 && (hidden[h] == 0 || hidden[h] > 2048);
+            const int fast_here = rows[r] > 256.0;
             moe_oracle_choice_t cf, cp, cbf, cbp;
             assert_int_equal(moe_oracle_pick_gemm(NULL, &f, &cf), 1);
             assert_int_equal(moe_oracle_pick_gemm(NULL, &p, &cp), 1);
@@ -330,14 +331,13 @@ static void test_fast_accum_picks(void **state)
             assert_same_name(cf.name, fast_here ? "sm90_fp8_fast_m128n256" : cp.name, "fast query",
                              90, rows[r]);
             assert_int_equal(cf.source, MOE_ORACLE_DEFAULT);
-            /* the bucket holds the value and, deferred, stays inside the promoted one and, with
-             * hidden > 2048, below the fast tile's bound */
+            /* the bucket holds the value and, deferred, stays inside the promoted one and below
+             * the fast tile's bound */
             assert_true(cf.lo < rows[r] && rows[r] <= cf.hi);
-            if (!fast_here) {
-                assert_true(cf.lo >= cp.lo && cf.hi <= cp.hi);
-                if (hidden[h] == 0 || hidden[h] > 2048)
-                    assert_true(cf.hi <= 256.0);
-            }
+            if (!fast_here)
+                assert_true(cf.lo >= cp.lo && cf.hi <= cp.hi && cf.hi <= 256.0);
+            else
+                assert_true(cf.lo >= 256.0);
             assert_same_name(cbf.name, cbp.name, "block, fast query", 90, rows[r]);
         }
 }
@@ -422,7 +422,9 @@ static void test_defaults_short_k(void **state)
         {MOE_SCALE_PER_CHANNEL, 1000, 2048, "sm90_fp8_m192n128_p4"},
         {MOE_SCALE_PER_CHANNEL, 1000, 4096, "sm90_fp8_m128n192_p4"},
         {MOE_SCALE_PER_CHANNEL, 724, 7168, "sm90_fp8_m192n128_p4"},
-        {MOE_SCALE_BLOCK_128, 2048, 7168, "sm90_fp8_block_m192n128"},
+        {MOE_SCALE_BLOCK_128, 2048, 7168, "sm90_fp8_block_m192n128_la"},
+        {MOE_SCALE_BLOCK_128, 300, 7168, "sm90_fp8_block_m192n128"},
+        {MOE_SCALE_BLOCK_128, 2048, 2048, "sm90_fp8_block_m192n128"},
         {MOE_SCALE_BLOCK_128, 64, 2048, "sm90_fp8_block_m64n128_pp"},
         {MOE_SCALE_BLOCK_128, 48, 7168, "sm90_fp8_block_m64n128"},
         {MOE_SCALE_BLOCK_128, 64, 7168, "sm90_fp8_block_m128n128"},
@@ -709,7 +711,8 @@ static const char *const bad_files[] = {
     "{\"transport\": \"p2p\"}]}]}",
     GOOD_HEAD "\"transport\": [{\"buckets\": [{\"transport\": \"any\"}]}]}",
     /* decode tables: a path that is neither, the fused kernel after the grouped path (it runs up
-     * to one bound), the fused kernel for block scales, no dtype, not an array */
+     * to one bound), the fused kernel for block scales past one token (bounded and open), no
+     * dtype, not an array */
     GOOD_HEAD "\"decode\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"buckets\": [{\"path\": "
               "\"fused\"}]}]}",
     GOOD_HEAD "\"decode\": [{\"dtype\": \"bf16\", \"scales\": \"none\", \"buckets\": "
@@ -718,6 +721,8 @@ static const char *const bad_files[] = {
     GOOD_HEAD "\"decode\": [{\"dtype\": \"fp8_e4m3\", \"scales\": \"block_128\", \"buckets\": "
               "[{\"max_tokens_per_step\": 8, \"path\": \"sm90_fused_decode\"}, {\"path\": "
               "\"grouped\"}]}]}",
+    GOOD_HEAD "\"decode\": [{\"dtype\": \"fp8_e4m3\", \"scales\": \"block_128\", \"buckets\": "
+              "[{\"path\": \"sm90_fused_decode\"}]}]}",
     GOOD_HEAD "\"decode\": [{\"buckets\": [{\"path\": \"grouped\"}]}]}",
     GOOD_HEAD "\"decode\": 7}",
     /* valid, but no table for this layer's shape */
@@ -831,7 +836,10 @@ static void test_decode_table(void **state)
         "\"tp_size\": 1, \"buckets\": [{\"max_tokens_per_step\": 8, \"path\": "
         "\"sm90_fused_decode\", \"at\": 8, \"time_us\": 120.5}, {\"path\": \"grouped\"}]}, "
         "{\"dtype\": \"fp8_e4m3\", \"scales\": \"per_channel\", \"buckets\": "
-        "[{\"path\": \"sm90_fused_decode\"}]}]}";
+        "[{\"path\": \"sm90_fused_decode\"}]}, "
+        "{\"dtype\": \"fp8_e4m3\", \"scales\": \"block_128\", \"buckets\": "
+        "[{\"max_tokens_per_step\": 1, \"path\": \"sm90_fused_decode\"}, {\"path\": "
+        "\"grouped\"}]}]}";
     moe_oracle_query_t q = {90, MOE_DTYPE_BF16, MOE_SCALE_NONE, 1, 1, MOE_ORACLE_ANY, 0, 0, 0.0, 0,
                             0};
     moe_oracle_choice_t c;
@@ -842,7 +850,7 @@ static void test_decode_table(void **state)
     (void)state;
 
     moe_oracle_init(&o);
-    assert_int_equal(moe_oracle_load_text(&o, text, strlen(text), "decode.json", &h200), 2);
+    assert_int_equal(moe_oracle_load_text(&o, text, strlen(text), "decode.json", &h200), 3);
     assert_string_equal(o.warning, "");
     assert_int_equal(moe_oracle_decode_tokens(&o, &q, &c), 8);
     assert_int_equal(c.source, MOE_ORACLE_TUNED);
@@ -856,9 +864,13 @@ static void test_decode_table(void **state)
     /* per-row fp8: all of it fused (the open bucket), as far as the kernel goes */
     q.dtype = MOE_DTYPE_FP8_E4M3, q.scale = MOE_SCALE_PER_CHANNEL;
     assert_int_equal(moe_oracle_decode_tokens(&o, &q, &c), INT32_MAX);
-    /* no table for these: the built-in crossover (never), from the built-in table */
+    /* block scales: the file's one token; without the file the built-in crossover (never:
+     * the step's bytes not known) */
     q.scale = MOE_SCALE_BLOCK_128;
-    assert_int_equal(moe_oracle_decode_tokens(&o, &q, &c), 0);
+    assert_int_equal(moe_oracle_decode_tokens(&o, &q, &c), 1);
+    assert_int_equal(c.source, MOE_ORACLE_TUNED);
+    assert_string_equal(c.name, MOE_ORACLE_FUSED_DECODE);
+    assert_int_equal(moe_oracle_decode_tokens(NULL, &q, &c), 0);
     assert_int_equal(c.source, MOE_ORACLE_DEFAULT);
     assert_string_equal(c.name, MOE_ORACLE_GROUPED_PATH);
     q.dtype = MOE_DTYPE_BF16, q.scale = MOE_SCALE_NONE, q.arch = 100;
@@ -881,11 +893,18 @@ static void test_decode_table(void **state)
     assert_int_equal(moe_oracle_decode_tokens(NULL, &q, &c), 1);
     assert_int_equal(c.source, MOE_ORACLE_DEFAULT);
     assert_string_equal(c.name, MOE_ORACLE_FUSED_DECODE);
+    q.scale = MOE_SCALE_BLOCK_128; /* block scales: the same rule */
+    assert_int_equal(moe_oracle_decode_tokens(NULL, &q, &c), 1);
+    assert_string_equal(c.name, MOE_ORACLE_FUSED_DECODE);
+    q.scale = MOE_SCALE_PER_TENSOR;
     q.token_bytes = 192.0 * 1024 * 1024;
     assert_int_equal(moe_oracle_decode_tokens(NULL, &q, &c), 1);
     q.token_bytes = 2.0 * 3 * 4096 * 14336; /* Mixtral-8x7B: 352 MB */
     assert_int_equal(moe_oracle_decode_tokens(NULL, &q, &c), 0);
     assert_string_equal(c.name, MOE_ORACLE_GROUPED_PATH);
+    q.scale = MOE_SCALE_BLOCK_128;
+    assert_int_equal(moe_oracle_decode_tokens(NULL, &q, &c), 0);
+    q.scale = MOE_SCALE_PER_TENSOR;
     q.token_bytes = 4.0 * 3 * 2048 * 1408, q.shared = 1; /* Qwen2-MoE-A2.7B */
     assert_int_equal(moe_oracle_decode_tokens(NULL, &q, &c), 0);
     q.dtype = MOE_DTYPE_BF16, q.scale = MOE_SCALE_NONE; /* bf16: any size, shared or not */
@@ -900,7 +919,7 @@ static void test_decode_table(void **state)
     /* one GPU: a decode table names no transport (the decode list comes last) */
     assert_null(strstr(strstr(out, "\"decode\": ["), "\"transport\""));
     moe_oracle_init(&back);
-    assert_int_equal(moe_oracle_load_text(&back, out, n, "back", &h200), 2);
+    assert_int_equal(moe_oracle_load_text(&back, out, n, "back", &h200), 3);
     assert_int_equal(back.tuned.group[0].kind, MOE_ORACLE_DECODE);
     assert_int_equal(back.tuned.group[0].num_buckets, 2);
     assert_true(back.tuned.group[0].bucket[0].time_us == 120.5);
@@ -1004,15 +1023,15 @@ static void test_forced(void **state)
                                    MOE_SCALE_NONE));
     TU_OK(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_fp8_block_m64n128", 90,
                                    MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128));
-    /* the fused decode kernel: sm_90, bf16 or per-row fp8 (fp8 with block scales forced only);
-     * by the built-in table for bf16 steps of one token only */
+    /* the fused decode kernel: sm_90, bf16, per-row fp8 and fp8 with block scales */
     TU_OK(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_fused_decode", 90, MOE_DTYPE_BF16,
                                    MOE_SCALE_NONE));
     TU_OK(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_fused_decode", 90, MOE_DTYPE_FP8_E4M3,
                                    MOE_SCALE_PER_CHANNEL));
     TU_OK(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_fused_decode", 90, MOE_DTYPE_FP8_E4M3,
                                    MOE_SCALE_BLOCK_128));
-    assert_false(moe_oracle_fused_decode_runs(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128));
+    assert_true(moe_oracle_fused_decode_runs(90, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128));
+    assert_false(moe_oracle_fused_decode_runs(80, MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128));
     expect_error(moe_oracle_check_variant("MOE_FORCE_VARIANT", "sm90_fused_decode", 80,
                                           MOE_DTYPE_FP8_E4M3, MOE_SCALE_BLOCK_128),
                  MOE_STATUS_NOT_SUPPORTED, "MOE_FORCE_VARIANT=sm90_fused_decode runs on sm_90");
