@@ -23,7 +23,7 @@ moe_status_t moe_gemm_sm90_fp8_swap32pp_launch(const moe_gemm_args_t *a, void *s
     return launch_swap<32, 2, 1, 1, 1>(a, stream, "sm90_fp8_swapab_n32_pp");
 }
 /* Eight token columns (m64n8k32 wgmmas): half the epilogue and token tile of n16 for steps of at
- * most a few rows per expert (the bf16 table's n8 range); not in a built-in table until measured */
+ * most a few rows per expert (the per-row tables' first bucket, to 11.3 rows: runtime/oracle.c) */
 moe_status_t moe_gemm_sm90_fp8_swap8pp_launch(const moe_gemm_args_t *a, void *stream)
 {
     return launch_swap<8, 4, 1, 1, 1>(a, stream, "sm90_fp8_swapab_n8_pp");
