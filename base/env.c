@@ -42,6 +42,7 @@ static const struct knob {
     {"MOE_QUANT_GROUP_HELD", 0, 1},   /* long rows' 1 x 128 group quantisation held (A/B knob) */
     {"MOE_QUANT_H_AMAX", 0, 1},       /* W8A8 GEMM 1 takes h's maxima for its quantisation */
     {"MOE_SLOT_LOAD_HIST", 0, 1},     /* slot ids: expert loads counted per CTA (A/B knob) */
+    {"MOE_CPU_THREADS", 0, 64},       /* CPU backend products' threads; 0: by the host */
 };
 
 static void knob_range(const char *name, int64_t *min, int64_t *max)

@@ -8,6 +8,7 @@
 #include "base/diag.h"
 #include "runtime/layer.h"
 #include "runtime/topology.h"
+#include "kernels/cpu/moe_cpu.h"
 #ifdef MOE_HAVE_CUDA
 #include "kernels/gpu.h"
 #endif
@@ -79,6 +80,7 @@ static moe_status_t runtime_setup(moe_runtime_t *rt, moe_status_t env)
 {
     int64_t bind;
     MOE_CHECK(moe_comm_node_rank(rt->comm, &rt->info.local_rank, &rt->info.local_size));
+    moe_cpu_set_host_ranks(rt->info.local_size); /* the CPU products' threads share the host */
     MOE_CHECK(env);
     MOE_CHECK(moe_env_int_checked("MOE_BIND", 0, &bind));
     MOE_CHECK(resolve_backend(rt));

@@ -4,7 +4,6 @@
 
 #include <stdlib.h>
 #include "base/numeric.h"
-#include "base/diag.h"
 
 #define MOE_BLOCK 128
 
@@ -51,22 +50,30 @@ float moe_cpu_dot(const float *a, const float *b, int64_t n)
     return s;
 }
 
+typedef struct matmul_ctx {
+    const float *x;
+    int64_t n;
+    const moe_cpu_matrix_t *m;
+    float *y;
+} matmul_ctx_t;
+
+/* Weight rows outer: each row is converted once and used for every token. */
+static void matmul_rows(void *arg, int64_t r0, int64_t r1, float *row)
+{
+    const matmul_ctx_t *c = arg;
+    const moe_cpu_matrix_t *m = c->m;
+    for (int64_t r = r0; r < r1; r++) {
+        moe_cpu_matrix_row(m, r, row);
+        for (int64_t i = 0; i < c->n; i++)
+            c->y[i * m->rows + r] = moe_cpu_dot(c->x + i * m->cols, row, m->cols);
+    }
+}
+
 moe_status_t moe_cpu_matmul_nt(const float *x, int64_t n, const moe_cpu_matrix_t *m, float *y)
 {
-    float *row;
-    int64_t r, i;
-
+    matmul_ctx_t c = {x, n, m, y};
     if (n == 0 || m->rows == 0)
         return MOE_STATUS_SUCCESS;
-    row = malloc(sizeof(float) * (size_t)(m->cols > 0 ? m->cols : 1));
-    if (!row)
-        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "cpu matmul: %lld floats", (long long)m->cols);
-    /* Weight rows outer: each row is converted once and used for every token. */
-    for (r = 0; r < m->rows; r++) {
-        moe_cpu_matrix_row(m, r, row);
-        for (i = 0; i < n; i++)
-            y[i * m->rows + r] = moe_cpu_dot(x + i * m->cols, row, m->cols);
-    }
-    free(row);
-    return MOE_STATUS_SUCCESS;
+    return moe_cpu_for_rows(m->rows, (double)m->rows * (double)n * (double)m->cols,
+                            (size_t)(m->cols > 0 ? m->cols : 1), matmul_rows, &c, "cpu matmul");
 }

@@ -56,37 +56,46 @@ static float pairwise(float *v, int n)
     return v[0];
 }
 
+typedef struct down_ctx {
+    const moe_cpu_mlp_t *w;
+    const float *h;
+    int64_t n;
+    int l0, l1; /* the slice's leaves of the full reduction tree */
+    float *out;
+} down_ctx_t;
+
+/* Down-projection rows r0 .. r1 - 1: each leaf's dot, then the leaves' pairwise sum */
+static void down_rows(void *arg, int64_t r0, int64_t r1, float *row)
+{
+    const down_ctx_t *c = arg;
+    const moe_cpu_matrix_t *m = &c->w->down;
+    const int64_t is = m->cols, s0 = c->w->slice_begin, full = c->w->full_intermediate;
+    float leaves[MOE_CPU_TREE_LEAVES];
+    for (int64_t r = r0; r < r1; r++) {
+        moe_cpu_matrix_row(m, r, row);
+        for (int64_t i = 0; i < c->n; i++) {
+            const float *hi = c->h + i * is;
+            for (int l = c->l0; l < c->l1; l++) {
+                const int64_t c0 = leaf_start(full, l) - s0, c1 = leaf_start(full, l + 1) - s0;
+                leaves[l - c->l0] = moe_cpu_dot(hi + c0, row + c0, c1 - c0);
+            }
+            c->out[i * m->rows + r] = pairwise(leaves, c->l1 - c->l0);
+        }
+    }
+}
+
 static moe_status_t down_proj(const moe_cpu_mlp_t *w, const float *h, int64_t n, float *out)
 {
     const moe_cpu_matrix_t *m = &w->down;
     const int64_t is = m->cols, s0 = w->slice_begin;
-    float leaves[MOE_CPU_TREE_LEAVES];
-    float *row;
-    int l0 = 0, l1 = 0, tree;
-    int64_t r, i;
+    down_ctx_t c = {w, h, n, 0, 0, out};
 
-    tree = aligned_subtree(w->full_intermediate, s0, s0 + is, &l0, &l1);
-    if (!tree)
+    if (!aligned_subtree(w->full_intermediate, s0, s0 + is, &c.l0, &c.l1))
         return moe_cpu_matmul_nt(h, n, m, out);
-    row = malloc(sizeof(float) * (size_t)(is > 0 ? is : 1));
-    if (!row)
-        return moe_error(MOE_STATUS_OUT_OF_MEMORY, "cpu down projection: %lld floats",
-                         (long long)is);
-    for (r = 0; r < m->rows; r++) {
-        moe_cpu_matrix_row(m, r, row);
-        for (i = 0; i < n; i++) {
-            const float *hi = h + i * is;
-            int l;
-            for (l = l0; l < l1; l++) {
-                const int64_t c0 = leaf_start(w->full_intermediate, l) - s0;
-                const int64_t c1 = leaf_start(w->full_intermediate, l + 1) - s0;
-                leaves[l - l0] = moe_cpu_dot(hi + c0, row + c0, c1 - c0);
-            }
-            out[i * m->rows + r] = pairwise(leaves, l1 - l0);
-        }
-    }
-    free(row);
-    return MOE_STATUS_SUCCESS;
+    if (n == 0 || m->rows == 0)
+        return MOE_STATUS_SUCCESS;
+    return moe_cpu_for_rows(m->rows, (double)m->rows * (double)n * (double)is,
+                            (size_t)(is > 0 ? is : 1), down_rows, &c, "cpu down projection");
 }
 
 moe_status_t moe_cpu_mlp_buffers(int64_t n, int64_t is, const char *what, float **g, float **u)

@@ -32,8 +32,26 @@ float moe_cpu_dot(const float *a, const float *b, int64_t n);
 /* Row r of m as f32 (FP8 dequantised with its scale). */
 void moe_cpu_matrix_row(const moe_cpu_matrix_t *m, int64_t r, float *out);
 
-/* y[n, m.rows] = x[n, m.cols] . m^T, f32, each dot by moe_cpu_dot. */
+/* y[n, m.rows] = x[n, m.cols] . m^T, f32, each dot by moe_cpu_dot (weight rows over
+ * moe_cpu_for_rows' threads: the same bits at any thread count). */
 moe_status_t moe_cpu_matmul_nt(const float *x, int64_t n, const moe_cpu_matrix_t *m, float *y);
+
+/* The threads a large CPU product runs on: MOE_CPU_THREADS (1..64; 0 or unset: auto) where
+ * set, else the CPUs this process may run on (its affinity), divided among the host's ranks
+ * (moe_cpu_set_host_ranks) unless it is bound to a share of them; at most 64. */
+int moe_cpu_threads(void);
+
+/* The ranks on this process's host (a runtime's MPI node communicator; 1 before one says). */
+void moe_cpu_set_host_ranks(int n);
+
+/* fn(ctx, r0, r1, scratch) over [0, rows) in contiguous ranges, one a thread, each with its own
+ * scratch of scratch_floats floats; `work` (multiply-adds) decides how many threads: one below
+ * 2^22, then at most one per 2^21 and moe_cpu_threads(). fn must write only what its rows
+ * determine, so the output is the same at any thread count. A thread that cannot start runs
+ * its range on the caller. Fails only without memory for one scratch (`what` names it). */
+typedef void (*moe_cpu_rows_fn)(void *ctx, int64_t r0, int64_t r1, float *scratch);
+moe_status_t moe_cpu_for_rows(int64_t rows, double work, size_t scratch_floats, moe_cpu_rows_fn fn,
+                              void *ctx, const char *what);
 
 typedef struct moe_route_params {
     int num_experts, top_k;

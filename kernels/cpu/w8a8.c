@@ -53,13 +53,48 @@ static float weight_scale(const moe_cpu_matrix_t *m, int64_t r, int64_t b)
     return m->scale[0];
 }
 
+typedef struct w8a8_ctx {
+    const float *a, *sa; /* the codes as f32, [n, K]; the activation scales */
+    int64_t n, K, group, ng, gw;
+    const moe_cpu_matrix_t *m;
+    float *y;
+} w8a8_ctx_t;
+
+/* Weight rows r0 .. r1 - 1 for every token; w: one row's codes as f32 */
+static void w8a8_rows(void *arg, int64_t r0, int64_t r1, float *w)
+{
+    const w8a8_ctx_t *c = arg;
+    const moe_cpu_matrix_t *m = c->m;
+    const int64_t K = c->K;
+    for (int64_t r = r0; r < r1; r++) {
+        moe_convert_to_f32(MOE_DTYPE_FP8_E4M3, (const uint8_t *)m->data + r * K, w, (size_t)K);
+        for (int64_t i = 0; i < c->n; i++) {
+            const float *ai = c->a + i * K;
+            float acc = 0.0f;
+            if (c->group == 0) {
+                acc = moe_cpu_dot(ai, w, K);
+                c->y[i * m->rows + r] = c->sa[i] * (weight_scale(m, r, 0) * acc);
+                continue;
+            }
+            /* Promotion per K block, as DeepGEMM: each block's partial sum is scaled and added
+             * to the f32 result in block order. */
+            for (int64_t b = 0; b < c->ng; b++) {
+                const int64_t c0 = b * c->gw, len = c0 + c->gw < K ? c->gw : K - c0;
+                const float part = moe_cpu_dot(ai + c0, w + c0, len);
+                acc += (c->sa[i * c->ng + b] * weight_scale(m, r, b)) * part;
+            }
+            c->y[i * m->rows + r] = acc;
+        }
+    }
+}
+
 moe_status_t moe_cpu_matmul_w8a8(const uint8_t *qa, const float *sa, int64_t n,
                                  const moe_cpu_matrix_t *m, float *y)
 {
     const int64_t K = m->cols, group = moe_cpu_w8a8_group(m), ng = num_groups(K, group);
-    const int64_t gw = group > 0 ? group : K;
-    float *a = NULL, *w = NULL;
-    int64_t r, i, b;
+    w8a8_ctx_t c;
+    float *a = NULL;
+    moe_status_t st;
 
     if (n == 0 || m->rows == 0)
         return MOE_STATUS_SUCCESS;
@@ -69,37 +104,23 @@ moe_status_t moe_cpu_matmul_w8a8(const uint8_t *qa, const float *sa, int64_t n,
     /* The e4m3 codes as f32 (exact): each product of two is exact in f32 too (4 x 4 bits of
      * significand), so only the order of the sums rounds. */
     a = malloc(sizeof(float) * (size_t)(n * K + 1));
-    w = malloc(sizeof(float) * (size_t)(K + 1));
-    if (!a || !w) {
-        free(a);
-        free(w);
+    if (!a)
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "w8a8 matmul: %lld x %lld floats", (long long)n,
                          (long long)K);
-    }
     moe_convert_to_f32(MOE_DTYPE_FP8_E4M3, qa, a, (size_t)(n * K));
-    for (r = 0; r < m->rows; r++) {
-        moe_convert_to_f32(MOE_DTYPE_FP8_E4M3, (const uint8_t *)m->data + r * K, w, (size_t)K);
-        for (i = 0; i < n; i++) {
-            const float *ai = a + i * K;
-            float acc = 0.0f;
-            if (group == 0) {
-                acc = moe_cpu_dot(ai, w, K);
-                y[i * m->rows + r] = sa[i] * (weight_scale(m, r, 0) * acc);
-                continue;
-            }
-            /* Promotion per K block, as DeepGEMM: each block's partial sum is scaled and added
-             * to the f32 result in block order. */
-            for (b = 0; b < ng; b++) {
-                const int64_t c0 = b * gw, len = c0 + gw < K ? gw : K - c0;
-                const float part = moe_cpu_dot(ai + c0, w + c0, len);
-                acc += (sa[i * ng + b] * weight_scale(m, r, b)) * part;
-            }
-            y[i * m->rows + r] = acc;
-        }
-    }
+    c.a = a;
+    c.sa = sa;
+    c.n = n;
+    c.K = K;
+    c.group = group;
+    c.ng = ng;
+    c.gw = group > 0 ? group : K;
+    c.m = m;
+    c.y = y;
+    st = moe_cpu_for_rows(m->rows, (double)m->rows * (double)n * (double)K, (size_t)(K + 1),
+                          w8a8_rows, &c, "w8a8 matmul");
     free(a);
-    free(w);
-    return MOE_STATUS_SUCCESS;
+    return st;
 }
 
 /* Quantises x[n, k] for a product with `m`; `round_bf16`: x is rounded to bf16 first (the
