@@ -4,6 +4,7 @@
  * deterministic reference on any layout; with deterministic = 0 the all-gather mode instead
  * sums partials with MPI_Reduce_scatter (MPI's order). */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -371,6 +372,33 @@ static moe_status_t make_send_plan(const moe_layer_t *l, const int32_t *slots, i
 
 /* out[n, H] = partial MLP of row i (x row xrow[i] of xbase) with local expert lexp[i]. Rows
  * are grouped by expert so each expert's weights are read once per step. */
+typedef struct experts_ctx {
+    const moe_layer_t *l;
+    const int64_t *off; /* expert e's rows: off[e] .. off[e + 1] - 1 */
+    const float *xin;
+    float *xo;
+    atomic_int st; /* a range's failure (out of memory, a moe_status_t), the first one kept */
+} experts_ctx_t;
+
+/* Local experts e0 .. e1 - 1 on their rows (a thread's share: moe_cpu_for_rows) */
+static void expert_rows(void *arg, int64_t e0, int64_t e1, float *scratch)
+{
+    experts_ctx_t *c = arg;
+    const int64_t H = c->l->cfg.hidden;
+    (void)scratch;
+    for (int64_t e = e0; e < e1; e++) {
+        moe_cpu_mlp_t w = mlp_view(c->l, (int)e);
+        const moe_status_t st = run_mlp(c->l, &w, c->xin + c->off[e] * H, c->off[e + 1] - c->off[e],
+                                        c->xo + c->off[e] * H);
+        if (st != MOE_STATUS_SUCCESS) {
+            /* what went wrong is in this thread's error text: the status goes back */
+            int none = MOE_STATUS_SUCCESS;
+            atomic_compare_exchange_strong(&c->st, &none, (int)st);
+            return;
+        }
+    }
+}
+
 static moe_status_t compute_rows(moe_layer_t *l, const float *xbase, const int64_t *xrow,
                                  const int32_t *lexp, int64_t n, float *out)
 {
@@ -379,7 +407,6 @@ static moe_status_t compute_rows(moe_layer_t *l, const float *xbase, const int64
     int64_t *off = malloc(sizeof(int64_t) * (size_t)(ne + 1)), *order = NULL, i;
     float *xin = NULL, *xo = NULL;
     moe_status_t st = MOE_STATUS_SUCCESS;
-    int e;
 
     order = malloc(sizeof(int64_t) * (size_t)(n + 1));
     xin = malloc(sizeof(float) * (size_t)(n * H + 1));
@@ -392,10 +419,23 @@ static moe_status_t compute_rows(moe_layer_t *l, const float *xbase, const int64
     MOE_CHECK_GOTO(moe_cpu_group_rows(lexp, n, ne, off, order), st, out);
     for (i = 0; i < n; i++)
         memcpy(xin + i * H, xbase + xrow[order[i]] * H, sizeof(float) * (size_t)H);
-    for (e = 0; e < ne; e++) {
-        moe_cpu_mlp_t w = mlp_view(l, e);
-        MOE_CHECK_GOTO(run_mlp(l, &w, xin + off[e] * H, off[e + 1] - off[e], xo + off[e] * H), st,
-                       out);
+    {
+        /* Experts over threads where each one's products are too small for threads of their own
+         * (decode-sized steps: kernels/cpu/parallel.c's bound), else one expert after another,
+         * each product on threads. An expert's rows are computed as one thread computes them
+         * either way, so the outputs do not depend on the split. */
+        experts_ctx_t c = {l, off, xin, xo, MOE_STATUS_SUCCESS};
+        const double work = (double)n * 3.0 * (double)H * (double)(l->plan.i_end - l->plan.i_begin);
+        const int small = ne > 1 && work / ne < MOE_CPU_PAR_MIN_WORK;
+        int fail;
+        MOE_CHECK_GOTO(moe_cpu_for_rows(ne, small ? work : 0.0, 1, expert_rows, &c, "expert rows"),
+                       st, out);
+        fail = atomic_load(&c.st);
+        if (fail != MOE_STATUS_SUCCESS) {
+            st = moe_error((moe_status_t)fail, "expert MLPs on %lld rows: %s", (long long)n,
+                           moe_status_string((moe_status_t)fail));
+            goto out;
+        }
     }
     for (i = 0; i < n; i++)
         memcpy(out + order[i] * H, xo + i * H, sizeof(float) * (size_t)H);

@@ -46,10 +46,12 @@ void moe_cpu_set_host_ranks(int n);
 
 /* fn(ctx, r0, r1, scratch) over [0, rows) in contiguous ranges, one a thread, each with its own
  * scratch of scratch_floats floats; `work` (multiply-adds) decides how many threads: one below
- * 2^22, then at most one per 2^21 and moe_cpu_threads(). fn must write only what its rows
- * determine, so the output is the same at any thread count. A thread that cannot start runs
- * its range on the caller. Fails only without memory for one scratch (`what` names it). */
+ * 2^22, then at most one per 2^21 and moe_cpu_threads(); one inside another's range. fn must
+ * write only what its rows determine, so the output is the same at any thread count. A thread
+ * that cannot start runs its range on the caller. Fails only without memory for one scratch
+ * (`what` names it). */
 typedef void (*moe_cpu_rows_fn)(void *ctx, int64_t r0, int64_t r1, float *scratch);
+#define MOE_CPU_PAR_MIN_WORK (1 << 22) /* multiply-adds below which a product has one thread */
 moe_status_t moe_cpu_for_rows(int64_t rows, double work, size_t scratch_floats, moe_cpu_rows_fn fn,
                               void *ctx, const char *what);
 

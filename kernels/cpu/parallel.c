@@ -12,10 +12,10 @@
 #include "base/diag.h"
 #include "base/env.h"
 
-/* Below this many multiply-adds a product runs on the calling thread (a thread's start costs
- * tens of microseconds; 2^22 scalar multiply-adds take milliseconds), and each further thread
- * gets at least half as many. */
-#define PAR_MIN_WORK (1 << 22)
+/* Below MOE_CPU_PAR_MIN_WORK multiply-adds a product runs on the calling thread (a thread's
+ * start costs tens of microseconds; 2^22 scalar multiply-adds take milliseconds), and each
+ * further thread gets at least half as many. */
+#define PAR_MIN_WORK MOE_CPU_PAR_MIN_WORK
 #define PAR_MAX_THREADS 64
 
 /* The ranks of this process's host (moe_cpu_set_host_ranks), 1 until a runtime says */
@@ -63,10 +63,17 @@ typedef struct par_task {
     float *scratch;
 } par_task_t;
 
+/* Inside a range of moe_cpu_for_rows: a product there stays on its thread (no threads of
+ * threads) */
+static _Thread_local int in_range;
+
 static void *par_run(void *arg)
 {
     const par_task_t *t = arg;
+    const int outer = in_range;
+    in_range = 1;
     t->fn(t->ctx, t->r0, t->r1, t->scratch);
+    in_range = outer;
     return NULL;
 }
 
@@ -81,7 +88,7 @@ moe_status_t moe_cpu_for_rows(int64_t rows, double work, size_t scratch_floats, 
 
     if (rows <= 0)
         return MOE_STATUS_SUCCESS;
-    if (work >= PAR_MIN_WORK) {
+    if (work >= PAR_MIN_WORK && !in_range) {
         const double most = work / (PAR_MIN_WORK / 2);
         nt = moe_cpu_threads();
         if ((double)nt > most)
@@ -106,6 +113,11 @@ moe_status_t moe_cpu_for_rows(int64_t rows, double work, size_t scratch_floats, 
         task[i].r1 = rows * (i + 1) / nt;
         task[i].scratch = scratch + (size_t)i * (scratch_floats > 0 ? scratch_floats : 1);
         started[i] = 0;
+    }
+    if (nt == 1) { /* no threads: a product inside stays free to take them */
+        fn(ctx, 0, rows, scratch);
+        free(scratch);
+        return MOE_STATUS_SUCCESS;
     }
     /* ranges 1.. on threads (a thread that cannot start: its range here, below), 0 here */
     for (i = 1; i < nt; i++)

@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The CPU reference's products on several threads (kernels/cpu/parallel.c): every row range
  * once, the thread count from MOE_CPU_THREADS, and bitwise the single-thread outputs of the bf16,
- * W8A8 (per-channel and 128 x 128 blocks) and tree-reduced (a TP slice) products. */
+ * W8A8 (per-channel and 128 x 128 blocks) and tree-reduced (a TP slice) products, and of whole
+ * layers whose experts go over threads (many small ones) or one after another (few large). */
 #include "testutil.h"
 
 #include <stdatomic.h>
@@ -10,6 +11,7 @@
 
 #include "kernels/cpu/moe_cpu.h"
 #include "base/numeric.h"
+#include "launch/layer_gen.h"
 
 static void set_threads(const char *v)
 {
@@ -183,12 +185,69 @@ static void test_products_bitwise(void **state)
     free(qw);
 }
 
+/* One forward of T tokens (weights and tokens from seed) into y */
+static moe_status_t layer_forward(const moe_layer_config_t *c, int64_t T, uint64_t seed, float *y)
+{
+    moe_layer_t *l = NULL;
+    moe_forward_args_t a = MOE_FORWARD_ARGS_INIT;
+    float *x = malloc(sizeof(float) * (size_t)(T * c->hidden));
+    moe_status_t st;
+    assert_non_null(x);
+    TU_OK(moe_layer_create(tu_rt, c, &l));
+    TU_OK(moe_gen_set_weights(l, c, seed));
+    moe_gen_tokens(seed + 1, 0, T, (int)c->hidden, x);
+    a.num_tokens = T;
+    a.dtype = MOE_DTYPE_F32;
+    a.x = x;
+    a.y = y;
+    st = moe_layer_forward(l, &a);
+    TU_OK(moe_layer_destroy(l));
+    free(x);
+    return st;
+}
+
+static void test_layers_bitwise(void **state)
+{
+    static const struct {
+        int E, k, H, I, shared;
+        int64_t T;
+        moe_dtype_t wt;
+    } shapes[] = {
+        {64, 8, 256, 96, 0, 48, MOE_DTYPE_BF16},        /* many small experts: over threads */
+        {64, 8, 256, 128, 256, 48, MOE_DTYPE_FP8_E4M3}, /* the same, W8A8 block, a shared MLP */
+        {4, 2, 512, 1024, 0, 40, MOE_DTYPE_BF16}, /* few large ones: their products on threads */
+    };
+    uint64_t seed = tu_seed("cpu_threads_layer");
+    (void)state;
+    for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); i++) {
+        moe_layer_config_t c = MOE_LAYER_CONFIG_INIT;
+        const int64_t n = shapes[i].T * shapes[i].H;
+        float *y = malloc(sizeof(float) * (size_t)n);
+        assert_non_null(y);
+        c.num_experts = shapes[i].E;
+        c.top_k = shapes[i].k;
+        c.hidden = shapes[i].H;
+        c.intermediate = shapes[i].I;
+        c.num_shared_experts = shapes[i].shared > 0;
+        c.shared_intermediate = shapes[i].shared;
+        c.weight_dtype = shapes[i].wt;
+        if (shapes[i].wt == MOE_DTYPE_FP8_E4M3) {
+            c.scale_kind = MOE_SCALE_BLOCK_128;
+            c.fp8_math = MOE_FP8_MATH_W8A8;
+        }
+        c.max_tokens_per_rank = shapes[i].T;
+        SAME_AT_EVERY_COUNT(y, n, layer_forward(&c, shapes[i].T, seed, y));
+        free(y);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_thread_count),
         cmocka_unit_test(test_every_row_once),
         cmocka_unit_test(test_products_bitwise),
+        cmocka_unit_test(test_layers_bitwise),
     };
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    return cmocka_run_group_tests(tests, tu_group_setup_cpu, tu_group_teardown);
 }
