@@ -3,6 +3,8 @@
 #include "layer_gen.h"
 #include "cli.h"
 #include "base/numeric.h"
+#include "kernels/cpu/moe_cpu.h"
+#include "base/diag.h"
 
 #include <math.h>
 #include <stddef.h>
@@ -41,13 +43,36 @@ float moe_gen_weight(uint64_t seed, moe_weight_kind_t kind, int expert, int64_t 
     return a * unit(key(seed, (int)kind, expert, r, c));
 }
 
+typedef struct gen_ctx {
+    uint64_t seed;
+    moe_weight_kind_t kind;
+    int expert;
+    int64_t r0, c0, cols, full_cols;
+    float *out;
+} gen_ctx_t;
+
+static void gen_rows(void *arg, int64_t a, int64_t b, float *scratch)
+{
+    const gen_ctx_t *g = arg;
+    (void)scratch;
+    for (int64_t r = a; r < b; r++)
+        for (int64_t c = 0; c < g->cols; c++)
+            g->out[r * g->cols + c] =
+                moe_gen_weight(g->seed, g->kind, g->expert, g->r0 + r, g->c0 + c, g->full_cols);
+}
+
 void moe_gen_matrix(uint64_t seed, moe_weight_kind_t kind, int expert, int64_t r0, int64_t rows,
                     int64_t c0, int64_t cols, int64_t full_cols, float *out)
 {
-    int64_t r, c;
-    for (r = 0; r < rows; r++)
-        for (c = 0; c < cols; c++)
-            out[r * cols + c] = moe_gen_weight(seed, kind, expert, r0 + r, c0 + c, full_cols);
+    gen_ctx_t g = {seed, kind, expert, r0, c0, cols, full_cols, out};
+    /* each value a function of its place alone: rows over the CPU backend's threads (a hash is
+     * worth some eight multiply-adds); a one-float scratch cannot fail to allocate but for a
+     * machine out of memory, and then the rows are made here */
+    if (moe_cpu_for_rows(rows, 8.0 * (double)rows * (double)cols, 1, gen_rows, &g, "gen") !=
+        MOE_STATUS_SUCCESS) {
+        moe_error_clear();
+        gen_rows(&g, 0, rows, NULL);
+    }
 }
 
 void moe_gen_tokens(uint64_t seed, int64_t t0, int64_t n, int hidden, float *x)

@@ -185,6 +185,19 @@ static void test_products_bitwise(void **state)
     free(qw);
 }
 
+/* The generator's matrices (launch/layer_gen.c, on the same threads): the same values */
+static void test_generator_bitwise(void **state)
+{
+    enum { GR = 600, GC = 1000 };
+    float *m = malloc(sizeof(float) * GR * GC);
+    moe_status_t ok = MOE_STATUS_SUCCESS;
+    (void)state;
+    assert_non_null(m);
+    SAME_AT_EVERY_COUNT(m, GR * GC,
+                        (moe_gen_matrix(7, MOE_WEIGHT_GATE_PROJ, 3, 100, GR, 40, GC, 2048, m), ok));
+    free(m);
+}
+
 /* One forward of T tokens (weights and tokens from seed) into y */
 static moe_status_t layer_forward(const moe_layer_config_t *c, int64_t T, uint64_t seed, float *y)
 {
@@ -244,9 +257,8 @@ static void test_layers_bitwise(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_thread_count),
-        cmocka_unit_test(test_every_row_once),
-        cmocka_unit_test(test_products_bitwise),
+        cmocka_unit_test(test_thread_count),     cmocka_unit_test(test_every_row_once),
+        cmocka_unit_test(test_products_bitwise), cmocka_unit_test(test_generator_bitwise),
         cmocka_unit_test(test_layers_bitwise),
     };
     return cmocka_run_group_tests(tests, tu_group_setup_cpu, tu_group_teardown);
