@@ -15,7 +15,6 @@
 /* Below MOE_CPU_PAR_MIN_WORK multiply-adds a product runs on the calling thread (a thread's
  * start costs tens of microseconds; 2^22 scalar multiply-adds take milliseconds), and each
  * further thread gets at least half as many. */
-#define PAR_MIN_WORK MOE_CPU_PAR_MIN_WORK
 #define PAR_MAX_THREADS 64
 
 /* The ranks of this process's host (moe_cpu_set_host_ranks), 1 until a runtime says */
@@ -88,8 +87,8 @@ moe_status_t moe_cpu_for_rows(int64_t rows, double work, size_t scratch_floats, 
 
     if (rows <= 0)
         return MOE_STATUS_SUCCESS;
-    if (work >= PAR_MIN_WORK && !in_range) {
-        const double most = work / (PAR_MIN_WORK / 2);
+    if (work >= MOE_CPU_PAR_MIN_WORK && !in_range) {
+        const double most = work / (MOE_CPU_PAR_MIN_WORK / 2);
         nt = moe_cpu_threads();
         if ((double)nt > most)
             nt = (int)most;
@@ -106,18 +105,17 @@ moe_status_t moe_cpu_for_rows(int64_t rows, double work, size_t scratch_floats, 
     }
     if (!scratch)
         return moe_error(MOE_STATUS_OUT_OF_MEMORY, "%s: %zu floats", what, scratch_floats);
+    if (nt == 1) { /* no threads: a product inside stays free to take them */
+        fn(ctx, 0, rows, scratch);
+        free(scratch);
+        return MOE_STATUS_SUCCESS;
+    }
     for (i = 0; i < nt; i++) {
         task[i].fn = fn;
         task[i].ctx = ctx;
         task[i].r0 = rows * i / nt;
         task[i].r1 = rows * (i + 1) / nt;
         task[i].scratch = scratch + (size_t)i * (scratch_floats > 0 ? scratch_floats : 1);
-        started[i] = 0;
-    }
-    if (nt == 1) { /* no threads: a product inside stays free to take them */
-        fn(ctx, 0, rows, scratch);
-        free(scratch);
-        return MOE_STATUS_SUCCESS;
     }
     /* ranges 1.. on threads (a thread that cannot start: its range here, below), 0 here */
     for (i = 1; i < nt; i++)

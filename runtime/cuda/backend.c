@@ -306,16 +306,16 @@ static moe_status_t plan_decode(cuda_layer_t *s)
     moe_error_clear();
     s->oq.shared = s->ss > 0 && nsh == 0;
     if (s->dec_forced > 0) {
-        s->dec_max = s->f8 == 2 ? 1 : MOE_DECODE_MAX_TOKENS; /* block scales: one token */
+        s->dec_max = MOE_DECODE_MAX_TOKENS;
     } else {
         moe_oracle_choice_t c;
         s->dec_max = moe_oracle_decode_tokens(&s->oracle, &s->oq, &c);
         s->dec_tuned = c.source == MOE_ORACLE_TUNED;
         if (s->dec_max > MOE_DECODE_MAX_TOKENS) /* a table's open bucket: as far as it goes */
             s->dec_max = MOE_DECODE_MAX_TOKENS;
-        if (s->f8 == 2 && s->dec_max > 1) /* block scales: one token a step */
-            s->dec_max = 1;
     }
+    if (s->f8 == 2 && s->dec_max > 1) /* block scales: one token a step, forced or not */
+        s->dec_max = 1;
     if (s->world > 1 && s->dec_max > s->world * s->ll_rows) /* rows one expert can receive */
         s->dec_max = (int)(s->world * s->ll_rows);
     else if (s->world == 1 && s->dec_max > s->cap)

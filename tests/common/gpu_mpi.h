@@ -136,8 +136,7 @@ static inline int gt_group_teardown(void **state)
             moe_gpu_set_device(rank_var % ngpu_);                                                  \
             if (rank_var != 0)                                                                     \
                 cmocka_set_message_output(CM_OUTPUT_SUBUNIT);                                      \
-            if (getenv("MOE_TEST_FILTER")) /* e.g. test_ep*: a subset */                           \
-                cmocka_set_test_filter(getenv("MOE_TEST_FILTER"));                                 \
+            gt_test_filter(); /* e.g. MOE_TEST_FILTER=test_ep*: a subset */                        \
             rc_ = cmocka_run_group_tests(tests, setup, teardown) ? 1 : 0;                          \
             MPI_Allreduce(MPI_IN_PLACE, &rc_, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);                \
         }                                                                                          \

@@ -4,8 +4,14 @@
 #ifndef MOE_GPU_SKIP_H
 #define MOE_GPU_SKIP_H
 
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+
+#include <cmocka.h>
 
 #include "kernels/gpu.h"
 #include "base/diag.h"
@@ -27,6 +33,15 @@ static inline int gt_gpu_gate(int need)
     fprintf(stderr, "%d CUDA device(s), %d needed: %s\n", n, need,
             require ? "MOE_REQUIRE_GPU=1, so this is a failure" : "skipped");
     return require ? 1 : GT_SKIP;
+}
+
+/* MOE_TEST_FILTER=<pattern> (e.g. test_decode_block*): only the tests whose names match it run,
+ * for a quick look at a few; called before cmocka runs the group. */
+static inline void gt_test_filter(void)
+{
+    const char *f = getenv("MOE_TEST_FILTER");
+    if (f)
+        cmocka_set_test_filter(f);
 }
 
 #endif /* MOE_GPU_SKIP_H */

@@ -163,8 +163,8 @@ static inline int gt_all_finite(const float *a, size_t n)
     return 1;
 }
 
-/* main(): skip (77) only without a device (gt_gpu_gate), else run the group (MOE_TEST_FILTER: the
- * tests whose names match it). */
+/* main(): skip (77) only without a device (gt_gpu_gate), else run the group (MOE_TEST_FILTER:
+ * gt_test_filter). */
 #define GT_MAIN(tests)                                                                             \
     int main(void)                                                                                 \
     {                                                                                              \
@@ -172,8 +172,7 @@ static inline int gt_all_finite(const float *a, size_t n)
         if (gate_)                                                                                 \
             return gate_;                                                                          \
         gt_seed();                                                                                 \
-        if (getenv("MOE_TEST_FILTER")) /* e.g. test_layer_q*: a subset */                          \
-            cmocka_set_test_filter(getenv("MOE_TEST_FILTER"));                                     \
+        gt_test_filter();                                                                          \
         return cmocka_run_group_tests(tests, NULL, NULL);                                          \
     }
 

@@ -818,7 +818,6 @@ int main(void)
     if (gate)
         return gate;
     gt_seed();
-    if (getenv("MOE_TEST_FILTER")) /* e.g. test_decode_block*: a subset, as the MPI tests */
-        cmocka_set_test_filter(getenv("MOE_TEST_FILTER"));
+    gt_test_filter();
     return cmocka_run_group_tests(tests, setup, teardown);
 }
