@@ -100,6 +100,8 @@ static const moe_gemm_variant_t variants[] = {
     /* no promotion (fast_accum): the W8A8_FAST tables (runtime/oracle.c), or forced */
     {"sm90_fp8_fast_m64n256", 90, 64, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
      L(moe_gemm_sm90_fp8f_m64_launch), 1},
+    {"sm90_fp8_fast_m64n256_pp", 90, 64, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
+     L(moe_gemm_sm90_fp8f_m64pp_launch), 1},
     {"sm90_fp8_fast_m128n256", 90, 128, 0, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,
      L(moe_gemm_sm90_fp8f_m128_launch), 1},
     {"sm90_fp8_fast_swapab_n8_pp", 90, 8, 1, MOE_DTYPE_FP8_E4M3, MOE_SCALE_PER_CHANNEL,

@@ -122,18 +122,30 @@ static const moe_oracle_group_t defaults[] = {
         {16.0, "sm90_fp8_block_swapab_n16_pp", 0, 0}, {32.0, "sm90_fp8_block_swapab_n32_pp", 0, 0},
         {55.4, "sm90_fp8_block_m64n128", 0, 0}, {119.7, "sm90_fp8_block_m128n128", 0, 0},
         {362.0, "sm90_fp8_block_m192n128", 0, 0}, {OPEN, "sm90_fp8_block_m192n128_la", 0, 0}),
+    /* fp8_math W8A8_FAST with hidden <= 2048 (the table for any shape is next): the fast
+     * m64n256 tile as ping-pong (two consumer warpgroups on alternate 64-row items: one's
+     * epilogue under the other's wgmmas) from 32.0 rows per expert (halfway between 16 and 64):
+     * forced on Qwen3-30B-A3B (hidden 2048) against the built-in choice of the day (2026-12-05,
+     * one H200, two runs, capacity 8192,
+     * bench/RESULTS.md "Fast accumulation"), 1.05 at 16 rows per expert (against the promoted
+     * n16_pp), 0.95 at 64 and 0.93 at 128 (m64n128_pp_p4), 0.95 at 256 and 0.97-0.98 at 512
+     * (fast m128n256). With hidden 4096 (Mixtral) 0.97-0.98 at 128, 0.95 at 512 and level at
+     * 256 / 1024 but 1.03-1.04 at 2048; with 7168 (the DeepSeek-V3 shard) 0.96-1.08 at 256..2048:
+     * not in the table for any shape. */
+    BUILTIN_FAST(2048, 2, {32.0, MOE_ORACLE_PROMOTED_PATH, 0, 0},
+                 {OPEN, "sm90_fp8_fast_m64n256_pp", 0, 0}),
     /* fp8_math W8A8_FAST (no promotion allowed) with per-row scales: the fast m128n256 tile
-     * (no second accumulator set, so 128 gate + 128 up weight rows an item) past 256 rows per
-     * expert, halfway (geometrically) between the measured points: forced for every GEMM of the
+     * (no second accumulator set, so 128 gate + 128 up weight rows an item) past 207.4 rows per
+     * expert, where the promoted table's one-block m192n128_p4 ends. Forced for every GEMM of the
      * step against the built-in tiles, Mixtral-8x7B / the DeepSeek-V3 shard at 128 rows per
      * expert 1.03 / 0.99, at 512 0.81 / 0.81, at 2048 0.77 / 0.79 (2026-12-02, d8b75f0), and at
      * Mixtral's 2048 0.81-0.83 of m128n128_p4 (2026-12-04), of which the m192n128_p4 and n192
      * tiles since took 4-11 % (bench/RESULTS.md, "Layer step, FP8 W8A8"). Against the built-in
      * W8A8 choice at a capacity of 8192 (2026-12-05, 8631004, one H100, bench/RESULTS.md, "Fast
      * accumulation"): Mixtral 0.89 / 0.90 and the DeepSeek-V3 shard 0.87 / 0.93 at 512 / 2048
-     * rows per expert; forced on Qwen3-30B-A3B (hidden 2048, GEMM 2's k 768) 1.05 at 128 and
-     * 0.82 at 512 rows (two runs), so the one bound holds for every hidden. */
-    BUILTIN_FAST(0, 2, {256.0, MOE_ORACLE_PROMOTED_PATH, 0, 0},
+     * rows per expert; Mixtral at 256 rows 0.94 (against m128n128_p4), but at 128 and 160 rows
+     * 1.07-1.11 and 1.25-1.27 against the one-block m192n128_p4 (2026-12-05, one H200). */
+    BUILTIN_FAST(0, 2, {207.4, MOE_ORACLE_PROMOTED_PATH, 0, 0},
                  {OPEN, "sm90_fp8_fast_m128n256", 0, 0}),
     /* sm_80 .. sm_89 and anything newer than sm_90 (the sm_80 family's PTX) */
     BUILTIN(80, MOE_DTYPE_BF16, MOE_SCALE_NONE, 2, {32.0, "sm80_mma_m32n128", 0, 0},

@@ -56,4 +56,10 @@ moe_status_t moe_gemm_sm90_fp8f_m64_launch(const moe_gemm_args_t *a, void *strea
 {
     return launch_normal<64, 3>(a, stream, "sm90_fp8_fast_m64n256");
 }
+/* ... and as ping-pong (two consumer warpgroups on alternate 64-row items, as the bf16
+ * m64n256_pp tile): one's epilogue under the other's wgmmas (on trial) */
+moe_status_t moe_gemm_sm90_fp8f_m64pp_launch(const moe_gemm_args_t *a, void *stream)
+{
+    return launch_normal<64, 3, 0, 1>(a, stream, "sm90_fp8_fast_m64n256_pp");
+}
 }

@@ -35,6 +35,7 @@ moe_status_t moe_gemm_sm90_fp8b_m128w_launch(const moe_gemm_args_t *args, void *
 moe_status_t moe_gemm_sm90_fp8b_m64wpp_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8i_m192_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8f_m64_launch(const moe_gemm_args_t *args, void *stream);
+moe_status_t moe_gemm_sm90_fp8f_m64pp_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8i_m64pp_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8b_m64pp_launch(const moe_gemm_args_t *args, void *stream);
 moe_status_t moe_gemm_sm90_fp8_swap16_launch(const moe_gemm_args_t *args, void *stream);

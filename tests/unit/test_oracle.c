@@ -303,12 +303,12 @@ static moe_oracle_query_t fp8_query(moe_scale_kind_t s, int accum, double rows, 
     return q;
 }
 
-/* A W8A8_FAST layer's query: the fast tile past 256 rows per expert whatever the hidden, the
- * promoted tables' choice below (the deferral resolved, never returned); promoted queries never
- * get a fast variant; block scales have no fast table. */
+/* A W8A8_FAST layer's query: the fast m128n256 tile past 207.4 rows per expert (with hidden <=
+ * 2048 the fast m64n256_pp past 32), the promoted tables' choice below (the deferral resolved,
+ * never returned); promoted queries never get a fast variant; block scales have no fast table. */
 static void test_fast_accum_picks(void **state)
 {
-    static const double rows[] = {0.5, 8, 64, 200, 256, 256.5, 1000, 8192, 1e9};
+    static const double rows[] = {0.5, 8, 32, 32.5, 64, 200, 207.4, 207.5, 256, 1000, 8192, 1e9};
     static const int hidden[] = {0, 1024, 2048, 2049, 4096, 7168};
     (void)state;
     for (size_t h = 0; h < sizeof(hidden) / sizeof(hidden[0]); h++)
@@ -321,23 +321,28 @@ static void test_fast_accum_picks(void **state)
                                                     rows[r], hidden[h]),
                                      bp = fp8_query(MOE_SCALE_BLOCK_128, MOE_ORACLE_ACCUM_PROMOTED,
                                                     rows[r], hidden[h]);
-            const int fast_here = rows[r] > 256.0;
+            const int short_k = hidden[h] > 0 && hidden[h] <= 2048;
+            const double bound = short_k ? 32.0 : 207.4;
+            const int fast_here = rows[r] > bound;
             moe_oracle_choice_t cf, cp, cbf, cbp;
             assert_int_equal(moe_oracle_pick_gemm(NULL, &f, &cf), 1);
             assert_int_equal(moe_oracle_pick_gemm(NULL, &p, &cp), 1);
             assert_int_equal(moe_oracle_pick_gemm(NULL, &bf, &cbf), 1);
             assert_int_equal(moe_oracle_pick_gemm(NULL, &bp, &cbp), 1);
             assert_int_equal(moe_gemm_variant_by_name(cp.name)->fast_accum, 0);
-            assert_same_name(cf.name, fast_here ? "sm90_fp8_fast_m128n256" : cp.name, "fast query",
-                             90, rows[r]);
+            assert_same_name(cf.name,
+                             !fast_here ? cp.name
+                             : short_k  ? "sm90_fp8_fast_m64n256_pp"
+                                        : "sm90_fp8_fast_m128n256",
+                             "fast query", 90, rows[r]);
             assert_int_equal(cf.source, MOE_ORACLE_DEFAULT);
             /* the bucket holds the value and, deferred, stays inside the promoted one and below
              * the fast tile's bound */
             assert_true(cf.lo < rows[r] && rows[r] <= cf.hi);
             if (!fast_here)
-                assert_true(cf.lo >= cp.lo && cf.hi <= cp.hi && cf.hi <= 256.0);
+                assert_true(cf.lo >= cp.lo && cf.hi <= cp.hi && cf.hi <= bound);
             else
-                assert_true(cf.lo >= 256.0);
+                assert_true(cf.lo >= bound);
             assert_same_name(cbf.name, cbp.name, "block, fast query", 90, rows[r]);
         }
 }
