@@ -56,6 +56,16 @@ static float pairwise(float *v, int n)
     return v[0];
 }
 
+/* pairwise() on MOE_CPU_DOT_ROWS trees side by side (v[l][t]: tree t's leaf l), each summed
+ * in pairwise()'s order */
+static void pairwise4(float (*v)[MOE_CPU_DOT_ROWS], int n)
+{
+    for (int w = 1; w < n; w *= 2)
+        for (int j = 0; j + w < n; j += 2 * w)
+            for (int t = 0; t < MOE_CPU_DOT_ROWS; t++)
+                v[j][t] += v[j + w][t];
+}
+
 typedef struct down_ctx {
     const moe_cpu_mlp_t *w;
     const float *h;
@@ -64,22 +74,39 @@ typedef struct down_ctx {
     float *out;
 } down_ctx_t;
 
-/* Down-projection rows r0 .. r1 - 1: each leaf's dot, then the leaves' pairwise sum */
+/* Down-projection rows r0 .. r1 - 1, a token block at a time: each leaf's dot, then the leaves'
+ * pairwise sum */
 static void down_rows(void *arg, int64_t r0, int64_t r1, float *row)
 {
     const down_ctx_t *c = arg;
     const moe_cpu_matrix_t *m = &c->w->down;
     const int64_t is = m->cols, s0 = c->w->slice_begin, full = c->w->full_intermediate;
-    float leaves[MOE_CPU_TREE_LEAVES];
-    for (int64_t r = r0; r < r1; r++) {
-        moe_cpu_matrix_row(m, r, row);
-        for (int64_t i = 0; i < c->n; i++) {
-            const float *hi = c->h + i * is;
-            for (int l = c->l0; l < c->l1; l++) {
-                const int64_t c0 = leaf_start(full, l) - s0, c1 = leaf_start(full, l + 1) - s0;
-                leaves[l - c->l0] = moe_cpu_dot(hi + c0, row + c0, c1 - c0);
+    const int64_t tb = moe_cpu_token_block(is);
+    const int nl = c->l1 - c->l0;
+    float leaves[MOE_CPU_TREE_LEAVES], lv4[MOE_CPU_TREE_LEAVES][MOE_CPU_DOT_ROWS];
+    for (int64_t i0 = 0; i0 < c->n; i0 += tb) {
+        const int64_t i1 = c->n - i0 < tb ? c->n : i0 + tb;
+        for (int64_t r = r0; r < r1; r++) {
+            moe_cpu_matrix_row(m, r, row);
+            int64_t i = i0;
+            /* MOE_CPU_DOT_ROWS tokens' leaves at a time (lv4[l][t]), then one at a time */
+            for (; i + MOE_CPU_DOT_ROWS <= i1; i += MOE_CPU_DOT_ROWS) {
+                for (int l = c->l0; l < c->l1; l++) {
+                    const int64_t c0 = leaf_start(full, l) - s0, c1 = leaf_start(full, l + 1) - s0;
+                    moe_cpu_dot_rows(c->h + i * is + c0, is, row + c0, c1 - c0, lv4[l - c->l0]);
+                }
+                pairwise4(lv4, nl);
+                for (int t = 0; t < MOE_CPU_DOT_ROWS; t++)
+                    c->out[(i + t) * m->rows + r] = lv4[0][t];
             }
-            c->out[i * m->rows + r] = pairwise(leaves, c->l1 - c->l0);
+            for (; i < i1; i++) {
+                const float *hi = c->h + i * is;
+                for (int l = c->l0; l < c->l1; l++) {
+                    const int64_t c0 = leaf_start(full, l) - s0, c1 = leaf_start(full, l + 1) - s0;
+                    leaves[l - c->l0] = moe_cpu_dot(hi + c0, row + c0, c1 - c0);
+                }
+                c->out[i * m->rows + r] = pairwise(leaves, nl);
+            }
         }
     }
 }

@@ -29,6 +29,25 @@ typedef struct moe_cpu_matrix {
  * combined pairwise, then the tail. The same inputs always give the same bits. */
 float moe_cpu_dot(const float *a, const float *b, int64_t n);
 
+/* MOE_CPU_DOT_ROWS rows of a (row t at a + t * lda) each dotted with b: out[t] has the bits of
+ * moe_cpu_dot(a + t * lda, b, n). One pass over b for all of them, their partial sums side by
+ * side (four times the independent adds of one dot: the loop is no longer one chain of add
+ * latencies). */
+#define MOE_CPU_DOT_ROWS 4
+void moe_cpu_dot_rows(const float *a, int64_t lda, const float *b, int64_t n, float *out);
+/* The same without AVX (what moe_cpu_dot_rows runs where the CPU has none; the tests compare
+ * both with moe_cpu_dot) */
+void moe_cpu_dot_rows_portable(const float *a, int64_t lda, const float *b, int64_t n, float *out);
+
+/* Tokens a product takes at a time with rows of `cols` values: about 256 KB of f32 token rows
+ * (a multiple of MOE_CPU_DOT_ROWS, at least that), so each weight row is used on a block that
+ * stays in the core's cache instead of streaming every token row from memory once a row. */
+int64_t moe_cpu_token_block(int64_t cols);
+
+/* out[i] = moe_cpu_dot(a + i * lda, b, n) for i < rows, MOE_CPU_DOT_ROWS at a time. */
+void moe_cpu_dots(const float *a, int64_t lda, int64_t rows, const float *b, int64_t n, float *out,
+                  int64_t out_stride);
+
 /* Row r of m as f32 (FP8 dequantised with its scale). */
 void moe_cpu_matrix_row(const moe_cpu_matrix_t *m, int64_t r, float *out);
 

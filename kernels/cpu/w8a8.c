@@ -60,30 +60,53 @@ typedef struct w8a8_ctx {
     float *y;
 } w8a8_ctx_t;
 
-/* Weight rows r0 .. r1 - 1 for every token; w: one row's codes as f32 */
+/* Tokens i0 .. i0 + cnt - 1 (cnt MOE_CPU_DOT_ROWS or 1) against weight row r (codes w) with
+ * block scales: per K block each token's partial sum, scaled and added to its f32 result in
+ * block order (the promotion DeepGEMM does). */
+static void w8a8_block_tokens(const w8a8_ctx_t *c, int64_t i0, int cnt, int64_t r, const float *w)
+{
+    const moe_cpu_matrix_t *m = c->m;
+    const int64_t K = c->K;
+    float acc[MOE_CPU_DOT_ROWS] = {0}, part[MOE_CPU_DOT_ROWS];
+    for (int64_t b = 0; b < c->ng; b++) {
+        const int64_t c0 = b * c->gw, len = c0 + c->gw < K ? c->gw : K - c0;
+        const float ws = weight_scale(m, r, b);
+        if (cnt == MOE_CPU_DOT_ROWS)
+            moe_cpu_dot_rows(c->a + i0 * K + c0, K, w + c0, len, part);
+        else
+            part[0] = moe_cpu_dot(c->a + i0 * K + c0, w + c0, len);
+        for (int t = 0; t < cnt; t++)
+            acc[t] += (c->sa[(i0 + t) * c->ng + b] * ws) * part[t];
+    }
+    for (int t = 0; t < cnt; t++)
+        c->y[(i0 + t) * m->rows + r] = acc[t];
+}
+
+/* Weight rows r0 .. r1 - 1 for every token, a token block at a time (moe_cpu_token_block);
+ * w: one row's codes as f32 */
 static void w8a8_rows(void *arg, int64_t r0, int64_t r1, float *w)
 {
     const w8a8_ctx_t *c = arg;
     const moe_cpu_matrix_t *m = c->m;
-    const int64_t K = c->K;
-    for (int64_t r = r0; r < r1; r++) {
-        moe_convert_to_f32(MOE_DTYPE_FP8_E4M3, (const uint8_t *)m->data + r * K, w, (size_t)K);
-        for (int64_t i = 0; i < c->n; i++) {
-            const float *ai = c->a + i * K;
-            float acc = 0.0f;
+    const int64_t K = c->K, tb = moe_cpu_token_block(K);
+    for (int64_t i0 = 0; i0 < c->n; i0 += tb) {
+        const int64_t i1 = c->n - i0 < tb ? c->n : i0 + tb;
+        for (int64_t r = r0; r < r1; r++) {
+            moe_convert_to_f32(MOE_DTYPE_FP8_E4M3, (const uint8_t *)m->data + r * K, w, (size_t)K);
             if (c->group == 0) {
-                acc = moe_cpu_dot(ai, w, K);
-                c->y[i * m->rows + r] = c->sa[i] * (weight_scale(m, r, 0) * acc);
+                /* the sums, then y = s_a * (s_w * sum) in place */
+                float *y = c->y + r;
+                const float ws = weight_scale(m, r, 0);
+                moe_cpu_dots(c->a + i0 * K, K, i1 - i0, w, K, y + i0 * m->rows, m->rows);
+                for (int64_t i = i0; i < i1; i++)
+                    y[i * m->rows] = c->sa[i] * (ws * y[i * m->rows]);
                 continue;
             }
-            /* Promotion per K block, as DeepGEMM: each block's partial sum is scaled and added
-             * to the f32 result in block order. */
-            for (int64_t b = 0; b < c->ng; b++) {
-                const int64_t c0 = b * c->gw, len = c0 + c->gw < K ? c->gw : K - c0;
-                const float part = moe_cpu_dot(ai + c0, w + c0, len);
-                acc += (c->sa[i * c->ng + b] * weight_scale(m, r, b)) * part;
-            }
-            c->y[i * m->rows + r] = acc;
+            int64_t i = i0;
+            for (; i + MOE_CPU_DOT_ROWS <= i1; i += MOE_CPU_DOT_ROWS)
+                w8a8_block_tokens(c, i, MOE_CPU_DOT_ROWS, r, w);
+            for (; i < i1; i++)
+                w8a8_block_tokens(c, i, 1, r, w);
         }
     }
 }

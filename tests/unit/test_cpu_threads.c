@@ -2,9 +2,11 @@
 /* The CPU reference's products on several threads (kernels/cpu/parallel.c): every row range
  * once, the thread count from MOE_CPU_THREADS, and bitwise the single-thread outputs of the bf16,
  * W8A8 (per-channel and 128 x 128 blocks) and tree-reduced (a TP slice) products, and of whole
- * layers whose experts go over threads (many small ones) or one after another (few large). */
+ * layers whose experts go over threads (many small ones) or one after another (few large); the
+ * products' several-row dots (moe_cpu_dot_rows) bitwise moe_cpu_dot. */
 #include "testutil.h"
 
+#include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -186,6 +188,46 @@ static void test_products_bitwise(void **state)
 }
 
 /* The generator's matrices (launch/layer_gen.c, on the same threads): the same values */
+/* moe_cpu_dot_rows (AVX where the CPU has it), its portable form and moe_cpu_dots: each row's
+ * sum bitwise moe_cpu_dot's, at every length 0 .. 70 and past (the tails, the all-tail short
+ * products of the down projection's leaves), with a row stride past the length. */
+static void test_dot_rows_bitwise(void **state)
+{
+    enum { LDA = 1031, ROWS = 9 };
+    uint64_t st = tu_seed("cpu_dot_rows");
+    float *a = malloc(sizeof(float) * LDA * ROWS), *b = malloc(sizeof(float) * LDA);
+    float want[ROWS], got[ROWS], got2[MOE_CPU_DOT_ROWS], strided[ROWS * 3];
+    static const int64_t big[] = {127, 128, 129, 1000, 1031};
+    (void)state;
+    assert_non_null(a);
+    assert_non_null(b);
+    tu_fill_uniform(a, LDA * ROWS, -3.0f, 3.0f, &st);
+    tu_fill_uniform(b, LDA, -2.0f, 2.0f, &st);
+    for (int64_t k = 0; k < 70 + 5; k++) {
+        const int64_t n = k < 70 ? k : big[k - 70];
+        for (int t = 0; t < ROWS; t++)
+            want[t] = moe_cpu_dot(a + t * LDA, b, n);
+        moe_cpu_dot_rows(a, LDA, b, n, got);
+        moe_cpu_dot_rows_portable(a, LDA, b, n, got2);
+        assert_memory_equal(got, want, sizeof(float) * MOE_CPU_DOT_ROWS);
+        assert_memory_equal(got2, want, sizeof(float) * MOE_CPU_DOT_ROWS);
+        for (int64_t rows = 0; rows <= ROWS; rows++) {
+            memset(strided, 0xff, sizeof(strided));
+            moe_cpu_dots(a, LDA, rows, b, n, strided, 3);
+            for (int64_t t = 0; t < ROWS; t++)
+                if (t < rows)
+                    assert_memory_equal(&strided[t * 3], &want[t], sizeof(float));
+                else
+                    assert_true(isnan(strided[t * 3])); /* nothing past the rows written */
+        }
+    }
+    assert_int_equal(moe_cpu_token_block(1024), 64);
+    assert_int_equal(moe_cpu_token_block(14336), MOE_CPU_DOT_ROWS);
+    assert_int_equal(moe_cpu_token_block(0) % MOE_CPU_DOT_ROWS, 0);
+    free(a);
+    free(b);
+}
+
 static void test_generator_bitwise(void **state)
 {
     enum { GR = 600, GC = 1000 };
@@ -259,7 +301,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_thread_count),     cmocka_unit_test(test_every_row_once),
         cmocka_unit_test(test_products_bitwise), cmocka_unit_test(test_generator_bitwise),
-        cmocka_unit_test(test_layers_bitwise),
+        cmocka_unit_test(test_layers_bitwise),   cmocka_unit_test(test_dot_rows_bitwise),
     };
     return cmocka_run_group_tests(tests, tu_group_setup_cpu, tu_group_teardown);
 }

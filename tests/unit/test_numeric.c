@@ -65,6 +65,56 @@ static void test_fp8_rounding_and_saturation(void **state)
     assert_int_equal(moe_f32_to_fp8e4m3(1e-30f), 0x00);
 }
 
+/* f's e4m3 code is the nearest of the format's values (ties: the even code), saturating to
+ * +-448 and keeping NaN and the sign, judged against its decoded neighbours. */
+static int fp8_code_is_nearest(float f)
+{
+    const uint8_t c = moe_f32_to_fp8e4m3(f), sign = signbit(f) ? 0x80 : 0, m = c & 0x7f;
+    const double a = fabs((double)f);
+    if ((c & 0x80) != sign)
+        return 0;
+    if (isnan(f))
+        return m == 0x7f;
+    if (a >= 448.0)
+        return m == 0x7e;
+    if (m > 0x7e)
+        return 0;
+    const double d = fabs(a - moe_fp8e4m3_to_f32(m));
+    for (int nb = m - 1; nb <= m + 1; nb += 2) {
+        if (nb < 0 || nb > 0x7e)
+            continue;
+        const double dn = fabs(a - moe_fp8e4m3_to_f32((uint8_t)nb));
+        if (d > dn || (d == dn && (m & 1)))
+            return 0;
+    }
+    return 1;
+}
+
+/* moe_f32_to_fp8e4m3 on a sweep of f32 bit patterns (every 251st: every exponent, both signs,
+ * NaNs and infinities) and at and beside every midpoint between two neighbouring codes. */
+static void test_fp8_encode_nearest_even(void **state)
+{
+    (void)state;
+    for (uint64_t x = 0; x <= 0xffffffffu; x += 251) {
+        const uint32_t u = (uint32_t)x;
+        float f;
+        memcpy(&f, &u, 4);
+        if (!fp8_code_is_nearest(f))
+            fail_msg("f32 0x%08x: code 0x%02x", u, moe_f32_to_fp8e4m3(f));
+    }
+    for (int m = 0; m < 0x7e; m++) {
+        const float mid =
+            0.5f * (moe_fp8e4m3_to_f32((uint8_t)m) + moe_fp8e4m3_to_f32((uint8_t)(m + 1)));
+        const float at[3] = {mid, nextafterf(mid, 0.0f), nextafterf(mid, INFINITY)};
+        for (int i = 0; i < 3; i++) {
+            assert_true(fp8_code_is_nearest(at[i]));
+            assert_true(fp8_code_is_nearest(-at[i]));
+        }
+    }
+    assert_int_equal(moe_f32_to_fp8e4m3(nextafterf(448.0f, 0.0f)), 0x7e);
+    assert_int_equal(moe_f32_to_fp8e4m3(ldexpf(15.5f, -10)), 0x08); /* 7.75 * 2^-9: up to 2^-6 */
+}
+
 /* moe_fp8_dynamic_scale_bf16 (the fused decode kernel's per-group scale of h without a division)
  * equals moe_fp8_dynamic_scale for every bf16 value: zero, subnormals, the smallest maxima (below
  * 1e-10), the largest and infinity. */
@@ -259,6 +309,7 @@ int main(void)
         cmocka_unit_test(test_fp8_known_values),
         cmocka_unit_test(test_fp8_monotonic),
         cmocka_unit_test(test_fp8_rounding_and_saturation),
+        cmocka_unit_test(test_fp8_encode_nearest_even),
         cmocka_unit_test(test_fp8_nearest_random),
         cmocka_unit_test(test_fp8_quotient_by_reciprocal),
         cmocka_unit_test(test_fp8_dynamic_scale_bf16),
