@@ -43,6 +43,7 @@ static const struct knob {
     {"MOE_QUANT_H_AMAX", 0, 1},       /* W8A8 GEMM 1 takes h's maxima for its quantisation */
     {"MOE_SLOT_LOAD_HIST", 0, 1},     /* slot ids: expert loads counted per CTA (A/B knob) */
     {"MOE_CPU_THREADS", 0, 64},       /* CPU backend products' threads; 0: by the host */
+    {"MOE_GEMM_EARLY_W", 0, 1},       /* GEMM 2's first weight stages before its PDL wait */
 };
 
 static void knob_range(const char *name, int64_t *min, int64_t *max)

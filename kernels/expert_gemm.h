@@ -56,6 +56,14 @@ typedef struct moe_gemm_args {
      * per-tensor weights expanded per row do; a variant may then read one scale instead of one
      * a column (the sm_90a normal tiles, unless MOE_GEMM_B_UNIFORM=0). 0: no promise. */
     int b_scale_uniform;
+    /* optional: 1 says block_expert, num_blocks and the expert counts and offsets were final
+     * before the kernel ahead of this GEMM on the stream started (written two launches back or
+     * earlier, each kernel between waiting on its own predecessor before it lets the next one
+     * start). The sm_90a swap-AB variants (not their block-scale forms) launched with
+     * programmatic dependent launch may then read them and load their first weight stages
+     * before they wait on that kernel, so the weights stream under its tail. Asked for only
+     * where MOE_GEMM_EARLY_W=1 (runtime/cuda/step.c; not yet measured). 0: no promise. */
+    int early_weights;
 } moe_gemm_args_t;
 
 typedef struct moe_gemm_variant {

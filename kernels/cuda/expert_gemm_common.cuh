@@ -33,6 +33,9 @@ struct moe_gemm_kparams {
     /* sm_90a normal layout, per-row fp8 scales: b_scale is one value a half of each expert
      * (moe_gemm_args_t.b_scale_uniform; MOE_GEMM_B_UNIFORM=0: not): the epilogue reads one */
     int b_uniform;
+    /* sm_90a swap-AB (not block scales): moe_gemm_args_t.early_weights under programmatic
+     * dependent launch: the first weight stages before the wait */
+    int early_w;
 };
 /* Past 128 bytes of parameters ptxas spilled 20-110 more bytes in the m192 and fast fp8 tiles,
  * whose code had not changed (two more pointers, 2026-12-03: docs/KERNELS.md, "The variants"). */
@@ -59,6 +62,7 @@ static inline moe_gemm_kparams moe_gemm_base_params(const moe_gemm_args_t *a)
     p.swap_fold = 0;
     p.promo_pi = 1;
     p.b_uniform = 0;
+    p.early_w = 0;
     p.expert_counts = a->expert_counts; /* both or neither: moe_gemm_check_common */
     p.expert_offsets = a->expert_offsets;
     p.a_scale = a->a_scale;

@@ -335,9 +335,15 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
     else
         __syncthreads();
     /* Programmatic dependent launch: everything above overlaps the previous kernel's tail;
-     * nothing it writes (a, block_expert, num_blocks) is read before this wait. */
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" :::);
+     * nothing it writes (a, block_expert, num_blocks) is read before this wait. EW (the caller's
+     * early_weights: the block tables were final before the previous kernel started): the
+     * consumers wait below, and the producer's thread loads its first item's weight stages
+     * before it waits, so they stream under the previous kernel's tail. */
+    const bool ew = SWAP && !C::SSC && p.early_w;
+    if (!ew) {
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+        asm volatile("griddepcontrol.launch_dependents;" :::);
+    }
 
     const int nb = min(__ldg(p.num_blocks), p.max_blocks);
     /* MC: work units are pairs of weight tiles (the pair's second past n_tiles where n_tiles is
@@ -395,6 +401,21 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
         /* one thread issues the TMA; SSC: the warp copies the stage's scales beside it */
         if (tid < (C::SSC ? 32 : 1)) {
             int s = 0, ph = 0;
+            /* EW: stages filled with weights only before the wait (the first item's first
+             * stages, 0 .. pend - 1, k steps 0, KB, ...); their token tiles (row block pb)
+             * follow the wait */
+            int early = ew ? STAGES : 0, pend = 0, pb = 0;
+            /* slice sub of stage si's token tile (k step kt, row block b) */
+            auto load_tok = [&](int si, int kt, int b, int sub) {
+                uint8_t *st = smem + si * C::STAGE_BYTES;
+                if (MC)
+                    tma_load_2d_mc(st + C::W_BYTES + sub * C::SUB_T + rank * (TOK / 2) * ROW_BYTES,
+                                   &tm_tok, (kt + sub) * BKE, b * TOK + (int)rank * (TOK / 2),
+                                   &full[si], 0x3);
+                else
+                    tma_load_2d(st + C::W_BYTES + sub * C::SUB_T, &tm_tok, (kt + sub) * BKE,
+                                b * TOK, &full[si]);
+            };
             const int kbn = (p.k + 127) / 128; /* 128-wide k slices (block scales) */
             /* the output columns a weight tile may hold (the n tail: a half past it is empty) */
             const int nlim = EPI == MOE_GEMM_EPI_STORE ? p.n : p.n / 2;
@@ -429,14 +450,12 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                                 if (wload)
                                     tma_load_2d(st + sub * C::SUB_W + h * WR * ROW_BYTES, &tm_w,
                                                 (kt + sub) * BKE, wrow[h], &full[s]);
-                            if (MC)
-                                tma_load_2d_mc(st + C::W_BYTES + sub * C::SUB_T +
-                                                   rank * (TOK / 2) * ROW_BYTES,
-                                               &tm_tok, (kt + sub) * BKE,
-                                               b * TOK + (int)rank * (TOK / 2), &full[s], 0x3);
-                            else
-                                tma_load_2d(st + C::W_BYTES + sub * C::SUB_T, &tm_tok,
-                                            (kt + sub) * BKE, b * TOK, &full[s]);
+                            if (early == 0)
+                                load_tok(s, kt, b, sub);
+                        }
+                        if (early > 0) {
+                            pend++;
+                            pb = b;
                         }
                     }
                     if (C::SSC) {
@@ -467,6 +486,16 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                         s = 0;
                         ph ^= 1;
                     }
+                    /* EW: the stages are all asked for, or the item has no more: wait for the
+                     * previous kernel, then the held stages' token tiles */
+                    if (early > 0 && (--early == 0 || kt + KB >= kt_count)) {
+                        early = 0;
+                        asm volatile("griddepcontrol.wait;" ::: "memory");
+                        asm volatile("griddepcontrol.launch_dependents;" :::);
+                        for (int j = 0; j < pend; j++)
+                            for (int sub = 0; sub < KB; sub++)
+                                load_tok(j, j * KB, pb, sub);
+                    }
                 }
             }
         }
@@ -488,6 +517,10 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
     static_assert(LAUNCH_REGS * (C::NWG + 1) >= C::PRODUCER_REGS + CONSUMER_REGS * C::NWG,
                   "setmaxnreg.inc beyond the CTA's registers never returns");
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+    if (ew) { /* the consumers read scales, tokens and write c only past this wait */
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+        asm volatile("griddepcontrol.launch_dependents;" :::);
+    }
     const int warp = tid / 32, lane = tid % 32;
     float acc[C::NACC][C::ACC];
     /* The wgmmas of one 64-wide k slice `sub` of the stage at shared address st; fresh (FP8):
@@ -1341,6 +1374,7 @@ static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, co
     p.swap_fold = SWAP && f8_row_scales(F8) && swap_fold_enabled();
     p.b_uniform = !SWAP && f8_row_scales(F8) && a->b_scale_uniform && b_uniform_enabled();
     p.promo_pi = F8 == 4 ? promo_slices() : F8_PI;
+    p.early_w = SWAP && !C::SSC && a->early_weights && pdl_enabled();
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[2];
     cfg.gridDim = dim3(grid);

@@ -117,6 +117,10 @@ static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_
     g.k = (int)m->inter;
     g.epilogue = MOE_GEMM_EPI_STORE;
     g.row_amax = NULL;
+    /* the block tables GEMM 1 read: final before the kernel ahead of GEMM 2 (GEMM 1, or h's
+     * quantisation after it) started, since GEMM 1 lets its successor start only past its own
+     * wait for the kernels before it */
+    g.early_weights = s->early_w;
     if (s->f8) {
         moe_quant_rows_args_t q = q0;
         q.x = m->h;

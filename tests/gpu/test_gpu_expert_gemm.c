@@ -384,6 +384,9 @@ static void run_variant(const moe_gemm_variant_t *v, const inputs_t *in)
                     args.b_scale = in->d_bsu;
                     args.b_scale_uniform = 1;
                 }
+                /* half the runs with the first weight stages before the PDL wait (the tables
+                 * were copied before the launch: final, as early_weights promises) */
+                args.early_weights = (epi + f32 + use_scale) % 2;
                 const int take_amax = f8 && epi != MOE_GEMM_EPI_STORE;
                 if (take_amax) {
                     args.row_amax = d_amax;
