@@ -151,7 +151,7 @@ void moe_cpu_dot_rows(const float *a, int64_t lda, const float *b, int64_t n, fl
 int64_t moe_cpu_token_block(int64_t cols)
 {
     const int64_t tb = (int64_t)65536 / (cols > 0 ? cols : 1) / MOE_CPU_DOT_ROWS * MOE_CPU_DOT_ROWS;
-    return tb > MOE_CPU_DOT_ROWS ? tb : MOE_CPU_DOT_ROWS;
+    return tb > 64 ? tb : 64;
 }
 
 void moe_cpu_dots(const float *a, int64_t lda, int64_t rows, const float *b, int64_t n, float *out,

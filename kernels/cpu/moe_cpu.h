@@ -40,8 +40,9 @@ void moe_cpu_dot_rows(const float *a, int64_t lda, const float *b, int64_t n, fl
 void moe_cpu_dot_rows_portable(const float *a, int64_t lda, const float *b, int64_t n, float *out);
 
 /* Tokens a product takes at a time with rows of `cols` values: about 256 KB of f32 token rows
- * (a multiple of MOE_CPU_DOT_ROWS, at least that), so each weight row is used on a block that
- * stays in the core's cache instead of streaming every token row from memory once a row. */
+ * (a multiple of MOE_CPU_DOT_ROWS), so each weight row is used on a block that stays in the
+ * core's cache instead of streaming every token row from memory once a row; at least 64, so
+ * that converting the row again for each block (long rows) stays a small part of its dots. */
 int64_t moe_cpu_token_block(int64_t cols);
 
 /* out[i] = moe_cpu_dot(a + i * lda, b, n) for i < rows, MOE_CPU_DOT_ROWS at a time. */
