@@ -49,6 +49,12 @@ typedef struct moe_quant_rows_args {
      * rows' maxima into it (atomicMax). zero_cols >= 1 with it. */
     float *zero_amax;
     int zero_cols;
+    /* Optional (sm_90+): 1 lets the next kernel on the stream launch as soon as every CTA of
+     * this one has started (griddepcontrol.launch_dependents first), instead of at its end: a
+     * GEMM launched with programmatic dependent launch may then take free SMs and load its
+     * weights under this kernel (moe_gemm_args_t.early_weights); it still waits for this
+     * kernel's completion before it reads what it wrote. */
+    int trigger_next;
 } moe_quant_rows_args_t;
 
 moe_status_t moe_quant_rows_launch(const moe_quant_rows_args_t *args, void *stream);

@@ -28,6 +28,16 @@ __device__ __forceinline__ void moe_pdl_wait_only()
 #endif
 }
 
+/* Lets the next kernel on the stream launch (once every CTA of this one has said so or ended)
+ * without waiting for anything: for a kernel launched without PDL whose successor waits on
+ * its own before it reads (kernels/quant.h, trigger_next). */
+__device__ __forceinline__ void moe_pdl_trigger()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 /* MOE_PDL=0 turns programmatic dependent launch off (then launches are plainly ordered). It
  * is used on sm_90+ only. */
 static inline bool moe_pdl_enabled()

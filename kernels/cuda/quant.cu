@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/pdl.cuh"
 #include "kernels/cuda/device_cache.cuh"
 #include "kernels/cuda/vec8.cuh"
 #include "base/numeric.h"
@@ -80,6 +81,8 @@ __global__ void __launch_bounds__(HELD ? Q_MAX_THREADS : Q_MIN_THREADS)
     constexpr int VPT = HELD ? Q_VPT : 1; /* 8-wide vectors a thread holds */
     __shared__ float warp_max[MAX_THREADS / 32];
     __shared__ float row_scale;
+    if (a.trigger_next) /* kernels/quant.h */
+        moe_pdl_trigger();
     const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
     const int nt = HELD ? (int)blockDim.x : Q_MIN_THREADS;
     const int64_t row = blockIdx.x;
@@ -206,6 +209,8 @@ constexpr int Q_KNOWN_THREADS = 128;
 template <typename T>
 __global__ void __launch_bounds__(Q_KNOWN_THREADS) quant_known_kernel(moe_quant_rows_args_t a)
 {
+    if (a.trigger_next) /* kernels/quant.h */
+        moe_pdl_trigger();
     const int64_t row = blockIdx.x;
     if (a.num_blocks && row >= (int64_t)*a.num_blocks * a.block_rows)
         return;

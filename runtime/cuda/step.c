@@ -129,6 +129,7 @@ static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_
         q.q = m->h8;
         q.scale = m->hs;
         q.amax = hamax;
+        q.trigger_next = s->early_w; /* GEMM 2 may start under it (kernels/quant.h) */
         MOE_CHECK(moe_quant_rows_launch(&q, stream));
         g.a = m->h8;
         g.a_scale = m->hs;
