@@ -100,6 +100,10 @@ static moe_status_t run_mlp_gemms(const cuda_layer_t *s, const moe_gemm_variant_
             q.zero_cols = s->f8 == 2 ? (int)((m->inter + 127) / 128) : 1;
             g.row_amax = hamax;
         }
+        /* MOE_GEMM_EARLY_W: the quantisation is launched without PDL, so the block tables were
+         * final before it started; GEMM 1 may launch under it and load weights early */
+        q.trigger_next = s->early_w;
+        g.early_weights = s->early_w;
         MOE_CHECK(moe_quant_rows_launch(&q, stream));
         g.a = m->a8;
         g.a_scale = m->as;
