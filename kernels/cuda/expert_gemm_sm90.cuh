@@ -15,6 +15,7 @@
 
 #include "kernels/cuda/expert_gemm_common.cuh"
 #include "kernels/cuda/expert_gemm_launch.h"
+#include "kernels/cuda/pdl.cuh"
 
 /* ---- device primitives -------------------------------------------------------------------- */
 
@@ -340,10 +341,8 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
      * consumers wait below, and the producer's thread loads its first item's weight stages
      * before it waits, so they stream under the previous kernel's tail. */
     const bool ew = SWAP && !C::SSC && p.early_w;
-    if (!ew) {
-        asm volatile("griddepcontrol.wait;" ::: "memory");
-        asm volatile("griddepcontrol.launch_dependents;" :::);
-    }
+    if (!ew)
+        moe_pdl_wait();
 
     const int nb = min(__ldg(p.num_blocks), p.max_blocks);
     /* MC: work units are pairs of weight tiles (the pair's second past n_tiles where n_tiles is
@@ -490,8 +489,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                      * previous kernel, then the held stages' token tiles */
                     if (early > 0 && (--early == 0 || kt + KB >= kt_count)) {
                         early = 0;
-                        asm volatile("griddepcontrol.wait;" ::: "memory");
-                        asm volatile("griddepcontrol.launch_dependents;" :::);
+                        moe_pdl_wait();
                         for (int j = 0; j < pend; j++)
                             for (int sub = 0; sub < KB; sub++)
                                 load_tok(j, j * KB, pb, sub);
@@ -518,8 +516,7 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
                   "setmaxnreg.inc beyond the CTA's registers never returns");
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
     if (ew) { /* the consumers read scales, tokens and write c only past this wait */
-        asm volatile("griddepcontrol.wait;" ::: "memory");
-        asm volatile("griddepcontrol.launch_dependents;" :::);
+        moe_pdl_wait();
     }
     const int warp = tid / 32, lane = tid % 32;
     float acc[C::NACC][C::ACC];
@@ -1374,7 +1371,7 @@ static moe_status_t launch_one(const moe_gemm_args_t *a, cudaStream_t stream, co
     p.swap_fold = SWAP && f8_row_scales(F8) && swap_fold_enabled();
     p.b_uniform = !SWAP && f8_row_scales(F8) && a->b_scale_uniform && b_uniform_enabled();
     p.promo_pi = F8 == 4 ? promo_slices() : F8_PI;
-    p.early_w = SWAP && !C::SSC && a->early_weights && pdl_enabled();
+    p.early_w = a->early_weights && pdl_enabled(); /* the kernel takes it where it can */
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute attr[2];
     cfg.gridDim = dim3(grid);

@@ -108,7 +108,7 @@ typedef struct cuda_layer {
     int scatter_rows; /* MOE_SCATTER_ROWS (default 1): GEMM 1's rows by scatter, not gather */
     int skip_pad; /* MOE_GEMM_SKIP_PAD (default 1): GEMMs get the expert counts (few rows/expert) */
     int h_amax;   /* MOE_QUANT_H_AMAX (default 1): W8A8 GEMM 1 takes h's maxima (same codes) */
-    int early_w;  /* MOE_GEMM_EARLY_W (default 0): GEMM 2's moe_gemm_args_t.early_weights */
+    int early_w;  /* MOE_GEMM_EARLY_W (default 0): the GEMMs' moe_gemm_args_t.early_weights */
     int route_permute;   /* MOE_ROUTE_PERMUTE=1 (default 0): one GPU, at most
                             MOE_ROUTE_PERMUTE_MAX_TOKENS tokens: top-k, slot ids and permute in one
                             launch */
