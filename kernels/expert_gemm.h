@@ -62,8 +62,8 @@ typedef struct moe_gemm_args {
      * start). The sm_90a swap-AB variants (not their block-scale forms) launched with
      * programmatic dependent launch may then read them and load their first weight stages
      * before they wait on that kernel, so the weights stream under its tail. Asked for only
-     * where MOE_GEMM_EARLY_W=1 (runtime/cuda/step.c: GEMM 2, and W8A8's GEMM 1; not yet
-     * measured). 0: no promise. */
+     * where MOE_GEMM_EARLY_W=1 (runtime/cuda/step.c: GEMM 2, and W8A8's GEMM 1; off by
+     * default, docs/KERNELS.md "Integration notes"). 0: no promise. */
     int early_weights;
 } moe_gemm_args_t;
 

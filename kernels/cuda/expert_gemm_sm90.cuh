@@ -344,7 +344,9 @@ __global__ void __launch_bounds__(sm90_cfg<SWAP, TOK, WR, HALVES, STAGES, KB, F8
     if (!ew)
         moe_pdl_wait();
 
-    const int nb = min(__ldg(p.num_blocks), p.max_blocks);
+    /* past the wait (or, EW, written before the previous kernel started): moe_pdl_ld, never an
+     * __ldg the compiler may hoist above the branch's wait */
+    const int nb = min(moe_pdl_ld(p.num_blocks), p.max_blocks);
     /* MC: work units are pairs of weight tiles (the pair's second past n_tiles where n_tiles is
      * odd: that CTA computes nothing, but loads and multicasts its token half), cluster c taking
      * units c, c + clusters, ... */

@@ -28,6 +28,18 @@ __device__ __forceinline__ void moe_pdl_wait_only()
 #endif
 }
 
+/* A value the previous kernel wrote, read past moe_pdl_wait: a strong load in volatile asm, which
+ * stays after the wait. An __ldg (ld.global.nc, an invariant load to the compiler) may be hoisted
+ * above it: in the sm_90a GEMM, once the wait sat in a branch (MOE_GEMM_EARLY_W), the load of
+ * num_blocks moved to the kernel's first instructions and read the layout kernel's count before
+ * it was written (test_gpu_eplb, deterministic lsa-ll, on an H100, 2026-12-05). */
+__device__ __forceinline__ int moe_pdl_ld(const int *p)
+{
+    int v;
+    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 /* Lets the next kernel on the stream launch (once every CTA of this one has said so or ended)
  * without waiting for anything: for a kernel launched without PDL whose successor waits on
  * its own before it reads (kernels/quant.h, trigger_next). */

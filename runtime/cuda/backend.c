@@ -245,7 +245,7 @@ static void init_shape(moe_layer_t *l, cuda_layer_t *s)
     s->skip_pad = l->knobs.v[MOE_KNOB_GEMM_SKIP_PAD] != 0;
     /* the same codes and scales either way (an A/B knob): docs/KERNELS.md, "FP8 W8A8" */
     s->h_amax = moe_env_int("MOE_QUANT_H_AMAX", 1) != 0;
-    /* off until measured on a GPU (docs/KERNELS.md, "Integration notes") */
+    /* off: 0.98-1.06 of the step without it (docs/KERNELS.md, "Integration notes") */
     s->early_w = moe_env_int("MOE_GEMM_EARLY_W", 0) != 0;
     s->cap = l->cfg.max_tokens_per_rank;
     /* EP: the buffers hold one round (runtime/ep_rounds.h) */

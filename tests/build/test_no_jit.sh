@@ -158,17 +158,9 @@ for f in "$@"; do
 done
 
 # ---- 2. and 3. the embedded device code: SASS only, every kernel for sm_90a ----------------
-cuobjdump=${MOE_CUOBJDUMP:-}
-[ -n "$cuobjdump" ] || cuobjdump=$(command -v cuobjdump || true)
-if [ -z "$cuobjdump" ] && [ -n "$cuda_bin" ] && [ -x "$cuda_bin/cuobjdump" ]; then
-    cuobjdump=$cuda_bin/cuobjdump
-fi
-if [ -z "$cuobjdump" ] && command -v python3 >/dev/null; then
-    site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null)
-    for c in "$site"/nvidia/*/bin/cuobjdump; do
-        [ -x "$c" ] && cuobjdump=$c && break
-    done
-fi
+# shellcheck source=../common/find_cuobjdump.sh
+. "$(dirname "$0")/../common/find_cuobjdump.sh"
+cuobjdump=$(find_cuobjdump "$cuda_bin")
 if [ -z "$cuobjdump" ]; then
     if [ $fail -ne 0 ]; then
         echo "test_no_jit: FAILED (linkage); cuobjdump not found, device code not checked"
