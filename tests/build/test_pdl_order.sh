@@ -11,7 +11,7 @@
 #   test_pdl_order.sh [--cuda-bin DIR] FILE...
 # Fails on: an access before the wait, a FILE without sm_90a SASS or with no function that waits
 # (the matcher no longer reads cuobjdump's layout), a matcher that misses its fake inputs.
-# Exit 77 (skip) only when cuobjdump is not found.
+# Exit 77 (skip) only when cuobjdump or nvdisasm (which cuobjdump -sass runs) is not found.
 set -u
 cuda_bin=""
 if [ "${1:-}" = "--cuda-bin" ]; then
@@ -93,6 +93,23 @@ if [ -z "$cuobjdump" ]; then
     exit 77
 fi
 echo "cuobjdump: $cuobjdump"
+# cuobjdump -sass runs nvdisasm: PATH, beside cuobjdump (pip's nvidia-cuda-nvdisasm installs it
+# in the same folder as nvidia-cuda-cuobjdump), or --cuda-bin DIR
+if ! command -v nvdisasm >/dev/null; then
+    for d in "$(dirname "$cuobjdump")" "$cuda_bin"; do
+        [ -n "$d" ] && [ -x "$d/nvdisasm" ] && PATH=$d:$PATH && break
+    done
+fi
+if ! command -v nvdisasm >/dev/null; then
+    if [ $fail -ne 0 ]; then
+        echo "test_pdl_order: FAILED (self-tests); nvdisasm not found"
+        exit 1
+    fi
+    echo "SKIP: nvdisasm not found (PATH, beside $cuobjdump, --cuda-bin '$cuda_bin'; pip's" \
+        "nvidia-cuda-nvdisasm): cuobjdump -sass needs it, the device code was not checked"
+    exit 77
+fi
+echo "nvdisasm: $(command -v nvdisasm)"
 tmp=$(mktemp "${TMPDIR:-/tmp}/moe-pdl-order-XXXXXX")
 trap 'rm -f "$tmp"' EXIT
 
