@@ -7,7 +7,9 @@
 #   build            the build alone
 #   tests (default)  the GPU tests (one GPU, and mpirun -np <GPUs>; with one GPU the ranks
 #                    share it: MOE_TEST_SHARED_GPU=1, NCCL between them over loopback sockets,
-#                    and test_gpu_ep runs with 4 ranks on it as well)
+#                    and test_gpu_ep runs with 4 ranks on it as well); fitted into what is left
+#                    of $CALL_LIMIT s from this script's start (default 585: the device tool's
+#                    600 s call), so a test that hangs ends in its own log
 #   quick            the same
 #   ptests           (PREBUILT=1) the GPU test binaries packed by bench/device_pack.sh, without
 #                    CTest: test_gpu_decode alone (its items wait on each other), then the other
@@ -136,6 +138,10 @@ if [ -s .device/commit ]; then
     export MOE_BENCH_COMMIT
 fi
 modes=${*:-tests}
+# the call's limit (the device tool's 600 s less a margin): the tests mode fits its steps into
+# what is left of it, so a hanging test costs its own log, not the call's output
+call_start=$(date +%s)
+left() { echo $((${CALL_LIMIT:-585} - ($(date +%s) - call_start))); }
 nvidia-smi -L
 ngpu=$(nvidia-smi -L | wc -l)
 np=$((ngpu >= 2 ? ngpu : 2))
@@ -216,19 +222,34 @@ ptests)
     grep -HE "PASSED|FAILED|checks, " "$OUT"/ptests/*.log | head -40
     ;;
 tests | quick)
-    timeout 540 ctest --test-dir build-gpu -L gpu -R "${GPU_TESTS:-.}" -j3 --output-on-failure \
-        --timeout 400 >"$OUT/ctest_gpu.log" 2>&1
+    # ctest gets what the call has left but a minute; the two extra runs only what is left then
+    t=$(($(left) - 60))
+    [ "$t" -gt 420 ] && t=420
+    if [ "$t" -lt 60 ]; then
+        echo "tests: $(left) s left of the call: not started"
+        continue
+    fi
+    timeout "$t" ctest --test-dir build-gpu -L gpu -R "${GPU_TESTS:-.}" -j3 --output-on-failure \
+        --timeout "$t" >"$OUT/ctest_gpu.log" 2>&1 || echo "tests: ctest ended with $? (limit $t s)"
     grep -E "Test +#|tests passed|FAIL|ERROR" "$OUT/ctest_gpu.log" | head -60
     # one GPU: four ranks sharing it too (EP4, TP4, every transport: more than one peer)
-    if [ "$ngpu" -lt 2 ]; then
+    if [ "$ngpu" -lt 2 ] && [ "$(left)" -gt 40 ]; then
         echo "== test_gpu_ep, 4 ranks on the one GPU"
-        timeout 240 mpirun -np 4 --oversubscribe build-gpu/tests/mpi/test_gpu_ep 2>&1 | quiet |
+        t=$(($(left) - 10))
+        [ "$t" -gt 240 ] && t=240
+        timeout "$t" mpirun -np 4 --oversubscribe build-gpu/tests/mpi/test_gpu_ep 2>&1 | quiet |
             tee "$OUT/ep4.log" | grep -E "PASSED|FAILED" | sort | uniq -c
     fi
     # a stopped peer with micro-batch lanes (lsa): the survivors' two streams end bounded
-    echo "== test_gpu_faults, MOE_EP_MICROBATCH=1"
-    MOE_EP_MICROBATCH=1 timeout 90 mpirun -np "$np" -x MOE_EP_MICROBATCH \
-        build-gpu/tests/mpi/test_gpu_faults 2>&1 | quiet | tail -4
+    if [ "$(left)" -gt 40 ]; then
+        echo "== test_gpu_faults, MOE_EP_MICROBATCH=1"
+        t=$(($(left) - 10))
+        [ "$t" -gt 90 ] && t=90
+        MOE_EP_MICROBATCH=1 timeout "$t" mpirun -np "$np" -x MOE_EP_MICROBATCH \
+            build-gpu/tests/mpi/test_gpu_faults 2>&1 | quiet | tail -4
+    else
+        echo "tests: $(left) s left of the call: the 4-rank ep and the lanes' fault runs skipped"
+    fi
     ;;
 ep)
     # a stopped peer under each transport (ctest's run covers the default, lsa); p2p-hdr: p2p
