@@ -142,6 +142,11 @@ modes=${*:-tests}
 # what is left of it, so a hanging test costs its own log, not the call's output
 call_start=$(date +%s)
 left() { echo $((${CALL_LIMIT:-585} - ($(date +%s) - call_start))); }
+# fit CAP MARGIN: a step's time limit, CAP seconds or what is left less MARGIN, the smaller
+fit() {
+    local t=$(($(left) - $2))
+    echo $((t < $1 ? t : $1))
+}
 nvidia-smi -L
 ngpu=$(nvidia-smi -L | wc -l)
 np=$((ngpu >= 2 ? ngpu : 2))
@@ -223,8 +228,7 @@ ptests)
     ;;
 tests | quick)
     # ctest gets what the call has left but a minute; the two extra runs only what is left then
-    t=$(($(left) - 60))
-    [ "$t" -gt 420 ] && t=420
+    t=$(fit 420 60)
     if [ "$t" -lt 60 ]; then
         echo "tests: $(left) s left of the call: not started"
         continue
@@ -235,16 +239,14 @@ tests | quick)
     # one GPU: four ranks sharing it too (EP4, TP4, every transport: more than one peer)
     if [ "$ngpu" -lt 2 ] && [ "$(left)" -gt 40 ]; then
         echo "== test_gpu_ep, 4 ranks on the one GPU"
-        t=$(($(left) - 10))
-        [ "$t" -gt 240 ] && t=240
+        t=$(fit 240 10)
         timeout "$t" mpirun -np 4 --oversubscribe build-gpu/tests/mpi/test_gpu_ep 2>&1 | quiet |
             tee "$OUT/ep4.log" | grep -E "PASSED|FAILED" | sort | uniq -c
     fi
     # a stopped peer with micro-batch lanes (lsa): the survivors' two streams end bounded
     if [ "$(left)" -gt 40 ]; then
         echo "== test_gpu_faults, MOE_EP_MICROBATCH=1"
-        t=$(($(left) - 10))
-        [ "$t" -gt 90 ] && t=90
+        t=$(fit 90 10)
         MOE_EP_MICROBATCH=1 timeout "$t" mpirun -np "$np" -x MOE_EP_MICROBATCH \
             build-gpu/tests/mpi/test_gpu_faults 2>&1 | quiet | tail -4
     else

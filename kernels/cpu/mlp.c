@@ -84,6 +84,9 @@ static void down_rows(void *arg, int64_t r0, int64_t r1, float *row)
     const int64_t tb = moe_cpu_token_block(is);
     const int nl = c->l1 - c->l0;
     float leaves[MOE_CPU_TREE_LEAVES], lv4[MOE_CPU_TREE_LEAVES][MOE_CPU_DOT_ROWS];
+    int64_t lc[MOE_CPU_TREE_LEAVES + 1]; /* leaf l0 + j's columns: lc[j] .. lc[j + 1] - 1 */
+    for (int l = c->l0; l <= c->l1; l++)
+        lc[l - c->l0] = leaf_start(full, l) - s0;
     for (int64_t i0 = 0; i0 < c->n; i0 += tb) {
         const int64_t i1 = c->n - i0 < tb ? c->n : i0 + tb;
         for (int64_t r = r0; r < r1; r++) {
@@ -91,20 +94,17 @@ static void down_rows(void *arg, int64_t r0, int64_t r1, float *row)
             int64_t i = i0;
             /* MOE_CPU_DOT_ROWS tokens' leaves at a time (lv4[l][t]), then one at a time */
             for (; i + MOE_CPU_DOT_ROWS <= i1; i += MOE_CPU_DOT_ROWS) {
-                for (int l = c->l0; l < c->l1; l++) {
-                    const int64_t c0 = leaf_start(full, l) - s0, c1 = leaf_start(full, l + 1) - s0;
-                    moe_cpu_dot_rows(c->h + i * is + c0, is, row + c0, c1 - c0, lv4[l - c->l0]);
-                }
+                for (int l = 0; l < nl; l++)
+                    moe_cpu_dot_rows(c->h + i * is + lc[l], is, row + lc[l], lc[l + 1] - lc[l],
+                                     lv4[l]);
                 pairwise4(lv4, nl);
                 for (int t = 0; t < MOE_CPU_DOT_ROWS; t++)
                     c->out[(i + t) * m->rows + r] = lv4[0][t];
             }
             for (; i < i1; i++) {
                 const float *hi = c->h + i * is;
-                for (int l = c->l0; l < c->l1; l++) {
-                    const int64_t c0 = leaf_start(full, l) - s0, c1 = leaf_start(full, l + 1) - s0;
-                    leaves[l - c->l0] = moe_cpu_dot(hi + c0, row + c0, c1 - c0);
-                }
+                for (int l = 0; l < nl; l++)
+                    leaves[l] = moe_cpu_dot(hi + lc[l], row + lc[l], lc[l + 1] - lc[l]);
                 c->out[i * m->rows + r] = pairwise(leaves, nl);
             }
         }

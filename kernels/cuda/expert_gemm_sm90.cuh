@@ -1414,10 +1414,9 @@ static moe_status_t launch_normal(const moe_gemm_args_t *a, void *stream, const 
     /* The TMA-store buffers (64 x WR bf16 a consumer warpgroup) come out of the same budget
      * (bf16 m128: 4 stages of 48 KB + 32 KB; m64: 5 of 40 KB + 16 KB); fp8 keeps at most 200 KB
      * of stages (the fast m64n256_pp: 4 of 40 KB + 32 KB) */
-    constexpr int TS_ALL = (PING ? 2 : TOK / 64) * 64 * WR * 2;
-    constexpr int ST = stages_for(
-        (TOK + 2 * WR) * ROW_BYTES,
-        F8 && 200 * 1024 < 227 * 1024 - TS_ALL - 2048 ? 200 * 1024 : 227 * 1024 - TS_ALL - 2048, 8);
+    constexpr int BUDGET = 227 * 1024 - (PING ? 2 : TOK / 64) * 64 * WR * 2 - 2048;
+    constexpr int ST =
+        stages_for((TOK + 2 * WR) * ROW_BYTES, F8 && BUDGET > 200 * 1024 ? 200 * 1024 : BUDGET, 8);
     if ((int64_t)a->max_blocks * TOK >= ((int64_t)1 << 31))
         return moe_error(MOE_STATUS_NOT_SUPPORTED, "%s: max_blocks = %d too large", name,
                          a->max_blocks);

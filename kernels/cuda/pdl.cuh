@@ -8,24 +8,34 @@
 #include "kernels/cuda/device_cache.cuh"
 #include "base/diag.h"
 
-/* First statement of every kernel launched through moe_launch: nothing is read or written
- * before the previous kernel on the stream has completed and flushed. */
-__device__ __forceinline__ void moe_pdl_wait()
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" :::);
-#endif
-}
-
-/* The same wait for a kernel that spins on other ranks' signals: it does not let its dependent
- * launch early (that happens at its end), so no early-resident CTAs of the next kernel hold SM
- * slots while it spins (ranks sharing a GPU need those slots to make progress). */
+/* The wait alone (moe_pdl_wait without its trigger), for a kernel that spins on other ranks'
+ * signals: it does not let its dependent launch early (that happens at its end), so no
+ * early-resident CTAs of the next kernel hold SM slots while it spins (ranks sharing a GPU need
+ * those slots to make progress). */
 __device__ __forceinline__ void moe_pdl_wait_only()
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+}
+
+/* Lets the next kernel on the stream launch (once every CTA of this one has said so or ended)
+ * without waiting for anything: for a kernel launched without PDL whose successor waits on
+ * its own before it reads (kernels/quant.h, trigger_next). */
+__device__ __forceinline__ void moe_pdl_trigger()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+/* First statement of every kernel launched through moe_launch: nothing is read or written
+ * before the previous kernel on the stream has completed and flushed; then the next kernel may
+ * launch. */
+__device__ __forceinline__ void moe_pdl_wait()
+{
+    moe_pdl_wait_only();
+    moe_pdl_trigger();
 }
 
 /* A value the previous kernel wrote, read past moe_pdl_wait: a strong load in volatile asm, which
@@ -38,16 +48,6 @@ __device__ __forceinline__ int moe_pdl_ld(const int *p)
     int v;
     asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
-}
-
-/* Lets the next kernel on the stream launch (once every CTA of this one has said so or ended)
- * without waiting for anything: for a kernel launched without PDL whose successor waits on
- * its own before it reads (kernels/quant.h, trigger_next). */
-__device__ __forceinline__ void moe_pdl_trigger()
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" :::);
-#endif
 }
 
 /* MOE_PDL=0 turns programmatic dependent launch off (then launches are plainly ordered). It

@@ -187,7 +187,6 @@ static void test_products_bitwise(void **state)
     free(qw);
 }
 
-/* The generator's matrices (launch/layer_gen.c, on the same threads): the same values */
 /* moe_cpu_dot_rows (AVX where the CPU has it), its portable form and moe_cpu_dots: each row's
  * sum bitwise moe_cpu_dot's, at every length 0 .. 70 and past (the tails, the all-tail short
  * products of the down projection's leaves), with a row stride past the length. */
@@ -229,6 +228,7 @@ static void test_dot_rows_bitwise(void **state)
     free(b);
 }
 
+/* The generator's matrices (launch/layer_gen.c, on the same threads): the same values */
 static void test_generator_bitwise(void **state)
 {
     enum { GR = 600, GC = 1000 };
